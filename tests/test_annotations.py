@@ -194,7 +194,7 @@ def test_mesh_split_sharding_matches_tf():
   cases = [(DEVICE_MESH, [0, -1], None), (DEVICE_MESH, [-1, -1], None), (DEVICE_MESH_3D, [2, 0], None),
            (DEVICE_MESH_3D, [-1], [1, 2]), (np.arange(4).reshape(2, 2, 1), [1, -1], None)]
   for device_mesh, mapping, manual in cases:
-    ours = tg.mesh_split_sharding(device_mesh, mapping, manual).to_proto()
+    ours = tg.to_proto(tg.mesh_split_sharding(device_mesh, mapping, manual))
     theirs = tfx.mesh_split_sharding(device_mesh, mapping, manual).proto
     assert ours.SerializeToString() == theirs.SerializeToString(), (mapping, manual)
 
@@ -216,7 +216,7 @@ def test_shard_variable_is_found_from_reads_in_graphs():
   assert tg.shard_variable(v, MESH, P(None, 'model')) is v
   expected = NamedSharding(MESH, P(None, 'model'))
   assert tg.variable_sharding(v) == expected and get_sharding(v) == expected
-  assert v._get_xla_sharding().SerializeToString() == expected.to_proto().SerializeToString()
+  assert v._get_xla_sharding().SerializeToString() == tg.to_proto(expected).SerializeToString()
 
   @tf.function
   def inner(x):

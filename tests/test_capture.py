@@ -8,7 +8,7 @@ from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.compiler.xla.experimental import xla_sharding
 
 from tf_gspmd import op_sharding
-from tf_gspmd.graph_rewrite import capture, ir
+from tf_gspmd.graph import capture, ir
 from tf_gspmd.sharding import Sharding
 
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tf_gspmd.graph_rewrite.halo import WindowDim, plan_halo, same_padding
+from tf_gspmd.propagation.halo import WindowDim, plan_halo, same_padding
 
 
 def windowed_sum(x, dim):

@@ -339,6 +339,7 @@ def test_sub_axis_steps_on_the_xla_backend():
   # Traced only (XLA collectives do not run on CPU): the all-to-all over half of y gets the
   # sub-axis replica groups, the permute the plan's pairs.
   from tf_gspmd.runtime import trace_per_partition  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.xla_bridge import XlaCollectives  # pylint: disable=g-import-not-at-top
   case = BY_NAME['2x4_xy_to_yx']
   plan = _plan(case)
 
@@ -347,7 +348,7 @@ def test_sub_axis_steps_on_the_xla_backend():
     return lower_reshard.reshard(stub, Local(local, case.src, case.shape), case.dst).tensor
 
   local = tf.TensorSpec(case.src.shard_shape(case.shape), tf.float32)
-  program = trace_per_partition(case.mesh, per_partition, [local], backend='xla',
+  program = trace_per_partition(case.mesh, per_partition, [local], backend=XlaCollectives,
                                 autograph=False)
   assert [(r.kind, r.axes) for r in program.records] == [('all_to_all', ('y#1',)),
                                                          ('permute', ())]

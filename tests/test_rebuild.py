@@ -6,7 +6,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.compiler.xla.experimental import xla_sharding
 
-from tf_gspmd.graph_rewrite import capture, ir, rebuild
+from tf_gspmd.graph import capture, ir, rebuild
 from tf_gspmd.sharding import Sharding
 
 

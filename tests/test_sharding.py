@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tf_gspmd import *  # noqa: F401,F403  (repr strings are evaluated in this namespace)
-from tf_gspmd import Mesh, NamedSharding, P, Sharding, named, named_for_rank
+from tf_gspmd import Mesh, NamedSharding, P, Sharding, from_proto, named, named_for_rank
 from tf_gspmd.sharding import num_shards, shard_bounds
 
 MESH = Mesh.create((2, 4), ('data', 'model'))
@@ -108,10 +108,10 @@ def test_equal_by_meaning():
 def test_named_equals_tf_mesh_split_layout():
   from tensorflow.python.compiler.xla.experimental import xla_sharding
   device_mesh = np.arange(8).reshape(2, 4)
-  from_tf = Sharding.from_proto(xla_sharding.mesh_split_sharding(device_mesh, [0, -1]).proto)
+  from_tf = from_proto(xla_sharding.mesh_split_sharding(device_mesh, [0, -1]).proto)
   assert NamedSharding(MESH, P('data', None)) == from_tf
   assert hash(NamedSharding(MESH, P('data', None))) == hash(from_tf)
-  from_tf = Sharding.from_proto(xla_sharding.mesh_split_sharding(device_mesh, [1, 0]).proto)
+  from_tf = from_proto(xla_sharding.mesh_split_sharding(device_mesh, [1, 0]).proto)
   assert NamedSharding(MESH, P('model', 'data')) == from_tf
   assert NamedSharding(MESH, P('data', 'model')) != from_tf
 

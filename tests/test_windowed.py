@@ -14,7 +14,7 @@ import tensorflow as tf
 from hypothesis import given, settings, strategies as st
 
 import tf_gspmd as tg
-from tf_gspmd.graph_rewrite.halo import WindowDim, same_padding
+from tf_gspmd.propagation.halo import WindowDim, same_padding
 from tf_gspmd.graph_rewrite.windowed import trim_plan
 from tf_gspmd.partitioned import partition
 

@@ -48,7 +48,7 @@ def test_graph_all_to_all_and_permutes():
             c.shift(x, 'y', -1, cyclic=True), c.permute(x, [(0, 7), (7, 0), (3, 4)]))
 
   program = trace_per_partition(MESH_2D, fn, [tf.TensorSpec(LOCAL.shape, tf.float32)],
-                                backend='xla')
+                                backend=XlaCollectives)
   found = graph_collectives(program.function.graph)
   assert [f.op_type for f in found] == ['AllToAll', 'AllToAll', 'CollectivePermute',
                                         'CollectivePermute', 'CollectivePermute']
@@ -78,7 +78,7 @@ def test_both_backends_record_the_same_collectives():
 
   spec = [tf.TensorSpec(LOCAL.shape, tf.float32)]
   tf_records = trace_per_partition(MESH_2D, fn, spec).records
-  xla_records = trace_per_partition(MESH_2D, fn, spec, backend='xla').records
+  xla_records = trace_per_partition(MESH_2D, fn, spec, backend=XlaCollectives).records
   strip = lambda r: (r.kind, r.name, r.axes, r.shape, r.dtype, r.bytes, r.group_size, r.params)
   assert [strip(r) for r in tf_records] == [strip(r) for r in xla_records]
   assert [r.name for r in xla_records] == ['block/gspmd/all_gather_0', 'gspmd/reduce_scatter_0',

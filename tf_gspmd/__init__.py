@@ -15,8 +15,8 @@ from tf_gspmd.partitioned import PartitionedFunction, partition
 from tf_gspmd.keras_layout import LayoutMap
 from tf_gspmd.keras_fit import partition_model
 from tf_gspmd.propagation.api import Plan, propagate
-from tf_gspmd.graph_rewrite.capture import capture
-from tf_gspmd.graph_rewrite.rebuild import rebuild
+from tf_gspmd.graph.capture import capture
+from tf_gspmd.graph.rebuild import rebuild
 from tf_gspmd.graph_rewrite.reshard_plan import plan_reshard
 from tf_gspmd.runtime import CollectiveError, ShardedValue, ShardedVariable, SpmdProgram
 

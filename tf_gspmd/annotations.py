@@ -64,7 +64,7 @@ def annotate(x, sharding: Sharding, unspecified_dims: Optional[Sequence[int]] = 
     sharding.check_shape(shape, what=f'annotating tensor {_name(x)}')
   if context.executing_eagerly():
     return x  # no graph to annotate; documented behaviour
-  proto = sharding.to_proto()
+  proto = op_sharding.to_proto(sharding)
   return tf_xla_sharding.Sharding(proto).apply_to_tensor(
       x, use_sharding_op=True, unspecified_dims=list(unspecified_dims or []))
 
@@ -182,7 +182,7 @@ def shard_variable(v, mesh_or_sharding, spec=None):
   var = _tf_variable(v)
   sharding = _sharding_of(mesh_or_sharding, spec)
   sharding.check_shape(var.shape.as_list(), what=f'shard_variable({var.name})')
-  proto = sharding.to_proto()
+  proto = op_sharding.to_proto(sharding)
   if hasattr(var, '_set_xla_sharding'):
     var._set_xla_sharding(proto)  # pylint: disable=protected-access
   setattr(var, _VARIABLE_ATTR, sharding)

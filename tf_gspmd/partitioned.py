@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd.graph_rewrite import ir
+from tf_gspmd.graph import ir
 from tf_gspmd.graph_rewrite.partitioner import Local, OpRecord, Partitioner
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.sharding import NamedSharding, Sharding, named_for_rank
@@ -151,10 +151,11 @@ class PartitionedFunction:
     compiles on TPU).
     """
     from tf_gspmd.runtime import trace_per_partition  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.xla_bridge import XlaCollectives  # pylint: disable=g-import-not-at-top
     compiled = self._compile(args)
     shard_variables = [self._sharded_variables[id(v)].shards[0] for v in compiled.variables]
     program = trace_per_partition(self.mesh, compiled.per_partition,
-                                  compiled.local_specs + shard_variables, backend='xla',
+                                  compiled.local_specs + shard_variables, backend=XlaCollectives,
                                   jit_compile=True, name=f'{_name_of(self.fn)}_xla')
     zeros = [tf.zeros(spec.shape, spec.dtype) for spec in compiled.local_specs]
     hlo = program.tf_function.experimental_get_compiler_ir(
@@ -186,7 +187,7 @@ class PartitionedFunction:
 
   # --- building ---------------------------------------------------------------------
   def _compile(self, args) -> _Compiled:
-    from tf_gspmd.graph_rewrite.capture import capture  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.graph.capture import capture  # pylint: disable=g-import-not-at-top
     from tf_gspmd.propagation.api import propagate_captured  # pylint: disable=g-import-not-at-top
     key = _signature_key(args)
     if key in self._compiled:
@@ -230,7 +231,7 @@ class PartitionedFunction:
     graph.producer(tensor).annotations[t.index] = named
 
   def _build(self, program: ir.Program, plan) -> _Compiled:
-    from tf_gspmd.graph_rewrite import lower_reshard  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.graph_rewrite import dispatch, lower_reshard  # pylint: disable=g-import-not-at-top
     from tf_gspmd.runtime import ShardedVariable, SpmdProgram  # pylint: disable=g-import-not-at-top
     main = program.main
     arg_names = list(program.arg_inputs)
@@ -261,7 +262,8 @@ class PartitionedFunction:
                 zip(local[:n_args], arg_shardings + capture_shardings, arg_shapes)]
       bound = {name: Local(v.handle, s, shape)
                for name, v, (s, shape) in zip(var_names, local[n_args:], var_layouts)}
-      partitioner = Partitioner(program, plan.target, mesh, ctx.collectives, lower_reshard.reshard)
+      partitioner = Partitioner(program, plan.target, mesh, ctx.collectives, lower_reshard.reshard,
+                                dispatch.lookup)
       bound.update(zip(arg_names + capture_names, values))
       outs = partitioner.run_graph(main, [], bound)
       op_records[:] = partitioner.records

@@ -86,7 +86,7 @@ class Sharding:
 
   Build one with `Sharding.replicated()`, `Sharding.maximal(device)`,
   `Sharding.manual()`, `Sharding.tiled(tile_assignment, subgroups=...)`,
-  `NamedSharding(mesh, P(...))` or `Sharding.from_proto(op_sharding)`.
+  `NamedSharding(mesh, P(...))` or `tf_gspmd.from_proto(op_sharding)`.
 
   >>> s = Sharding.tiled([[0, 1], [2, 3]])
   >>> s.shard_shape((10, 5))
@@ -158,15 +158,6 @@ class Sharding:
   def partial_tile(cls, tile_assignment) -> 'Sharding':
     """Tiled with the last tile dim replicated (XLA's replicate_on_last_tile_dim)."""
     return cls.tiled(tile_assignment, (REPLICATED,))
-
-  @staticmethod
-  def from_proto(proto) -> 'Sharding':
-    from tf_gspmd import op_sharding
-    return op_sharding.from_proto(proto)
-
-  def to_proto(self):
-    from tf_gspmd import op_sharding
-    return op_sharding.to_proto(self)
 
   # --- what it is ---------------------------------------------------------
   @property

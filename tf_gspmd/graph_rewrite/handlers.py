@@ -1,10 +1,10 @@
-"""Per-op partitioning: how each IR node becomes local ops on shards.
+"""Per-op partitioning helpers and the generic handlers.
 
-`lookup(node, graph)` returns `(handler, how)`. Hand-written handlers cover
-ops whose attributes or constant inputs carry global shapes, and values known
-statically; every other op is partitioned from its propagation rule by
-`factors.factor_handler`, or, when it has none, computed on replicated
-operands (`fallback_handler`) with one warning naming it.
+Hand-written handlers (registered with `@handles`) cover ops whose attributes
+or constant inputs carry global shapes, and values known statically; every
+other op is partitioned from its propagation rule by `factors.factor_handler`,
+or, when it has none, computed on replicated operands (`fallback_handler`)
+with one warning naming it. `dispatch.lookup` picks among them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
-from tf_gspmd.graph_rewrite import emit, ir
+from tf_gspmd.graph import emit, ir
 from tf_gspmd.graph_rewrite.partitioner import Local, Partitioner, replicated
 from tf_gspmd.sharding import NamedSharding, P
 
@@ -29,29 +29,6 @@ def handles(*op_types: str):
       HANDLERS[t] = fn
     return fn
   return register
-
-
-_FAMILIES = ('control_flow', 'variables', 'gather', 'windowed', 'shape_ops')
-
-
-def lookup(p: Partitioner, node: ir.Node, graph: ir.Graph):
-  """The handler for `node` and a word on how it is partitioned."""
-  import importlib  # pylint: disable=g-import-not-at-top
-  for family in _FAMILIES:  # hand-written families register themselves on import
-    importlib.import_module(f'tf_gspmd.graph_rewrite.{family}')
-  # Values known before run time and values of run-time shape come first: no
-  # sharding can apply to them, whatever the op.
-  if node.outputs and not node.called_functions() and all(
-      p.static_value(graph, t.name) is not None for t in node.outputs):
-    return static_handler, 'static value'
-  if any(_dynamic(t) for t in node.outputs) and not node.called_functions():
-    return dynamic_handler, 'replicated (dynamic shape)'
-  if node.op in HANDLERS:
-    return HANDLERS[node.op], 'hand-written'
-  from tf_gspmd.graph_rewrite import factors  # pylint: disable=g-import-not-at-top
-  if factors.has_rule(node, graph):
-    return factors.factor_handler, 'rule'
-  return fallback_handler, 'replicated (no rule)'
 
 
 # --- helpers ------------------------------------------------------------------
@@ -154,7 +131,7 @@ def no_op_handler(p, graph, node, operands):
 
 
 # --- values of dynamic shape: replicated ---------------------------------------------------
-def _dynamic(t: ir.Tensor) -> bool:
+def is_dynamic(t: ir.Tensor) -> bool:
   return t.dtype not in (tf.resource, tf.variant) and (t.shape is None or None in t.shape)
 
 

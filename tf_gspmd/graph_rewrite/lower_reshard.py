@@ -59,7 +59,7 @@ import tensorflow as tf
 
 from tf_gspmd.graph_rewrite import reshard_plan as rp
 from tf_gspmd.graph_rewrite.partitioner import Local
-from tf_gspmd.runtime import collectives as collectives_lib
+from tf_gspmd import collectives as collectives_lib
 from tf_gspmd.sharding import NamedSharding
 
 _NOT_MOVABLE = (tf.resource, tf.variant, tf.string)
@@ -169,17 +169,7 @@ def _backend_on(backend, mesh):
     return backend
   per_mesh = _SUB_BACKENDS.setdefault(backend, {})
   if mesh not in per_mesh:
-    if isinstance(backend, collectives_lib.TFCollectives):
-      sub = collectives_lib.TFCollectives(
-          mesh, backend.partition_id, backend.token, devices=backend.devices,
-          timeout=backend.timeout, name=backend.name, progress_markers=backend.progress_markers)
-    elif getattr(backend, 'backend', None) == 'xla':
-      # XlaCollectives, by its type: the lowering need not import the XLA bridge.
-      sub = type(backend)(mesh, backend.partition_id, name=backend.name, mode=backend.mode)
-    else:
-      raise TypeError(f'lower_reshard: cannot run sub-axis collectives on {mesh} with a '
-                      f'{type(backend).__name__} backend; only TFCollectives and '
-                      'XlaCollectives are known.')
+    sub = backend.with_mesh(mesh)
     sub.records = backend.records  # one sequence of record indices (progress markers)
     per_mesh[mesh] = sub
   return per_mesh[mesh]

@@ -6,10 +6,11 @@ sharding (which may hold a pending reduction) and its global shape. Before an
 op runs, each operand is resharded to what the op's handler requires; the
 reshard planner decides how, and `lower_reshard` emits the collectives.
 
-Handlers are looked up by op type in `handlers.HANDLERS` (hand-written:
-shape-carrying ops, variables, control flow, windowed ops) and otherwise
-derived from the op's propagation rule (`factor_handler`). An op with neither
-is computed on replicated operands with one warning naming it.
+Handlers are chosen by `lookup` (`dispatch.lookup`: hand-written handlers
+for shape-carrying ops, variables, control flow, windowed ops; otherwise
+derived from the op's propagation rule; an op with neither is computed on
+replicated operands with one warning naming it). The engine is given it, so
+it imports no handler.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd.graph_rewrite import ir, static_values
+from tf_gspmd.graph import ir, static_values
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.sharding import NamedSharding, P
 
@@ -64,15 +65,17 @@ class Partitioner:
     backend: the collective backend of the runtime (emits collectives, knows
       this partition's id and its position along mesh axes).
     resharder: `resharder(partitioner, local, target_sharding, why) -> Local`.
+    lookup: `lookup(partitioner, node, graph) -> (handler, how)`.
   """
 
   def __init__(self, program: ir.Program, target: Callable[[ir.Graph, str], NamedSharding],
-               mesh: Mesh, backend, resharder):
+               mesh: Mesh, backend, resharder, lookup):
     self.program = program
     self.target = target
     self.mesh = mesh
     self.backend = backend
     self._resharder = resharder
+    self._lookup = lookup
     self.records: List[OpRecord] = []
     self._static: Dict[str, Dict[str, np.ndarray]] = {}
     self._warned = set()
@@ -125,7 +128,6 @@ class Partitioner:
   def run_graph(self, graph: ir.Graph, args: Sequence[Local],
                 bound: Optional[Dict[str, Local]] = None) -> List[Local]:
     """Emit `graph` on local shards. `args` bind `graph.inputs`; `bound` binds others."""
-    from tf_gspmd.graph_rewrite import handlers  # pylint: disable=g-import-not-at-top
     env: Dict[str, Local] = {}
     for name, value in list(zip(graph.inputs, args)) + list((bound or {}).items()):
       env[name] = value
@@ -137,7 +139,7 @@ class Partitioner:
       operands = [env[t] for t in node.inputs]
       record = OpRecord(graph.name, node.name, node.op, '')
       self._current = record
-      handler, how = handlers.lookup(self, node, graph)
+      handler, how = self._lookup(self, node, graph)
       record.how = how
       outs = handler(self, graph, node, operands)
       self._current = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tf_gspmd.graph_rewrite import emit
+from tf_gspmd.graph import emit
 from tf_gspmd.graph_rewrite.handlers import emit_outputs, global_shape, handles
 from tf_gspmd.graph_rewrite.partitioner import Local, replicated
 

@@ -41,12 +41,13 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
-from tf_gspmd.graph_rewrite import emit, uneven
-from tf_gspmd.graph_rewrite.halo import HaloPlan, WindowDim, plan_halo, same_padding
+from tf_gspmd.graph import emit
+from tf_gspmd.graph_rewrite import uneven
+from tf_gspmd.propagation.halo import HaloPlan, WindowDim, plan_halo, same_padding
 from tf_gspmd.graph_rewrite.handlers import (_shape_input, check_local_shape, fallback_handler,
                                              global_shape, handles)
 from tf_gspmd.graph_rewrite.partitioner import Local
-from tf_gspmd.runtime.collectives import slice_dim
+from tf_gspmd.collectives import slice_dim
 from tf_gspmd.sharding import NamedSharding, P
 
 Axes = Tuple[str, ...]

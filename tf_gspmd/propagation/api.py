@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from tf_gspmd.graph_rewrite import ir
+from tf_gspmd.graph import ir
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.propagation.propagate import PropagationResult, Provenance, propagate_program
 from tf_gspmd.sharding import NamedSharding
@@ -75,7 +75,7 @@ def propagate(fn, *example_args, mesh: Mesh, **example_kwargs) -> Plan:
   annotations are those written with `tf_gspmd.shard`/`annotate`/`mesh_split`
   (or TF's `xla_sharding`) inside it and `tf_gspmd.shard_variable` on variables.
   """
-  from tf_gspmd.graph_rewrite.capture import capture  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.graph.capture import capture  # pylint: disable=g-import-not-at-top
   if not isinstance(mesh, Mesh):
     raise TypeError(f'propagate: mesh must be a tf_gspmd.Mesh, got {type(mesh).__name__}.')
   program = capture(fn, *example_args, **example_kwargs)

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from tf_gspmd.graph_rewrite import ir
+from tf_gspmd.graph import ir
 
 
 class Func(str):

@@ -10,7 +10,7 @@ which still pass through to its normalized output.
 
 from __future__ import annotations
 
-from tf_gspmd.graph_rewrite.halo import WindowDim, same_padding
+from tf_gspmd.propagation.halo import WindowDim, same_padding
 from tf_gspmd.propagation.registry import RuleError, attr, register
 from tf_gspmd.propagation.rule import NEED_REPLICATION, REDUCTION
 from tf_gspmd.propagation.rule_builders import make_rule

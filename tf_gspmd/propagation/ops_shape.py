@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 
-from tf_gspmd.graph_rewrite.halo import WindowDim
+from tf_gspmd.propagation.halo import WindowDim
 from tf_gspmd.propagation.ops_elementwise import broadcasting_rule
 from tf_gspmd.propagation.registry import RuleError, attr, register
 from tf_gspmd.propagation.rule import NEED_REPLICATION, REDUCTION

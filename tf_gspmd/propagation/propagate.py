@@ -32,7 +32,8 @@ import dataclasses
 import warnings
 from typing import Dict, List, Optional, Tuple
 
-from tf_gspmd.graph_rewrite import ir
+from tf_gspmd.graph import ir
+from tf_gspmd import op_sharding
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.propagation import registry
 from tf_gspmd.propagation.registry import RuleContext, is_resource
@@ -695,7 +696,7 @@ def _variable_sharding(var) -> Optional[Sharding]:
     return stored
   getter = getattr(var, '_get_xla_sharding', None)
   proto = getter() if getter is not None else None
-  return None if proto is None else Sharding.from_proto(proto)
+  return None if proto is None else op_sharding.from_proto(proto)
 
 
 def propagate_program(program: ir.Program, mesh: Mesh) -> PropagationResult:

@@ -16,15 +16,20 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import pkgutil
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from tf_gspmd.graph_rewrite import ir
+from tf_gspmd.graph import ir
 from tf_gspmd.propagation.rule import OpRule
 
-FAMILY_MODULES = ('ops_sources', 'ops_elementwise', 'ops_matmul', 'ops_reduction', 'ops_shape',
-                  'ops_nn', 'ops_random', 'ops_variables', 'ops_control_flow')
+
+
+def family_modules() -> List[str]:
+  """The rule family modules: every `ops_*` module of this package (none listed by hand)."""
+  package = importlib.import_module('tf_gspmd.propagation')
+  return sorted(m.name for m in pkgutil.iter_modules(package.__path__) if m.name.startswith('ops_'))
 
 
 class RuleError(ValueError):
@@ -100,7 +105,7 @@ def _ensure_loaded():
   global _loaded
   if not _loaded:
     _loaded = True
-    for mod in FAMILY_MODULES:
+    for mod in family_modules():
       importlib.import_module(f'tf_gspmd.propagation.{mod}')
 
 
@@ -169,7 +174,7 @@ class RuleContext:
       return _tensor_value(node.attrs['value'])
     if self._folded is None:
       try:
-        from tf_gspmd.graph_rewrite import static_values  # pylint: disable=g-import-not-at-top
+        from tf_gspmd.graph import static_values  # pylint: disable=g-import-not-at-top
         self._folded = static_values.fold(self.graph)
       except Exception:  # pylint: disable=broad-except
         # Folding runs TF on a copy of the graph; when it cannot, values stay unknown

@@ -36,7 +36,7 @@ import dataclasses
 import math
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from tf_gspmd.graph_rewrite.halo import WindowDim
+from tf_gspmd.propagation.halo import WindowDim
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.sharding import NamedSharding, P
 

@@ -46,7 +46,7 @@ from tensorflow.python.ops import gen_functional_ops
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.runtime import collectives as collectives_lib
 from tf_gspmd.runtime import sharded as sharded_lib
-from tf_gspmd.runtime import tables
+from tf_gspmd.collectives import tables
 from tf_gspmd.runtime.sharded import ShardedValue, ShardedVariable
 from tf_gspmd.sharding import NamedSharding, P, Sharding
 
@@ -100,7 +100,7 @@ class PerPartitionProgram:
   backend: str
 
 
-def trace_per_partition(mesh: Mesh, fn: Callable, local_specs: Sequence, *, backend: str = 'tf',
+def trace_per_partition(mesh: Mesh, fn: Callable, local_specs: Sequence, *, backend='tf',
                         devices: Optional[Sequence[str]] = None, op_timeout: float = 0.0,
                         jit_compile: Optional[bool] = None, progress_markers: bool = True,
                         autograph: bool = True, name: Optional[str] = None) -> PerPartitionProgram:
@@ -110,8 +110,8 @@ def trace_per_partition(mesh: Mesh, fn: Callable, local_specs: Sequence, *, back
   for why the launcher uses a watchdog instead). `local_specs` are the local shard specs (`tf.TensorSpec`s, or variables for
   variable arguments). Backend 'tf' gives a function of
   `(partition_id, token, *local_args)` that runs collectives with TF ops;
-  backend 'xla' one of `(partition_id, *local_args)` emitting XLA collective
-  ops (for TPU; see `tf_gspmd.xla_bridge`). Tracing needs only the mesh, no
+  a `Collectives` subclass as backend (`tf_gspmd.xla_bridge.XlaCollectives`)
+  one of `(partition_id, *local_args)` emitting that backend's collectives. Tracing needs only the mesh, no
   devices, so it can be timed for any number of partitions.
   """
   tables.check_mesh(mesh)
@@ -137,23 +137,24 @@ def trace_per_partition(mesh: Mesh, fn: Callable, local_specs: Sequence, *, back
       return run(PartitionContext(mesh, collectives))
     head = (PARTITION_ID_SPEC, TOKEN_SPEC)
     attributes = {'_noinline': True}
-  elif backend == 'xla':
-    from tf_gspmd.xla_bridge.collectives import XlaCollectives  # pylint: disable=g-import-not-at-top
-
+  elif isinstance(backend, type) and issubclass(backend, collectives_lib.Collectives):
+    # Another backend's collectives (the XLA bridge passes XlaCollectives): the
+    # program takes no token, its collectives are compiled ops, not TF kernels.
     def per_partition(partition_id, *local_args):
       ctx_args[0] = local_args
-      return run(PartitionContext(mesh, XlaCollectives(mesh, partition_id)))
+      return run(PartitionContext(mesh, backend(mesh, partition_id)))
     head = (PARTITION_ID_SPEC,)
     attributes = None
   else:
-    raise ValueError(f"trace_per_partition: unknown backend {backend!r}; use 'tf' or 'xla'.")
+    raise ValueError(f"trace_per_partition: unknown backend {backend!r}; use 'tf' or a "
+                     'Collectives subclass (e.g. tf_gspmd.xla_bridge.XlaCollectives).')
   per_partition.__name__ = name or f'{getattr(fn, "__name__", "fn")}_per_partition'
   tf_function = tf.function(per_partition, jit_compile=jit_compile, autograph=autograph,
                             experimental_attributes=attributes)
   concrete = tf_function.get_concrete_function(*head, *local_specs)
   output_specs = [tf.TensorSpec(t.shape, t.dtype) for t in concrete.structured_outputs]
   return PerPartitionProgram(tf_function, concrete, captured.get('records', []), output_specs,
-                             captured.get('structure'), backend)
+                             captured.get('structure'), getattr(backend, 'backend', backend))
 
 
 def default_devices(num_partitions: int) -> tuple:

@@ -33,8 +33,8 @@ import tensorflow as tf
 from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
 from tf_gspmd.mesh import Mesh
-from tf_gspmd.runtime import tables
-from tf_gspmd.runtime.collectives import Collectives, _no_autograph  # pylint: disable=protected-access
+from tf_gspmd.collectives import tables
+from tf_gspmd.collectives.interface import Collectives, _no_autograph  # pylint: disable=protected-access
 
 _XLA_REDUCE_OPS = {'sum': 'Add', 'prod': 'Mul', 'max': 'Max', 'min': 'Min'}
 MODES = ('CrossReplica', 'CrossReplicaAndPartition')
@@ -51,6 +51,9 @@ class XlaCollectives(Collectives):
     if mode not in MODES:
       raise ValueError(f'XlaCollectives: mode must be one of {MODES}, got {mode!r}.')
     self.mode = mode
+
+  def with_mesh(self, mesh: Mesh) -> 'XlaCollectives':
+    return XlaCollectives(mesh, self.partition_id, name=self.name, mode=self.mode)
 
   def _group_assignment(self, axes) -> tf.Tensor:
     return tf.constant(tables.groups(self.mesh, axes).astype(np.int32), name='group_assignment')

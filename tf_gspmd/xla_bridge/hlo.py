@@ -37,9 +37,10 @@ class HloCollective:
 def per_partition_hlo(mesh: Mesh, fn, local_args: Sequence, partition_id: int = 0) -> str:
   """HLO text of `fn(ctx, *local_args)` traced with `XlaCollectives` and jit-compiled."""
   from tf_gspmd.runtime.launcher import trace_per_partition  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.xla_bridge.collectives import XlaCollectives  # pylint: disable=g-import-not-at-top
   args = [tf.convert_to_tensor(a) for a in local_args]
   program = trace_per_partition(mesh, fn, [tf.TensorSpec(a.shape, a.dtype) for a in args],
-                                backend='xla', jit_compile=True)
+                                backend=XlaCollectives, jit_compile=True)
   pid = tf.constant(partition_id, tf.int32)
   return program.tf_function.experimental_get_compiler_ir(pid, *args)(stage='hlo')
 

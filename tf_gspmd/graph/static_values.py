@@ -15,7 +15,7 @@ from typing import Dict
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd.graph_rewrite import emit, ir
+from tf_gspmd.graph import emit, ir
 
 # Ops that read only the static shape of their input, never its value.
 _SHAPE_OPS = ('Shape', 'ShapeN', 'Size', 'Rank')

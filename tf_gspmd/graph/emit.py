@@ -16,7 +16,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import ops
 
-from tf_gspmd.graph_rewrite import ir
+from tf_gspmd.graph import ir
 
 # Attributes that only describe where or how the original was placed/compiled;
 # they are not copied onto re-emitted nodes.

@@ -44,8 +44,8 @@ from tensorflow.python.framework.func_graph import FuncGraph
 from tensorflow.python.ops import handle_data_util
 from tensorflow.python.util import compat
 
-from tf_gspmd.graph_rewrite import ir
-from tf_gspmd.graph_rewrite.capture import make_placeholder
+from tf_gspmd.graph import ir
+from tf_gspmd.graph.capture import make_placeholder
 
 # FunctionDef attrs that describe one runtime registration, not the body.
 _RUNTIME_FUNCTION_ATTRS = ('_construction_context',)

@@ -38,7 +38,7 @@ from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import handle_data_util
 
 from tf_gspmd import op_sharding
-from tf_gspmd.graph_rewrite import ir
+from tf_gspmd.graph import ir
 from tf_gspmd.sharding import Sharding
 
 # Attr holding the serialized OpSharding of an XlaSharding op, and the attr any

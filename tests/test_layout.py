@@ -1,0 +1,126 @@
+"""The package layout shows the pipeline: every import points down the layer list, no cycles.
+
+Imports are read from the source (module level and inside functions alike; only
+`if TYPE_CHECKING:` blocks are skipped), so a lazy import cannot hide a cycle.
+"""
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / 'tf_gspmd'
+
+# Bottom to top: a unit may import units listed before it (and itself), never after.
+LAYERS = (
+    ('mesh', 'sharding'),           # value types
+    ('op_sharding',),               # OpSharding conversion, the one place
+    ('annotations',),               # writes and reads TF's XlaSharding
+    ('graph',),                     # capture, IR, rebuild, static values
+    ('propagation',),               # one rule per op type, the fixpoint
+    ('collectives',),               # the interface a backend implements
+    ('graph_rewrite',),             # the partitioner: local ops from rules, reshards
+    ('runtime',),                   # TF backend: collectives on TF devices, the launcher
+    ('xla_bridge',),                # XLA backend: XLA collectives, export, PJRT
+    ('partitioned',),               # partition(): capture -> propagate -> rewrite -> backend
+    ('keras_layout', 'keras_fit'),  # uses of partition()
+    ('testing',),                   # the op sweep harness
+    ('__init__',),                  # the public API
+)
+RANK = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+
+
+def module_name(path: pathlib.Path) -> str:
+  parts = path.relative_to(ROOT.parent).with_suffix('').parts
+  return '.'.join(parts[:-1] if parts[-1] == '__init__' else parts)
+
+
+MODULES = {module_name(p): p for p in ROOT.rglob('*.py')}
+
+
+def _skipped(node) -> bool:
+  test = getattr(node, 'test', None)
+  return isinstance(node, ast.If) and isinstance(test, ast.Name) and test.id == 'TYPE_CHECKING'
+
+
+def _walk(tree):
+  stack = [tree]
+  while stack:
+    node = stack.pop()
+    if _skipped(node):
+      continue
+    yield node
+    stack.extend(ast.iter_child_nodes(node))
+
+
+def imports_of(name: str):
+  """The tf_gspmd modules `name` imports (a from-import of a module names the module)."""
+  tree = ast.parse(MODULES[name].read_text())
+  out = set()
+  for node in _walk(tree):
+    if isinstance(node, ast.Import):
+      out.update(a.name for a in node.names if a.name.startswith('tf_gspmd'))
+    elif isinstance(node, ast.ImportFrom) and (node.module or '').startswith('tf_gspmd'):
+      for a in node.names:
+        sub = f'{node.module}.{a.name}'
+        out.add(sub if sub in MODULES else node.module)
+  return {m for m in out if m in MODULES and m != name}
+
+
+GRAPH = {name: imports_of(name) for name in MODULES}
+
+
+def unit_of(module: str) -> str:
+  parts = module.split('.')
+  return '__init__' if len(parts) == 1 else parts[1]
+
+
+def test_every_unit_has_a_layer():
+  assert {unit_of(m) for m in MODULES} <= set(RANK)
+
+
+def test_imports_point_down_the_layers():
+  upward = sorted(f'{a} -> {b}' for a, deps in GRAPH.items() for b in deps
+                  if RANK[unit_of(b)] > RANK[unit_of(a)])
+  assert not upward, 'imports pointing up the layer list:\n' + '\n'.join(upward)
+
+
+def find_cycle(graph):
+  """One cycle of `graph` as a list of nodes, or None (iterative DFS)."""
+  state = {}
+  for start in sorted(graph):
+    if start in state:
+      continue
+    path, stack = [], [(start, iter(sorted(graph[start])))]
+    state[start] = 'open'
+    path.append(start)
+    while stack:
+      node, children = stack[-1]
+      child = next(children, None)
+      if child is None:
+        state[node] = 'done'
+        stack.pop()
+        path.pop()
+      elif state.get(child) == 'open':
+        return path[path.index(child):] + [child]
+      elif child not in state:
+        state[child] = 'open'
+        path.append(child)
+        stack.append((child, iter(sorted(graph.get(child, ())))))
+  return None
+
+
+def test_no_module_import_cycles():
+  # A package's __init__ re-exporting its own modules is not a cycle of the design.
+  graph = {a: {b for b in deps if not (MODULES[a].name == '__init__.py' and b.startswith(a + '.'))}
+           for a, deps in GRAPH.items()}
+  cycle = find_cycle(graph)
+  assert cycle is None, 'import cycle: ' + ' -> '.join(cycle)
+
+
+@pytest.mark.parametrize('graph, has_cycle', [
+    ({'a': {'b'}, 'b': {'c'}, 'c': set()}, False),
+    ({'a': {'b'}, 'b': {'c'}, 'c': {'a'}}, True),
+    ({'a': {'a2'}, 'a2': set(), 'b': {'b'}}, True),
+])
+def test_find_cycle_finds_cycles(graph, has_cycle):
+  assert (find_cycle(graph) is not None) == has_cycle

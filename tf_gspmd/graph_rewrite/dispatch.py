@@ -1,0 +1,42 @@
+"""Which handler partitions an IR node: `lookup(partitioner, node, graph) -> (handler, how)`.
+
+Values known before run time and values of run-time shape come first (no
+sharding applies to them), then hand-written handlers, then the op's
+propagation rule, then the replicated fallback. Hand-written handler modules
+of this package register themselves on import (`handlers.handles`); they are
+found by listing the package, so no list of them is kept by hand.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+
+from tf_gspmd.graph import ir
+from tf_gspmd.graph_rewrite import factors, handlers
+from tf_gspmd.graph_rewrite.partitioner import Partitioner
+
+
+@functools.lru_cache(maxsize=None)
+def _load_families() -> None:
+  package = importlib.import_module('tf_gspmd.graph_rewrite')
+  for module in pkgutil.iter_modules(package.__path__):
+    importlib.import_module(f'tf_gspmd.graph_rewrite.{module.name}')
+
+
+def lookup(p: Partitioner, node: ir.Node, graph: ir.Graph):
+  """The handler for `node` and a word on how it is partitioned."""
+  _load_families()
+  # Values known before run time and values of run-time shape come first: no
+  # sharding can apply to them, whatever the op.
+  if node.outputs and not node.called_functions() and all(
+      p.static_value(graph, t.name) is not None for t in node.outputs):
+    return handlers.static_handler, 'static value'
+  if any(handlers.is_dynamic(t) for t in node.outputs) and not node.called_functions():
+    return handlers.dynamic_handler, 'replicated (dynamic shape)'
+  if node.op in handlers.HANDLERS:
+    return handlers.HANDLERS[node.op], 'hand-written'
+  if factors.has_rule(node, graph):
+    return factors.factor_handler, 'rule'
+  return handlers.fallback_handler, 'replicated (no rule)'
