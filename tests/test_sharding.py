@@ -143,7 +143,9 @@ def test_named_on_permuted_mesh_and_partial():
   p = NamedSharding(MESH3, P('z', None), partial=('x',))
   found = named(Sharding.tiled(p.tile_assignment, p.subgroups), MESH3)
   assert found == p and found.partial_axes == ('x',)
-  assert named(Sharding.tiled([[0, 2, 1, 3, 4, 5, 6, 7]]), MESH) is None  # no spec says it
+  assert named(Sharding.tiled([[0, 2, 1, 3, 4, 5, 6, 7]]), MESH, reorder=False) is None
+  other_order = named(Sharding.tiled([[0, 2, 1, 3, 4, 5, 6, 7]]), MESH)  # its own device order
+  assert other_order.mesh.is_reordering_of(MESH) and other_order.mesh != MESH
   assert named(Sharding.maximal(0), MESH) is None and named(Sharding.replicated(), MESH) is None
   assert named_for_rank(Sharding.replicated(), MESH, 3).spec == P(None, None, None)
 

@@ -135,6 +135,21 @@ class Mesh:
       index = index * self.axis_size(a) + c[a]
     return index
 
+  # --- device orders -----------------------------------------------------
+  def reordered(self, device_ids) -> 'Mesh':
+    """The same axes (names and sizes) over the same devices in another order."""
+    other = Mesh(np.asarray(device_ids, dtype=np.int64).reshape(self._devices.shape),
+                 self._axis_names)
+    if sorted(other.devices) != sorted(self.devices):
+      raise ValueError(f'Mesh.reordered: {other!r} does not hold the devices of {self!r}.')
+    return other
+
+  def is_reordering_of(self, other: 'Mesh') -> bool:
+    """Whether both have the same axes (names and sizes) over the same set of devices."""
+    return (isinstance(other, Mesh) and self._axis_names == other._axis_names and
+            self._devices.shape == other._devices.shape and
+            sorted(self.devices) == sorted(other.devices))
+
   # --- value semantics ---------------------------------------------------
   def __eq__(self, other):
     return (isinstance(other, Mesh) and self._axis_names == other._axis_names and

@@ -19,9 +19,12 @@ def from_proto(proto, tuple_index: Optional[int] = None, mesh: Optional[Mesh] = 
   """Sharding from an `OpSharding` (or its serialized bytes).
 
   A TUPLE sharding needs `tuple_index`, the output it describes. With `mesh`,
-  a tiled sharding that some spec on `mesh` expresses comes back as that
-  `NamedSharding` (still written back to the same proto by `to_proto`);
-  any other comes back as a plain `Sharding`.
+  a tiled sharding over the mesh's devices comes back as a `NamedSharding`
+  (still written back to the same proto by `to_proto`): on `mesh` when some
+  spec there expresses it, else on `mesh.reordered(...)`, the same axes in the
+  tile assignment's own device order (`devices=[2,4]0,2,3,1,4,6,7,5` on a 2x4
+  mesh is P('x', 'y') over the devices [[0,2,3,1],[4,6,7,5]]). Any other comes
+  back as a plain `Sharding`.
   """
   pb = _pb()
   if isinstance(proto, (bytes, bytearray)):

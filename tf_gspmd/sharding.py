@@ -417,8 +417,13 @@ class NamedSharding(Sharding):
     return f'{self._spec} partial_{self._reduction}({axes})'
 
 
-def named(sharding: Sharding, mesh: Mesh) -> Optional[NamedSharding]:
+def named(sharding: Sharding, mesh: Mesh, reorder: bool = True) -> Optional[NamedSharding]:
   """`sharding` re-expressed on `mesh` axes, or None when no spec on `mesh` means the same.
+
+  A tile assignment in another device order than the mesh's (TPU code with a
+  hand-ordered device mesh) comes back on `mesh.reordered(...)`: the same axis
+  names and sizes, the devices in the order that reproduces the assignment.
+  The device order is part of the layout; `reorder=False` refuses it (None).
 
   None also for shardings without a rank (replicated, maximal, manual): use
   `named_for_rank` for those. Raises a ValueError when `sharding` is tiled
@@ -432,11 +437,15 @@ def named(sharding: Sharding, mesh: Mesh) -> Optional[NamedSharding]:
     return sharding
   if sharding.rank is None:
     return None  # rank unknown: the caller knows it (named_for_rank)
-  return named_for_rank(sharding, mesh, sharding.rank)
+  return named_for_rank(sharding, mesh, sharding.rank, reorder)
 
 
-def named_for_rank(sharding: Sharding, mesh: Mesh, rank: int) -> Optional[NamedSharding]:
-  """Like `named`, with the rank given so replicated shardings convert too."""
+def named_for_rank(sharding: Sharding, mesh: Mesh, rank: int,
+                   reorder: bool = True) -> Optional[NamedSharding]:
+  """Like `named`, with the rank given so replicated shardings convert too.
+
+  `reorder=False` accepts only specs on `mesh` itself (its device order).
+  """
   if isinstance(sharding, NamedSharding) and sharding.mesh == mesh and sharding.rank == rank:
     return sharding
   if sharding.is_replicated:
@@ -448,7 +457,10 @@ def named_for_rank(sharding: Sharding, mesh: Mesh, rank: int) -> Optional[NamedS
         f'named: sharding {sharding} is tiled over {len(sharding.devices)} devices '
         f'{_brief(sorted(sharding.devices))}, but mesh {mesh} holds {mesh.size} devices '
         f'{_brief(sorted(mesh.devices))}; re-express it on a mesh of the same devices.')
-  return _search_spec(sharding, mesh, rank)
+  found = _search_spec(sharding, mesh, rank)
+  if found is None and reorder:
+    found = _search_reordered(sharding, mesh, rank)
+  return found
 
 
 # --- internals -----------------------------------------------------------------
@@ -549,13 +561,9 @@ def _brief(devices: Sequence[int], limit: int = 16) -> str:
   return str(devices[:limit])[:-1] + f', ... ({len(devices)} in all)]'
 
 
-def _search_spec(s: Sharding, mesh: Mesh, rank: int) -> Optional[NamedSharding]:
-  """Find (spec, partial) on `mesh` with the meaning of `s` by search over axis splits."""
-  target = s._canonical()
-  tile_shape = s.tile_shape or (1,) * rank
-  partial_size = s.subgroup_size(PARTIAL_PREFIX + s.partial) if s.partial else 1
-  reduction = s.partial or 'sum'
-  axes = [a for a in mesh.axis_names if mesh.axis_size(a) > 1]
+def _axis_choices(mesh: Mesh, tile_shape: Sequence[int], partial_size: int):
+  """Every (axes per tensor dim, partial axes) on `mesh` whose sizes give `tile_shape` and
+  `partial_size`; the mesh axes left over are the replicated ones."""
 
   def choose(size, free):
     """Ordered tuples of axes from `free` whose sizes multiply to `size`."""
@@ -569,16 +577,61 @@ def _search_spec(s: Sharding, mesh: Mesh, rank: int) -> Optional[NamedSharding]:
           yield (a,) + tail
 
   def search(dim, free, chosen):
-    if dim == rank:
+    if dim == len(tile_shape):
       for part in choose(partial_size, free):
-        cand = NamedSharding(mesh, P(*chosen), part, reduction)
-        if cand._canonical() == target:
-          yield cand
+        yield chosen, part
       return
     for pick in choose(tile_shape[dim], free):
-      yield from search(dim + 1, [a for a in free if a not in pick], chosen + [pick or None])
+      yield from search(dim + 1, [a for a in free if a not in pick], chosen + [pick])
 
-  return next(search(0, axes, []), None)
+  yield from search(0, [a for a in mesh.axis_names if mesh.axis_size(a) > 1], [])
+
+
+def _search_spec(s: Sharding, mesh: Mesh, rank: int) -> Optional[NamedSharding]:
+  """Find (spec, partial) on `mesh` with the meaning of `s` by search over axis splits."""
+  target = s._canonical()
+  tile_shape = s.tile_shape or (1,) * rank
+  partial_size = s.subgroup_size(PARTIAL_PREFIX + s.partial) if s.partial else 1
+  reduction = s.partial or 'sum'
+  for chosen, part in _axis_choices(mesh, tile_shape, partial_size):
+    cand = NamedSharding(mesh, P(*[c or None for c in chosen]), part, reduction)
+    if cand._canonical() == target:
+      return cand
+  return None
+
+
+def _search_reordered(s: Sharding, mesh: Mesh, rank: int) -> Optional[NamedSharding]:
+  """`s` as a spec on a reordering of `mesh` (same axis names and sizes, its own device order).
+
+  Any grouping of the mesh axes whose sizes give the tile dims (and the pending
+  reduction's subgroup) will do: the device order then comes from the tile
+  assignment itself, read with each tile dim split over its axes and the
+  replicated subgroup over the axes left over. The first grouping in
+  `_axis_choices` order is taken (whole axes to dims in mesh order first).
+  None when no grouping exists (a tile dim of 2 on a mesh of one axis of 4) or
+  `s` has a manual subgroup.
+  """
+  key = s._canonical()
+  if key[0] != 'tiled':
+    return None
+  _, _, kinds, shape, flat = key
+  if MANUAL in kinds:
+    return None
+  grid = np.array(flat, dtype=np.int64).reshape(shape)  # tile dims, then partial, replicated
+  sub = dict(zip(kinds, shape[rank:]))
+  partial_size = sub.get(PARTIAL_PREFIX + s.partial, 1) if s.partial else 1
+  for chosen, part in _axis_choices(mesh, shape[:rank], partial_size):
+    used = [a for axes in chosen for a in axes] + list(part)
+    rest = [a for a in mesh.axis_names if a not in used and mesh.axis_size(a) > 1]
+    order = used + rest  # the grid's dims, each split over its axes, major first
+    split = grid.reshape([mesh.axis_size(a) for a in order] or [1])
+    big = [a for a in mesh.axis_names if mesh.axis_size(a) > 1]
+    ids = split.transpose([order.index(a) for a in big]) if order else split
+    cand = NamedSharding(mesh.reordered(ids), P(*[c or None for c in chosen]), part,
+                         s.partial or 'sum')
+    if cand._canonical() == key:
+      return cand
+  return None
 
 
 def num_shards(sharding: Sharding) -> int:
