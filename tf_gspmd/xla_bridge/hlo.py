@@ -46,7 +46,7 @@ def per_partition_hlo(mesh: Mesh, fn, local_args: Sequence, partition_id: int = 
 
 
 _INSTRUCTION = re.compile(
-    r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>\S+)\s+(?P<kind>[a-z\-]+)\((?P<rest>.*)$')
+    r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>\([^)]*\)|\S+)\s+(?P<kind>[a-z\-]+)\((?P<rest>.*)$')
 
 
 def hlo_collectives(hlo_text: str) -> List[HloCollective]:
@@ -54,7 +54,9 @@ def hlo_collectives(hlo_text: str) -> List[HloCollective]:
   found = []
   for line in hlo_text.splitlines():
     match = _INSTRUCTION.match(line)
-    if not match or match.group('kind') not in HLO_COLLECTIVES:
+    # Async forms (GPU/TPU) split a collective into '<kind>-start' and '<kind>-done': count the start.
+    kind = match.group('kind').removesuffix('-start') if match else None
+    if kind not in HLO_COLLECTIVES:
       continue
     rest = match.group('rest')
     shape = re.sub(r'\{[^}]*\}$', '', match.group('shape'))
@@ -62,7 +64,7 @@ def hlo_collectives(hlo_text: str) -> List[HloCollective]:
     dims = re.search(r'dimensions=\{([\d,]*)\}', rest)
     pairs = re.search(r'source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}', rest)
     found.append(HloCollective(
-        kind=match.group('kind'), shape=shape, replica_groups=_replica_groups(rest),
+        kind=kind, shape=shape, replica_groups=_replica_groups(rest),
         source_target_pairs=tuple(tuple(int(v) for v in p.split(','))
                                   for p in re.findall(r'\{(\d+,\d+)\}', pairs.group(1)))
         if pairs else (),

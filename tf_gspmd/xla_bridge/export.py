@@ -1,0 +1,176 @@
+"""Export a per-partition program as one StableHLO module for every XLA replica.
+
+`export_per_replica(mesh, fn, local_args)` traces `fn(ctx, *local_args)` with
+`NativeCollectives` (partition id = replica id, every collective native) and
+lowers it with tf2xla (`experimental_get_compiler_ir(stage='stablehlo')`), the
+route that also turns the variables the program assigns into results (the
+MLIR bridge route keeps resource ops and leaves `XlaAllReduce` unlowered; see
+shared/notes/xla-bridge-facts.md). The result is an `XlaExport`: the module
+text (entry `@main`), the mesh, and one `Layout` per argument and result
+telling how the global value is spread over the replicas (replica r holds
+the shard of mesh device r, padded to the ceil shard shape).
+
+Results are the program's outputs followed by the new values of the
+variables it assigns (tf2xla appends them and says which argument each one
+updates; a variable only read has no result).
+
+A program with an op XLA cannot compile raises `XlaLoweringError` naming the
+op type and node; nothing falls back to another path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import List, Optional, Sequence
+
+import tensorflow as tf
+
+from tf_gspmd.mesh import Mesh
+from tf_gspmd.sharding import Sharding
+from tf_gspmd.xla_bridge import native
+
+
+class XlaLoweringError(ValueError):
+  """An op of the per-partition program has no XLA lowering."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How one global argument or result of an exported program lies on the replicas.
+
+  `sharding` is None for a value with no global form (a hand-written
+  per-replica program's local values): replica r simply holds its own value.
+  """
+  name: str
+  kind: str                 # 'argument', 'capture', 'variable' (argument or result), 'output'
+  shape: tuple              # global shape (the local shape when sharding is None)
+  dtype: tf.DType
+  sharding: Optional[Sharding]
+  local_shape: tuple        # what one replica holds (ceil shard shape, padded)
+  updates: Optional[int] = None  # for a variable result: the argument index it replaces
+
+  def describe(self) -> str:
+    where = 'per replica' if self.sharding is None else str(self.sharding)
+    target = f' (new value of argument {self.updates})' if self.updates is not None else ''
+    return (f'{self.kind} {self.name}: {self.dtype.name}{list(self.shape)} as {where}, '
+            f'{self.dtype.name}{list(self.local_shape)} per replica{target}')
+
+
+@dataclasses.dataclass
+class XlaExport:
+  """A per-replica StableHLO program and how its global values map onto the replicas.
+
+  `module` runs with `num_replicas = mesh.size`, one partition per replica,
+  replica r on mesh device id r; `args[i]`/`results[j]` describe parameter i
+  and result j of `@main`.
+  """
+  module: str
+  mesh: Mesh
+  args: List[Layout]
+  results: List[Layout]
+  name: str
+
+  @property
+  def num_replicas(self) -> int:
+    return self.mesh.size
+
+  def describe(self) -> str:
+    lines = [f'{self.name}: one StableHLO program for {self.num_replicas} replicas of {self.mesh}']
+    lines += [f'  arg {i}: {a.describe()}' for i, a in enumerate(self.args)]
+    lines += [f'  result {j}: {r.describe()}' for j, r in enumerate(self.results)]
+    return '\n'.join(lines)
+
+
+def export_per_replica(mesh: Mesh, fn, local_args: Sequence, *, name: str = 'per_replica',
+                       arg_layouts: Optional[Sequence[Layout]] = None,
+                       output_layouts: Optional[Sequence[Layout]] = None) -> XlaExport:
+  """Trace `fn(ctx, *local_args)` per replica and lower it to StableHLO with native collectives.
+
+  `local_args` are example local values: tensors (or numpy arrays) of the
+  local shapes, and `tf.Variable`s for variables the program reads or
+  assigns. Layouts default to per-replica values named by position.
+  """
+  from tf_gspmd.runtime.launcher import PartitionContext  # pylint: disable=g-import-not-at-top
+  local_args = [a if isinstance(a, tf.Variable) else tf.convert_to_tensor(a) for a in local_args]
+
+  def per_replica(*local):
+    ctx = PartitionContext(mesh, native.NativeCollectives(mesh))
+    outputs = fn(ctx, *local)
+    return [] if outputs is None else [tf.convert_to_tensor(o) for o in tf.nest.flatten(outputs)]
+
+  per_replica.__name__ = re.sub(r'\W', '_', name)
+  function = tf.function(per_replica, jit_compile=True)
+  concrete = function.get_concrete_function(*local_args)
+  try:
+    text = function.experimental_get_compiler_ir(*local_args)(stage='stablehlo')
+  except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError,
+          tf.errors.NotFoundError) as error:
+    raise _lowering_error(error, name) from None
+  aliases = _input_output_aliases(text)
+  module = native.to_native(_clean_module(text, per_replica.__name__))
+  args = list(arg_layouts) if arg_layouts is not None else [
+      _local_layout(f'arg{i}', 'variable' if isinstance(a, tf.Variable) else 'argument', a)
+      for i, a in enumerate(local_args)]
+  outputs = [tf.TensorSpec(t.shape, t.dtype) for t in concrete.outputs]
+  results = list(output_layouts) if output_layouts is not None else [
+      _local_layout(f'output{j}', 'output', spec) for j, spec in enumerate(outputs)]
+  if len(args) != len(local_args) or len(results) != len(outputs):
+    raise ValueError(f'export {name}: {len(args)} argument layouts for {len(local_args)} '
+                     f'arguments, {len(results)} output layouts for {len(outputs)} outputs.')
+  for output_index, param in sorted(aliases):
+    if output_index != len(results):
+      raise ValueError(f'export {name}: tf2xla put the new value of argument {param} at result '
+                       f'{output_index}, expected {len(results)} (after the outputs).')
+    results.append(dataclasses.replace(args[param], kind='variable', updates=param))
+  return XlaExport(module, mesh, args, results, name)
+
+
+def _local_layout(name: str, kind: str, value) -> Layout:
+  shape = tuple(int(d) for d in value.shape)
+  return Layout(name, kind, shape, tf.as_dtype(value.dtype), None, shape)
+
+
+# --- reading and cleaning tf2xla's module text -------------------------------------------------
+_ALIAS_ATTR = re.compile(r'mhlo\.input_output_alias = \[(?P<body>.*?)\](?=, mhlo\.|\})')
+_ALIAS = re.compile(r'parameter_number = (?P<param>\d+) : i64\}, output_index = array<i64: '
+                    r'(?P<output>\d+)>')
+
+
+def _input_output_aliases(text: str) -> List[tuple]:
+  """(result index, parameter number) of every result that is a variable's new value."""
+  header = text.split('{', 1)[0] + '{' + text.split('{', 1)[1].split('\n', 1)[0]
+  match = _ALIAS_ATTR.search(header)
+  if not match:
+    return []
+  return [(int(m.group('output')), int(m.group('param')))
+          for m in _ALIAS.finditer(match.group('body'))]
+
+
+def _clean_module(text: str, name: str) -> str:
+  """The module named `name`, without tf2xla's aliasing (buffers are not donated here)."""
+  lines = text.splitlines()
+  for i, line in enumerate(lines):
+    if line.startswith('module @'):
+      line = re.sub(r'mhlo\.input_output_alias = \[.*?\](?=, mhlo\.|\})(, )?', '', line)
+      lines[i] = re.sub(r'^module @[\w.\-]+', f'module @{name}', line)
+      break
+  return '\n'.join(lines)
+
+
+_UNSUPPORTED = re.compile(r'(?P<op>[A-Za-z0-9_]+) \(No registered \'[A-Za-z0-9_]+\' OpKernel')
+_NODE = re.compile(r'\{\{node (?P<node>[^}]+)\}\}')
+
+
+def _lowering_error(error: Exception, name: str) -> XlaLoweringError:
+  message = str(error)
+  ops = sorted({m.group('op') for m in _UNSUPPORTED.finditer(message)})
+  nodes = sorted({m.group('node') for m in _NODE.finditer(message)})
+  if ops:
+    what = (f'op type {", ".join(ops)} (node {", ".join(nodes) or "unknown"}) has no XLA '
+            'lowering')
+  else:
+    what = f'XLA could not compile it (nodes: {", ".join(nodes) or "unknown"})'
+  gist = next((line.strip() for line in message.splitlines() if line.strip()), '')
+  return XlaLoweringError(f'export {name}: {what}; the XLA backend cannot run this program. '
+                          f'(tf2xla: {gist[:400]})')

@@ -1,0 +1,191 @@
+"""Compile an exported per-replica module with XLA and run it on the mesh's devices via PJRT.
+
+PJRT is reached through jaxlib (the optional `tf_gspmd[xla]` extra); jax is
+imported only here and only when a program runs with backend='xla'. TF is
+imported first, and both use the same numpy and ml_dtypes.
+
+Devices: the default jax backend when it has at least N devices (GPUs, TPUs),
+else N host CPU devices. XLA makes its host devices once, when jax first
+initializes a backend, from `--xla_force_host_platform_device_count` in
+XLA_FLAGS: `jax_devices(n)` adds that flag (at least 8) when jax has not
+initialized yet, and raises naming the fix when it already has fewer.
+
+The module runs as `num_replicas = N`, one partition per replica, replica r
+on `devices[r]`; a value is one single-device buffer per replica.
+`PjrtExecutable` compiles once and runs on buffers (no host copies);
+`put_global`/`assemble_global` convert global host values to and from those
+buffers by a `Layout`; `XlaShardedVariable` keeps a variable's shards as
+device buffers between calls.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gspmd.runtime import sharded as sharded_lib
+from tf_gspmd.sharding import Sharding
+from tf_gspmd.xla_bridge.export import Layout, XlaExport
+from tf_gspmd.xla_bridge.hlo import hlo_collectives
+
+HOST_DEVICE_FLAG = '--xla_force_host_platform_device_count'
+MIN_HOST_DEVICES = 8
+
+
+def _import_jax(num_devices: int):
+  """jax, with at least `num_devices` host devices asked for if its backends are not up yet."""
+  if 'jax' not in sys.modules or not _backends_initialized():
+    flags = os.environ.get('XLA_FLAGS', '')
+    if HOST_DEVICE_FLAG not in flags:
+      count = max(num_devices, MIN_HOST_DEVICES)
+      os.environ['XLA_FLAGS'] = f'{flags} {HOST_DEVICE_FLAG}={count}'.strip()
+  try:
+    import jax  # pylint: disable=g-import-not-at-top
+  except ImportError as error:
+    raise ImportError("backend='xla' runs programs through PJRT with jax/jaxlib: install them "
+                      "with `pip install tf_gspmd[xla]` (or `make test`).") from error
+  return jax
+
+
+def _backends_initialized() -> bool:
+  # jax keeps no public flag for this; xla_bridge.backends_are_initialized is the one place.
+  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+  return xla_bridge.backends_are_initialized()
+
+
+def jax_devices(num_devices: int) -> list:
+  """`num_devices` jax devices: accelerators when there are enough, else host CPUs."""
+  jax = _import_jax(num_devices)
+  default = jax.devices()
+  if default[0].platform != 'cpu' and len(default) >= num_devices:
+    return list(default[:num_devices])
+  cpus = jax.devices('cpu')
+  if len(cpus) < num_devices:
+    raise RuntimeError(
+        f"backend='xla' needs {num_devices} devices but jax has {len(cpus)} CPU device(s) and "
+        f'was initialized before tf_gspmd could ask for more. Set XLA_FLAGS='
+        f'{HOST_DEVICE_FLAG}={max(num_devices, MIN_HOST_DEVICES)} before the first use of jax.')
+  return list(cpus[:num_devices])
+
+
+def put_local(values: Sequence, devices: Sequence) -> list:
+  """One single-device buffer per replica: `values[r]` on `devices[r]`."""
+  jax = _import_jax(len(devices))
+  # Under x64 jax keeps 64-bit dtypes as they are (TF programs use int64 step counters).
+  with jax.enable_x64(True):
+    return [jax.device_put(np.asarray(v), d) for v, d in zip(values, devices)]
+
+
+def put_global(value, layout: Layout, devices: Sequence) -> list:
+  """Split a global host value by `layout.sharding` into one buffer per replica."""
+  if layout.sharding is None:
+    raise ValueError(f'{layout.name} has no global layout; give one value per replica.')
+  value = tf.convert_to_tensor(value, dtype=layout.dtype)
+  if tuple(value.shape) != tuple(layout.shape):
+    raise ValueError(f'{layout.name}: shape {tuple(value.shape)}, expected {layout.shape}.')
+  shards = sharded_lib.split(value, layout.sharding, [None] * len(devices), layout.name)
+  return put_local([s.numpy() for s in shards], devices)
+
+
+def assemble_global(buffers: Sequence, sharding: Sharding, shape, what: str) -> tf.Tensor:
+  """The global value of per-replica buffers (padding dropped, partial results reduced)."""
+  return sharded_lib.assemble([tf.constant(np.asarray(b)) for b in buffers], sharding, shape, what)
+
+
+class PjrtExecutable:
+  """An `XlaExport` compiled for its mesh's devices; `run` maps per-replica buffers to buffers."""
+
+  def __init__(self, export: XlaExport, devices: Optional[Sequence] = None):
+    n = export.num_replicas
+    self.export = export
+    self.devices = list(devices) if devices is not None else jax_devices(n)
+    if len(self.devices) != n:
+      raise ValueError(f'{export.name}: {len(self.devices)} devices for {n} replicas.')
+    jax = _import_jax(n)
+    from jax._src.lib import xla_client  # pylint: disable=g-import-not-at-top
+    options = xla_client.CompileOptions()
+    build = options.executable_build_options
+    build.num_replicas, build.num_partitions = n, 1
+    build.device_assignment = xla_client.DeviceAssignment.create(
+        np.array([[d.id] for d in self.devices]))
+    client = self.devices[0].client
+    self.executable = client.compile_and_load(export.module,
+                                              xla_client.DeviceList(tuple(self.devices)), options)
+    # execute_sharded takes one array per parameter; an array replicated over the devices
+    # is the container for "one buffer per replica" (the values differ, as replicas' do).
+    self._replicated = jax.sharding.NamedSharding(
+        jax.sharding.Mesh(np.array(self.devices), ('replicas',)), jax.sharding.PartitionSpec())
+    self._jax = jax
+
+  def run(self, inputs: Sequence[Sequence]) -> List[list]:
+    """`inputs[i][r]`: parameter i's buffer on replica r; returns `outputs[j][r]` alike."""
+    args = self.export.args
+    if len(inputs) != len(args):
+      raise ValueError(f'{self.export.name}: {len(inputs)} inputs for {len(args)} parameters.')
+    arrays = []
+    for layout, buffers in zip(args, inputs):
+      with self._jax.enable_x64(True):
+        arrays.append(self._jax.make_array_from_single_device_arrays(
+            tuple(layout.local_shape), self._replicated, list(buffers)))
+    results = self.executable.execute_sharded(arrays)
+    return [list(r) for r in results.disassemble_into_single_device_arrays()]
+
+  def compiled_hlo(self) -> str:
+    """The optimized HLO XLA compiled (what runs, collectives included)."""
+    return '\n'.join(m.to_string() for m in self.executable.hlo_modules())
+
+  def collective_counts(self) -> Dict[str, int]:
+    """How many collectives of each HLO kind the compiled program has."""
+    return dict(collections.Counter(c.kind for c in hlo_collectives(self.compiled_hlo())))
+
+
+class XlaShardedVariable:
+  """A variable's shards kept as device buffers between calls (backend='xla').
+
+  The same surface as `runtime.ShardedVariable`: `assemble()`, `scatter()`,
+  `sharding`, `shape`, `local_shape`, `dtype`. `template` is a TF variable of
+  the local shape, used only to trace the per-replica program.
+  """
+
+  def __init__(self, initial_value, sharding: Sharding, *, devices: Optional[Sequence] = None,
+               name: str = 'sharded', trainable: bool = True, **unused):
+    del unused  # TF device options of runtime.ShardedVariable do not apply
+    value = tf.convert_to_tensor(initial_value)
+    if sharding.partial is not None:
+      raise ValueError(f'XlaShardedVariable {name!r}: a variable cannot hold partial results.')
+    self.sharding = sharding
+    self.shape = tuple(int(s) for s in value.shape)
+    self.dtype = value.dtype
+    self.label = name
+    self.trainable = trainable
+    self.local_shape = tuple(int(d) for d in sharding.shard_shape(self.shape))
+    self.devices = list(devices) if devices is not None else jax_devices(sharding.mesh.size)
+    self.layout = Layout(name, 'variable', self.shape, self.dtype, sharding, self.local_shape)
+    self.shards = put_global(value, self.layout, self.devices)
+    self._template = None
+
+  @property
+  def template(self) -> tf.Variable:
+    if self._template is None:
+      self._template = tf.Variable(tf.zeros(self.local_shape, self.dtype),
+                                   name=f'{self.label}_template', trainable=False)
+    return self._template
+
+  def assemble(self) -> tf.Tensor:
+    return assemble_global(self.shards, self.sharding, self.shape,
+                           f'XlaShardedVariable {self.label!r}')
+
+  def numpy(self) -> np.ndarray:
+    return self.assemble().numpy()
+
+  def scatter(self, value) -> None:
+    self.shards = put_global(value, self.layout, self.devices)
+
+  def __repr__(self):
+    return (f'XlaShardedVariable({self.label!r}, {self.dtype.name}{list(self.shape)}, '
+            f'{self.sharding}, {len(self.shards)} device buffers of {list(self.local_shape)})')
