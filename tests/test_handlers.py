@@ -4,7 +4,8 @@ import pytest
 import tensorflow as tf
 
 import tf_gspmd as tg
-from tf_gspmd.graph_rewrite.handlers import reshape_groups, reshape_layouts
+from tf_gspmd.propagation.ops_shape import reshape_factors
+from tf_gspmd.propagation.rule_builders import Namer, make_rule
 
 MESH = tg.Mesh.create((2, 4), ('data', 'model'))
 
@@ -13,9 +14,15 @@ def named(*spec):
   return tg.NamedSharding(MESH, tg.P(*spec))
 
 
-def test_reshape_groups():
-  assert reshape_groups([1, 1, 4, 8], [4, 8]) == [([0, 1, 2], [0]), ([3], [1])]
-  assert reshape_groups([6, 4], [2, 3, 4]) == [([0], [0, 1]), ([1], [2])]
+def reshape_layouts(mesh, in_shape, out_shape, target):
+  """Reshape's layouts for a result target, as its rule gives them (what its handler uses)."""
+  in_dims, out_dims, sizes, kinds = reshape_factors(in_shape, out_shape, Namer())
+  rule = make_rule([in_dims], [out_dims], [in_shape], [out_shape], kinds=kinds, sizes=sizes)
+  axes = [None, tuple(target.spec.axes_of(d) for d in range(len(out_shape)))]
+  fa = rule.representable(rule.factor_axes(axes, mesh), mesh, [in_shape, out_shape])
+  (in_spec,), (out_spec,) = rule.operand_specs(fa, mesh, [in_shape]), rule.result_specs(
+      fa, mesh, [out_shape])
+  return tg.NamedSharding(mesh, in_spec), tg.NamedSharding(mesh, out_spec)
 
 
 @pytest.mark.parametrize('in_shape,out_shape,target,want_in,want_out', [

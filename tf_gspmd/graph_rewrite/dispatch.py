@@ -33,7 +33,8 @@ def lookup(p: Partitioner, node: ir.Node, graph: ir.Graph):
   if node.outputs and not node.called_functions() and all(
       p.static_value(graph, t.name) is not None for t in node.outputs):
     return handlers.static_handler, 'static value'
-  if any(handlers.is_dynamic(t) for t in node.outputs) and not node.called_functions():
+  if any(handlers.is_dynamic(t) for t in node.outputs) and not node.called_functions() and \
+      node.op not in handlers.UNSHAPED_RESULTS_OK:
     return handlers.dynamic_handler, 'replicated (dynamic shape)'
   if node.op in handlers.HANDLERS:
     return handlers.HANDLERS[node.op], 'hand-written'

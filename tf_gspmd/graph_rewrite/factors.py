@@ -13,16 +13,17 @@ the smallest peak buffer.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
 from tf_gspmd.graph_rewrite import uneven
 from tf_gspmd.graph_rewrite.handlers import emit_outputs, global_shape
 from tf_gspmd.graph_rewrite.partitioner import Local, Partitioner
-from tf_gspmd.propagation.rule import REDUCTION, dim_factors
-from tf_gspmd.sharding import NamedSharding
+from tf_gspmd.propagation.rule import REDUCTION, OpRule, dim_factors
+from tf_gspmd.sharding import NamedSharding, P
 
 # The pending reduction a reduction factor leaves, by op type (default: sum).
 _REDUCTION_OF_OP = {'Max': 'max', 'Min': 'min', 'Prod': 'prod'}
@@ -48,7 +49,7 @@ def has_rule(node, graph) -> bool:
 
 
 def candidates(p: Partitioner, rule, operands: Sequence[Local],
-               targets: Sequence[NamedSharding]) -> List[Assignment]:
+               targets: Sequence[NamedSharding], windowed: bool = False) -> List[Assignment]:
   """Factor assignments worth costing: results first, then each operand first.
 
   Each takes every factor's axes from the first tensor in its preference
@@ -68,7 +69,9 @@ def candidates(p: Partitioner, rule, operands: Sequence[Local],
     for f, props in proposals.items():
       if props:
         chosen[f] = min(props, key=lambda prop: rank[prop[1]])[0]
-    assignment = _drop_windowed(rule, rule.resolve_axes(chosen))
+    assignment = rule.resolve_axes(chosen)
+    if not windowed:
+      assignment = _drop_windowed(rule, assignment)
     if assignment not in out:
       out.append(assignment)
   return out
@@ -83,67 +86,111 @@ def _drop_windowed(rule, assignment: Assignment) -> Assignment:
   return {f: (() if f in rule.windows else axes) for f, axes in assignment.items()}
 
 
-def _layouts(p, rule, assignment, operands, result_shapes, reduction):
-  """(operand layouts needed, result layouts) for one factor assignment.
+@dataclasses.dataclass(frozen=True)
+class FactorLayouts:
+  """One factor assignment of an op's rule and the layouts it fixes.
 
-  Operand specs may drop axes that would split a dim into empty pieces, so
-  the factors are re-read from the operand specs actually required: a
-  reduction factor is partial only over the axes its operands are split by.
+  `operands[i]` is the layout operand i must be resharded to (None: an
+  auxiliary operand, used whole); `results[j]` the layout result j has when
+  the op runs locally on those operands, with a pending reduction over the
+  axes of sharded reduction factors.
   """
-  op_specs = rule.operand_specs(assignment, p.mesh, [o.shape for o in operands])
-  needs = [None if spec is None else NamedSharding(p.mesh, spec) for spec in op_specs]
-  effective = rule.factor_axes(
-      [None if n is None else _axes(n) for n in needs] + [None] * len(rule.results), p.mesh)
-  for f, axes in assignment.items():  # result-only factors keep their axes
-    if not any(f in dim_factors(e) for dims in rule.operands if dims for e in dims):
-      effective[f] = axes
+  rule: OpRule
+  factor_axes: Assignment
+  operands: Tuple[Optional[NamedSharding], ...]
+  results: Tuple[NamedSharding, ...]
+
+  def axes(self, factor: str) -> Tuple[str, ...]:
+    return tuple(self.factor_axes.get(factor, ()))
+
+  @property
+  def reduced(self) -> set:
+    """Reduction factors that are sharded (their results are partial)."""
+    return {f for f, axes in self.factor_axes.items() if axes and self.rule.kind(f) == REDUCTION}
+
+
+def choose_layouts(p: Partitioner, graph, node, operands: Sequence[Local], rule=None,
+                   windowed: bool = False, combinable: bool = True,
+                   reduction: str = 'sum') -> FactorLayouts:
+  """The operand and result layouts of `node` under the cheapest factor assignment of its rule.
+
+  Candidates come from the propagated result shardings and from each
+  operand's current sharding (`candidates`); the one moving the fewest bytes
+  wins, then the one with the smallest peak buffer. Windowed factors (conv
+  and pool spatial dims) stay whole unless the caller computes halos
+  (`windowed=True`); reduction factors stay whole when partial results
+  cannot be combined (`combinable=False`). Every hand-written handler of an
+  op with a rule takes its layouts from here, so rule and handler agree.
+  """
+  rule = rule if rule is not None else rule_for(p, node, graph)
+  targets = [p.target(graph, t.name) for t in node.outputs]
+  shapes = [_known_shape(graph, t.name) for t in node.outputs]
+  options = candidates(p, rule, operands, targets, windowed)
+  if not combinable:
+    options = [{f: (() if rule.kind(f) == REDUCTION else a) for f, a in c.items()} for c in options]
+  layouts = [layouts_of(p, rule, c, operands, shapes, reduction) for c in options]
+  return min(layouts, key=lambda lay: _cost(p, lay, operands, shapes, targets))
+
+
+def layouts_of(p: Partitioner, rule, assignment: Assignment, operands: Sequence[Local],
+               result_shapes, reduction: str = 'sum') -> FactorLayouts:
+  """(operand layouts, result layouts) of one factor assignment, cut to what every tensor
+  can hold (`OpRule.representable`: compound dims, dims smaller than their shard count)."""
+  shapes = [None if dims is None else op.shape for dims, op in zip(rule.operands, operands)]
+  effective = rule.representable(assignment, p.mesh, shapes + list(result_shapes))
+  op_specs = rule.operand_specs(effective, p.mesh, shapes)
+  needs = tuple(None if spec is None else NamedSharding(p.mesh, spec) for spec in op_specs)
   partial = tuple(a for f in rule.factors() if rule.kind(f) == REDUCTION
                   for a in effective.get(f, ()))
   res_specs = rule.result_specs(effective, p.mesh, result_shapes)
-  results = [NamedSharding(p.mesh, spec, partial, reduction) for spec in res_specs]
-  return needs, results, effective
+  results = tuple(
+      NamedSharding(p.mesh, spec if spec is not None else P(*([None] * len(shape or ()))),
+                    partial if spec is not None else (), reduction)
+      for spec, shape in zip(res_specs, result_shapes))
+  return FactorLayouts(rule, effective, needs, results)
 
 
-def _cost(p, needs, results, effective, operands, result_shapes, targets):
+def _known_shape(graph, tensor: str):
+  shape = graph.tensor(tensor).shape
+  return None if shape is None or None in shape else tuple(int(d) for d in shape)
+
+
+def _cost(p, layouts: FactorLayouts, operands, result_shapes, targets):
   moved = peak = 0
-  for need, op in zip(needs, operands):
+  for need, op in zip(layouts.operands, operands):
     if need is not None:
       m, k = p.reshard_cost(op.sharding, need, op.shape, op.dtype.size)
       moved, peak = moved + m, max(peak, k)
-  for have, shape, target in zip(results, result_shapes, targets):
+  for have, shape, target in zip(layouts.results, result_shapes, targets):
+    if shape is None:
+      continue
     m, k = p.reshard_cost(have, target, shape, 4)
     moved, peak = moved + m, max(peak, k)
   return moved, peak
 
 
 def factor_handler(p: Partitioner, graph, node, operands: List[Local]) -> List[Local]:
-  rule = rule_for(p, node, graph)
-  targets = [p.target(graph, t.name) for t in node.outputs]
-  shapes = [global_shape(graph, t.name) for t in node.outputs]
+  """An op with a rule and no hand-written handler: reshard operands to the chosen
+  layouts and run the op as it is on the local blocks."""
   reduction = _REDUCTION_OF_OP.get(node.op, 'sum')
-  options = candidates(p, rule, operands, targets)
-  if node.op in _NOT_COMBINABLE:
-    options = [{f: (() if rule.kind(f) == REDUCTION else a) for f, a in c.items()} for c in options]
-  layouts = [_layouts(p, rule, c, operands, shapes, reduction) for c in options]
-  best = min(range(len(options)),
-             key=lambda i: _cost(p, *layouts[i], operands, shapes, targets))
-  needs, results, effective = layouts[best]
-  reduced = {f for f, axes in effective.items() if axes and rule.kind(f) == REDUCTION}
+  chosen = choose_layouts(p, graph, node, operands, combinable=node.op not in _NOT_COMBINABLE,
+                          reduction=reduction)
   inputs = []
-  for i, (dims, need, op) in enumerate(zip(rule.operands, needs, operands)):
+  for i, (dims, need, op) in enumerate(zip(chosen.rule.operands, chosen.operands, operands)):
     if need is None:  # an auxiliary operand (axis list, shape): used whole
       inputs.append(p.replicate(op, 'auxiliary operand').tensor)
       continue
     local = p.reshard(op, need, f'operand {i} of {node.op}')
-    inputs.append(_mask_reduced(p, dims, local, reduced, reduction))
+    inputs.append(_mask_reduced(p, dims, local, chosen.reduced, reduction))
   if node.op in _DIVISIONS and len(inputs) == 2:
     # Padding holds zeros; an integer division by them is an error, not just garbage.
-    divisor = Local(inputs[1], needs[1], operands[1].shape)
+    divisor = Local(inputs[1], chosen.operands[1], operands[1].shape)
     inputs[1] = uneven.mask_padding(divisor.tensor, divisor.sharding, divisor.shape,
                                     range(len(divisor.shape)), 1, p.backend.partition_id)
+  shapes = [global_shape(graph, t.name) for t in node.outputs]
   if node.op == 'Mean':
-    return _mean(p, graph, node, inputs, results, operands[0].shape, shapes[0])
-  return emit_outputs(p, graph, node, inputs, results)
+    return _mean(p, graph, node, inputs, chosen.results, operands[0].shape, shapes[0])
+  return emit_outputs(p, graph, node, inputs, chosen.results)
 
 
 def _mean(p, graph, node, inputs, results, in_shape, out_shape) -> List[Local]:

@@ -9,6 +9,7 @@ with one warning naming it. `dispatch.lookup` picks among them.
 
 from __future__ import annotations
 
+import random
 from typing import Callable, Dict, List
 
 import numpy as np
@@ -21,12 +22,17 @@ from tf_gspmd.sharding import NamedSharding, P
 
 Handler = Callable[[Partitioner, ir.Graph, ir.Node, List[Local]], List[Local]]
 HANDLERS: Dict[str, Handler] = {}
+# Op types whose handler partitions them although some result has no static shape
+# (FusedBatchNormV3's reserve space, unshaped on CPU and read by nothing but its gradient).
+UNSHAPED_RESULTS_OK = set()
 
 
-def handles(*op_types: str):
+def handles(*op_types: str, unshaped_results_ok: bool = False):
   def register(fn):
     for t in op_types:
       HANDLERS[t] = fn
+      if unshaped_results_ok:
+        UNSHAPED_RESULTS_OK.add(t)
     return fn
   return register
 
@@ -140,7 +146,7 @@ def dynamic_handler(p, graph, node, operands):
   computed whole on every partition; it can only stay replicated."""
   inputs = [p.replicate(o, 'dynamic-shape op').tensor if o.dtype != tf.resource else o.tensor
             for o in operands]
-  op = emit.emit_node(node, inputs)
+  op = emit.emit_node(node, inputs, attrs=shared_seed_attrs(node))  # a random op of dynamic shape
   return [Local(t, replicated(p.mesh, 0 if out.shape is None else len(out.shape)),
                 tuple(out.shape) if out.shape is not None else ())
           for t, out in zip(op.outputs, node.outputs)]
@@ -156,17 +162,56 @@ def fallback_handler(p, graph, node, operands):
                       [replicated(p.mesh, t.rank or 0) for t in node.outputs])
 
 
-@handles('RandomUniform', 'RandomStandardNormal', 'TruncatedNormal', 'RandomUniformInt',
-         'StatelessRandomUniformV2', 'StatelessRandomNormalV2', 'StatelessTruncatedNormalV2',
+def _seeded_stateful_ops() -> tuple:
+  """Op types TF marks stateful that draw from a seed (`seed`, `seed2` attrs), from their OpDefs."""
+  from tf_gspmd.graph import static_values  # pylint: disable=g-import-not-at-top
+  found = []
+  for op_type in dir(tf.raw_ops):
+    op_def = None if op_type.startswith('_') else static_values.op_def(op_type)
+    if op_def is None or not op_def.is_stateful:
+      continue
+    outputs_data = not any(a.type in (tf.resource.as_datatype_enum, tf.string.as_datatype_enum)
+                           for a in op_def.output_arg)  # queues hand out handles, not draws
+    if outputs_data and {'seed', 'seed2'} <= {a.name for a in op_def.attr}:
+      found.append(op_type)
+  return tuple(found)
+
+
+SEEDED_STATEFUL_OPS = _seeded_stateful_ops()
+
+
+def shared_seed_attrs(node: ir.Node) -> Dict[str, attr_value_pb2.AttrValue]:
+  """Seeds that make every partition's copy of a stateful random op draw the same stream.
+
+  TF gives a stateful random op with seed = seed2 = 0 a fresh random seed per
+  kernel, and each partition runs its own kernel: unchanged, the partitions
+  would hold pieces of different random tensors. Each such op gets one random
+  (seed, seed2) pair here, drawn when the program is built and shared by the
+  per-partition program every device runs: the partitions draw one global
+  stream, and the kernels' state still advances from call to call, as TF's
+  does. Ops the user seeded (op or global seed) keep their seeds: their values
+  match the unpartitioned function exactly.
+  """
+  if node.op not in SEEDED_STATEFUL_OPS or 'seed' not in node.attrs:
+    return {}
+  if node.attrs['seed'].i or node.attrs['seed2'].i:
+    return {}
+  draw = random.SystemRandom()
+  return {k: attr_value_pb2.AttrValue(i=draw.randrange(1, 2**31)) for k in ('seed', 'seed2')}
+
+
+@handles('StatelessRandomUniformV2', 'StatelessRandomNormalV2', 'StatelessTruncatedNormalV2',
          'StatelessRandomUniformIntV2', 'StatelessRandomUniformFullIntV2',
          'StatelessRandomGetKeyCounter', 'StatelessRandomGetKeyCounterAlg',
-         'StatelessRandomGetAlg', 'RandomShuffle')
+         'StatelessRandomGetAlg', *SEEDED_STATEFUL_OPS)
 def random_handler(p, graph, node, operands):
-  """Random values: generate the global tensor everywhere (same seeds give the same
-  values on every partition), then keep this partition's shard."""
+  """Random values: generate the global tensor on every partition, then keep this
+  partition's shard. Stateless ops give the same values everywhere from the same
+  seed; stateful ones draw one stream on all partitions (`shared_seed_attrs`)."""
   inputs = [p.replicate(o).tensor for o in operands]
   return emit_outputs(p, graph, node, inputs,
-                      [replicated(p.mesh, t.rank or 0) for t in node.outputs])
+                      [replicated(p.mesh, t.rank or 0) for t in node.outputs],
+                      attrs=shared_seed_attrs(node))
 
 
 # --- shape-carrying ops ----------------------------------------------------------------
@@ -204,61 +249,6 @@ def broadcast_to_handler(p, graph, node, operands):
   return emit_outputs(p, graph, node, [src.tensor, local], [target], finish=False)
 
 
-def reshape_groups(in_shape, out_shape):
-  """Split a reshape into groups of input and output dims with equal products."""
-  groups, i, j = [], 0, 0
-  while i < len(in_shape) or j < len(out_shape):
-    gi, gj = [i], [j] if j < len(out_shape) else []
-    if i >= len(in_shape):
-      groups.append(([], [j]))
-      j += 1
-      continue
-    if j >= len(out_shape):
-      groups.append(([i], []))
-      i += 1
-      continue
-    a, b = in_shape[i], out_shape[j]
-    i, j = i + 1, j + 1
-    while a != b:
-      if a < b:
-        a *= in_shape[i]
-        gi.append(i)
-        i += 1
-      else:
-        b *= out_shape[j]
-        gj.append(j)
-        j += 1
-    groups.append((gi, gj))
-  return groups
-
-
-def reshape_layouts(mesh, in_shape, out_shape, target: NamedSharding):
-  """(input spec, output spec) for which a local reshape is exact, close to `target`.
-
-  Within a group of merged/split dims only the major-most dim may be sharded,
-  by the same axes on both sides, and only where those axes divide both sizes
-  evenly; a group of one dim on each side passes any sharding, uneven too.
-  """
-  in_spec, out_spec = [None] * len(in_shape), [None] * len(out_shape)
-  for gi, gj in reshape_groups(list(in_shape), list(out_shape)):
-    if not gi or not gj:
-      continue
-    # Size-1 dims hold no data: the group's layout is set by its first real dim.
-    major_in = next((d for d in gi if in_shape[d] > 1), gi[0])
-    major_out = next((d for d in gj if out_shape[d] > 1), gj[0])
-    if [d for d in gi if in_shape[d] > 1] == [major_in] and \
-        [d for d in gj if out_shape[d] > 1] == [major_out]:
-      in_spec[major_in] = out_spec[major_out] = target.spec[major_out]  # one real dim each side
-      continue
-    axes = target.spec.axes_of(major_out)
-    tiles = mesh.axes_size(axes)
-    sharded_other = any(target.spec[d] is not None for d in gj if d != major_out)
-    if axes and not sharded_other and in_shape[major_in] % tiles == 0 and \
-        out_shape[major_out] % tiles == 0:
-      in_spec[major_in] = out_spec[major_out] = target.spec[major_out]
-  return NamedSharding(mesh, P(*in_spec)), NamedSharding(mesh, P(*out_spec))
-
-
 @handles('Tile')
 def tile_handler(p, graph, node, operands):
   """Tile(x, multiples): dims tiled once follow the target; tiling a size-1 dim gives
@@ -284,80 +274,3 @@ def tile_handler(p, graph, node, operands):
   src = p.reshard(src, NamedSharding(p.mesh, P(*in_spec)), 'tile operand')
   local = tf.constant(local_multiples, dtype=operands[1].dtype)
   return emit_outputs(p, graph, node, [src.tensor, local], [NamedSharding(p.mesh, P(*out_spec))])
-
-
-@handles('Reshape')
-def reshape_handler(p, graph, node, operands):
-  out = node.outputs[0].name
-  in_shape, out_shape = operands[0].shape, global_shape(graph, out)
-  target = p.target(graph, out)
-  in_layout, out_layout = reshape_layouts(p.mesh, in_shape, out_shape, target)
-  src = p.reshard(operands[0], in_layout, 'reshape operand')
-  local = tf.constant(out_layout.shard_shape(out_shape), dtype=operands[1].dtype)
-  return emit_outputs(p, graph, node, [src.tensor, local], [out_layout])
-
-
-@handles('BiasAddGrad')
-def bias_add_grad_handler(p, graph, node, operands):
-  """BiasAddGrad as the sum it is: over every dim but the channel, in dy's layout.
-
-  Emitted as a Sum rather than a BiasAddGrad on purpose: TF's oneDNN graph
-  rewrite fuses a BiasAddGrad into a Conv2DBackpropFilter reading the same
-  gradient, and when collectives sit between the two (a bias gradient's
-  all-reduce before the filter gradient's halo exchange) the fused node
-  closes a cycle and the program cannot run.
-  """
-  from tf_gspmd.graph_rewrite import uneven  # pylint: disable=g-import-not-at-top
-  dy = operands[0]
-  rank = len(dy.shape)
-  fmt = node.attrs['data_format'].s.decode() if 'data_format' in node.attrs else 'NHWC'
-  channel = 1 if fmt.startswith('NC') and rank > 2 else rank - 1
-  reduced = [d for d in range(rank) if d != channel]
-  partial = tuple(a for d in reduced for a in dy.sharding.spec.axes_of(d))
-  local = uneven.mask_padding(dy.tensor, dy.sharding, dy.shape, reduced, 0,
-                              p.backend.partition_id)
-  total = tf.reduce_sum(local, axis=reduced, name=node.name)
-  value = Local(total, NamedSharding(p.mesh, P(dy.sharding.spec[channel]), partial),
-                global_shape(graph, node.outputs[0].name))
-  check_local_shape(node, value)
-  return [p.finish(graph, value, node.outputs[0].name)]
-
-
-@handles('FusedBatchNorm', 'FusedBatchNormV2', 'FusedBatchNormV3', 'FusedBatchNormGrad',
-         'FusedBatchNormGradV2', 'FusedBatchNormGradV3')
-def fused_batch_norm_handler(p, graph, node, operands):
-  """Fused batch norm and its gradient with channels split and N, H, W whole.
-
-  In training the op reduces over N, H and W itself, so those dims must be
-  whole on each partition; per-channel work splits freely over the channel dim.
-  """
-  fmt = node.attrs['data_format'].s.decode() if 'data_format' in node.attrs else 'NHWC'
-  image_rank = len(operands[0].shape)
-  channel = 1 if fmt.startswith('NC') else image_rank - 1
-  axes = operands[0].sharding.spec.axes_of(channel)
-  if axes and operands[0].shape[channel] % p.mesh.axes_size(axes):
-    axes = ()  # uneven channel shards would feed padding into the op's statistics
-  image = NamedSharding(p.mesh, P(*[axes or None if d == channel else None
-                                    for d in range(image_rank)]))
-  vector = NamedSharding(p.mesh, P(axes or None))
-  inputs = []
-  for value in operands:
-    layout = image if len(value.shape) == image_rank else (
-        vector if len(value.shape) == 1 and value.shape[0] == operands[0].shape[channel]
-        else replicated(p.mesh, len(value.shape)))
-    inputs.append(p.reshard(value, layout, f'{node.op} operand').tensor)
-  outs = [image if (t.shape is not None and len(t.shape) == image_rank) else
-          (vector if t.shape is not None and len(t.shape) == 1 and
-           t.shape[0] == operands[0].shape[channel] else replicated(p.mesh, len(t.shape or ())))
-          for t in node.outputs]
-  op = emit.emit_node(node, inputs)
-  results = []
-  for t, tensor, layout in zip(node.outputs, op.outputs, outs):
-    if t.shape is None or None in t.shape:  # reserve spaces of unknown shape: kept as they are
-      results.append(Local(tensor, replicated(p.mesh, 0 if t.shape is None else len(t.shape)),
-                           tuple(t.shape or ())))
-      continue
-    value = Local(tensor, layout, global_shape(graph, t.name))
-    check_local_shape(node, value)
-    results.append(p.finish(graph, value, t.name))
-  return results

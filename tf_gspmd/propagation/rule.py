@@ -242,6 +242,39 @@ class OpRule:
         together[f].update(g for g in fs if g != f)
     return together
 
+  def representable(self, factor_axes: Mapping[str, Axes], mesh: Mesh,
+                    shapes: Optional[Sequence] = None) -> Dict[str, Axes]:
+    """`factor_axes` cut until every tensor's dims can hold them.
+
+    A factor sharded in one tensor must be sharded alike in every tensor that
+    holds it, or the local op sees blocks that do not match (a depthwise
+    filter split on its multiplier while the output's (channel, multiplier)
+    dim cannot show that split). A minor factor of a compound dim keeps axes
+    only when the factors before it are split into size-1 pieces, and a dim
+    smaller than its axes' shard count caps them (`cap_axes`); whatever one
+    tensor cannot hold, the factor loses everywhere. `shapes` lists operand
+    then result shapes (None where unknown).
+    """
+    dims_list = self.tensor_dims()
+    shapes = list(shapes) if shapes is not None else [None] * len(dims_list)
+    out = {f: tuple(factor_axes.get(f, ())) for f in self.factors()}
+    changed = True
+    while changed:
+      changed = False
+      for dims, shape in zip(dims_list, shapes):
+        for d, entry in enumerate(dims or ()):
+          fs = dim_factors(entry)
+          if not fs:
+            continue
+          size = None if shape is None or d >= len(shape) else shape[d]
+          joined = self.join_dim(entry, out, mesh, size)
+          kept = dict(self.split_dim(entry, joined, mesh)) if joined else {}
+          for f in fs:
+            if out[f] != tuple(kept.get(f, ())):
+              out[f] = tuple(kept.get(f, ()))
+              changed = True
+    return out
+
   def tensor_spec(self, dims: TensorDims, factor_axes: Mapping[str, Axes], mesh: Mesh,
                   shape: Optional[Sequence[Optional[int]]]) -> Optional[Tuple[Axes, ...]]:
     if dims is None:

@@ -1,0 +1,54 @@
+"""Ops with a rule whose local computation is not the op itself on local blocks.
+
+Their layouts come from their propagation rule (`factors.choose_layouts`,
+the same choice `factors.factor_handler` makes); only the local computation
+is written here:
+
+- Reshape: its shape operand holds the global shape; locally it reshapes to
+  this partition's block of the result.
+- BiasAddGrad: emitted as the Sum it is (see `bias_add_grad_handler`).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tf_gspmd.graph_rewrite import factors, uneven
+from tf_gspmd.graph_rewrite.handlers import check_local_shape, emit_outputs, global_shape, handles
+from tf_gspmd.graph_rewrite.partitioner import Local
+from tf_gspmd.propagation.rule import REDUCTION
+
+
+@handles('Reshape')
+def reshape_handler(p, graph, node, operands):
+  """Reshape: layouts from its rule (the factors both shapes share), so a sharded dim stays
+  sharded wherever the split lines up with shard boundaries; locally a reshape to this
+  partition's block of the result."""
+  chosen = factors.choose_layouts(p, graph, node, operands)
+  src = p.reshard(operands[0], chosen.operands[0], 'reshape operand')
+  out_shape = global_shape(graph, node.outputs[0].name)
+  local = tf.constant(chosen.results[0].shard_shape(out_shape), dtype=operands[1].dtype)
+  return emit_outputs(p, graph, node, [src.tensor, local], list(chosen.results))
+
+
+@handles('BiasAddGrad')
+def bias_add_grad_handler(p, graph, node, operands):
+  """BiasAddGrad as the sum it is: over every dim but the channel, partial over the axes
+  splitting them (the rule's reduction factors).
+
+  Emitted as a Sum rather than a BiasAddGrad on purpose: TF's oneDNN graph
+  rewrite fuses a BiasAddGrad into a Conv2DBackpropFilter reading the same
+  gradient, and when collectives sit between the two (a bias gradient's
+  all-reduce before the filter gradient's halo exchange) the fused node
+  closes a cycle and the program cannot run.
+  """
+  chosen = factors.choose_layouts(p, graph, node, operands)
+  dy = p.reshard(operands[0], chosen.operands[0], f'operand of {node.op}')
+  (dims,) = chosen.rule.operands
+  reduced = [d for d, e in enumerate(dims) if e is None or chosen.rule.kind(e) == REDUCTION]
+  local = uneven.mask_padding(dy.tensor, dy.sharding, dy.shape, reduced, 0,
+                              p.backend.partition_id)
+  total = tf.reduce_sum(local, axis=reduced, name=node.name)
+  value = Local(total, chosen.results[0], global_shape(graph, node.outputs[0].name))
+  check_local_shape(node, value)
+  return [p.finish(graph, value, node.outputs[0].name)]
