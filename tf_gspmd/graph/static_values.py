@@ -6,6 +6,11 @@ static here, so those values are fixed; the partitioner needs them as numbers
 to turn global shapes into local ones. Rather than re-implementing each op in
 numpy, the foldable part of the graph is copied into a scratch graph and
 evaluated by TensorFlow itself, in one run.
+
+Stateful ops are never folded, whatever their inputs: a random op with
+constant inputs gives new values on every call, and folding it would freeze
+one draw into a constant. Whether an op is stateful comes from its OpDef
+(`is_stateful`), so no list of such ops is kept by hand.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ from typing import Dict
 import numpy as np
 import tensorflow as tf
 
+# Private: TF's public API has no lookup of an op type's OpDef (its attrs, is_stateful).
+from tensorflow.python.framework import op_def_registry
+
 from tf_gspmd.graph import emit, ir
 
 # Ops that read only the static shape of their input, never its value.
@@ -22,7 +30,19 @@ _SHAPE_OPS = ('Shape', 'ShapeN', 'Size', 'Rank')
 # Small integer/bool/float results are folded; anything else stays dynamic.
 _FOLDABLE_DTYPES = (tf.int32, tf.int64, tf.bool)
 _MAX_ELEMENTS = 1024
-_STATEFUL_OR_UNFOLDABLE = ('Placeholder', 'VarHandleOp', 'ReadVariableOp', 'PlaceholderWithDefault')
+# Stateless ops whose value is only given at run time.
+_FED = ('Placeholder', 'PlaceholderWithDefault')
+
+
+def op_def(op_type: str):
+  """TF's OpDef of `op_type`, or None for a type TF does not know."""
+  return op_def_registry.get(op_type)
+
+
+def is_stateful(op_type: str) -> bool:
+  """Whether TF's OpDef marks `op_type` stateful (ops it does not know count as stateful)."""
+  definition = op_def(op_type)
+  return definition is None or definition.is_stateful
 
 
 def _static_shape_value(node: ir.Node, graph: ir.Graph):
@@ -42,7 +62,9 @@ def _static_shape_value(node: ir.Node, graph: ir.Graph):
 
 
 def _foldable(node: ir.Node) -> bool:
-  if node.op in _STATEFUL_OR_UNFOLDABLE or node.control_inputs or node.called_functions():
+  if node.op in _FED or node.control_inputs or node.called_functions():
+    return False
+  if is_stateful(node.op):  # new values (or effects) on every call: never a constant
     return False
   if any(t.dtype not in _FOLDABLE_DTYPES for t in node.outputs):
     return False
