@@ -53,6 +53,17 @@ class VariableStore:
       sharded.scatter(original.read_value())
 
 
+BACKENDS = ('tf', 'xla')  # TF collectives on TF devices (default); XLA through PJRT
+
+
+@dataclasses.dataclass
+class _XlaRun:
+  """backend='xla': the exported module, compiled, and the device buffers of its captures."""
+  export: Any                    # xla_bridge.XlaExport
+  executable: Any                # xla_bridge.PjrtExecutable
+  capture_buffers: List[list]
+
+
 @dataclasses.dataclass
 class _Compiled:
   program: ir.Program
@@ -64,6 +75,9 @@ class _Compiled:
   op_records: List[OpRecord]
   per_partition: Any = None      # fn(ctx, *local args, captures, variables): the SPMD program
   local_specs: List[Any] = dataclasses.field(default_factory=list)  # shard specs of args+captures
+  out_shardings: List[Any] = dataclasses.field(default_factory=list)
+  out_shapes: List[tuple] = dataclasses.field(default_factory=list)
+  xla: Any = None                # backend='xla': the _XlaRun (export, executable, capture buffers)
 
 
 class PartitionedFunction:
@@ -74,9 +88,12 @@ class PartitionedFunction:
 
   def __init__(self, fn, mesh: Mesh, in_shardings=None, out_shardings=None, *,
                devices: Optional[Sequence[str]] = None, timeout: Optional[float] = None,
-               store: Optional[VariableStore] = None):
+               store: Optional[VariableStore] = None, backend: str = 'tf'):
     if not isinstance(mesh, Mesh):
       raise TypeError(f'partition: mesh must be a tf_gspmd.Mesh, got {type(mesh).__name__}.')
+    if backend not in BACKENDS:
+      raise ValueError(f'partition: backend must be one of {BACKENDS}, got {backend!r}.')
+    self.backend = backend
     self.fn = fn
     self.mesh = mesh
     self.in_shardings = in_shardings
@@ -94,6 +111,8 @@ class PartitionedFunction:
     compiled = self._compile(args)
     self._last = compiled
     flat_args = [a for a in tf.nest.flatten(args) if _is_tensor_like(a)]
+    if self.backend == 'xla':
+      return self._call_xla(compiled, flat_args)
     inputs = list(flat_args) + list(compiled.capture_values) + [
         self._sharded_variables[id(v)] for v in compiled.variables]
     flat = compiled.spmd(*inputs)
@@ -153,7 +172,7 @@ class PartitionedFunction:
     from tf_gspmd.runtime import trace_per_partition  # pylint: disable=g-import-not-at-top
     from tf_gspmd.xla_bridge import XlaCollectives  # pylint: disable=g-import-not-at-top
     compiled = self._compile(args)
-    shard_variables = [self._sharded_variables[id(v)].shards[0] for v in compiled.variables]
+    shard_variables = [_local_variable(self._sharded_variables[id(v)]) for v in compiled.variables]
     program = trace_per_partition(self.mesh, compiled.per_partition,
                                   compiled.local_specs + shard_variables, backend=XlaCollectives,
                                   jit_compile=True, name=f'{_name_of(self.fn)}_xla')
@@ -161,6 +180,92 @@ class PartitionedFunction:
     hlo = program.tf_function.experimental_get_compiler_ir(
         tf.constant(partition_id, tf.int32), *zeros, *shard_variables)(stage='hlo')
     return program, hlo
+
+  # --- XLA: export and backend='xla' ---------------------------------------------------
+  def export_xla(self, *args):
+    """The per-replica StableHLO program for these example arguments (an `xla_bridge.XlaExport`).
+
+    One module for all replicas (partition id = XLA replica id), every collective
+    native, replica groups from the mesh. Its parameters are the local shards of
+    the tensor arguments, the captured tensors, then the variables; its results
+    the outputs, then the new values of the variables the function assigns.
+    `XlaExport.args`/`results` say how each global value is sharded over the
+    replicas. Runs nothing; works with either backend.
+    """
+    return self._export_xla(self._compile(args))
+
+  def xla_executable(self, *args):
+    """backend='xla': the compiled `xla_bridge.PjrtExecutable` for these arguments."""
+    if self.backend != 'xla':
+      raise ValueError("xla_executable(): this function was partitioned with backend='tf'.")
+    return self._xla_run(self._compile(args)).executable
+
+  def _export_xla(self, compiled: _Compiled):
+    from tf_gspmd.xla_bridge.export import Layout, export_per_replica  # pylint: disable=g-import-not-at-top
+    program, main = compiled.program, compiled.program.main
+    names = list(program.arg_inputs) + list(program.captures)
+    layouts = []
+    for i, (name, spec) in enumerate(zip(names, compiled.local_specs)):
+      kind = 'argument' if i < len(program.arg_inputs) else 'capture'
+      layouts.append(Layout(name, kind, tuple(main.tensor(name).shape), spec.dtype,
+                            compiled.plan.target(main, name), tuple(spec.shape)))
+    templates = []
+    for var in compiled.variables:
+      sharded = self._sharded_variables[id(var)]
+      layouts.append(Layout(var.name, 'variable', sharded.shape, sharded.dtype, sharded.sharding,
+                            tuple(sharded.local_shape)))
+      templates.append(_local_variable(sharded))
+    outputs = [Layout(t, 'output', shape, main.tensor(t).dtype, sharding,
+                      tuple(sharding.shard_shape(shape)))
+               for t, sharding, shape in zip(main.outputs, compiled.out_shardings,
+                                             compiled.out_shapes)]
+    examples = [tf.zeros(spec.shape, spec.dtype) for spec in compiled.local_specs] + templates
+    return export_per_replica(self.mesh, compiled.per_partition, examples,
+                              name=f'{_name_of(self.fn)}_per_replica', arg_layouts=layouts,
+                              output_layouts=outputs)
+
+  def _xla_devices(self) -> list:
+    from tf_gspmd.xla_bridge.pjrt import jax_devices  # pylint: disable=g-import-not-at-top
+    if self.devices is None:
+      return jax_devices(self.mesh.size)
+    if any(isinstance(d, str) for d in self.devices):
+      raise ValueError("partition: with backend='xla', devices are jax devices (jax.devices()), "
+                       f'not TF device names such as {self.devices[0]!r}.')
+    return list(self.devices)
+
+  def _xla_run(self, compiled: _Compiled) -> _XlaRun:
+    if compiled.xla is None:
+      from tf_gspmd.xla_bridge import pjrt  # pylint: disable=g-import-not-at-top
+      export = self._export_xla(compiled)
+      executable = pjrt.PjrtExecutable(export, self._xla_devices())
+      n_args = len(compiled.program.arg_inputs)
+      captures = [pjrt.put_global(value, layout, executable.devices)
+                  for value, layout in zip(compiled.capture_values,
+                                           export.args[n_args:n_args + len(compiled.capture_values)])]
+      compiled.xla = _XlaRun(export, executable, captures)
+    return compiled.xla
+
+  def _call_xla(self, compiled: _Compiled, flat_args):
+    """Run the compiled module once: arguments split to device buffers, variables stay resident."""
+    from tf_gspmd.xla_bridge import pjrt  # pylint: disable=g-import-not-at-top
+    run = self._xla_run(compiled)
+    devices = run.executable.devices
+    inputs = [pjrt.put_global(value, layout, devices)
+              for value, layout in zip(flat_args, run.export.args)]
+    inputs += run.capture_buffers
+    inputs += [self._sharded_variables[id(v)].shards for v in compiled.variables]
+    first_variable = len(flat_args) + len(run.capture_buffers)
+    flat = []
+    for layout, buffers in zip(run.export.results, run.executable.run(inputs)):
+      if layout.kind == 'output':
+        flat.append(pjrt.assemble_global(buffers, layout.sharding, layout.shape, layout.name))
+      else:  # the new value of a variable: its device buffers replace the old ones
+        variable = compiled.variables[layout.updates - first_variable]
+        self._sharded_variables[id(variable)].shards = buffers
+    structure = compiled.program.structured_outputs
+    if structure is None:
+      return None
+    return tf.nest.pack_sequence_as(structure, flat, expand_composites=True)
 
   # --- explaining ------------------------------------------------------------------
   def explain(self) -> str:
@@ -238,10 +343,17 @@ class PartitionedFunction:
     capture_names = list(program.captures)
     var_names = list(program.variables)
     variables = [program.variables[n] for n in var_names]
-    arg_shardings = [plan.target(main, n) for n in arg_names]
+    mesh = self.mesh
+    arg_targets = [plan.target(main, n) for n in arg_names]
+    # Inputs and outputs keep the device order their annotation names (see _boundary_layout).
+    arg_shardings = [_boundary_layout(main, n, s, mesh) for n, s in zip(arg_names, arg_targets)]
     capture_shardings = [plan.target(main, n) for n in capture_names]
+    sharded_cls = ShardedVariable
+    if self.backend == 'xla':
+      from tf_gspmd.xla_bridge.pjrt import XlaShardedVariable  # pylint: disable=g-import-not-at-top
+      sharded_cls = XlaShardedVariable
     for name, var in zip(var_names, variables):
-      self._shard_variable(var, plan.target(main, name), ShardedVariable)
+      self._shard_variable(var, plan.target(main, name), sharded_cls)
     arg_shapes = [tuple(main.tensor(n).shape) for n in arg_names + capture_names]
     var_layouts = [(self._sharded_variables[id(v)].sharding, tuple(v.shape)) for v in variables]
     for t in main.outputs:
@@ -250,10 +362,10 @@ class PartitionedFunction:
         raise ValueError(
             f'partition: output {t} ({main.producer(t).op}) has shape {shape}, known only at run '
             'time; a partitioned function returns tensors of static shape.')
-    out_shardings = [plan.target(main, t) for t in main.outputs]
+    out_targets = [plan.target(main, t) for t in main.outputs]
+    out_shardings = [_boundary_layout(main, t, s, mesh) for t, s in zip(main.outputs, out_targets)]
     out_shapes = [tuple(main.tensor(t).shape) for t in main.outputs]
     op_records: List[OpRecord] = []
-    mesh = self.mesh
 
     @tf.autograph.experimental.do_not_convert  # plain Python emitting ops: no autograph
     def per_partition(ctx, *local):
@@ -264,14 +376,19 @@ class PartitionedFunction:
                for name, v, (s, shape) in zip(var_names, local[n_args:], var_layouts)}
       partitioner = Partitioner(program, plan.target, mesh, ctx.collectives, lower_reshard.reshard,
                                 dispatch.lookup)
+      move = _BoundaryMove(ctx.collectives, lower_reshard.reshard)
+      values = [move(main, n, v, s, 'argument') for n, v, s in
+                zip(arg_names + capture_names, values, arg_targets + capture_shardings)]
       bound.update(zip(arg_names + capture_names, values))
       outs = partitioner.run_graph(main, [], bound)
-      op_records[:] = partitioner.records
+      entry = list(move.records)
+      outs = [move(main, t, v, s, 'output') for t, v, s in zip(main.outputs, outs, out_shardings)]
+      op_records[:] = entry + partitioner.records + move.records[len(entry):]
       return [o.tensor for o in outs]
 
     per_partition.__name__ = _name_of(self.fn)
     kwargs = {} if self.timeout is None else {'timeout': self.timeout}
-    spmd = SpmdProgram(
+    spmd = None if self.backend == 'xla' else SpmdProgram(
         mesh, per_partition,
         in_shardings=arg_shardings + capture_shardings + [None] * len(variables),
         out_shardings=out_shardings, out_shapes=out_shapes, devices=self.devices, **kwargs)
@@ -280,11 +397,15 @@ class PartitionedFunction:
                    for n, s, shape in zip(arg_names + capture_names,
                                           arg_shardings + capture_shardings, arg_shapes)]
     return _Compiled(program, plan, spmd, arg_shardings, capture_values, variables, op_records,
-                     per_partition, local_specs)
+                     per_partition, local_specs, out_shardings, out_shapes)
 
   def _shard_variable(self, var, sharding: NamedSharding, sharded_cls) -> None:
     key = id(var)
     existing = self._sharded_variables.get(key)
+    if existing is not None and not isinstance(existing, sharded_cls):
+      raise ValueError(
+          f'partition: variable {var.name} is held by another backend ({type(existing).__name__}) '
+          f"in this VariableStore; functions with backend={self.backend!r} need their own store.")
     if existing is not None:
       if existing.sharding != sharding:
         raise ValueError(
@@ -292,9 +413,59 @@ class PartitionedFunction:
             f'but {sharding} by this one; annotate it with shard_variable to fix its layout.')
       return
     self._originals[key] = var
+    devices = self._xla_devices() if self.backend == 'xla' else self.devices
     self._sharded_variables[key] = sharded_cls(
-        var.read_value(), sharding, devices=self.devices, name=var.name.split(':')[0],
+        var.read_value(), sharding, devices=devices, name=var.name.split(':')[0],
         trainable=getattr(var, 'trainable', True))
+
+
+def _boundary_layout(graph: ir.Graph, tensor: str, target: NamedSharding,
+                     mesh: Mesh) -> NamedSharding:
+  """How the program takes or returns `tensor`: `target` in its annotation's device order.
+
+  An argument or output annotated with a tile assignment in another device
+  order than the mesh's (a TPU program's hand-ordered device mesh) lives in
+  that order outside the program: the launcher splits and assembles it so,
+  and the program moves its shards to the mesh's order on entry (or from it
+  on exit) with one permute of whole shards. Elsewhere the order changes no
+  value, so every op computes in the mesh's order.
+  """
+  t = graph.tensor(tensor)
+  given = graph.producer(tensor).annotations.get(t.index)
+  if given is None or target.partial_axes or t.shape is None:
+    return target
+  try:
+    named = named_for_rank(given, mesh, len(t.shape))
+  except ValueError:
+    return target
+  if named is None or named.mesh == mesh:
+    return target
+  there = NamedSharding(named.mesh, target.spec)
+  return target if there == target else there
+
+
+class _BoundaryMove:
+  """Moves program inputs (outputs) from (to) their annotation's device order.
+
+  It is what `lower_reshard.reshard` asks of a partitioner (the backend and a
+  log of collectives): each move gets an OpRecord of its own, so the moves
+  show in `collectives()` and `op_records()` like any op's.
+  """
+
+  def __init__(self, backend, resharder):
+    self.backend = backend
+    self.records: List[OpRecord] = []
+    self._resharder = resharder
+
+  def note_collective(self, record: dict) -> None:
+    self.records[-1].collectives.append(record)
+
+  def __call__(self, graph: ir.Graph, tensor: str, value: Local, target: NamedSharding,
+               what: str) -> Local:
+    if value.sharding is target:
+      return value
+    self.records.append(OpRecord(graph.name, tensor, what, 'device order of its annotation'))
+    return self._resharder(self, value, target, f'{what} {tensor}: device order')
 
 
 def partition(fn=None, mesh: Optional[Mesh] = None, in_shardings=None, out_shardings=None, **kwargs):
@@ -302,6 +473,9 @@ def partition(fn=None, mesh: Optional[Mesh] = None, in_shardings=None, out_shard
 
   `in_shardings`/`out_shardings`: one Sharding (or None: leave it to
   propagation) per flattened tensor argument / output, or one for all.
+  `backend`: 'tf' (default: TF collectives between TF devices) or 'xla' (the
+  per-replica program exported to StableHLO, compiled by XLA and run on the
+  mesh's devices through PJRT; needs the `tf_gspmd[xla]` extra).
 
   >>> mesh = Mesh.create((8,), ('data',))                          # doctest: +SKIP
   >>> step = partition(train_step, mesh, in_shardings=NamedSharding(mesh, P('data', None)))  # doctest: +SKIP
@@ -310,6 +484,11 @@ def partition(fn=None, mesh: Optional[Mesh] = None, in_shardings=None, out_shard
   if fn is None:
     return lambda f: PartitionedFunction(f, mesh, in_shardings, out_shardings, **kwargs)
   return PartitionedFunction(fn, mesh, in_shardings, out_shardings, **kwargs)
+
+
+def _local_variable(sharded) -> tf.Variable:
+  """A TF variable of one shard's shape and dtype, to trace a per-partition program with."""
+  return sharded.template if hasattr(sharded, 'template') else sharded.shards[0]
 
 
 def _is_tensor_like(value) -> bool:

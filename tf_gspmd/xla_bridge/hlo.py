@@ -90,6 +90,16 @@ def _replica_groups(text: str) -> Tuple[Tuple[int, ...], ...]:
   return ()
 
 
+_STABLEHLO_COLLECTIVE = re.compile(
+    r'"?stablehlo\.(all_reduce|reduce_scatter|all_gather|all_to_all|collective_permute|'
+    r'collective_broadcast)\b')
+
+
+def stablehlo_collectives(module_text: str) -> List[str]:
+  """The kinds of the collective ops of StableHLO text, in order, HLO-spelled ('all-gather')."""
+  return [m.group(1).replace('_', '-') for m in _STABLEHLO_COLLECTIVE.finditer(module_text)]
+
+
 @dataclasses.dataclass(frozen=True)
 class GraphCollective:
   op_type: str
