@@ -38,6 +38,13 @@ markers, which name a collective by its index) stay one sequence. This is
 simpler than re-expressing sub-axis groups as permutes, and it keeps
 all-to-all/all-gather over half an axis one collective, as the plan costs it.
 
+Device orders. A value may live on another device order of the backend's
+mesh (a tile assignment in a TPU program's own order): the plan then runs on
+one of the two orders (`ReshardPlan.mesh`, or its refinement) and moves whole
+shards once with a Permute by device pairs; collectives over that order's
+axes run on a backend of the same kind built over it (`_backend_on`), whose
+groups come from that order's `Mesh.groups`.
+
 Runs of all-reduces with the same op are emitted as one all-reduce over the
 union of their axes (`merged_steps`): the planner splits tiny all-reduces over
 sub-axes because its byte model rounds per-device pieces up.
@@ -128,9 +135,10 @@ def _check_value(p, value: Local, target: NamedSharding) -> None:
   if value.dtype in _NOT_MOVABLE:
     raise ValueError(f'reshard {src} -> {target}: a {value.dtype.name} value cannot be moved '
                      'between partitions.')
-  if src.mesh != p.backend.mesh:
-    raise ValueError(f'reshard {src} -> {target}: the value lives on {src.mesh}, the '
-                     f'collective backend on {p.backend.mesh}.')
+  for s in (src, target):  # another device order of the backend's mesh is fine (a permute)
+    if not s.mesh.is_reordering_of(p.backend.mesh):
+      raise ValueError(f'reshard {src} -> {target}: {s} lives on {s.mesh!r}, the collective '
+                       f'backend on {p.backend.mesh!r}.')
   want_in = tuple(src.shard_shape(shape))
   if tuple(value.tensor.shape) != want_in:
     raise ValueError(f'reshard {src} -> {target} of global shape {shape}: the local tensor has '
@@ -178,17 +186,23 @@ def _backend_on(backend, mesh):
 class _AxisNames:
   """Translate a plan's (sub-)axes to the user's mesh axes."""
 
-  def __init__(self, user_mesh, plan_mesh):
-    if plan_mesh == user_mesh:
-      self.owner = {a: a for a in user_mesh.axis_names}
-      self.parts = {a: (a,) for a in user_mesh.axis_names}
-    else:
+  def __init__(self, user_meshes, plan_mesh):
+    """`user_meshes`: the meshes of the plan's source and target (two device orders of one
+    mesh, or one mesh twice); the plan runs on one of them or on its refinement, `self.base`."""
+    for user_mesh in user_meshes:
+      if plan_mesh == user_mesh:
+        self.base = user_mesh
+        self.owner = {a: a for a in user_mesh.axis_names}
+        self.parts = {a: (a,) for a in user_mesh.axis_names}
+        return
       refined, parts = rp.refined_mesh(user_mesh)
-      if refined != plan_mesh:
-        raise ValueError(f'lower_reshard: the plan runs on {plan_mesh!r}, which is neither the '
-                         f'mesh {user_mesh!r} nor its prime-factor refinement {refined!r}.')
-      self.parts = parts
-      self.owner = {s: a for a, subs in parts.items() for s in subs}
+      if refined == plan_mesh:
+        self.base = user_mesh
+        self.parts = parts
+        self.owner = {s: a for a, subs in parts.items() for s in subs}
+        return
+    raise ValueError(f'lower_reshard: the plan runs on {plan_mesh!r}, which is neither of the '
+                     f'meshes {user_meshes!r} nor a prime-factor refinement of one.')
 
   def _runs(self, axes: Sequence[str]):
     """[(name, whole)]: whole user axes where a full run of sub-axes appears in order."""
@@ -225,7 +239,7 @@ class _Lowering:
     self.why = why
     self.backend = p.backend
     self.mesh = plan.mesh  # the mesh the steps' axes name
-    self.names = _AxisNames(plan.src.mesh, plan.mesh)
+    self.names = _AxisNames((plan.src.mesh, plan.dst.mesh), plan.mesh)
     self.num_partitions = plan.src.mesh.size  # partition ids are its device ids
 
   def run(self, step, x: tf.Tensor) -> tf.Tensor:
@@ -235,8 +249,8 @@ class _Lowering:
   def _on(self, axes):
     """(backend, axes) to run a collective over the plan's `axes`."""
     user = self.names.user(axes)
-    if user is not None:
-      return self.backend, user
+    if user is not None:  # whole axes: on the plan's device order (the backend's, usually)
+      return _backend_on(self.backend, self.names.base), user
     return _backend_on(self.backend, self.mesh), tuple(axes)
 
   def _note(self, kind: str, axes, x: tf.Tensor) -> None:

@@ -64,6 +64,13 @@ the bytes of whole-axis plans, as XLA does it). The steps' axes then name the
 plan's `mesh` (`ReshardPlan.mesh`), which a lowering must use to form groups
 and indices; `src.mesh` and `dst.mesh` stay the caller's.
 
+Device orders. `src` and `dst` may live on two device orders of one mesh
+(`Mesh.is_reordering_of`: same axis names and sizes, devices in another
+order), as tile assignments in a TPU program's own device order do. The plan
+then runs on one of the two orders and adds one `Permute` of whole shards
+(`reorder_pairs`), first or last, whichever moves fewer bytes; the steps'
+axes name that order's mesh (`ReshardPlan.mesh`).
+
 Costs are per device. `bytes received` for each step assumes the usual
 bandwidth-optimal algorithms: all-gather and all-to-all receive (g-1) blocks,
 reduce-scatter (g-1) pieces of the output size, all-reduce 2(g-1) pieces of
@@ -427,7 +434,7 @@ class Permute:
   def describe(self) -> str:
     moves = [f'd{d}:{_fmt_axes(a)}->{_fmt_axes(b)}'
              for d, (a, b) in enumerate(zip(self.from_axes, self.to_axes)) if a != b]
-    return f'permute {" ".join(moves)} ({len(self.pairs)} pairs)'
+    return f'permute {" ".join(moves) or "device order"} ({len(self.pairs)} pairs)'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -570,6 +577,9 @@ def plan_reshard(src: NamedSharding, dst: NamedSharding, shape: Sequence[int],
   >>> sorted(plan.collective_counts())
   ['all_to_all', 'permute']
   """
+  if (isinstance(src, NamedSharding) and isinstance(dst, NamedSharding) and
+      src.mesh != dst.mesh):
+    return _plan_across_orders(src, dst, shape, dtype_size)
   planner = _Planner(src, dst, shape, dtype_size)
   best = planner.build(planner.search(), 'valley')
   refined = _Planner(src, dst, shape, dtype_size, refine=True)
@@ -579,6 +589,75 @@ def plan_reshard(src: NamedSharding, dst: NamedSharding, shape: Sequence[int],
     if _plan_key(candidate) < _plan_key(best):
       best = candidate
   return best
+
+
+def _plan_across_orders(src: NamedSharding, dst: NamedSharding, shape, dtype_size) -> ReshardPlan:
+  """A plan between two device orders of one mesh (same axis names and sizes).
+
+  The layouts differ in spec and in which device holds which piece. The plan
+  runs on one order and moves whole shards once, as a `Permute` (a
+  collective-permute; each device receives at most one shard, so no buffer
+  exceeds max(source, target)): either first (the source's spec onto the
+  target's order, then plan there) or last (plan to the target's spec on the
+  source's order, then move). The one moving fewer bytes wins: the smaller
+  shard moves. Devices that already hold their piece in the other order (all
+  of them when the orders agree on the axes the layout uses) receive nothing.
+  """
+  if not dst.mesh.is_reordering_of(src.mesh):
+    raise ValueError(
+        f'plan_reshard: source {src!r} and target {dst!r} use different meshes, not two '
+        'device orders of one mesh (same axis names and sizes, same devices).')
+  shape = tuple(int(s) for s in shape)
+  candidates = []
+  src_there = _same_spec_on(src, dst.mesh)
+  inner = plan_reshard(src_there, dst, shape, dtype_size)
+  candidates.append(_with_reorder(inner, src, dst, _reorder_step(src, src_there, shape), True))
+  dst_here = _same_spec_on(dst, src.mesh)
+  inner = plan_reshard(src, dst_here, shape, dtype_size)
+  candidates.append(_with_reorder(inner, src, dst, _reorder_step(dst_here, dst, shape), False))
+  return min(candidates, key=_plan_key)
+
+
+def _same_spec_on(s: NamedSharding, mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, s.spec, s.partial_axes, s.partial or 'sum')
+
+
+def _with_reorder(inner: ReshardPlan, src, dst, step, first: bool) -> ReshardPlan:
+  steps = inner.steps if step is None else ((step,) + inner.steps if first else
+                                            inner.steps + (step,))
+  return ReshardPlan(src, dst, inner.shape, inner.dtype_size, steps, inner.bound_bytes,
+                     inner.strategy, inner.mesh)
+
+
+def _reorder_step(src: NamedSharding, dst: NamedSharding, shape):
+  """The Permute taking `src`'s shards to the devices that hold them in `dst` (same spec)."""
+  pairs = reorder_pairs(src, dst)
+  if not pairs:
+    return None
+  axes = tuple(src.spec.axes_of(d) for d in range(len(shape)))
+  return Permute(pairs, axes, axes, tuple(src.shard_shape(shape)))
+
+
+def reorder_pairs(src: NamedSharding, dst: NamedSharding) -> tuple:
+  """(sender, receiver) pairs moving whole shards from `src`'s device order to `dst`'s.
+
+  Both have the same spec and pending-reduction axes on two orders of one mesh.
+  A device's piece is its tile index and its place among the partial terms; a
+  device that holds its piece already receives nothing, and each sender sends
+  once (the pairs are a partial permutation).
+  """
+
+  def piece(s, device):
+    return s.tile_index(device), s.mesh.linear_index(device, s.partial_axes)
+
+  devices = src.mesh.devices
+  have = {d: piece(src, d) for d in devices}
+  want = {d: piece(dst, d) for d in devices}
+  senders = {}
+  for d in devices:
+    if have[d] != want[d]:
+      senders.setdefault(have[d], []).append(d)
+  return tuple((senders[want[d]].pop(0), d) for d in devices if have[d] != want[d])
 
 
 def _plan_key(plan: ReshardPlan):

@@ -344,13 +344,19 @@ class Propagator:
             'rank, so a tiled sharding cannot be checked against it.')
       return
     try:
+      # A tile assignment in another device order comes back on a reordering of the mesh.
+      # Propagation keeps only its axes: inside the program every op computes in the mesh's
+      # order (the order changes no value; the program's inputs and outputs keep theirs,
+      # see tg.partition), so an interior annotation in another order costs nothing.
       named = named_for_rank(sharding, self.mesh, rank)
     except ValueError:
       named = None
     if named is None:
       raise ValueError(
           f'Annotation {sharding} on {qualified(self.program, key)} (rank {rank}) cannot be '
-          f'written as a P(...) on mesh {self.mesh}; annotate with shardings over this mesh.')
+          f'written as a P(...) on mesh {self.mesh} in any device order: its devices are not '
+          f'the mesh\'s, or no grouping of the mesh axes gives its tile dims '
+          f'{list(sharding.tile_shape or ())}; annotate with shardings over this mesh.')
     axes = [named.spec.axes_of(d) for d in range(rank)]
     closed = [d not in unspecified for d in range(rank)]
     self.states[key] = _State(axes, closed, Provenance(kind, origin=origin))
