@@ -1,0 +1,338 @@
+"""backend='xla': the per-replica program exported to StableHLO, compiled by XLA, run through PJRT.
+
+Every model of tests/test_models.py (and the training loop inside one While of
+tests/test_partitioned.py) runs on 8 jax CPU devices and must equal the
+unpartitioned function and the default (TF-collective) backend; the collectives
+are counted in the exported module (native ops, one per recorded collective) and
+in the optimized HLO XLA compiled. Each collective kind is checked numerically
+against numpy on 1-D and 2-D meshes, with replica groups written out by hand.
+"""
+import collections
+import os
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+pytest.importorskip('jax')
+
+import tf_gspmd as tg  # noqa: E402
+from tf_gspmd.xla_bridge import (PjrtExecutable, XlaLoweringError, export_per_replica,  # noqa: E402
+                                 stablehlo_collectives)
+from tf_gspmd.xla_bridge import pjrt  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import test_models as models  # noqa: E402
+import test_partitioned  # noqa: E402
+
+RTOL = 1e-5
+STEPS = 3
+# Recorded collective kind -> the native XLA op it is exported as.
+NATIVE = {'all_reduce': 'all-reduce', 'broadcast': 'all-reduce', 'reduce_scatter': 'reduce-scatter',
+          'all_gather': 'all-gather', 'all_to_all': 'all-to-all', 'permute': 'collective-permute'}
+
+
+def close(got, want, rtol=RTOL):
+  got, want = np.asarray(got), np.asarray(want)
+  return abs(got - want).max(initial=0.0) <= rtol * max(1.0, float(np.abs(want).max(initial=0.0)))
+
+
+def train_three(make, mesh, batches):
+  """Train the XLA backend, the TF backend and the unpartitioned step side by side.
+
+  `make(annotate)` builds a fresh model and returns (tf.function step, variables to compare).
+  Returns the XLA PartitionedFunction and the compiled executable of its step.
+  """
+  (xla_fn, xla_vars), (tf_fn, tf_vars), (ref_fn, ref_vars) = make(True), make(True), make(False)
+  xla = tg.partition(xla_fn, mesh, backend='xla')
+  via_tf = tg.partition(tf_fn, mesh)
+  for batch in batches:
+    got, other, want = (float(np.asarray(f(*batch))) for f in (xla, via_tf, ref_fn))
+    assert close(got, want) and close(got, other), (got, other, want)
+  xla.sync_variables()
+  via_tf.sync_variables()
+  assert models.max_relative_error(xla_vars, ref_vars) <= RTOL
+  assert models.max_relative_error(xla_vars, tf_vars) <= RTOL
+  return xla, xla.xla_executable(*batches[0])
+
+
+def check_exported_collectives(step, executable):
+  """The module holds one native collective per recorded one, and no marker is left."""
+  module = executable.export.module
+  assert 'custom_call @tf_gspmd' not in module
+  recorded = collections.Counter(NATIVE[r['kind']] for r in step.collectives())
+  assert collections.Counter(stablehlo_collectives(module)) == recorded
+  return recorded, executable.collective_counts()
+
+
+def _keras_step(build, spec_of):
+  def make(annotate):
+    model, optimizer = build(annotate)
+    annotate_fn = None if not annotate else spec_of
+    return models._step(model, optimizer, annotate_fn), model.variables + optimizer.variables
+  return make
+
+
+@pytest.mark.parametrize('devices,batch', [(8, 16), (4, 10)])
+def test_mlp_data_parallel(devices, batch):
+  mesh = tg.Mesh.create((devices,), ('data',))
+  make = _keras_step(lambda annotate: models._mlp(0), lambda x: tg.shard(x, mesh, tg.P('data', None)))
+  step, executable = train_three(make, mesh, models._mlp_batches(batch)[:STEPS])
+  recorded, compiled = check_exported_collectives(step, executable)
+  assert recorded == {'all-reduce': 7}  # six gradients and the loss
+  # XLA's all-reduce combiner merges the seven into one tuple all-reduce; nothing else runs.
+  assert compiled == {'all-reduce': 1}
+
+
+def test_mlp_hidden_not_divisible_by_model_axis():
+  mesh = tg.Mesh.create((2, 4), ('data', 'model'))
+
+  def build(annotate):
+    model, optimizer = models._mlp(0, hidden=30)
+    if annotate:
+      layout = tg.LayoutMap(mesh)
+      layout[r'.*hidden_0/kernel'] = tg.P(None, 'model')
+      layout[r'.*hidden_0/bias'] = tg.P('model')
+      layout[r'.*hidden_1/kernel'] = tg.P('model', None)
+      assert len(layout.apply(model)) == 3
+    return model, optimizer
+
+  make = _keras_step(build, lambda x: tg.shard(x, mesh, tg.P('data', None)))
+  step, executable = train_three(make, mesh, models._mlp_batches(10)[:STEPS])
+  recorded, compiled = check_exported_collectives(step, executable)
+  assert recorded['all-reduce'] >= 8 and compiled.get('all-reduce', 0) >= 1
+  assert set(compiled) <= set(recorded)
+  groups = {c.replica_groups for c in pjrt.hlo_collectives(executable.compiled_hlo())}
+  assert ((0, 1, 2, 3), (4, 5, 6, 7)) in groups   # over 'model', written out by hand
+
+
+@pytest.mark.slow
+def test_transformer_megatron_with_adam():
+  mesh = tg.Mesh.create((2, 4), ('data', 'model'))
+
+  def make(annotate):
+    model, optimizer = models.transformer.build(seed=0)
+    if annotate:
+      models.transformer.layout(mesh).apply(model)
+    step = models.transformer.train_step(model, optimizer, mesh if annotate else None)
+    return step, model.variables + optimizer.variables
+
+  batches = [models.transformer.batch(seed=i) for i in range(STEPS)]
+  step, executable = train_three(make, mesh, batches)
+  recorded, compiled = check_exported_collectives(step, executable)
+  assert recorded['all-reduce'] >= 4 and compiled.get('all-reduce', 0) >= 1
+  # Memory: one device holds 1/4 of every model-split weight and its Adam slots.
+  sizes = step.variable_bytes()
+  query = next(v for k, v in sizes.items() if 'attn_0_query_kernel_momentum' in k)
+  assert query['per_device'] * 4 == query['total']
+
+
+@pytest.mark.slow
+def test_cnn_with_halos_and_batchnorm():
+  mesh = tg.Mesh.create((2, 4), ('data', 'h'))
+  make = _keras_step(lambda annotate: models._cnn(0),
+                     lambda x: tg.shard(x, mesh, tg.P('data', 'h', None, None)))
+  step, executable = train_three(make, mesh, models._images(4)[:STEPS])
+  recorded, compiled = check_exported_collectives(step, executable)
+  assert 'all-gather' not in recorded
+  assert recorded['collective-permute'] >= 8 and compiled['collective-permute'] >= 8
+
+
+def test_mixture_of_experts_with_all_to_all():
+  mesh = tg.Mesh.create((2, 4), ('data', 'model'))
+
+  def make(annotate):
+    w = models.moe.weights(0)
+    if annotate:
+      models.moe.annotate(w, mesh)
+    return models.moe.train_step(w, mesh if annotate else None), list(w.values())
+
+  step, executable = train_three(make, mesh, [models.moe.batch(seed=i) for i in range(STEPS)])
+  recorded, compiled = check_exported_collectives(step, executable)
+  assert recorded['all-to-all'] >= 4
+  # Measured: 4 exported, 3 after XLA's optimizer (it merges two identical ones).
+  assert compiled['all-to-all'] >= 3
+  a2a_groups = {c.replica_groups for c in pjrt.hlo_collectives(executable.compiled_hlo())
+                if c.kind == 'all-to-all'}
+  assert a2a_groups == {((0, 1, 2, 3), (4, 5, 6, 7))}
+
+
+def test_training_loop_inside_one_while():
+  mesh = tg.Mesh.create((2, 4), ('data', 'model'))
+  x = test_partitioned.randn(2, 10, 16)
+  y = np.random.RandomState(3).randint(0, 4, 10).astype(np.int32)
+
+  def make(annotate):
+    w = test_partitioned._mlp(0)
+    if annotate:
+      tg.shard_variable(w[0], mesh, tg.P(None, 'model'))
+      tg.shard_variable(w[1], mesh, tg.P('model', None))
+    return test_partitioned._loop_training(mesh, *w, annotate=annotate), w
+
+  step, executable = train_three(make, mesh, [(x, y, tf.constant(4))])
+  recorded, compiled = check_exported_collectives(step, executable)
+  assert recorded == {'all-reduce': 5}
+  assert 'while' in executable.compiled_hlo() and compiled.get('all-reduce', 0) >= 1
+
+
+# --- variables: resident, synced, scattered -----------------------------------------------------
+def test_variables_stay_on_device_and_user_weights_are_used_after_scatter():
+  mesh = tg.Mesh.create((8,), ('data',))
+  w = tf.Variable(np.ones((16, 4), np.float32))
+  tg.shard_variable(w, mesh, tg.P(None, 'data'))
+
+  @tf.function
+  def step(x):
+    w.assign_add(tf.ones_like(w))
+    return tf.reduce_sum(tf.matmul(x, w))
+
+  pf = tg.partition(step, mesh, backend='xla')
+  x = np.ones((2, 16), np.float32)
+  pf(x)
+  (sharded,) = pf.sharded_variables()
+  assert isinstance(sharded, pjrt.XlaShardedVariable) and len(sharded.shards) == 8
+  assert sharded.shards[3].devices() == {pjrt.jax_devices(8)[3]}
+  assert pf.variable_bytes()[w.name] == {'total': 256, 'per_device': 32}
+  np.testing.assert_array_equal(w.numpy(), 1.0)  # not written back until sync
+  pf.sync_variables()
+  np.testing.assert_array_equal(w.numpy(), 2.0)
+  w.assign(np.full((16, 4), 5.0, np.float32))   # the user loads new weights ...
+  pf.scatter_variables()                         # ... and sends them out
+  assert float(pf(x)) == pytest.approx(2 * 16 * 4 * 6.0)
+  pf.sync_variables()
+  np.testing.assert_array_equal(w.numpy(), 6.0)
+
+
+def test_export_describes_layouts_and_explain_works():
+  mesh = tg.Mesh.create((2, 4), ('data', 'model'))
+  w = tf.Variable(np.ones((16, 8), np.float32))
+  tg.shard_variable(w, mesh, tg.P(None, 'model'))
+
+  @tf.function
+  def f(x):
+    x = tg.shard(x, mesh, tg.P('data', None))
+    return tf.matmul(x, w)
+
+  pf = tg.partition(f, mesh)  # export works from the default backend too
+  export = pf.export_xla(np.ones((6, 16), np.float32))
+  assert [(a.kind, a.local_shape) for a in export.args] == [('argument', (3, 16)),
+                                                             ('variable', (16, 2))]
+  assert export.args[0].sharding.spec == tg.P('data', None)
+  assert [(r.kind, r.shape) for r in export.results] == [('output', (6, 8))]
+  assert 'func.func @main' in export.module and 'stablehlo.replica_id' in export.module
+  assert 'partition_id' not in export.module.split('func.func @main')[1].split('\n')[0]
+  assert 'variable' in export.describe() and "P(None, 'model')" in export.describe()
+  assert 'tf.' not in export.module.split('func.func @main')[1].split('{')[0]
+
+
+def test_unlowerable_op_is_named():
+  mesh = tg.Mesh.create((8,), ('x',))
+
+  def fn(ctx, x):
+    return tf.numpy_function(lambda v: v * 2, [x], tf.float32, name='host_double')
+
+  with pytest.raises(XlaLoweringError, match=r'PyFunc.*host_double'):
+    export_per_replica(mesh, fn, [np.ones((2,), np.float32)])
+
+
+def test_bad_backend_is_refused():
+  with pytest.raises(ValueError, match='backend'):
+    tg.partition(tf.function(lambda x: x), tg.Mesh.create((8,), ('x',)), backend='tpu')
+
+
+# --- each collective, numerically, on 1-D and 2-D meshes -----------------------------------------
+MESH_1D = tg.Mesh.create((8,), ('x',))
+MESH_2D = tg.Mesh.create((2, 4), ('x', 'y'))
+# Replica groups written out by hand (row-major device ids; members in position order).
+GROUPS = {
+    (MESH_1D, ('x',)): [[0, 1, 2, 3, 4, 5, 6, 7]],
+    (MESH_2D, ('y',)): [[0, 1, 2, 3], [4, 5, 6, 7]],
+    (MESH_2D, ('x',)): [[0, 4], [1, 5], [2, 6], [3, 7]],
+    (MESH_2D, ('x', 'y')): [[0, 1, 2, 3, 4, 5, 6, 7]],
+    (MESH_2D, ('y', 'x')): [[0, 4, 1, 5, 2, 6, 3, 7]],
+}
+LOCAL_SHAPE = (5, 8)
+OPS = ('sum', 'max', 'min', 'prod')
+PAIRS = [(0, 7), (7, 0), (3, 4)]
+
+
+def _collective_program(mesh, axes_list):
+  def fn(ctx, x):
+    c, out = ctx.collectives, []
+    for axes in axes_list:
+      k = mesh.axes_size(axes)
+      out += [c.all_reduce(x, axes, op) for op in OPS]
+      out += [c.reduce_scatter(x, axes, 0), c.all_gather(x, axes, 1),
+              c.all_to_all(x, axes, 1, 0), c.broadcast(x, axes, k - 1)]
+    out += [c.shift(x, mesh.axis_names[-1], 1), c.shift(x, mesh.axis_names[-1], -1, cyclic=True),
+            c.permute(x, PAIRS)]
+    return out
+  return fn
+
+
+@pytest.fixture(scope='module', params=['1d', '2d'])
+def collective_run(request):
+  """One compiled program per mesh holding every kind over every axis set; run once."""
+  mesh = MESH_1D if request.param == '1d' else MESH_2D
+  axes_list = [axes for (m, axes) in GROUPS if m is mesh]
+  export = export_per_replica(mesh, _collective_program(mesh, axes_list),
+                              [np.zeros(LOCAL_SHAPE, np.float32)])
+  executable = PjrtExecutable(export)
+  rng = np.random.default_rng(0)
+  inputs = [rng.uniform(0.5, 1.5, LOCAL_SHAPE).astype(np.float32) for _ in range(8)]
+  outputs = executable.run([pjrt.put_local(inputs, executable.devices)])
+  got = [[np.asarray(b) for b in result] for result in outputs]
+  return mesh, axes_list, inputs, got, executable
+
+
+def _expected(mesh, axes_list, x):
+  """What every replica should hold, from numpy and the hand-written groups."""
+  want = [[] for _ in range(8)]
+  reduce = {'sum': np.sum, 'max': np.max, 'min': np.min, 'prod': np.prod}
+  for axes in axes_list:
+    for group in GROUPS[(mesh, axes)]:
+      k = len(group)
+      stacked = np.stack([x[m] for m in group])
+      chunk = -(-LOCAL_SHAPE[0] // k)
+      padded = np.pad(stacked, [(0, 0), (0, k * chunk - LOCAL_SHAPE[0]), (0, 0)])
+      for pos, member in enumerate(group):
+        want[member] += [reduce[op](stacked, axis=0) for op in OPS]
+        want[member].append(padded.sum(0)[pos * chunk:(pos + 1) * chunk])
+        want[member].append(np.concatenate(list(stacked), axis=1))
+        cols = LOCAL_SHAPE[1] // k
+        want[member].append(np.concatenate([x[m][:, pos * cols:(pos + 1) * cols] for m in group], 0))
+        want[member].append(x[group[-1]])
+  last = mesh.axis_names[-1]
+  rows = GROUPS[(mesh, (last,))]
+  for row in rows:
+    for pos, member in enumerate(row):
+      want[member].append(x[row[pos - 1]] if pos > 0 else np.zeros(LOCAL_SHAPE, np.float32))
+      want[member].append(x[row[(pos + 1) % len(row)]])
+  for member in range(8):
+    source = [s for s, t in PAIRS if t == member]
+    want[member].append(x[source[0]] if source else np.zeros(LOCAL_SHAPE, np.float32))
+  return want
+
+
+def test_every_collective_matches_numpy(collective_run):
+  mesh, axes_list, inputs, got, _ = collective_run
+  want = _expected(mesh, axes_list, inputs)
+  for member in range(8):
+    for j, expected in enumerate(want[member]):
+      np.testing.assert_allclose(got[j][member], expected, rtol=1e-6,
+                                 err_msg=f'{mesh} replica {member} result {j}')
+
+
+def test_compiled_collectives_carry_hand_written_groups(collective_run):
+  mesh, axes_list, _, _, executable = collective_run
+  kinds = collections.Counter(stablehlo_collectives(executable.export.module))
+  n = len(axes_list)
+  assert kinds == {'all-reduce': 5 * n, 'reduce-scatter': n, 'all-gather': n, 'all-to-all': n,
+                   'collective-permute': 3}
+  found = pjrt.hlo_collectives(executable.compiled_hlo())
+  want = {tuple(map(tuple, GROUPS[(mesh, axes)])) for axes in axes_list}
+  assert {c.replica_groups for c in found if c.kind == 'all-gather'} == want
+  assert {c.replica_groups for c in found if c.kind == 'all-to-all'} == want
+  pairs = {c.source_target_pairs for c in found if c.kind == 'collective-permute'}
+  assert tuple(sorted(PAIRS)) in {tuple(sorted(p)) for p in pairs}
