@@ -600,6 +600,19 @@ def _search_spec(s: Sharding, mesh: Mesh, rank: int) -> Optional[NamedSharding]:
   return None
 
 
+def _merged_subgroups(s: Sharding) -> np.ndarray:
+  """`s`'s tile assignment with its subgroup dims merged per kind (in `_kind_order`), size-1
+  ones dropped, devices kept in the order given (so a reordered mesh reproduces it)."""
+  rank, tile = s.rank, s.tile_assignment
+  order, sizes = list(range(rank)), list(tile.shape[:rank])
+  for k in sorted(set(s.subgroups), key=_kind_order):
+    dims = [rank + i for i, kind in enumerate(s.subgroups) if kind == k]
+    order += dims
+    size = math.prod(tile.shape[d] for d in dims)
+    sizes += [size] if size > 1 else []
+  return tile.transpose(order).reshape(sizes[:rank] + [n for n in sizes[rank:]])
+
+
 def _search_reordered(s: Sharding, mesh: Mesh, rank: int) -> Optional[NamedSharding]:
   """`s` as a spec on a reordering of `mesh` (same axis names and sizes, its own device order).
 
@@ -612,15 +625,11 @@ def _search_reordered(s: Sharding, mesh: Mesh, rank: int) -> Optional[NamedShard
   `s` has a manual subgroup.
   """
   key = s._canonical()
-  if key[0] != 'tiled':
+  if key[0] != 'tiled' or MANUAL in s.subgroups:
     return None
-  _, _, kinds, shape, flat = key
-  if MANUAL in kinds:
-    return None
-  grid = np.array(flat, dtype=np.int64).reshape(shape)  # tile dims, then partial, replicated
-  sub = dict(zip(kinds, shape[rank:]))
-  partial_size = sub.get(PARTIAL_PREFIX + s.partial, 1) if s.partial else 1
-  for chosen, part in _axis_choices(mesh, shape[:rank], partial_size):
+  grid = _merged_subgroups(s)  # tile dims, then partial, then replicated (size > 1 only)
+  partial_size = s.subgroup_size(PARTIAL_PREFIX + s.partial) if s.partial else 1
+  for chosen, part in _axis_choices(mesh, grid.shape[:rank], partial_size):
     used = [a for axes in chosen for a in axes] + list(part)
     rest = [a for a in mesh.axis_names if a not in used and mesh.axis_size(a) > 1]
     order = used + rest  # the grid's dims, each split over its axes, major first
