@@ -104,14 +104,14 @@ def export_per_replica(mesh: Mesh, fn, local_args: Sequence, *, name: str = 'per
   concrete = function.get_concrete_function(*local_args)
   try:
     text = function.experimental_get_compiler_ir(*local_args)(stage='stablehlo')
-  except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError,
-          tf.errors.NotFoundError) as error:
+  except (tf.errors.OpError, ValueError) as error:  # TF wraps tf2xla's refusal in a ValueError
     raise _lowering_error(error, name) from None
-  aliases = _input_output_aliases(text)
-  module = native.to_native(_clean_module(text, per_replica.__name__))
   args = list(arg_layouts) if arg_layouts is not None else [
       _local_layout(f'arg{i}', 'variable' if isinstance(a, tf.Variable) else 'argument', a)
       for i, a in enumerate(local_args)]
+  _check_parameters(text, local_args, [a.name for a in args], name)
+  aliases = _input_output_aliases(text)
+  module = native.to_native(_clean_module(text, per_replica.__name__))
   outputs = [tf.TensorSpec(t.shape, t.dtype) for t in concrete.outputs]
   results = list(output_layouts) if output_layouts is not None else [
       _local_layout(f'output{j}', 'output', spec) for j, spec in enumerate(outputs)]
@@ -124,6 +124,44 @@ def export_per_replica(mesh: Mesh, fn, local_args: Sequence, *, name: str = 'per
                        f'{output_index}, expected {len(results)} (after the outputs).')
     results.append(dataclasses.replace(args[param], kind='variable', updates=param))
   return XlaExport(module, mesh, args, results, name)
+
+
+_MAIN_SIGNATURE = re.compile(r'func\.func @main\((?P<params>.*?)\) -> ')
+_PARAM_TYPE = re.compile(r'%arg\d+: (?P<type>tensor<[^>]*>)')
+_ELEMENT_TYPES = {'float32': 'f32', 'float64': 'f64', 'float16': 'f16', 'bfloat16': 'bf16',
+                  'int8': 'i8', 'int16': 'i16', 'int32': 'i32', 'int64': 'i64', 'uint8': 'ui8',
+                  'uint16': 'ui16', 'uint32': 'ui32', 'uint64': 'ui64', 'bool': 'i1'}
+
+
+def _tensor_type(value) -> str:
+  shape = tuple(int(d) for d in value.shape)
+  element = _ELEMENT_TYPES.get(tf.as_dtype(value.dtype).name, tf.as_dtype(value.dtype).name)
+  return 'tensor<' + ''.join(f'{d}x' for d in shape) + element + '>'
+
+
+def _check_parameters(text: str, local_args: Sequence, arg_names: Sequence[str],
+                      name: str) -> None:
+  """Raise when tf2xla folded an argument into the program as a compile-time constant.
+
+  XLA needs some inputs as constants (a `tf.range` bound, a shape); tf2xla then
+  drops that parameter and bakes in the example value, which would silently run
+  every call with it.
+  """
+  match = _MAIN_SIGNATURE.search(text)
+  params = [m.group('type') for m in _PARAM_TYPE.finditer(match.group('params'))] if match else []
+  if len(params) == len(local_args):
+    return
+  dropped, j = [], 0
+  for i, value in enumerate(local_args):  # tf2xla keeps the order of the parameters it keeps
+    if j < len(params) and params[j] == _tensor_type(value):
+      j += 1
+    else:
+      dropped.append(arg_names[i] if i < len(arg_names) else f'#{i}')
+  raise XlaLoweringError(
+      f'export {name}: XLA needs argument(s) {dropped} as compile-time '
+      'constants (e.g. the bound of a tf.range loop or a shape), so they cannot be run-time '
+      'inputs of the exported program. Pass such values as Python numbers (they become part '
+      'of the traced function) instead of tensors.')
 
 
 def _local_layout(name: str, kind: str, value) -> Layout:

@@ -95,9 +95,29 @@ _STABLEHLO_COLLECTIVE = re.compile(
     r'collective_broadcast)\b')
 
 
+_FUNC = re.compile(r'^  func\.func (?:private )?@(?P<name>[\w.$\-]+)\(', re.M)
+_CALL = re.compile(r'\bcall @(?P<name>[\w.$\-]+)')
+
+
 def stablehlo_collectives(module_text: str) -> List[str]:
-  """The kinds of the collective ops of StableHLO text, in order, HLO-spelled ('all-gather')."""
-  return [m.group(1).replace('_', '-') for m in _STABLEHLO_COLLECTIVE.finditer(module_text)]
+  """The collective ops that `@main` runs (itself and the functions it calls), HLO-spelled.
+
+  tf2xla's module also keeps a while body as an uncalled private function beside the
+  copy inlined in the loop: that copy is not counted.
+  """
+  starts = list(_FUNC.finditer(module_text))
+  bodies = {m.group('name'): module_text[m.start():(starts[i + 1].start() if i + 1 < len(starts)
+                                                    else len(module_text))]
+            for i, m in enumerate(starts)}
+  seen, todo, kinds = set(), ['main'], []
+  while todo:
+    name = todo.pop()
+    if name in seen or name not in bodies:
+      continue
+    seen.add(name)
+    kinds += [m.group(1).replace('_', '-') for m in _STABLEHLO_COLLECTIVE.finditer(bodies[name])]
+    todo += [m.group('name') for m in _CALL.finditer(bodies[name])]
+  return kinds
 
 
 @dataclasses.dataclass(frozen=True)
