@@ -23,7 +23,7 @@ A tuple collective (XLA combines small all-reduces) counts once, with the bytes
 of all its operands.
 
 jax/jaxlib (PJRT) is needed: XLA_FLAGS must ask for N host devices before jax
-initializes (`pjrt_devices` does it when jax is not initialized yet). TF is
+initializes (`pjrt.jax_devices` does it when jax is not initialized yet). TF is
 imported first (see /work/shared/notes/xla-bridge-facts.md).
 """
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
 import time
 from typing import Dict, List, Optional, Sequence
@@ -43,29 +42,7 @@ from tensorflow.compiler.xla.service import hlo_pb2
 
 from tf_gspmd import op_sharding
 from tf_gspmd.sharding import Sharding
-
-_DEVICE_COUNT_FLAG = '--xla_force_host_platform_device_count'
-
-
-# --- PJRT devices ------------------------------------------------------------------------------
-def pjrt_devices(n: int) -> list:
-  """The first `n` PJRT CPU devices, asking XLA for `n` host devices if no count is set.
-
-  XLA reads the flag when jax creates its CPU client (the first device query,
-  not the import: Keras may have imported jax already), so this works until
-  something in the process has asked jax for devices.
-  """
-  flags = os.environ.get('XLA_FLAGS', '')
-  if _DEVICE_COUNT_FLAG not in flags:
-    os.environ['XLA_FLAGS'] = f'{flags} {_DEVICE_COUNT_FLAG}={n}'.strip()
-  import jax  # pylint: disable=g-import-not-at-top
-  devices = jax.devices('cpu')
-  if len(devices) < n:
-    raise RuntimeError(
-        f'XLA partitioner: {n} PJRT CPU devices needed, jax has {len(devices)}. Set '
-        f'XLA_FLAGS={_DEVICE_COUNT_FLAG}={n} before jax is first imported.')
-  return devices[:n]
-
+from tf_gspmd.xla_bridge import pjrt
 
 def _xla_client():
   # jaxlib's XLA client is the only Python handle on PJRT's compile options (num_partitions,
@@ -177,6 +154,9 @@ def lower_annotated(fn, args: Sequence, arg_shardings: Sequence[Optional[Shardin
     params.append(param)
   alias = {e.output_shape_index[0]: e.parameter_number
            for e in module.input_output_alias.entries}
+  # No donation, as in tf_gspmd's exported program: both sides keep their inputs alive, so
+  # peak memory compares like with like and an input may be fed again (benchmarks do).
+  module.ClearField('input_output_alias')
   root = _root(module)
   outputs = len(root.shape.tuple_shapes) if root.shape.tuple_shapes else 1
   results = [hlo_params[alias[k]].sharding if k in alias else _replicated()
@@ -201,7 +181,7 @@ class XlaPartitionedStep:
                variable_sharding=lambda v: None):
     import jax  # pylint: disable=g-import-not-at-top
     self._jax = jax
-    self.devices = pjrt_devices(num_devices)
+    self.devices = pjrt.jax_devices(num_devices)
     arg_shardings = list(arg_shardings) if arg_shardings is not None else [None] * len(args)
     self.module, self.parameters, self.alias, self.num_outputs = lower_annotated(
         fn, args, arg_shardings, variable_sharding)
