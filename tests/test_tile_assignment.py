@@ -305,7 +305,8 @@ def test_conv_with_halos_split_in_another_order():
   perm_kinds, same_kinds = _run_both(f, (x, k), M8, ([permuted, None], None),
                                      ([same, None], None))
   assert ('permute', ('x',)) in same_kinds  # the halo exchange
-  _one_more_permute(perm_kinds, same_kinds, 1)
+  # The only order annotated is the image's: the program runs in it, nothing extra moves.
+  assert perm_kinds == same_kinds
 
 
 def test_all_to_all_from_and_to_other_orders():
@@ -349,8 +350,33 @@ def test_inputs_and_outputs_keep_their_order_as_sharded_values():
   assert_close(pf(x), x * 3.0)
   compiled = pf.get_program(x)
   assert compiled.arg_shardings[0].mesh == layout.mesh  # split in the annotation's order
-  # An elementwise op between two moves: one permute in, one out, nothing else.
-  assert kinds(pf) == [('permute', ()), ('permute', ())]
+  assert compiled.spmd.mesh == layout.mesh              # and the program runs in it
+  assert kinds(pf) == []
   # Per-device pieces follow the annotation: device 2 holds tile (0, 1).
   shards = compiled.spmd.out_shardings[0]
   assert shards.tile_index(2) == (0, 1) and shards.tile_index(1) == (0, 3)
+  # Inputs and outputs must stay in the mesh's order (the output is annotated so): the program
+  # keeps the mesh's order, the input moves once on entry.
+  pf = partition(f, M24, in_shardings=order, out_shardings=NamedSharding(M24, P('x', 'y')))
+  assert_close(pf(x), x * 3.0)
+  assert pf.get_program(x).spmd.mesh == M24 and kinds(pf) == [('permute', ())]
+
+
+def test_variables_pin_the_mesh_order():
+  w = tf.Variable(randn(9, 8, 8))
+  tg.shard_variable(w, M24, P('x', 'y'))
+  order = _tiled(ISSUE_ORDER, (2, 4))
+
+  @tf.function
+  def f(x):
+    w.assign_add(x)
+    return w * 2.0
+
+  x = randn(10, 8, 8)
+  want = (w.numpy() + x) * 2.0
+  pf = partition(f, M24, in_shardings=order)
+  assert_close(pf(x), want)
+  assert pf.get_program(x).spmd.mesh == M24  # the variable keeps the mesh's order
+  assert kinds(pf) == [('permute', ())]
+  pf.sync_variables()
+  assert_close(w.numpy(), want / 2.0)

@@ -332,6 +332,11 @@ class PartitionedFunction:
   def _annotate(self, graph: ir.Graph, tensor: str, sharding: Sharding, what: str) -> None:
     t = graph.tensor(tensor)
     named = named_for_rank(sharding, self.mesh, len(t.shape))
+    if named is None:
+      raise ValueError(
+          f'partition: {what} for {tensor} gives {sharding}, which no spec on {self.mesh} says '
+          f'in any device order (its tile dims {list(sharding.tile_shape or ())} are no grouping '
+          'of the mesh axes); annotate with shardings over this mesh.')
     named.check_shape(t.shape, f'{what} for {tensor}')
     graph.producer(tensor).annotations[t.index] = named
 
@@ -344,16 +349,19 @@ class PartitionedFunction:
     var_names = list(program.variables)
     variables = [program.variables[n] for n in var_names]
     mesh = self.mesh
-    arg_targets = [plan.target(main, n) for n in arg_names]
+    if self.backend == 'tf':
+      mesh = _working_order(main, plan, mesh, arg_names, var_names)
+    target = plan.target if mesh == self.mesh else _in_order(plan.target, mesh)
+    arg_targets = [target(main, n) for n in arg_names]
     # Inputs and outputs keep the device order their annotation names (see _boundary_layout).
     arg_shardings = [_boundary_layout(main, n, s, mesh) for n, s in zip(arg_names, arg_targets)]
-    capture_shardings = [plan.target(main, n) for n in capture_names]
+    capture_shardings = [target(main, n) for n in capture_names]
     sharded_cls = ShardedVariable
     if self.backend == 'xla':
       from tf_gspmd.xla_bridge.pjrt import XlaShardedVariable  # pylint: disable=g-import-not-at-top
       sharded_cls = XlaShardedVariable
     for name, var in zip(var_names, variables):
-      self._shard_variable(var, plan.target(main, name), sharded_cls)
+      self._shard_variable(var, target(main, name), sharded_cls)
     arg_shapes = [tuple(main.tensor(n).shape) for n in arg_names + capture_names]
     var_layouts = [(self._sharded_variables[id(v)].sharding, tuple(v.shape)) for v in variables]
     for t in main.outputs:
@@ -362,7 +370,7 @@ class PartitionedFunction:
         raise ValueError(
             f'partition: output {t} ({main.producer(t).op}) has shape {shape}, known only at run '
             'time; a partitioned function returns tensors of static shape.')
-    out_targets = [plan.target(main, t) for t in main.outputs]
+    out_targets = [target(main, t) for t in main.outputs]
     out_shardings = [_boundary_layout(main, t, s, mesh) for t, s in zip(main.outputs, out_targets)]
     out_shapes = [tuple(main.tensor(t).shape) for t in main.outputs]
     op_records: List[OpRecord] = []
@@ -374,7 +382,7 @@ class PartitionedFunction:
                 zip(local[:n_args], arg_shardings + capture_shardings, arg_shapes)]
       bound = {name: Local(v.handle, s, shape)
                for name, v, (s, shape) in zip(var_names, local[n_args:], var_layouts)}
-      partitioner = Partitioner(program, plan.target, mesh, ctx.collectives, lower_reshard.reshard,
+      partitioner = Partitioner(program, target, mesh, ctx.collectives, lower_reshard.reshard,
                                 dispatch.lookup)
       move = _BoundaryMove(ctx.collectives, lower_reshard.reshard)
       values = [move(main, n, v, s, 'argument') for n, v, s in
@@ -419,6 +427,46 @@ class PartitionedFunction:
         trainable=getattr(var, 'trainable', True))
 
 
+def _working_order(graph: ir.Graph, plan, mesh: Mesh, args, variables) -> Mesh:
+  """The device order the program computes in: `mesh`'s, or one the annotations name.
+
+  When the inputs and outputs annotated in an order other than the mesh's all
+  name one order D (a TPU program written against its own hand-ordered mesh),
+  and running in D changes the layout of no input or output annotated in the
+  mesh's order and of no variable, the whole program runs in D: partition p
+  is still device p, it just sits elsewhere in the mesh. Those inputs and
+  outputs then need no permute at all.
+  """
+  orders, pinned = set(), [plan.target(graph, v) for v in variables]
+  for name in list(args) + list(graph.outputs):
+    layout = _boundary_layout(graph, name, plan.target(graph, name), mesh)
+    if layout.mesh != mesh:
+      orders.add(layout.mesh)
+    elif _annotation(graph, name) is not None:
+      pinned.append(layout)
+  if len(orders) != 1:
+    return mesh
+  order = orders.pop()
+  return order if all(_on_order(s, order) == s for s in pinned) else mesh
+
+
+def _on_order(s: NamedSharding, order: Mesh) -> NamedSharding:
+  """`s`'s spec (and pending reduction) on another device order of its mesh."""
+  if not isinstance(s, NamedSharding) or s.mesh == order:
+    return s
+  return NamedSharding(order, s.spec, s.partial_axes, s.partial or 'sum')
+
+
+def _in_order(target, order: Mesh):
+  """Propagation's `target(graph, tensor)` re-expressed in the program's device order."""
+  return lambda graph, tensor: _on_order(target(graph, tensor), order)
+
+
+def _annotation(graph: ir.Graph, tensor: str):
+  t = graph.tensor(tensor)
+  return graph.producer(tensor).annotations.get(t.index)
+
+
 def _boundary_layout(graph: ir.Graph, tensor: str, target: NamedSharding,
                      mesh: Mesh) -> NamedSharding:
   """How the program takes or returns `tensor`: `target` in its annotation's device order.
@@ -431,7 +479,7 @@ def _boundary_layout(graph: ir.Graph, tensor: str, target: NamedSharding,
   value, so every op computes in the mesh's order.
   """
   t = graph.tensor(tensor)
-  given = graph.producer(tensor).annotations.get(t.index)
+  given = _annotation(graph, tensor)
   if given is None or target.partial_axes or t.shape is None:
     return target
   try:
