@@ -7,8 +7,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup demo test test-fast bench clean
 
-# jax (XLA's own GSPMD, to compare against) lives in its own venv: its numpy and
-# ml_dtypes pins need not agree with TensorFlow's.
+# jax (XLA's own GSPMD, to compare against) lives in its own venv for the reference
+# tests. backend='xla' needs jax/jaxlib in .venv itself (the tf_gspmd[xla] extra,
+# requirements-xla.lock: same numpy and ml_dtypes as TF); `make test` installs it there,
+# `make demo` does not need it.
 JAXENV ?= .jaxenv
 JAXSTAMP := $(JAXENV)/.installed
 JAX_VERSION := 0.10.2
@@ -31,11 +33,17 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/keras/demo.py
 
-test: $(STAMP) $(JAXSTAMP)
+XLASTAMP := $(VENV)/.installed-xla
+
+$(XLASTAMP): $(STAMP) requirements-xla.lock
+	$(PY) -m pip install -q -r requirements.lock -r requirements-xla.lock
+	touch $(XLASTAMP)
+
+test: $(STAMP) $(XLASTAMP) $(JAXSTAMP)
 	TF_GSPMD_JAX_PYTHON=$(JAXENV)/bin/python $(PY) -m pytest -q tests
 
 # A quick loop for development: skips the tests marked slow (CI runs them all).
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(XLASTAMP)
 	$(PY) -m pytest -q tests -m "not slow"
 
 # The benchmarks (their latest output goes in the closing notes). The full op sweep

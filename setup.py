@@ -12,5 +12,7 @@ setup(
         'keras': ['keras>=3'],
         'test': ['pytest', 'hypothesis'],
         'jax': ['jax', 'jaxlib'],
+        # backend='xla': compile the exported StableHLO with XLA and run it through PJRT.
+        'xla': ['jax==0.10.2', 'jaxlib==0.10.2'],
     },
 )
