@@ -380,3 +380,23 @@ def test_variables_pin_the_mesh_order():
   assert kinds(pf) == [('permute', ())]
   pf.sync_variables()
   assert_close(w.numpy(), want / 2.0)
+
+
+def test_input_with_a_last_tile_dims_subgroup_in_another_order():
+  # Rows over 2 groups of 4 copies each, written with last_tile_dims={REPLICATED} (XLA's form).
+  proto = _proto([2, 1, 4], [5, 1, 7, 3, 4, 0, 6, 2], last_tile_dims=[0])
+  given = op_sharding.from_proto(proto)
+
+  @tf.function
+  def f(x):
+    return tf.reduce_sum(x * x, axis=0)
+
+  x = randn(11, 10, 6)
+  pf = partition(f, M24, in_shardings=given)
+  assert_close(pf(x), f(x))
+  compiled = pf.get_program(x)
+  assert compiled.arg_shardings[0] == given  # split as annotated, each device its rows
+  in_order = partition(f, M24, in_shardings=NamedSharding(M24, P('x', None)))
+  assert_close(in_order(x), f(x))
+  # Only the annotated order differs: the program runs in it, nothing extra moves.
+  assert compiled.spmd.mesh != M24 and kinds(pf) == kinds(in_order)
