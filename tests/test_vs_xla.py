@@ -45,13 +45,15 @@ def _both_ways(mesh, batches):
   theirs = xla_partitioner.XlaPartitionedStep(
       step, batches[0], mesh.size, arg_shardings=program.arg_shardings,
       variable_sharding=lambda v: layouts.get(id(v)))
-  return ours, theirs, _step(ref_model, ref_optimizer), model, ref_model
+  # Ours compiled by XLA too (backend='xla'), to read its collectives from compiled HLO.
+  ours_xla = tg.partition(step, mesh, backend='xla')
+  return ours, ours_xla, theirs, _step(ref_model, ref_optimizer), model, ref_model
 
 
 def test_mlp_2d_mesh_values_and_collectives():
   mesh = tg.Mesh.create(MESH_SHAPE, AXES)
   batches = _mlp_batches(16)
-  ours, theirs, reference, model, ref_model = _both_ways(mesh, batches)
+  ours, ours_xla, theirs, reference, model, ref_model = _both_ways(mesh, batches)
 
   # Every parameter carries the layout tf_gspmd chose: the Megatron kernels are split.
   layouts = {p.name.split('/', 1)[-1]: p.sharding for p in theirs.parameters}
@@ -62,6 +64,7 @@ def test_mlp_2d_mesh_values_and_collectives():
     want = float(reference(x, y))
     assert abs(float(ours(x, y)) - want) <= RTOL * max(1.0, abs(want))
     assert abs(float(theirs(x, y)) - want) <= RTOL * max(1.0, abs(want))
+    assert abs(float(ours_xla(x, y)) - want) <= RTOL * max(1.0, abs(want))
   xla_values = theirs.read_variables()
   ours.sync_variables()
   want = [v.numpy() for v in ref_model.variables]
@@ -77,6 +80,12 @@ def test_mlp_2d_mesh_values_and_collectives():
   # XLA shards the update of the replicated weights over 'model' and gathers them back.
   assert xla_kinds <= {('all-reduce', 4), ('all-reduce', 2), ('all-gather', 4)}
   assert all(r['bytes'] > 0 for r in theirs.collectives())
+  # Compiled by XLA, ours runs the same two all-reduce kinds, and moves no more bytes.
+  ours_compiled = xla_partitioner.partitioned_collectives(
+      ours_xla.xla_executable(*batches[0]).compiled_hlo(), mesh.size)
+  assert {(r['kind'], r['group_size']) for r in ours_compiled} == {('all-reduce', 4),
+                                                                   ('all-reduce', 2)}
+  assert sum(r['bytes'] for r in ours_compiled) <= sum(r['bytes'] for r in theirs.collectives())
 
   memory = theirs.memory()
   assert memory['peak'] >= memory['arguments'] > 0
