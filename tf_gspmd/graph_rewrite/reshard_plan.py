@@ -623,10 +623,30 @@ def _same_spec_on(s: NamedSharding, mesh: Mesh) -> NamedSharding:
 
 
 def _with_reorder(inner: ReshardPlan, src, dst, step, first: bool) -> ReshardPlan:
-  steps = inner.steps if step is None else ((step,) + inner.steps if first else
-                                            inner.steps + (step,))
+  steps = inner.steps
+  if step is not None and first:
+    steps = _merge_permutes(step, steps[0]) + steps[1:] if steps else (step,)
+  elif step is not None:
+    steps = steps[:-1] + _merge_permutes(steps[-1], step) if steps else (step,)
   return ReshardPlan(src, dst, inner.shape, inner.dtype_size, steps, inner.bound_bytes,
                      inner.strategy, inner.mesh)
+
+
+def _merge_permutes(a, b) -> tuple:
+  """(a, b) as steps; one Permute when both are permutes (a then b moves each buffer once)."""
+  if not (isinstance(a, Permute) and isinstance(b, Permute)):
+    return (a, b)
+  sender_a, sender_b = dict((t, s) for s, t in a.pairs), dict((t, s) for s, t in b.pairs)
+  devices = sorted(set(sender_a) | set(sender_b))
+  pairs = []
+  for d in devices:  # d ends with the buffer that a's step gave the device b takes from
+    via = sender_b.get(d, d)
+    origin = sender_a.get(via, via)
+    if origin != d:
+      pairs.append((origin, d))
+  if not pairs:
+    return ()
+  return (Permute(tuple(pairs), a.from_axes, b.to_axes, a.shape_in),)
 
 
 def _reorder_step(src: NamedSharding, dst: NamedSharding, shape):
