@@ -293,8 +293,27 @@ def _captured_values(graph: FuncGraph) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     if variable is not None:
       variables[internal.name] = variable
     else:
+      _refuse_untracked_variable_handle(graph, internal)
       captures[internal.name] = external
   return variables, captures
+
+
+def _refuse_untracked_variable_handle(graph: FuncGraph, internal: tf.Tensor) -> None:
+  """A variable reached only through `v.handle` (as `tf.raw_ops.ResourceApply*(accum=slot.handle)`
+  and tf_keras's legacy optimizers write it) is not in `graph.variables`: tf_gspmd could not
+  shard it, and handing every partition the one eager handle would update it N times."""
+  if internal.dtype != tf.resource:
+    return
+  users = [op for op in graph.get_operations() if any(t is internal for t in op.inputs)]
+  variable_users = [op for op in users if op.type.startswith('Resource') or op.type in (
+      'ReadVariableOp', 'AssignVariableOp', 'AssignAddVariableOp', 'AssignSubVariableOp',
+      'VariableShape')]
+  if variable_users:
+    raise ValueError(
+        f'capture: {graph.name} uses the handle of a variable it does not track ({internal.name}, '
+        f'by {variable_users[0].type} {variable_users[0].name}); tf_gspmd cannot shard a variable it '
+        'cannot see. Read the variable in the function or call '
+        '`tf.compat.v1.get_default_graph().watch_variable(v)` before using `v.handle`.')
 
 
 # ----------------------------------------------------------------------------
