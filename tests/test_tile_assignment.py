@@ -400,3 +400,33 @@ def test_input_with_a_last_tile_dims_subgroup_in_another_order():
   assert_close(in_order(x), f(x))
   # Only the annotated order differs: the program runs in it, nothing extra moves.
   assert compiled.spmd.mesh != M24 and kinds(pf) == kinds(in_order)
+
+
+def test_a_variable_annotated_in_the_issue_order_is_stored_in_it():
+  d24 = M24.reordered(np.reshape(ISSUE_ORDER, (2, 4)))
+  w = tf.Variable(randn(11, 8, 8))
+  tg.shard_variable(w, d24, P('x', 'y'))
+  w_ref = tf.Variable(w.numpy())
+
+  def make(var):
+    @tf.function
+    def f(x):
+      var.assign_add(x)
+      return tf.matmul(x, var)
+    return f
+
+  x = randn(12, 8, 8)
+  pf = partition(make(w), M24, in_shardings=NamedSharding(d24, P('x', None)))
+  assert_close(pf(x), make(w_ref)(x))
+  assert pf.get_program(x).spmd.mesh == d24
+  (sharded,) = pf.sharded_variables()
+  assert sharded.sharding.mesh == d24  # device 2 holds the tile (0, 1) the annotation gives it
+  assert sharded.sharding.tile_index(2) == (0, 1)
+  pf.sync_variables()
+  assert_close(w.numpy(), w_ref.numpy())
+  # The same step written in the mesh's order moves exactly the same.
+  w2 = tf.Variable(randn(11, 8, 8))
+  tg.shard_variable(w2, M24, P('x', 'y'))
+  in_order = partition(make(w2), M24, in_shardings=NamedSharding(M24, P('x', None)))
+  in_order(x)
+  assert kinds(pf) == kinds(in_order)

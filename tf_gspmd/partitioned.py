@@ -350,7 +350,7 @@ class PartitionedFunction:
     variables = [program.variables[n] for n in var_names]
     mesh = self.mesh
     if self.backend == 'tf':
-      mesh = _working_order(main, plan, mesh, arg_names, var_names)
+      mesh = _working_order(main, plan, mesh, arg_names, program.variables)
     target = plan.target if mesh == self.mesh else _in_order(plan.target, mesh)
     arg_targets = [target(main, n) for n in arg_names]
     # Inputs and outputs keep the device order their annotation names (see _boundary_layout).
@@ -430,20 +430,22 @@ class PartitionedFunction:
 def _working_order(graph: ir.Graph, plan, mesh: Mesh, args, variables) -> Mesh:
   """The device order the program computes in: `mesh`'s, or one the annotations name.
 
-  When the inputs and outputs annotated in an order other than the mesh's all
-  name one order D (a TPU program written against its own hand-ordered mesh),
-  and running in D changes the layout of no input or output annotated in the
-  mesh's order and of no variable, the whole program runs in D: partition p
+  When the inputs, outputs and variables annotated in an order other than the
+  mesh's all name one order D (a TPU program written against its own
+  hand-ordered mesh), and running in D changes the layout of no input, output
+  or variable annotated in the mesh's order (or left to propagation: a
+  variable's layout may be fixed by an earlier trace), the whole program runs
+  in D: variables are stored in D, and partition p
   is still device p, it just sits elsewhere in the mesh. Those inputs and
   outputs then need no permute at all.
   """
-  orders, pinned = set(), [plan.target(graph, v) for v in variables]
-  for name in list(args) + list(graph.outputs):
-    layout = _boundary_layout(graph, name, plan.target(graph, name), mesh)
-    if layout.mesh != mesh:
-      orders.add(layout.mesh)
-    elif _annotation(graph, name) is not None:
-      pinned.append(layout)
+  from tf_gspmd.annotations import variable_sharding  # pylint: disable=g-import-not-at-top
+  layouts = [(_in_given_order(variable_sharding(var), plan.target(graph, name), mesh), True)
+             for name, var in variables.items()]
+  layouts += [(_boundary_layout(graph, name, plan.target(graph, name), mesh),
+               _annotation(graph, name) is not None) for name in list(args) + list(graph.outputs)]
+  orders = {layout.mesh for layout, _ in layouts if layout.mesh != mesh}
+  pinned = [layout for layout, fixed in layouts if fixed and layout.mesh == mesh]
   if len(orders) != 1:
     return mesh
   order = orders.pop()
@@ -478,12 +480,15 @@ def _boundary_layout(graph: ir.Graph, tensor: str, target: NamedSharding,
   on exit) with one permute of whole shards. Elsewhere the order changes no
   value, so every op computes in the mesh's order.
   """
-  t = graph.tensor(tensor)
-  given = _annotation(graph, tensor)
-  if given is None or target.partial_axes or t.shape is None:
+  return _in_given_order(_annotation(graph, tensor), target, mesh)
+
+
+def _in_given_order(given: Optional[Sharding], target: NamedSharding, mesh: Mesh) -> NamedSharding:
+  """`target` in the device order `given` (an annotation) names, when that is not `mesh`'s."""
+  if given is None or target.partial_axes or target.rank is None:
     return target
   try:
-    named = named_for_rank(given, mesh, len(t.shape))
+    named = named_for_rank(given, mesh, target.rank)
   except ValueError:
     return target
   if named is None or named.mesh == mesh:
