@@ -104,6 +104,16 @@ def test_shard_variables_hold_each_replicas_shard(megatron_step):
     np.testing.assert_array_equal(component.numpy(), w1.numpy()[:, 8 * column:8 * column + 8])
 
 
+def test_shard_variables_round_trip_to_the_originals(megatron_step):
+  step, (w1, w2) = megatron_step
+  before = [w1.numpy(), w2.numpy()]
+  w1.assign(tf.zeros_like(w1))
+  w2.assign(tf.zeros_like(w2))
+  step.sync_variables()  # assembled from the 8 per-replica components
+  np.testing.assert_array_equal(w1.numpy(), before[0])
+  np.testing.assert_array_equal(w2.numpy(), before[1])
+
+
 def _replica_hlo(step, examples):
   function = step.replica_function()
   return function, function.experimental_get_compiler_ir(*examples)
