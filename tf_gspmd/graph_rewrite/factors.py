@@ -111,7 +111,7 @@ class FactorLayouts:
 
 def choose_layouts(p: Partitioner, graph, node, operands: Sequence[Local], rule=None,
                    windowed: bool = False, combinable: bool = True,
-                   reduction: str = 'sum') -> FactorLayouts:
+                   reduction: str = 'sum', whole: Sequence[str] = ()) -> FactorLayouts:
   """The operand and result layouts of `node` under the cheapest factor assignment of its rule.
 
   Candidates come from the propagated result shardings and from each
@@ -119,15 +119,16 @@ def choose_layouts(p: Partitioner, graph, node, operands: Sequence[Local], rule=
   wins, then the one with the smallest peak buffer. Windowed factors (conv
   and pool spatial dims) stay whole unless the caller computes halos
   (`windowed=True`); reduction factors stay whole when partial results
-  cannot be combined (`combinable=False`). Every hand-written handler of an
+  cannot be combined (`combinable=False`), and so do the factors in `whole`. Every hand-written handler of an
   op with a rule takes its layouts from here, so rule and handler agree.
   """
   rule = rule if rule is not None else rule_for(p, node, graph)
   targets = [p.target(graph, t.name) for t in node.outputs]
   shapes = [_known_shape(graph, t.name) for t in node.outputs]
   options = candidates(p, rule, operands, targets, windowed)
-  if not combinable:
-    options = [{f: (() if rule.kind(f) == REDUCTION else a) for f, a in c.items()} for c in options]
+  def keep(f):
+    return f not in whole and (combinable or rule.kind(f) != REDUCTION)
+  options = [{f: (a if keep(f) else ()) for f, a in c.items()} for c in options]
   layouts = [layouts_of(p, rule, c, operands, shapes, reduction) for c in options]
   return min(layouts, key=lambda lay: _cost(p, lay, operands, shapes, targets))
 

@@ -401,8 +401,7 @@ def _by_rule(p, graph, node, operands):
 
 
 # Gradient ops with a constant operand holding a global shape: operand index -> what it sizes.
-_SIZED_BACKPROPS = {'Conv2DBackpropInput': 0, 'DepthwiseConv2dNativeBackpropInput': 0,
-                    'Conv2DBackpropFilter': 1, 'DepthwiseConv2dNativeBackpropFilter': 1}
+_SIZED_BACKPROPS = {'Conv2DBackpropInput': 0, 'Conv2DBackpropFilter': 1}
 
 
 def _unsplit_avg_pool_grad(p, graph, node, operands):
@@ -500,21 +499,14 @@ def _out_channel_axes(p, graph, node, layout, candidates, used) -> Axes:
   return _free_axes([target.spec.axes_of(layout.channel)] + list(candidates), used)
 
 
-def _depthwise_channel_axes(p, axes: Axes, channels: int) -> Axes:
-  """Channel axes a depthwise op can keep: output channel c*m + j stays in the block of
-  input channel c only when the blocks are whole (the split divides the channels)."""
-  return axes if axes and channels % p.mesh.axes_size(axes) == 0 else ()
-
-
 # --- forward ops ---------------------------------------------------------------------------
-@halo_op(0, _image_windows(_filter_kernel), 'Conv2D', 'DepthwiseConv2dNative')
+@halo_op(0, _image_windows(_filter_kernel), 'Conv2D')
 def conv_handler(p, graph, node, operands, layout, windows):
-  """Conv2D / DepthwiseConv2dNative with split spatial dims: halo exchange, VALID conv.
+  """Conv2D with split spatial dims: halo exchange, VALID conv.
 
-  Batch and spatial dims keep the image's axes; Conv2D's input channels keep
-  theirs (partial sums over them), its output channels take the result's
-  target axes or the filter's when free. A depthwise conv keeps channel axes
-  that divide the channels.
+  Batch and spatial dims keep the image's axes; input channels keep theirs
+  (partial sums over them), output channels take the result's target axes or
+  the filter's when free.
   """
   image, filt = operands
   b, c = layout.batch, layout.channel
@@ -522,15 +514,10 @@ def conv_handler(p, graph, node, operands, layout, windows):
   spec = image.sharding.spec
   used = _used_axes(spec, [b]) | {a for sd in dims for a in sd.axes}
   in_ch = _free_axes([spec.axes_of(c)], used)
-  if node.op == 'DepthwiseConv2dNative':
-    in_ch = _depthwise_channel_axes(p, in_ch, image.shape[c])
-    out_ch, partial = in_ch, ()
-    filt_spec = _spec(4, d2=in_ch)
-  else:
-    out_ch = _out_channel_axes(p, graph, node, layout, [filt.sharding.spec.axes_of(3)],
-                               used | set(in_ch))
-    partial = in_ch
-    filt_spec = _spec(4, d2=in_ch, d3=out_ch)
+  out_ch = _out_channel_axes(p, graph, node, layout, [filt.sharding.spec.axes_of(3)],
+                             used | set(in_ch))
+  partial = in_ch
+  filt_spec = _spec(4, d2=in_ch, d3=out_ch)
   x = p.reshard(image, NamedSharding(p.mesh, _with_dims(spec, 4, dims, **{f'd{c}': in_ch})),
                 f'image of {node.op}')
   f = p.reshard(filt, NamedSharding(p.mesh, filt_spec), f'filter of {node.op}')
@@ -573,8 +560,7 @@ def _window_shape(local_shape, dims: Sequence[SpatialDim]) -> list:
   return shape
 
 
-@halo_op(2, _result_windows(_filter_kernel), 'Conv2DBackpropInput',
-         'DepthwiseConv2dNativeBackpropInput')
+@halo_op(2, _result_windows(_filter_kernel), 'Conv2DBackpropInput')
 def conv_backprop_input_handler(p, graph, node, operands, layout, windows):
   """Image gradient of a conv with split spatial dims.
 
@@ -589,14 +575,10 @@ def conv_backprop_input_handler(p, graph, node, operands, layout, windows):
   dims = _plan_dims(p, node, grad.sharding.spec, layout, windows, node.inputs[2])
   spec = grad.sharding.spec
   used = _used_axes(spec, [b]) | {a for sd in dims for a in sd.axes}
-  if node.op == 'DepthwiseConv2dNativeBackpropInput':
-    in_ch = _depthwise_channel_axes(p, _free_axes([spec.axes_of(c)], used), out_shape[c])
-    g_ch, partial, filt_spec = in_ch, (), _spec(4, d2=in_ch)
-  else:
-    g_ch = _free_axes([spec.axes_of(c)], used)
-    in_ch = _out_channel_axes(p, graph, node, layout, [filt.sharding.spec.axes_of(2)],
-                              used | set(g_ch))
-    partial, filt_spec = g_ch, _spec(4, d2=in_ch, d3=g_ch)
+  g_ch = _free_axes([spec.axes_of(c)], used)
+  in_ch = _out_channel_axes(p, graph, node, layout, [filt.sharding.spec.axes_of(2)],
+                            used | set(g_ch))
+  partial, filt_spec = g_ch, _spec(4, d2=in_ch, d3=g_ch)
   g = p.reshard(grad, NamedSharding(p.mesh, _with_dims(spec, 4, dims, **{f'd{c}': g_ch})),
                 f'output gradient of {node.op}')
   f = p.reshard(filt, NamedSharding(p.mesh, filt_spec), f'filter of {node.op}')
@@ -611,8 +593,7 @@ def conv_backprop_input_handler(p, graph, node, operands, layout, windows):
   return _result(p, graph, node, dx, out_spec, partial)
 
 
-@halo_op(0, _image_windows(_filter_sizes_kernel), 'Conv2DBackpropFilter',
-         'DepthwiseConv2dNativeBackpropFilter')
+@halo_op(0, _image_windows(_filter_sizes_kernel), 'Conv2DBackpropFilter')
 def conv_backprop_filter_handler(p, graph, node, operands, layout, windows):
   """Filter gradient of a conv with split spatial dims: the haloed input window against the
   local output-gradient rows, a partial sum over the batch and spatial axes."""
@@ -623,14 +604,10 @@ def conv_backprop_filter_handler(p, graph, node, operands, layout, windows):
   batch = spec.axes_of(b)
   used = set(batch) | {a for sd in dims for a in sd.axes}
   in_ch = _free_axes([spec.axes_of(c)], used)
-  if node.op == 'DepthwiseConv2dNativeBackpropFilter':
-    in_ch = _depthwise_channel_axes(p, in_ch, image.shape[c])
-    g_ch, filt_spec = in_ch, _spec(4, d2=in_ch)
-  else:
-    target = p.target(graph, node.outputs[0].name)
-    g_ch = _free_axes([grad.sharding.spec.axes_of(c), target.spec.axes_of(3)],
-                      used | set(in_ch))
-    filt_spec = _spec(4, d2=in_ch, d3=g_ch)
+  target = p.target(graph, node.outputs[0].name)
+  g_ch = _free_axes([grad.sharding.spec.axes_of(c), target.spec.axes_of(3)],
+                    used | set(in_ch))
+  filt_spec = _spec(4, d2=in_ch, d3=g_ch)
   x = p.reshard(image, NamedSharding(p.mesh, _with_dims(spec, 4, dims, **{f'd{c}': in_ch})),
                 f'image of {node.op}')
   g = p.reshard(grad, NamedSharding(p.mesh, _with_dims(spec, 4, dims, **{f'd{c}': g_ch})),
@@ -683,3 +660,87 @@ def avg_pool_grad_handler(p, graph, node, operands, layout, windows):
   dwindow = _emit_valid(node, [sizes, gt])
   dx = scatter_window(p, dwindow, out_layout, dims)
   return _result(p, graph, node, dx, spec)
+
+
+# --- depthwise convolutions: layouts from the rule ------------------------------------------
+_DEPTHWISE = ('DepthwiseConv2dNative', 'DepthwiseConv2dNativeBackpropInput',
+              'DepthwiseConv2dNativeBackpropFilter')
+
+
+def _depthwise_layouts(p, graph, node, operands, layout: Layout):
+  """The rule's layouts (`factors.choose_layouts`, spatial factors split with halos) and the
+  halo plan of each spatial dim. A spatial dim `_plan_dims` cannot halo-partition is
+  chosen whole instead (`_plan_dims` warns)."""
+  from tf_gspmd.graph_rewrite import factors  # pylint: disable=g-import-not-at-top
+  rule = factors.rule_for(p, node, graph)
+  names = ('h', 'w')
+  windows = [rule.windows[n] for n in names]
+  image = 2 if node.op == 'DepthwiseConv2dNativeBackpropInput' else 0
+  whole = []
+  while True:
+    chosen = factors.choose_layouts(p, graph, node, operands, rule, windowed=True, whole=whole)
+    spec = (chosen.results[0] if image == 2 else chosen.operands[0]).spec
+    dims = _plan_dims(p, node, spec, layout, windows, node.inputs[image])
+    unfit = [n for n, sd in zip(names, dims) if sd.axes != chosen.axes(n)]
+    if not unfit:
+      return chosen, dims
+    whole += unfit
+
+
+def _depthwise_operands(p, node, operands, chosen) -> List[Local]:
+  return [value if need is None else p.reshard(value, need, f'operand {i} of {node.op}')
+          for i, (need, value) in enumerate(zip(chosen.operands, operands))]
+
+
+def _finish_depthwise(p, graph, node, tensor, layout: NamedSharding) -> List[Local]:
+  out = node.outputs[0].name
+  value = Local(tensor, layout, global_shape(graph, out))
+  check_local_shape(node, value)
+  return [p.finish(graph, value, out)]
+
+
+@handles(*_DEPTHWISE)
+def depthwise_handler(p, graph, node, operands):
+  """A depthwise conv or one of its gradients, in the layouts its rule gives.
+
+  Output channel c * m + j stays with input channel c when channel blocks are
+  whole, which the rule's compound (c, m) dim ensures. Split spatial dims
+  exchange halos: the forward op and the filter gradient read the haloed
+  input window; the image gradient runs VALID on the local output-gradient
+  rows and sends the borrowed rows back (`scatter_window`). Unsplit spatial
+  dims are padded explicitly the same way, so the local op always runs VALID.
+  """
+  try:
+    if len(operands[0 if node.op != 'DepthwiseConv2dNativeBackpropInput' else 2].shape) != 4:
+      raise NotHaloable(f'{node.op} {node.name}: only rank-4 images are halo-partitioned.')
+    layout = Layout.of(node)
+  except NotHaloable as e:
+    p.warn_once(f'not-haloable:{node.name}', f'tf_gspmd: {e} Its operands are replicated.')
+    return fallback_handler(p, graph, node, operands)
+  chosen, dims = _depthwise_layouts(p, graph, node, operands, layout)
+  values = _depthwise_operands(p, node, operands, chosen)
+  result = chosen.results[0]
+  if node.op == 'DepthwiseConv2dNative':
+    x, f = values
+    window = gather_window(p, x.tensor, x.sharding, dims, 0)
+    return _finish_depthwise(p, graph, node, _emit_valid(node, [window, f.tensor]), result)
+  if node.op == 'DepthwiseConv2dNativeBackpropInput':
+    sizes, f, g = values
+    # Padding rows of the gradient would reach real input rows; padding multipliers the sum.
+    gt = _mask(p, g, g.tensor, range(4))
+    local = _window_shape(result.shard_shape(result_shape(graph, node)), dims)
+    dwindow = _emit_valid(node, [_local_shape_const(sizes.dtype, local), f.tensor, gt])
+    image = NamedSharding(p.mesh, result.spec)
+    return _finish_depthwise(p, graph, node, scatter_window(p, dwindow, image, dims), result)
+  x, sizes, g = values
+  # Both sides are summed over batch and spatial rows: no padding may take part.
+  xt = _mask(p, x, x.tensor, [layout.batch])
+  gt = _mask(p, g, g.tensor, range(4))
+  window = gather_window(p, xt, x.sharding, dims, 0)
+  local = result.shard_shape(result_shape(graph, node))
+  dw = _emit_valid(node, [window, _local_shape_const(sizes.dtype, local), gt])
+  return _finish_depthwise(p, graph, node, dw, result)
+
+
+def result_shape(graph, node) -> tuple:
+  return global_shape(graph, node.outputs[0].name)

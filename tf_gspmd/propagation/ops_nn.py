@@ -73,17 +73,54 @@ def conv(node, ctx):
                    [ctx.out_shape(node)], kinds=kinds, windows=windows)
 
 
+def _depthwise_factors(node, image_shape, f_shape):
+  """(image dims, filter dims, output-gradient/output dims, sizes) of a depthwise conv.
+
+  Output channel c * m + j is input channel c times multiplier j: the
+  output's channel dim holds the factors (c, m), c major; with a multiplier
+  of 1 it is plain c.
+  """
+  b, spatial, c, names = _conv_dims(node, image_shape)
+  multiplier = f_shape[3]
+  image = _with(4, b, spatial, c, names, 'b', 'c')
+  out = _with(4, b, spatial, c, names, 'b', ('c', 'm') if multiplier != 1 else 'c')
+  filt = ('kh', 'kw', 'c', None if multiplier == 1 else 'm')
+  windows = _windows(node, image_shape, f_shape[:2], spatial, names)
+  return image, filt, out, windows, {'c': image_shape[c], 'm': multiplier}, names
+
+
+_KERNEL_WHOLE = {'kh': NEED_REPLICATION, 'kw': NEED_REPLICATION}
+
+
 def depthwise_conv(node, ctx):
   """DepthwiseConv2dNative(input, filter[kh, kw, c, m]) -> [b, h', w', c*m]."""
   x_shape, f_shape = ctx.shape(node.inputs[0]), ctx.shape(node.inputs[1])
-  b, spatial, c, names = _conv_dims(node, x_shape)
-  windows = _windows(node, x_shape, f_shape[:2], spatial, names)
-  x = _with(4, b, spatial, c, names, 'b', 'c')
-  out = _with(4, b, spatial, c, names, 'b', ('c', 'm') if f_shape[3] != 1 else 'c')
-  return make_rule([x, ('kh', 'kw', 'c', None if f_shape[3] == 1 else 'm')], [out],
-                   [x_shape, f_shape], [ctx.out_shape(node)],
-                   kinds={'kh': NEED_REPLICATION, 'kw': NEED_REPLICATION}, windows=windows,
-                   sizes={'c': x_shape[c], 'm': f_shape[3]})
+  x, filt, out, windows, sizes, _ = _depthwise_factors(node, x_shape, f_shape)
+  return make_rule([x, filt], [out], [x_shape, f_shape], [ctx.out_shape(node)],
+                   kinds=_KERNEL_WHOLE, windows=windows, sizes=sizes)
+
+
+def depthwise_backprop_input(node, ctx):
+  """DepthwiseConv2dNativeBackpropInput(input_sizes, filter, out_backprop) -> [b, h, w, c].
+
+  Each input channel sums the gradients of its m output channels: m is a reduction.
+  """
+  f_shape, g_shape = ctx.shape(node.inputs[1]), ctx.shape(node.inputs[2])
+  out_shape = ctx.out_shape(node)
+  x, filt, g, windows, sizes, _ = _depthwise_factors(node, out_shape, f_shape)
+  return make_rule([None, filt, g], [x], [None, f_shape, g_shape], [out_shape],
+                   kinds={**_KERNEL_WHOLE, 'm': REDUCTION}, windows=windows, sizes=sizes)
+
+
+def depthwise_backprop_filter(node, ctx):
+  """DepthwiseConv2dNativeBackpropFilter(input, filter_sizes, out_backprop) -> [kh, kw, c, m]:
+  a sum over batch and spatial rows."""
+  x_shape, g_shape = ctx.shape(node.inputs[0]), ctx.shape(node.inputs[2])
+  out_shape = ctx.out_shape(node)
+  x, filt, g, windows, sizes, names = _depthwise_factors(node, x_shape, out_shape)
+  kinds = {**_KERNEL_WHOLE, 'b': REDUCTION, **{n: REDUCTION for n in names}}
+  return make_rule([x, None, g], [filt], [x_shape, None, g_shape], [out_shape],
+                   kinds=kinds, windows=windows, sizes=sizes)
 
 
 def conv_backprop_input(node, ctx):
@@ -198,6 +235,24 @@ def _depthwise_example(b):
   return 'y'
 
 
+def _depthwise_bi_example(b):
+  sizes = b.const([2, 16, 16, 3], name='input_sizes')
+  f = b.placeholder('filter', (3, 3, 3, 2))
+  g = b.placeholder('out_backprop', (2, 16, 16, 6))
+  b.op('DepthwiseConv2dNativeBackpropInput', [sizes, f, g], [(2, 16, 16, 3)], name='y',
+       attrs=_CONV_ATTRS)
+  return 'y'
+
+
+def _depthwise_bf_example(b):
+  x = b.placeholder('x', (2, 16, 16, 3))
+  sizes = b.const([3, 3, 3, 2], name='filter_sizes')
+  g = b.placeholder('out_backprop', (2, 16, 16, 6))
+  b.op('DepthwiseConv2dNativeBackpropFilter', [x, sizes, g], [(3, 3, 3, 2)], name='y',
+       attrs=_CONV_ATTRS)
+  return 'y'
+
+
 def _conv_bi_example(b):
   sizes = b.const([2, 16, 16, 3], name='input_sizes')
   f = b.placeholder('filter', (3, 3, 3, 8))
@@ -261,6 +316,10 @@ def _bn_grad_example(b):
 
 register('Conv2D', 'nn', conv, _conv_example)
 register('DepthwiseConv2dNative', 'nn', depthwise_conv, _depthwise_example)
+register('DepthwiseConv2dNativeBackpropInput', 'nn', depthwise_backprop_input,
+         _depthwise_bi_example)
+register('DepthwiseConv2dNativeBackpropFilter', 'nn', depthwise_backprop_filter,
+         _depthwise_bf_example)
 register('Conv2DBackpropInput', 'nn', conv_backprop_input, _conv_bi_example)
 register('Conv2DBackpropFilter', 'nn', conv_backprop_filter, _conv_bf_example)
 register(['MaxPool', 'AvgPool'], 'nn', pool, _pool_example('MaxPool'))

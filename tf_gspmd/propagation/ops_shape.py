@@ -442,11 +442,66 @@ def shape_query(node, ctx):
 
 
 def int_vector_op(node, ctx):
-  """Shape arithmetic (BroadcastGradientArgs, InvertPermutation): replicated results."""
+  """Shape arithmetic (BroadcastGradientArgs, InvertPermutation, ConcatOffset): replicated
+  results."""
   return replicated_results(node, ctx)
 
 
+class _GradientView:
+  """A StridedSliceGrad's context seen as its forward StridedSlice's: the input is the
+  tensor of the shape operand's value, the result is dy (the operand order is the same)."""
+
+  def __init__(self, node, ctx):
+    self._node, self._ctx = node, ctx
+
+  def shape(self, tensor):
+    if tensor == self._node.inputs[0]:
+      value = self._ctx.const_ints(tensor)
+      return None if value is None else tuple(value)
+    return self._ctx.shape(tensor)
+
+  def out_shape(self, node, index=0):
+    return self._ctx.shape(node.inputs[4])
+
+  def const_ints(self, tensor):
+    return self._ctx.const_ints(tensor)
+
+
+def strided_slice_grad(node, ctx):
+  """StridedSliceGrad(shape, begin, end, strides, dy): dy written into zeros of `shape`.
+
+  The forward slice's factors, transposed: dims the slice keeps whole pass
+  through from dy to the result; sliced and shrunk dims stay whole.
+  """
+  view = _GradientView(node, ctx)
+  if view.shape(node.inputs[0]) is None:
+    raise RuleError(f'StridedSliceGrad {node.name}: shape {node.inputs[0]} is not a constant.')
+  forward = strided_slice(node, view)
+  kinds = {f: NEED_REPLICATION for f in forward.factors()
+           if f in forward.windows or forward.kind(f) != 'pass_through'}
+  return make_rule([None] * 4 + [forward.results[0]], [forward.operands[0]],
+                   [None] * 4 + [ctx.shape(node.inputs[4])], [view.shape(node.inputs[0])],
+                   kinds=kinds)
+
+
 # --- examples ---------------------------------------------------------------------------
+def _strided_slice_grad_example(b):
+  shape = b.const([4, 6, 8], name='shape')
+  begin, end = b.const([0, 1, 0], name='begin'), b.const([4, 5, 8], name='end')
+  strides = b.const([1, 1, 1], name='strides')
+  dy = b.placeholder('dy', (4, 4, 8))
+  b.op('StridedSliceGrad', [shape, begin, end, strides, dy], [(4, 6, 8)], name='y')
+  return 'y'
+
+
+def _concat_offset_example(b):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  axis = b.const(1, name='axis')
+  s0, s1 = b.const([2, 3], name='s0'), b.const([2, 5], name='s1')
+  b.op('ConcatOffset', [axis, s0, s1], [(2,), (2,)], name='y', dtypes=[tf.int32] * 2)
+  return 'y'
+
+
 def _reshape_example(b):
   x = b.placeholder('x', (4, 6, 8))
   s = b.const([24, 2, 4], name='shape')
@@ -665,3 +720,5 @@ register(['Shape', 'Size', 'Rank'], 'shape', shape_query, _shape_example('Shape'
 register('ShapeN', 'shape', shape_query, _shape_example('ShapeN'))
 register(['BroadcastGradientArgs', 'BroadcastArgs'], 'shape', int_vector_op, _bga_example)
 register('InvertPermutation', 'shape', int_vector_op, _invert_perm_example)
+register('ConcatOffset', 'shape', int_vector_op, _concat_offset_example)
+register('StridedSliceGrad', 'shape', strided_slice_grad, _strided_slice_grad_example)
