@@ -8,9 +8,13 @@ leaves an operand to propagation), optionally asks for sharded outputs with
 on the logical devices and compares it with the unpartitioned tf.function:
 float results within a relative error of 1e-5 (scaled by the largest
 magnitude, as the end-to-end tests do), everything else exactly, variables
-included. It also records the collectives each case emitted; a
-pass-through op whose operands are all sharded alike, with its output left
-to propagation, must emit none.
+included. Every case runs twice, and so does the reference: state carried
+from call to call (a seeded random op's next draw, a variable's update) is
+checked on the second call, and a result that TF changes between calls must
+change partitioned too (a stateful op frozen into a constant does not). It
+also records the collectives each case emitted; a pass-through op whose
+operands are all sharded alike, with its output left to propagation, must
+emit none.
 
 Float operands enter the program as constants and the others as arguments:
 a constant costs nothing to launch, and integer constants would be folded
@@ -20,8 +24,17 @@ before the op under test ever ran.
 operands (every assignment of mesh axes to dims, several axes on one dim in
 either order, and replicated) up to a budget; past it, a deterministic
 subset (all operands alike, one operand at a time, then a seeded sample).
-`sample_cases` picks the few cases the CI test runs. `Sweep.run` runs one
-case; `format_table` prints the op x result table.
+`full_cases` is the full sweep in a fixed order and `rotating_slice` one
+deterministic slice of it; `sample_cases` picks the few cases per program
+the CI sample runs. `Sweep.run` runs one case; `format_table` prints the
+op x result table.
+
+Known issues (`KNOWN_ISSUES`) are failures found in code outside the sweep
+and reported to its owners. Each is matched by its error signature (the
+exception type and a regex on its message) on its own programs, never by
+op type alone: a case that fails another way, a wrong number above all, is
+never excused. Each has an example case that tests run as a strict
+expected failure, so a fixed issue shows up (and must then be removed).
 """
 
 from __future__ import annotations
@@ -31,6 +44,8 @@ import dataclasses
 import itertools
 import json
 import math
+import re
+import subprocess
 import time
 import zlib
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -123,24 +138,35 @@ class Case:
 class KnownIssue:
   """A failure the sweep found in code outside the sweep, reported to its owner.
 
-  `applies(spec, case)` says which cases it breaks (used to keep them out of
-  the CI sample); the full sweep still runs them and lists them as FAIL.
+  It excuses a failed case only when the case is one of `programs` and
+  failed with this error signature: an exception of type `raises` (its class
+  name) whose message matches the regex `match`. Wrong values are never
+  excused. `example` is a case that shows it, run as a strict expected
+  failure by the tests.
   """
   name: str
   programs: Tuple[str, ...]  # program names or op types
   fix_in: str                # file and function that must change
   diagnosis: str
-  applies: Callable = lambda spec, case: True
+  raises: str                # the exception's class name, e.g. 'ValueError'
+  match: str                 # regex searched in the error message
+  example: 'Case'
 
-  def matches(self, spec, case) -> bool:
-    return (spec.name in self.programs or spec.op_type in self.programs) and self.applies(spec, case)
+  def matches(self, spec, result: 'CaseResult') -> bool:
+    return ((spec.name in self.programs or spec.op_type in self.programs) and
+            result.status == 'error' and result.error_type == self.raises and
+            re.search(self.match, result.message) is not None)
+
+
+class KnownFailure(Exception):
+  """Raised by a known-issue test when its example failed with the issue's signature."""
 
 
 KNOWN_ISSUES: List[KnownIssue] = []  # filled at the end of this module
 
 
-def known_issue(spec, case) -> Optional[KnownIssue]:
-  return next((k for k in KNOWN_ISSUES if k.matches(spec, case)), None)
+def known_issue(spec, result: 'CaseResult') -> Optional[KnownIssue]:
+  return next((k for k in KNOWN_ISSUES if k.matches(spec, result)), None)
 
 
 def _spec_text(s: P) -> str:
@@ -209,8 +235,8 @@ def sample_cases(spec: OpSpec, mesh_name: str, out_ranks: Sequence[int], count: 
     j = next(k for k, r in enumerate(out_ranks) if r)
     first = Case(spec.name, mesh_name, (None,) * len(spec.operands),
                  tuple(_full_split(mesh, r) if k == j else None for k, r in enumerate(out_ranks)))
-  picked = [first] if first is not None and known_issue(spec, first) is None else []
-  rest = [c for c in cases if c not in picked and known_issue(spec, c) is None]
+  picked = [first] if first is not None else []
+  rest = [c for c in cases if c not in picked]
   rng = np.random.RandomState(zlib.crc32(f'{spec.name}/{mesh_name}'.encode()))
   while rest and len(picked) < count:
     picked.append(rest.pop(rng.randint(len(rest))))
@@ -219,18 +245,18 @@ def sample_cases(spec: OpSpec, mesh_name: str, out_ranks: Sequence[int], count: 
 
 def ci_sample(sweep: 'Sweep', meshes: Sequence[str] = tuple(MESHES),
               count: Optional[Callable[[str, str], int]] = None, every_program=()
-              ) -> Tuple[List[Case], Dict[Tuple[str, str], str]]:
+              ) -> List[Case]:
   """`count(op_type, mesh)` cases (default 1) of every op type on each mesh.
 
-  Each op type takes its programs in turn (a different one first on each mesh)
-  and the sample cases no known issue breaks; op types in `every_program` also
-  get one case of each of their programs. Returns the cases and, for (op type,
-  mesh) pairs every candidate of which a known issue breaks, that issue.
+  Each op type takes its programs in turn (a different one first on each
+  mesh); op types in `every_program` also get one case of each of their
+  programs. Cases a known issue breaks stay in: they must fail with its
+  signature.
   """
   by_type: Dict[str, List[str]] = {}
   for name in sorted(sweep.specs):
     by_type.setdefault(sweep.specs[name].op_type, []).append(name)
-  cases, uncovered = [], {}
+  cases = []
   for k, mesh_name in enumerate(meshes):
     for op_type, names in sorted(by_type.items()):
       order = names[k % len(names):] + names[:k % len(names)]
@@ -243,12 +269,43 @@ def ci_sample(sweep: 'Sweep', meshes: Sequence[str] = tuple(MESHES),
       if op_type in every_program:
         for name in names:
           chosen += [c for c in sweep.sample(name, mesh_name, 1) if c not in chosen]
-      if not chosen:
-        spec = sweep.specs[order[0]]
-        issue = known_issue(spec, Case(spec.name, mesh_name, (None,) * len(spec.operands)))
-        uncovered[(op_type, mesh_name)] = issue.name if issue else 'no case'
       cases += chosen
-  return cases, uncovered
+  return cases
+
+
+def full_cases(sweep: 'Sweep', names: Optional[Sequence[str]] = None,
+               meshes: Sequence[str] = tuple(MESHES), budget: Optional[int] = DEFAULT_BUDGET
+               ) -> List[Case]:
+  """The full sweep in a fixed order: programs by name, then meshes, then their cases."""
+  out = []
+  for name in sorted(names if names is not None else sweep.specs):
+    for mesh_name in meshes:
+      out += sweep.cases(name, mesh_name, budget)
+  return out
+
+
+def parse_slice(text: str) -> Tuple[int, int]:
+  """'k/K' -> (k, K), with 0 <= k < K."""
+  k, total = (int(v) for v in text.split('/'))
+  if not 0 <= k < total:
+    raise ValueError(f'op sweep slice {text!r}: want k/K with 0 <= k < K.')
+  return k, total
+
+
+def rotating_slice(cases: Sequence[Case], index: int, count: int) -> List[Case]:
+  """Slice `index` of `count`: every `count`-th case from `index` on. The slices
+  partition the sweep, and each holds cases of every part of it."""
+  return list(cases[index::count])
+
+
+def commit_count(root: str) -> Optional[int]:
+  """Commits reachable from HEAD of the git checkout at `root` (None without git)."""
+  try:
+    out = subprocess.run(['git', '-C', root, 'rev-list', '--count', 'HEAD'], capture_output=True,
+                         text=True, check=True, timeout=30)
+    return int(out.stdout.strip())
+  except (OSError, subprocess.SubprocessError, ValueError):
+    return None
 
 
 # --- running one case ----------------------------------------------------------------------
@@ -266,6 +323,7 @@ class CaseResult:
   expect_no_collectives: bool = False
   how: str = ''
   message: str = ''
+  error_type: str = ''
   note: str = ''
   known: str = ''
   seconds: float = 0.0
@@ -286,10 +344,17 @@ class Poisoned(RuntimeError):
   """A collective failed or timed out: every later collective in this process fails too."""
 
 
+CALLS = 2  # each case (and its reference) is called this many times
+
+
 @dataclasses.dataclass
 class Reference:
-  outputs: List[np.ndarray]
-  variables: List[np.ndarray]
+  calls: List[List[np.ndarray]]  # outputs of each call
+  variables: List[np.ndarray]    # after the last call
+
+  @property
+  def outputs(self) -> List[np.ndarray]:
+    return self.calls[0]
 
   @property
   def out_ranks(self) -> List[int]:
@@ -379,8 +444,8 @@ class Sweep:
       spec = self.specs[name]
       variables = [tf.Variable(o.value) if o.variable else None for o in spec.operands]
       program = _program(spec, None, [None] * len(spec.operands), variables)
-      outputs = _flat(program(*_arguments(spec)))
-      self._references[name] = Reference(outputs, [v.numpy() for v in variables if v is not None])
+      calls = [_flat(program(*_arguments(spec))) for _ in range(CALLS)]
+      self._references[name] = Reference(calls, [v.numpy() for v in variables if v is not None])
     return self._references[name]
 
   def cases(self, name: str, mesh_name: str, budget: Optional[int] = DEFAULT_BUDGET) -> List[Case]:
@@ -411,10 +476,11 @@ class Sweep:
           None if s is None else NamedSharding(mesh, s) for s in case.out_specs]
       pf = partition(program, mesh, out_shardings=out_shardings, timeout=self.timeout)
       args = _arguments(spec)
-      got = _flat(pf(*args))
-      self._check(result, case, spec, pf, args, got, ref, variables)
+      calls = [_flat(pf(*args)) for _ in range(CALLS)]
+      self._check(result, case, spec, pf, args, calls, ref, variables)
     except Exception as error:  # pylint: disable=broad-except
       result.status = 'error'
+      result.error_type = type(error).__name__
       result.message = _error_text(error)
       if _is_poison(error):
         self._finish(result, spec, case, start)
@@ -425,11 +491,11 @@ class Sweep:
   @staticmethod
   def _finish(result, spec, case, start):
     result.seconds = round(time.time() - start, 3)
-    issue = known_issue(spec, case)
-    if issue is not None and result.status != 'pass':
+    issue = known_issue(spec, result)
+    if issue is not None:
       result.known = issue.name
 
-  def _check(self, result, case, spec, pf, args, got, ref, variables):
+  def _check(self, result, case, spec, pf, args, calls, ref, variables):
     records = pf.op_records()
     hows = sorted({r.how for r in records if r.op == spec.op_type})
     program = pf.get_program(*args).program
@@ -439,14 +505,16 @@ class Sweep:
     result.how = ','.join(hows) if hows else 'not partitioned'
     result.collectives = dict(collections.Counter(c['kind'] for c in pf.collectives()))
     errors = []
-    if len(got) != len(ref.outputs):
-      errors.append(f'{len(got)} outputs, expected {len(ref.outputs)}')
     worst = 0.0
-    for k, (a, b) in enumerate(zip(got, ref.outputs)):
-      ok, err, why = compare(a, b, self.rtol)
-      worst = max(worst, err)
-      if not ok:
-        errors.append(f'output {k}: {why}')
+    for c, (got, want) in enumerate(zip(calls, ref.calls)):
+      if len(got) != len(want):
+        errors.append(f'call {c + 1}: {len(got)} outputs, expected {len(want)}')
+      for k, (a, b) in enumerate(zip(got, want)):
+        ok, err, why = compare(a, b, self.rtol)
+        worst = max(worst, err)
+        if not ok:
+          errors.append(f'call {c + 1} output {k}: {why}')
+    errors += _frozen_outputs(calls, ref.calls)
     if variables and any(v is not None for v in variables):
       pf.sync_variables()
       finals = [v.numpy() for v in variables if v is not None]
@@ -466,6 +534,23 @@ class Sweep:
     if errors:
       result.status = 'fail'
       result.message = '; '.join(errors)
+
+
+def _frozen_outputs(calls, ref_calls) -> List[str]:
+  """Outputs TF changes from call to call that the partitioned function repeats."""
+  out = []
+  for k in range(min(len(calls[0]), len(ref_calls[0]))):
+    tf_changes = any(not np.array_equal(r[k], ref_calls[0][k], equal_nan=_has_nan(r[k]))
+                     for r in ref_calls[1:])
+    repeated = all(np.array_equal(c[k], calls[0][k], equal_nan=_has_nan(c[k])) for c in calls[1:])
+    if tf_changes and repeated:
+      out.append(f'output {k}: TF gives new values on every call, the partitioned function '
+                 'repeats its first (a stateful op computed once?)')
+  return out
+
+
+def _has_nan(x: np.ndarray) -> bool:
+  return x.dtype.kind in 'fc'
 
 
 def _rule_of(program, nodes):
@@ -572,105 +657,49 @@ def summary(results: Sequence[CaseResult]) -> str:
   known = sum(1 for r in results if r.known)
   return (f'{len(results)} cases of {len(programs)} programs ({len(op_types)} op types): '
           f'{counts.get("pass", 0)} pass, {counts.get("fail", 0)} fail, '
-          f'{counts.get("error", 0)} error ({known} of them known issues); '
+          f'{counts.get("error", 0)} error; {known} known failures (by error signature), '
+          f'{len(results) - counts.get("pass", 0) - known} unexpected; '
           f'{seconds:.0f} s in cases')
 
 
 # --- failures found by the sweep in code outside it (reported to its owners) ----------------------
-def _has_axes(s: Optional[P]) -> bool:
-  return s is not None and bool(s.used_axes())
-
-
-def _shards_dims(index: int, dims: Sequence[int], output: bool = False):
-  def applies(spec, case):
-    specs = case.out_specs if output else case.in_specs
-    s = specs[index] if specs is not None and index < len(specs) else None
-    return s is not None and any(s.axes_of(d) for d in dims if d < len(s))
-  return applies
-
-
-def _unlike_or_over_split(spec, case) -> bool:
-  annotated = {s for o, s in zip(spec.operands, case.in_specs) if o.shard and s is not None}
-  return (_over_split(spec, case) or len(annotated) > 1 or _over_split_output(spec, case) or
-          (spec.op_type == 'Complex' and any(_has_axes(s) for s in case.out_specs or ())))
-
-
-def _over_split_output(spec, case) -> bool:
-  shape = spec.operands[0].value.shape
-  mesh = mesh_named(case.mesh)
-  return any(s is not None and len(s) == len(shape) and
-             any(mesh.axes_size(s.axes_of(d)) > n for d, n in enumerate(shape))
-             for s in case.out_specs or ())
-
-
-def _splits(mesh_name: str, s: Optional[P], dim: int, size: int) -> bool:
-  """Whether `s` splits `dim` once propagation has dropped axes that would over-split it."""
-  from tf_gspmd.propagation.rule import cap_axes  # pylint: disable=g-import-not-at-top
-  return s is not None and dim < len(s) and bool(
-      cap_axes(s.axes_of(dim), size, mesh_named(mesh_name)))
-
-
 _RULE_PATH_APPLY = ('ResourceApplyAdaMax', 'ResourceApplyAdadelta', 'ResourceApplyAdagradV2',
                     'ResourceApplyAdamWithAmsgrad', 'ResourceApplyCenteredRMSProp')
-
-
-def _variable_specs(spec, case) -> List[P]:
-  replicated = P(*([None] * spec.operands[0].rank))
-  return [s if s is not None else replicated
-          for o, s in zip(spec.operands, case.in_specs) if o.variable]
-
-
-def _slots_differ(spec, case) -> bool:
-  return len(set(_variable_specs(spec, case))) > 1
-
-
-def _apply_layouts_differ(spec, case) -> bool:
-  var_specs = _variable_specs(spec, case)
-  grad = case.in_specs[len(var_specs)]
-  return (len(set(var_specs)) > 1 or _over_split(spec, case) or
-          (grad is not None and grad != var_specs[0]))
-
+_SLOT_APPLY = ('ResourceApplyGradientDescent', 'ResourceApplyMomentum', 'ResourceApplyKerasMomentum',
+               'ResourceApplyAdagrad', 'ResourceApplyRMSProp', 'ResourceApplyAdam')
+_WHOLE = P(None, None)
 
 KNOWN_ISSUES.extend([
     KnownIssue(
         'complex-collectives', ('Angle', 'ComplexAbs', 'Conj', 'Imag', 'Real', 'Complex'),
         'runtime/collectives.py TFCollectives',
         'TF collectives take no complex64: any reshard of a complex tensor that needs a '
-        'collective fails ("DataType complex64 not in list of allowed values"). Bitcast '
-        'complex64 to float32[..., 2] around the collective.',
-        _unlike_or_over_split),
+        'collective fails. Bitcast complex64 to float32[..., 2] around the collective.',
+        raises='TypeError', match=r'DataType complex64 not in list of allowed values',
+        example=Case('Angle', '1d', (P(None, 'x'),))),
     KnownIssue(
         'uint64-permute', ('StatelessRandomGetKeyCounter', 'StatelessRandomGetKeyCounterAlg'),
         'runtime/collectives.py TFCollectives._permute',
-        'broadcast_send_v2 has no uint64 kernel, so resharding a uint64 tensor (a random key '
-        'or counter asked for a sharded layout) fails. Bitcast 64-bit unsigned values to int32 '
+        'TF collectives take no uint64, so resharding a uint64 tensor (a random key or '
+        'counter asked for a sharded layout) fails. Bitcast 64-bit unsigned values to int32 '
         'pairs around the collective.',
-        lambda spec, case: any(_has_axes(s) for s in case.out_specs or ())),
+        raises='TypeError', match=r'DataType uint64 not in list of allowed values',
+        example=Case('StatelessRandomGetKeyCounter', '2d', (), (None, P(('a', 'b'))))),
     KnownIssue(
-        'slot-sharded-unlike-variable', (
-            'ResourceApplyGradientDescent', 'ResourceApplyMomentum', 'ResourceApplyKerasMomentum',
-            'ResourceApplyAdagrad', 'ResourceApplyRMSProp', 'ResourceApplyAdam'),
+        'slot-sharded-unlike-variable', _SLOT_APPLY,
         'nothing: a documented refusal (graph_rewrite/variables.py apply_handler)',
         'a slot variable sharded unlike its variable is refused with a clear error naming '
         'both layouts (variables cannot be resharded in place). Listed so the sweep does not '
         'count the refusal as a wrong result.',
-        _slots_differ),
+        raises='ValueError', match=r'slot variable \S+ is sharded .* but its variable \S+ is sharded',
+        example=Case('ResourceApplyAdagrad', '1d', (_WHOLE, P('x', None), _WHOLE))),
     KnownIssue(
         'apply-ops-without-handler', _RULE_PATH_APPLY,
         'graph_rewrite/variables.py apply_handler (@handles list)',
         'these fused optimizer updates have no hand-written handler, so factor_handler '
         'partitions them: it picks a layout from the gradient (or caps an over-split dim) '
-        'and then tries to reshard the variable handle: "a resource value cannot be moved" '
-        '(e.g. variable and slots replicated, gradient P(x,_)). They have the shape of the '
-        'ops apply_handler covers (variable, slots, scalars, gradient): add them to its list.',
-        _apply_layouts_differ),
-    KnownIssue(
-        'depthwise-multiplier-split', ('DepthwiseConv2dNative',),
-        'graph_rewrite/windowed.py (DepthwiseConv2dNative handler)',
-        "with the filter's channel-multiplier dim split (filter (3,3,3,2), P(_,_,_,a) on the "
-        '2x4 mesh) the local conv yields c*m/2 output channels while the result layout it '
-        'claims is whole: "local shape (2, 7, 6, 3), but its global shape (2, 7, 6, 6) under '
-        'P(None, None, None, None) needs (2, 7, 6, 6)". Gather the multiplier dim of the '
-        'filter (or shard the result channel dim to match, which needs c*m ordering care).',
-        lambda spec, case: len(case.in_specs) > 1 and _splits(case.mesh, case.in_specs[1], 3, 2)),
+        'and then tries to reshard the variable handle. They have the shape of the ops '
+        'apply_handler covers (variable, slots, scalars, gradient): add them to its list.',
+        raises='ValueError', match=r'a resource value cannot be moved between partitions',
+        example=Case('ResourceApplyAdaMax', '1d', (P(None, 'x'),) * 4)),
 ])
