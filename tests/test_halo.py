@@ -1,17 +1,32 @@
-"""Halo geometry checked against a direct numpy evaluation of windowed sums."""
+"""Halo geometry checked against a direct numpy evaluation of windowed sums (no TensorFlow).
+
+Halos wider than a neighbour's shard are assembled from several neighbours
+(`HaloPiece`s, one collective-permute per hop); the simulation below runs
+exactly that shard by shard, with NaN in every row a partition must not read.
+"""
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tf_gspmd.propagation.halo import WindowDim, plan_halo, same_padding
+from tf_gspmd.propagation.halo import HaloPiece, WindowDim, halo_pieces, plan_halo, same_padding
 
 
 def windowed_sum(x, dim):
   """Reference: 1-D windowed sum with zero padding."""
   padded = np.concatenate([np.zeros(dim.pad_lo), x, np.zeros(dim.pad_hi)])
-  taps = [r * dim.stride + t * dim.dilation for r in range(dim.output_size) for t in range(dim.window)]
   return np.array([sum(padded[r * dim.stride + t * dim.dilation] for t in range(dim.window))
-                   for r in range(dim.output_size)]) if taps else np.zeros(0)
+                   for r in range(dim.output_size)])
+
+
+def borrowed(local, i, pieces, side):
+  """Shard i's halo on `side`, piece by piece from the shards `hop` away (NaN where none)."""
+  shards = len(local)
+  parts = []
+  for piece in pieces:
+    j = i - piece.hop if side == 'left' else i + piece.hop
+    parts.append(local[j, piece.start:piece.start + piece.rows] if 0 <= j < shards
+                 else np.full(piece.rows, np.nan))
+  return np.concatenate(parts) if parts else np.zeros(0)
 
 
 def simulate(x, dim, shards):
@@ -22,13 +37,16 @@ def simulate(x, dim, shards):
   local = padded.reshape(shards, ci)
   out = []
   for i in range(shards):
-    left = local[i - 1, ci - plan.left:] if i > 0 else np.full(plan.left, np.nan)
-    right = local[i + 1, :plan.right] if i + 1 < shards else np.full(plan.right, np.nan)
-    if plan.left == 0:
-      left = np.zeros(0)
-    ext = np.concatenate([left, local[i], right])
+    ext = np.concatenate([borrowed(local, i, plan.left_pieces, 'left'), local[i],
+                          borrowed(local, i, plan.right_pieces, 'right')])
+    # [left | local | right] holds global rows [i*ci - left, (i+1)*ci + right) in order.
+    rows_held = i * ci - plan.left + np.arange(len(ext))
+    real = (rows_held >= 0) & (rows_held < n)
+    np.testing.assert_array_equal(ext[real], x[rows_held[real]])
     start = plan.window_starts[i]
     window = ext[start:start + plan.span].copy()
+    if len(window) < plan.span:  # trailing shards without output rows may read past the end
+      window = np.concatenate([window, np.zeros(plan.span - len(window))])
     rows = plan.window_global_starts[i] + np.arange(plan.span)
     window[(rows < 0) | (rows >= n)] = 0.0  # mask outside the image and padding
     sub = WindowDim(plan.span, dim.window, dim.stride, dim.dilation)
@@ -37,18 +55,30 @@ def simulate(x, dim, shards):
 
 
 @settings(max_examples=300, deadline=None)
-@given(n=st.integers(1, 40), window=st.integers(1, 5), stride=st.integers(1, 3),
+@given(n=st.integers(1, 40), window=st.integers(1, 7), stride=st.integers(1, 3),
        dilation=st.integers(1, 3), shards=st.integers(1, 8), same=st.booleans())
 def test_halo_plan_reproduces_windowed_sum(n, window, stride, dilation, shards, same):
   lo, hi = same_padding(n, window, stride, dilation) if same else (0, 0)
   dim = WindowDim(n, window, stride, dilation, lo, hi)
   if dim.output_size == 0:
     return
-  if not plan_halo(dim, shards).fits_neighbours:
-    return  # the partitioner gathers to replicated in that case
   x = np.arange(1, n + 1, dtype=np.float64)
-  got, _ = simulate(x, dim, shards)
-  np.testing.assert_array_equal(got, windowed_sum(x, dim))
+  got, plan = simulate(x, dim, shards)
+  # Exact, so no real output row read garbage (NaN), whatever the number of hops.
+  np.testing.assert_array_equal(got, windowed_sum(x, dim), err_msg=str(plan))
+
+
+@settings(max_examples=200, deadline=None)
+@given(width=st.integers(0, 30), chunk=st.integers(1, 6), side=st.sampled_from(['left', 'right']))
+def test_pieces_tile_the_halo(width, chunk, side):
+  pieces = halo_pieces(width, chunk, side)
+  assert sum(p.rows for p in pieces) == width
+  assert all(0 < p.rows <= chunk and 0 <= p.start and p.start + p.rows <= chunk for p in pieces)
+  # In buffer order, each piece's global rows follow the previous piece's (shard i at 0).
+  glob = [(-p.hop if side == 'left' else p.hop) * chunk + p.start for p in pieces]
+  first = -width if side == 'left' else chunk
+  assert glob == [first + sum(p.rows for p in pieces[:k]) for k in range(len(pieces))]
+  assert len(pieces) == -(-width // chunk)
 
 
 def test_same_padding_matches_tf_formula():
@@ -60,11 +90,29 @@ def test_same_padding_matches_tf_formula():
 def test_stride_one_same_conv_borrows_one_row_each_side():
   plan = plan_halo(WindowDim(16, 3, 1, 1, 1, 1), 4)
   assert (plan.left, plan.right, plan.span) == (1, 1, 6)
+  assert plan.fits_neighbours and plan.hops == 1
 
 
-@pytest.mark.parametrize('n,shards', [(10, 4), (7, 8), (1, 2)])
-def test_uneven_sizes(n, shards):
-  dim = WindowDim(n, 3, 1, 1, 1, 1)
-  if plan_halo(dim, shards).fits_neighbours:
-    got, _ = simulate(np.arange(1.0, n + 1), dim, shards)
-    np.testing.assert_array_equal(got, windowed_sum(np.arange(1.0, n + 1), dim))
+def test_five_by_five_on_one_row_shards_reaches_two_neighbours():
+  plan = plan_halo(WindowDim(8, 5, 1, 1, 2, 2), 8)
+  assert (plan.left, plan.right, plan.input_chunk) == (2, 2, 1)
+  assert not plan.fits_neighbours and plan.hops == 2
+  assert plan.left_pieces == (HaloPiece(2, 0, 1), HaloPiece(1, 0, 1))
+  assert plan.right_pieces == (HaloPiece(1, 0, 1), HaloPiece(2, 0, 1))
+
+
+def test_wide_halo_takes_whole_shards_then_a_partial_one():
+  assert halo_pieces(5, 2, 'left') == (HaloPiece(3, 1, 1), HaloPiece(2, 0, 2), HaloPiece(1, 0, 2))
+  assert halo_pieces(5, 2, 'right') == (HaloPiece(1, 0, 2), HaloPiece(2, 0, 2), HaloPiece(3, 0, 1))
+  assert halo_pieces(0, 2, 'left') == ()
+  with pytest.raises(ValueError, match='side'):
+    halo_pieces(1, 2, 'up')
+
+
+@pytest.mark.parametrize('n,window,stride,shards', [(10, 3, 1, 4), (7, 3, 1, 8), (1, 3, 1, 2),
+                                                    (8, 5, 1, 8), (5, 7, 1, 8), (6, 3, 2, 8),
+                                                    (4, 7, 2, 4)])
+def test_uneven_and_multi_hop_sizes(n, window, stride, shards):
+  dim = WindowDim(n, window, stride, 1, *same_padding(n, window, stride))
+  got, _ = simulate(np.arange(1.0, n + 1), dim, shards)
+  np.testing.assert_array_equal(got, windowed_sum(np.arange(1.0, n + 1), dim))

@@ -2,9 +2,10 @@
 
 Each partitioned function is compared with the unpartitioned tf.function
 (float32 rel err <= 1e-5), and its collectives are checked: a halo exchange
-moves rows with permutes and never gathers the image; a halo wider than a
-neighbour's shard gathers that dim with a warning. The halo geometry itself
-(trimmed plans, the reverse exchange of gradients) is checked against numpy.
+moves rows with permutes and never gathers the image, also when a halo is
+wider than a neighbour's shard (it then comes from several neighbours, one
+permute per hop). The halo geometry itself (trimmed plans, multi-hop pieces,
+the reverse exchange of gradients) is checked against numpy.
 """
 import logging
 
@@ -70,11 +71,14 @@ def simulate(x, g, dim, shards):
   local_x = np.concatenate([x, np.full(ci * shards - n, np.nan)]).reshape(shards, ci)
   local_g = np.concatenate([g, np.full(co * shards - m, np.nan)]).reshape(shards, co)
   rows_of = lambda i: plan.window_global_starts[i] + np.arange(plan.span)
+  left_at = _laid_out(plan.left_pieces, -1, 0)
+  right_at = _laid_out(plan.right_pieces, 1, plan.left + ci)
   out, ext_grads = [], []
   for i in range(shards):
-    left = local_x[i - 1, ci - plan.left:] if i > 0 else np.full(plan.left, np.nan)
-    right = local_x[i + 1, :plan.right] if i + 1 < shards else np.full(plan.right, np.nan)
-    ext = np.concatenate([left[:plan.left], local_x[i], right, np.zeros(tail)])
+    halo = lambda laid: [local_x[i + sign * pc.hop, pc.start:pc.start + pc.rows]
+                         if 0 <= i + sign * pc.hop < shards else np.full(pc.rows, np.nan)
+                         for pc, sign, _ in laid]
+    ext = np.concatenate(halo(left_at) + [local_x[i]] + halo(right_at) + [np.zeros(tail)])
     start = plan.window_starts[i]
     assert 0 <= start and start + plan.span <= len(ext)
     window = ext[start:start + plan.span].copy()
@@ -89,26 +93,32 @@ def simulate(x, g, dim, shards):
     ext_grad[start:start + plan.span] = matrix.T @ gi
     ext_grads.append(ext_grad)
   dx = []
-  for i in range(shards):  # reverse exchange: halo rows back to their owners
+  for i in range(shards):  # reverse exchange: each halo piece back the hops it came
     own = ext_grads[i][plan.left:plan.left + ci].copy()
-    if plan.left and i + 1 < shards:
-      own[ci - plan.left:] += ext_grads[i + 1][:plan.left]
-    if plan.right and i > 0:
-      own[:plan.right] += ext_grads[i - 1][plan.left + ci:plan.left + ci + plan.right]
+    for pc, sign, pos in left_at + right_at:
+      j = i - sign * pc.hop  # the shard that borrowed these rows of mine
+      if 0 <= j < shards:
+        own[pc.start:pc.start + pc.rows] += ext_grads[j][pos:pos + pc.rows]
     dx.append(own)
   return np.concatenate(out)[:m], np.concatenate(dx)[:n], plan
 
 
+def _laid_out(pieces, sign, first):
+  """(piece, -1 for left / +1 for right, its first row in the extended buffer)."""
+  out, pos = [], first
+  for pc in pieces:
+    out.append((pc, sign, pos))
+    pos += pc.rows
+  return out
+
+
 @settings(max_examples=300, deadline=None)
-@given(n=st.integers(1, 40), window=st.integers(1, 5), stride=st.integers(1, 3),
+@given(n=st.integers(1, 40), window=st.integers(1, 7), stride=st.integers(1, 3),
        dilation=st.integers(1, 3), shards=st.integers(1, 8), same=st.booleans())
 def test_trimmed_plan_and_reverse_exchange_match_numpy(n, window, stride, dilation, shards, same):
   lo, hi = same_padding(n, window, stride, dilation) if same else (0, 0)
   dim = WindowDim(n, window, stride, dilation, lo, hi)
   if dim.output_size == 0:
-    return
-  plan, _ = trim_plan(dim, shards)
-  if not plan.fits_neighbours:
     return  # the partitioner gathers that dim
   x = np.arange(1, n + 1, dtype=np.float64)
   g = np.arange(1, dim.output_size + 1, dtype=np.float64) * 10
@@ -157,10 +167,10 @@ def apply(name, x, w, dw):
 
 
 def halo_of(name, shape, mesh, spec):
-  """(every split spatial dim fits its neighbours' shards, some split dim needs a halo)
-  for op `name` on the image."""
+  """(permutes the halos of op `name` on the image take: one per hop and side with a
+  source, the largest number of hops) over its split spatial dims."""
   _, k, s, d, pad = FORWARD[name]
-  fits, needs = True, False
+  permutes, hops = 0, 0
   for dim in (1, 2):
     axes = spec.axes_of(dim)
     if not axes:
@@ -168,9 +178,10 @@ def halo_of(name, shape, mesh, spec):
     n = shape[dim]
     lo, hi = same_padding(n, k, s, d) if pad == 'SAME' else (0, 0)
     plan, _ = trim_plan(WindowDim(n, k, s, d, lo, hi), mesh.axes_size(axes))
-    fits &= plan.fits_neighbours
-    needs |= bool(plan.left or plan.right)
-  return fits, needs
+    pieces = plan.left_pieces + plan.right_pieces
+    permutes += sum(1 for piece in pieces if piece.hop < plan.shards)
+    hops = max(hops, plan.hops)
+  return permutes, hops
 
 
 def records_of(pf, op_name):
@@ -182,6 +193,7 @@ FORWARD_CASES = [  # mesh, image spec, image shape
     ('2x2', tg.P(None, 'x', 'y', None), (2, 8, 8, 4)),           # height and width, even
     ('2x4', tg.P(None, 'x', 'y', None), (1, 9, 11, 4)),          # height and width, uneven
     ('8', tg.P(None, 'x', None, None), (2, 7, 5, 4)),            # an empty shard
+    ('8', tg.P(None, 'x', None, None), (2, 5, 5, 4)),            # three empty shards, 2 hops
     ('2x4', tg.P(None, ('x', 'y'), None, None), (2, 16, 5, 4)),  # height over two mesh axes
     ('2x4', tg.P('x', 'y', None, None), (3, 10, 6, 4)),          # batch and height, uneven
     ('2x2', tg.P(None, 'x', None, 'y'), (2, 10, 6, 4)),          # height and channels
@@ -190,7 +202,7 @@ FORWARD_CASES = [  # mesh, image spec, image shape
 
 @pytest.mark.parametrize('mesh_name,spec,shape', FORWARD_CASES,
                          ids=[f'{m}-{s}-{"x".join(map(str, sh))}' for m, s, sh in FORWARD_CASES])
-def test_forward_ops_exchange_halos(mesh_name, spec, shape, caplog):
+def test_forward_ops_exchange_halos(mesh_name, spec, shape):
   mesh = MESHES[mesh_name]
   x, w, dw = randn(0, *shape), randn(1, 3, 3, shape[3], 5), randn(2, 3, 3, shape[3], 2)
 
@@ -200,26 +212,23 @@ def test_forward_ops_exchange_halos(mesh_name, spec, shape, caplog):
     return [apply(name, x, w, dw) for name in FORWARD]
 
   pf = partition(f, mesh)
-  with caplog.at_level(logging.WARNING, logger='tf_gspmd'):
-    got = pf(x, w, dw)
+  got = pf(x, w, dw)
   for name, a, b in zip(FORWARD, got, f(x, w, dw)):
     assert_close(a, b)
   for name in FORWARD:
     records = records_of(pf, name)
-    # Gathers of the image (not of a result propagation wants unsplit).
+    # Gathers of the image (not of a result propagation wants unsplit): never, also when
+    # a halo spans several neighbours' shards.
     gathers = [r for r in records if r['kind'] == 'all_gather' and r['why'].startswith('image')]
-    fits, needs_halo = halo_of(name, shape, mesh, spec)
-    if fits:
-      assert not gathers, (name, gathers)
-      assert any(r['kind'] == 'permute' for r in records) == needs_halo, (name, records)
-    else:  # the halo is wider than a neighbour's shard: that dim is gathered, with a warning
-      assert gathers, (name, records)
-      assert any(name in m and 'all-gathered' in m for m in caplog.messages), caplog.messages
+    assert not gathers, (name, gathers)
+    permutes, _ = halo_of(name, shape, mesh, spec)
+    halo_records = [r for r in records if r['kind'] == 'permute' and r['why'].startswith('halo')]
+    assert len(halo_records) == permutes, (name, records)
   if spec.axes_of(3):  # split input channels: partial sums, resolved by an all-reduce
     assert any(r['kind'] == 'all_reduce' for r in records_of(pf, 'conv_same'))
 
 
-def test_wide_halo_gathers_the_dim_with_a_warning(caplog):
+def test_wide_halo_comes_from_two_neighbours_by_permutes(caplog):
   mesh = MESHES['8']
   x, w = randn(3, 2, 8, 6, 2), randn(4, 5, 5, 2, 3)
 
@@ -231,9 +240,16 @@ def test_wide_halo_gathers_the_dim_with_a_warning(caplog):
   pf = partition(f, mesh)
   with caplog.at_level(logging.WARNING, logger='tf_gspmd'):
     assert_close(pf(x, w), f(x, w))
-  kinds = [r['kind'] for r in records_of(pf, 'wide')]
-  assert 'all_gather' in kinds and 'permute' not in kinds
-  assert any('wide' in m and 'all-gathered' in m for m in caplog.messages)
+  records = records_of(pf, 'wide')
+  # Two hops each side, one row each: four permutes of one shard row, nothing gathered.
+  assert [r['kind'] for r in records] == ['permute'] * 4, records
+  row_bytes = 2 * 1 * 6 * 2 * 4
+  assert all(r['bytes'] == row_bytes for r in records)
+  assert sorted(r['why'] for r in records) == sorted([
+      'halo of dim 1 from the left neighbour', 'halo of dim 1 from the left neighbour 2 shards '
+      'away', 'halo of dim 1 from the right neighbour', 'halo of dim 1 from the right '
+      'neighbour 2 shards away'])
+  assert not any('all-gathered' in m for m in caplog.messages)
 
 
 def test_unsplit_image_follows_the_rule():

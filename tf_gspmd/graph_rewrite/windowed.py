@@ -24,9 +24,12 @@ AvgPool with SAME padding divides by the number of real elements in each
 window: that count is the pooling of a 0/1 mask of the window's valid rows,
 pooled the same way, so edges stay exact after the image is cut.
 
-When a halo is wider than a neighbour's shard (`HaloPlan.fits_neighbours` is
-False) or a dim yields no output, that dim is gathered whole first (an
-all-gather) with one warning. When no spatial dim of the driving operand is
+A halo wider than a neighbour's shard (small late feature maps, wide
+kernels, strides) is assembled from several neighbours: one permute per hop
+(`HaloPlan.left_pieces` / `right_pieces`), and its gradient goes back the same
+hops; the buffer stays the local shard plus the halo. Only a split dim that
+yields no output at all is gathered whole first (an all-gather) with one
+warning. When no spatial dim of the driving operand is
 split, the op is left to its propagation rule (`factors.factor_handler`),
 which partitions batch and channel dims.
 """
@@ -157,22 +160,18 @@ class SpatialDim:
 
 def _plan_dims(p, node, spec: P, layout: Layout, windows: List[WindowDim],
                tensor: str) -> List[SpatialDim]:
-  """Halo plans for the spatial dims as `spec` splits them; dims whose halo does not fit
-  a neighbour's shard are planned whole (the caller gathers them) with a warning."""
+  """Halo plans for the spatial dims as `spec` splits them; a split dim that yields no
+  output rows is planned whole (the caller gathers it) with a warning."""
   dims = []
   for d, window in zip(layout.spatial, windows):
     axes = spec.axes_of(d)
     plan, tail = trim_plan(window, p.mesh.axes_size(axes))
-    if axes and (window.output_size == 0 or not plan.fits_neighbours):
-      where = (f'dim {d} of {tensor} (size {window.input_size}, split {plan.shards} ways over '
-               f'mesh axes {axes}; window {window.window}, stride {window.stride}, dilation '
-               f'{window.dilation})')
-      why = ('gives no output rows' if window.output_size == 0 else
-             f'needs halos of {plan.left} rows on the left and {plan.right} on the right, more '
-             f"than a neighbour's shard of {plan.input_chunk} rows")
+    if axes and window.output_size == 0:
       p.warn_once(f'halo:{node.name}:{d}',
-                  f'tf_gspmd: {node.op} {node.name}: {where} {why}; that dim is all-gathered '
-                  'to compute the op.')
+                  f'tf_gspmd: {node.op} {node.name}: dim {d} of {tensor} (size '
+                  f'{window.input_size}, split {plan.shards} ways over mesh axes {axes}; window '
+                  f'{window.window}, stride {window.stride}, dilation {window.dilation}) gives '
+                  'no output rows; that dim is all-gathered to compute the op.')
       (plan, tail), axes = trim_plan(window, 1), ()
     dims.append(SpatialDim(d, axes, window, plan, tail))
   return dims
@@ -268,20 +267,34 @@ def _exchange(p, x: tf.Tensor, axes: Axes, offset: int, why: str) -> tf.Tensor:
   return p.backend.permute(x, pairs)
 
 
+def _zero_rows(x: tf.Tensor, dim: int, rows: int) -> tf.Tensor:
+  shape = x.shape.as_list()
+  shape[dim] = rows
+  return tf.zeros(shape, x.dtype)
+
+
+def _hop_text(hop: int) -> str:
+  return '' if hop == 1 else f' {hop} shards away'
+
+
+def _borrow(p, x: tf.Tensor, sd: SpatialDim, piece, side: str) -> tf.Tensor:
+  """One halo piece: rows of the shard `piece.hop` positions away on `side` (zeros when no
+  shard is that far away: those rows lie outside the image everywhere)."""
+  d = sd.dim
+  if piece.hop >= sd.plan.shards:
+    return _zero_rows(x, d, piece.rows)
+  offset = piece.hop if side == 'left' else -piece.hop
+  return _exchange(p, _slice(x, d, piece.start, piece.rows), sd.axes, offset,
+                   f'halo of dim {d} from the {side} neighbour{_hop_text(piece.hop)}')
+
+
 def _extend(p, x: tf.Tensor, sd: SpatialDim, sharding: NamedSharding, fill) -> tf.Tensor:
-  """This partition's input window along `sd`: halo rows borrowed, rows outside the image
-  replaced by `fill`."""
+  """This partition's input window along `sd`: halo rows borrowed (from as many neighbours
+  as the halo spans), rows outside the image replaced by `fill`."""
   d, plan = sd.dim, sd.plan
-  ci = int(x.shape[d])
   if sd.axes:
-    parts = []
-    if plan.left:
-      parts.append(_exchange(p, _slice(x, d, ci - plan.left, plan.left), sd.axes, 1,
-                             f'halo of dim {d} from the left neighbour'))
-    parts.append(x)
-    if plan.right:
-      parts.append(_exchange(p, _slice(x, d, 0, plan.right), sd.axes, -1,
-                             f'halo of dim {d} from the right neighbour'))
+    parts = ([_borrow(p, x, sd, piece, 'left') for piece in plan.left_pieces] + [x] +
+             [_borrow(p, x, sd, piece, 'right') for piece in plan.right_pieces])
     ext = tf.concat(parts, axis=d) if len(parts) > 1 else x
     if sd.tail:
       paddings = [[0, 0]] * x.shape.rank
@@ -326,17 +339,28 @@ def _retract(p, w: tf.Tensor, sd: SpatialDim, sharding: NamedSharding) -> tf.Ten
   local = _slice(ext, d, plan.left, ci)
   if not sd.axes:
     return local
-  if plan.left:  # my left halo rows are the last rows of my left neighbour
-    got = _exchange(p, _slice(ext, d, 0, plan.left), sd.axes, -1,
-                    f'halo gradient of dim {d} back to the left neighbour')
-    paddings[d] = [ci - plan.left, 0]
-    local = local + tf.pad(got, paddings)
-  if plan.right:  # my right halo rows are the first rows of my right neighbour
-    got = _exchange(p, _slice(ext, d, plan.left + ci, plan.right), sd.axes, 1,
-                    f'halo gradient of dim {d} back to the right neighbour')
-    paddings[d] = [0, ci - plan.right]
+  # Each halo piece goes back the hops it came (to the shard it was borrowed from), which
+  # adds it to the rows it was cut from.
+  for piece, side, pos in _laid_out(plan.left_pieces, 'left', 0) + _laid_out(
+      plan.right_pieces, 'right', plan.left + ci):
+    if piece.hop >= plan.shards:
+      continue  # rows outside the image everywhere: their gradient is dropped
+    offset = -piece.hop if side == 'left' else piece.hop
+    got = _exchange(p, _slice(ext, d, pos, piece.rows), sd.axes, offset,
+                    f'halo gradient of dim {d} back to the {side} neighbour'
+                    f'{_hop_text(piece.hop)}')
+    paddings[d] = [piece.start, ci - piece.start - piece.rows]
     local = local + tf.pad(got, paddings)
   return local
+
+
+def _laid_out(pieces, side: str, first: int) -> list:
+  """(piece, side, its first row in the extended buffer) for pieces laid out from `first`."""
+  out, pos = [], first
+  for piece in pieces:
+    out.append((piece, side, pos))
+    pos += piece.rows
+  return out
 
 
 def scatter_window(p, w: tf.Tensor, sharding: NamedSharding,

@@ -10,11 +10,18 @@ rows, shard i produces output rows [i*co, (i+1)*co). Output row r reads
 input rows [r*s - pad_lo, r*s - pad_lo + window) where window = (size-1)*dilation + 1.
 So output shard i needs input rows [i*co*s - pad_lo, i*co*s - pad_lo + span),
 span = (co-1)*s + window. The rows it lacks on each side are affine in i.
+
+A halo may be wider than a neighbour's shard (a 5x5 kernel on 1-row shards,
+late small feature maps): it is then assembled from several neighbours,
+`HaloPiece`s of hop 1, 2, ... shards away, each one collective-permute. The
+pieces tile the halo exactly, so the extended buffer is the local shard plus
+the halo rows, never the whole dim.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +53,42 @@ def same_padding(input_size: int, window: int, stride: int, dilation: int = 1) -
 
 
 @dataclasses.dataclass(frozen=True)
+class HaloPiece:
+  """Rows one partition borrows from the shard `hop` positions away on one side.
+
+  Shard i gets rows [start, start + rows) of shard i - hop (left halo) or
+  i + hop (right halo). A piece whose hop reaches past every shard
+  (hop >= shards) lies outside the image for every partition: it is zeros,
+  with no exchange.
+  """
+  hop: int
+  start: int
+  rows: int
+
+
+def halo_pieces(width: int, chunk: int, side: str) -> Tuple[HaloPiece, ...]:
+  """The pieces of a `width`-row halo over shards of `chunk` rows, in buffer order.
+
+  Left: the farthest neighbour first, so [pieces | local] is contiguous;
+  the nearest gives its last rows. Right: the nearest first, each giving its
+  first rows.
+  """
+  if side not in ('left', 'right'):
+    raise ValueError(f'halo_pieces: side must be "left" or "right", got {side!r}.')
+  if width <= 0:
+    return ()
+  if chunk <= 0:
+    raise ValueError(f'halo_pieces: a {width}-row halo over empty shards (chunk {chunk}).')
+  hops = -(-width // chunk)
+  pieces = []
+  for hop in range(1, hops + 1):
+    rows = min(chunk, width - (hop - 1) * chunk)
+    start = chunk - rows if side == 'left' else 0
+    pieces.append(HaloPiece(hop, start, rows))
+  return tuple(reversed(pieces)) if side == 'left' else tuple(pieces)
+
+
+@dataclasses.dataclass(frozen=True)
 class HaloPlan:
   """How one partition assembles the input window for its output shard."""
   shards: int
@@ -59,8 +102,21 @@ class HaloPlan:
 
   @property
   def fits_neighbours(self) -> bool:
-    """Whether each halo comes from the adjacent shard alone."""
+    """Whether each halo comes from the adjacent shard alone (one hop per side)."""
     return self.left <= self.input_chunk and self.right <= self.input_chunk
+
+  @property
+  def left_pieces(self) -> Tuple[HaloPiece, ...]:
+    return halo_pieces(self.left, self.input_chunk, 'left')
+
+  @property
+  def right_pieces(self) -> Tuple[HaloPiece, ...]:
+    return halo_pieces(self.right, self.input_chunk, 'right')
+
+  @property
+  def hops(self) -> int:
+    """Neighbours reached on the farther side (1 when each halo fits the adjacent shard)."""
+    return max([p.hop for p in self.left_pieces + self.right_pieces], default=0)
 
 
 def plan_halo(dim: WindowDim, shards: int) -> HaloPlan:
