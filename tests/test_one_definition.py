@@ -142,7 +142,8 @@ def disagreements(p, graph, node, operand_layouts, result_layouts):
 def _program(fn, specs):
   @tf.function(autograph=False)
   def f(*args):
-    return fn(*[x if s is None else tg.shard(x, MESH, tg.P(*s)) for x, s in zip(args, specs)])
+    padded = list(specs) + [None] * (len(args) - len(specs))
+    return fn(*[x if s is None else tg.shard(x, MESH, tg.P(*s)) for x, s in zip(args, padded)])
   return f
 
 
@@ -246,8 +247,10 @@ DEPTHWISE_CASES = [  # image spec, filter spec, output spec, expected collective
      {'permute': 6, 'all_reduce': 1}),
     # Height and width split on uneven sizes (9 rows over 4, 7 columns over 2).
     ((None, 'b', 'a', None), None, None, {'permute': 12, 'all_reduce': 1}),
-    # Channels split into single channels, the multiplier split too (output channel (c, m)).
-    ((None, None, None, 'b'), (None, None, 'b', 'a'), (None, None, None, ('b', 'a')), {}),
+    # Channels split into single channels, the multiplier split too (output channel (c, m)):
+    # the image gradient sums over the multiplier, one all-reduce over 'a'.
+    ((None, None, None, 'b'), (None, None, 'b', 'a'), (None, None, None, ('b', 'a')),
+     {'all_reduce': 1}),
 ]
 
 
