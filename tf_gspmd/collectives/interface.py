@@ -31,7 +31,7 @@ import abc
 import collections
 import dataclasses
 import functools
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -75,6 +75,110 @@ class CollectiveRecord:
     dims = ','.join(str(d) for d in self.shape)
     return (f"{self.kind} '{self.name}' over mesh axes {self.axes}{params} "
             f"on {self.dtype.name}[{dims}]")
+
+
+# --- dtypes the backends cannot carry ----------------------------------------------------------
+# The dtypes TF's collective V2 kernels take for every kind (measured on CPU: all-reduce,
+# all-gather, all-to-all, broadcast send/recv each refuse complex, uint*, int8/16 and bool or
+# bfloat16 for some kind). Any other dtype travels as one of these, exactly, and in the
+# backend-neutral layer so that every backend gets the same conversions.
+CARRIED_NATIVELY = frozenset({tf.float16, tf.float32, tf.float64, tf.int32, tf.int64})
+_WIDENED = {tf.bool: tf.int32, tf.int8: tf.int32, tf.uint8: tf.int32, tf.int16: tf.int32,
+            tf.uint16: tf.int32, tf.uint32: tf.int64, tf.bfloat16: tf.float32}
+_COMPLEX_PARTS = {tf.complex64: tf.float32, tf.complex128: tf.float64}
+_LOCAL_REDUCE = {'sum': tf.reduce_sum, 'prod': tf.reduce_prod, 'max': tf.reduce_max,
+                 'min': tf.reduce_min}
+_LOW32 = 0xFFFFFFFF
+_SIGN64 = 1 << 63
+
+
+@dataclasses.dataclass(frozen=True)
+class Carrier:
+  """How a tensor of a dtype the backends refuse travels: `encode` before the collective, `decode`
+  after. The encoded value may have a trailing dim of 2 (parts of one element); collectives
+  only move or reduce leading dims, so that dim rides along."""
+  dtype: tf.DType
+  encode: Callable[[tf.Tensor], tf.Tensor]
+  decode: Callable[[tf.Tensor], tf.Tensor]
+
+
+def _widened(dtype, wide) -> Carrier:
+  # Exact: every value of `dtype` is a value of `wide`; integer sums and products wrap
+  # modulo 2^bits of `wide`, and casting back keeps the low bits, which is the wrapped
+  # result in `dtype`; max/min keep their order.
+  return Carrier(wide, lambda x: tf.cast(x, wide), lambda y: tf.cast(y, dtype))
+
+
+def _complex_parts(dtype) -> Carrier:
+  part = _COMPLEX_PARTS[dtype]
+  return Carrier(part, lambda x: tf.bitcast(x, part), lambda y: tf.bitcast(y, dtype))
+
+
+def _uint64_moved() -> Carrier:
+  return Carrier(tf.int64, lambda x: tf.bitcast(x, tf.int64), lambda y: tf.bitcast(y, tf.uint64))
+
+
+def _uint64_ordered() -> Carrier:
+  """uint64 as int64 with the top bit flipped: an order-preserving map, so max/min are exact."""
+  sign = lambda: tf.constant(_SIGN64, tf.uint64)
+  return Carrier(tf.int64, lambda x: tf.bitcast(tf.bitwise.bitwise_xor(x, sign()), tf.int64),
+                 lambda y: tf.bitwise.bitwise_xor(tf.bitcast(y, tf.uint64), sign()))
+
+
+def _uint64_summed() -> Carrier:
+  """uint64 as int64 pairs (low 32 bits, high 32 bits), each < 2^32.
+
+  A group of k < 2^31 members sums each half without overflowing int64; the carry of the low
+  half goes into the high half, which wraps modulo 2^32: the sum modulo 2^64, as uint64 adds.
+  (Bitcasting to int64 and summing would give the same bits only through signed overflow.)
+  """
+  def encode(x):
+    low = tf.bitwise.bitwise_and(x, tf.constant(_LOW32, tf.uint64))
+    high = tf.bitwise.right_shift(x, tf.constant(32, tf.uint64))
+    return tf.stack([tf.cast(low, tf.int64), tf.cast(high, tf.int64)], axis=-1)
+
+  def decode(y):
+    low, high = y[..., 0], y[..., 1]
+    high = tf.bitwise.bitwise_and(high + tf.bitwise.right_shift(low, 32), _LOW32)
+    low = tf.bitwise.bitwise_and(low, _LOW32)
+    return tf.bitwise.bitwise_or(
+        tf.bitwise.left_shift(tf.cast(high, tf.uint64), tf.constant(32, tf.uint64)),
+        tf.cast(low, tf.uint64))
+  return Carrier(tf.int64, encode, decode)
+
+
+def reduces_by_gather(dtype: tf.DType, op: Optional[str]) -> bool:
+  """Whether reduction `op` of `dtype` is a gather and a local reduction: products whose
+  carriers do not multiply like the values (complex numbers, uint64 modulo 2^64)."""
+  return op == 'prod' and (dtype in _COMPLEX_PARTS or dtype == tf.uint64)
+
+
+def carrier_for(dtype: tf.DType, op: Optional[str], what: str) -> Optional[Carrier]:
+  """How `dtype` travels through a collective that reduces with `op` (None: moves data only).
+
+  None when the backends take `dtype` as it is. Raises a TypeError naming `what` (the
+  collective, its axes and operand) when `op` is undefined for `dtype` or no exact carrier
+  exists.
+  """
+  if dtype in CARRIED_NATIVELY:
+    return None
+  if dtype == tf.bool and op in ('sum', 'prod'):
+    raise TypeError(f"{what}: a '{op}' reduction of bool is ambiguous; use 'max' (any) or "
+                    "'min' (all), or cast first.")
+  if dtype in _COMPLEX_PARTS and op in ('max', 'min'):
+    raise TypeError(f"{what}: a '{op}' reduction of {dtype.name} is undefined (complex numbers "
+                    'have no order); reduce tf.abs or tf.math.real of the value instead.')
+  if reduces_by_gather(dtype, op):
+    raise AssertionError(f'{what}: {op} of {dtype.name} is reduced after a gather.')
+  if dtype in _WIDENED:
+    return _widened(dtype, _WIDENED[dtype])
+  if dtype in _COMPLEX_PARTS:
+    return _complex_parts(dtype)  # moved, or summed part by part
+  if dtype == tf.uint64:
+    return {None: _uint64_moved, 'sum': _uint64_summed}.get(op, _uint64_ordered)()
+  raise TypeError(
+      f'{what}: collectives cannot carry {dtype.name} values (they carry numbers and bool); '
+      f'keep this tensor replicated or on one device, or convert it to a number first.')
 
 
 def _check_op(op: str) -> str:
@@ -174,7 +278,7 @@ class Collectives(abc.ABC):
 
   Subclasses emit the communication (`_all_reduce`, `_all_gather`, ...); this
   base class validates arguments, handles trivial groups (size 1: no op),
-  padding of uneven dims, bool operands, naming and recording.
+  padding of uneven dims, dtypes the backends refuse (`carrier_for`), naming and recording.
   """
 
   backend = 'abstract'
@@ -236,8 +340,10 @@ class Collectives(abc.ABC):
     _static_shape(x, 'all_reduce')
     if self.mesh.axes_size(axes) == 1:
       return x
+    if reduces_by_gather(x.dtype, op):
+      return self._reduce_by_gather(x, axes, op)
     return self._emit('all_reduce', x, axes, dict(op=op),
-                      lambda v: self._all_reduce(v, axes, op), bool_op=op)
+                      lambda v: self._all_reduce(v, axes, op), op=op)
 
   def all_gather(self, x, axes, dim: int, size: Optional[int] = None) -> tf.Tensor:
     """Concatenate the members' `x` along `dim` in position order.
@@ -268,8 +374,13 @@ class Collectives(abc.ABC):
       return x
     chunk = -(-shape[dim] // k)
     x = pad_dim(x, dim, k * chunk)
+    if reduces_by_gather(x.dtype, op):
+      reduced = self._reduce_by_gather(x, axes, op)
+      mine = slice_dim(reduced, dim, self.axis_index(axes) * chunk, chunk)
+      mine.set_shape(shape[:dim] + (chunk,) + shape[dim + 1:])
+      return mine
     return self._emit('reduce_scatter', x, axes, dict(dim=dim, op=op),
-                      lambda v: self._reduce_scatter(v, axes, dim, op), bool_op=op,
+                      lambda v: self._reduce_scatter(v, axes, dim, op), op=op,
                       out_shape=shape[:dim] + (chunk,) + shape[dim + 1:])
 
   def all_to_all(self, x, axes, split_dim: int, concat_dim: int,
@@ -370,6 +481,12 @@ class Collectives(abc.ABC):
     return build()
 
   # --- shared plumbing ---------------------------------------------------------------------
+  def _reduce_by_gather(self, x, axes, op):
+    """Every member's `x` gathered along a new leading dim, then reduced here (in position
+    order): for reductions no carrier computes exactly. One all-gather, k times the bytes."""
+    stacked = self.all_gather(x[tf.newaxis], axes, 0)
+    return _LOCAL_REDUCE[op](stacked, axis=0)
+
   def _emit_permute(self, x, pairs, axes, family, params):
     if not len(pairs):
       return tf.zeros_like(x)
@@ -378,12 +495,19 @@ class Collectives(abc.ABC):
     return self._emit('permute', x, axes, params, lambda v: self._permute(v, pairs, family),
                       groups=pairs, group_size=2)
 
-  def _emit(self, kind, x, axes, params, build, bool_op=None, groups=None, group_size=None,
+  def _emit(self, kind, x, axes, params, build, op=None, groups=None, group_size=None,
             out_shape=None):
-    """Name, record and emit one collective; its result gets the static `out_shape` (default: x's)."""
-    if x.dtype == tf.bool and bool_op in ('sum', 'prod'):
-      raise TypeError(f"{kind} over mesh axes {tuple(axes)}: a '{bool_op}' reduction of bool is "
-                      "ambiguous; use 'max' (any) or 'min' (all), or cast first.")
+    """Name, record and emit one collective; its result gets the static `out_shape` (default: x's).
+
+    `op` is the reduction (None for data movement); it decides how a dtype the backends
+    refuse is carried (`carrier_for`).
+    """
+    dims = ','.join(str(int(d)) for d in x.shape)
+    scope = tf.get_current_name_scope()
+    carrier = carrier_for(x.dtype, op, f"{kind} over mesh axes {tuple(axes)} of {x.dtype.name}"
+                          f"[{dims}]" + (f" in '{scope}'" if scope else ''))
+    if carrier is not None:
+      params = dict(params, carried_as=carrier.dtype.name)
     index = len(self.records)
     count = self._counts[kind]
     self._counts[kind] += 1
@@ -396,17 +520,13 @@ class Collectives(abc.ABC):
           groups=tables.groups(self.mesh, tuple(axes)) if groups is None else groups,
           params=tuple(params.items()))
       self.records.append(record)
-      if x.dtype == tf.bool:
-        result = self._bool_collective(x, build, bool_op, record)
-      else:
+      if carrier is None:
         result = self._around(record, lambda: build(x))
+      else:
+        encoded = carrier.encode(x)
+        result = carrier.decode(self._around(record, lambda: build(encoded)))
       result.set_shape(shape if out_shape is None else out_shape)
       return result
-
-  def _bool_collective(self, x, build, op, record):
-    del op  # checked in _emit
-    as_int = tf.cast(x, tf.int32)
-    return tf.cast(self._around(record, lambda: build(as_int)), tf.bool)
 
   def _check_pairs(self, pairs) -> np.ndarray:
     arr = np.asarray(pairs, dtype=np.int64).reshape(-1, 2) if len(pairs) else np.zeros(
