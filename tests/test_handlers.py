@@ -88,6 +88,7 @@ def test_fused_update_with_a_slot_sharded_unlike_its_variable_is_a_clear_error()
 
   @tf.function
   def update(grad):
+    tf.compat.v1.get_default_graph().watch_variable(accum)  # used only through its handle
     tf.raw_ops.ResourceApplyAdagrad(var=var.handle, accum=accum.handle, lr=0.1, grad=grad)
     return var.read_value()
 
