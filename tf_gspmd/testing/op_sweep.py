@@ -671,21 +671,6 @@ _WHOLE = P(None, None)
 
 KNOWN_ISSUES.extend([
     KnownIssue(
-        'complex-collectives', ('Angle', 'ComplexAbs', 'Conj', 'Imag', 'Real', 'Complex'),
-        'runtime/collectives.py TFCollectives',
-        'TF collectives take no complex64: any reshard of a complex tensor that needs a '
-        'collective fails. Bitcast complex64 to float32[..., 2] around the collective.',
-        raises='TypeError', match=r'DataType complex64 not in list of allowed values',
-        example=Case('Angle', '1d', (P(None, 'x'),))),
-    KnownIssue(
-        'uint64-permute', ('StatelessRandomGetKeyCounter', 'StatelessRandomGetKeyCounterAlg'),
-        'runtime/collectives.py TFCollectives._permute',
-        'TF collectives take no uint64, so resharding a uint64 tensor (a random key or '
-        'counter asked for a sharded layout) fails. Bitcast 64-bit unsigned values to int32 '
-        'pairs around the collective.',
-        raises='TypeError', match=r'DataType uint64 not in list of allowed values',
-        example=Case('StatelessRandomGetKeyCounter', '2d', (), (None, P(('a', 'b'))))),
-    KnownIssue(
         'slot-sharded-unlike-variable', _SLOT_APPLY,
         'nothing: a documented refusal (graph_rewrite/variables.py apply_handler)',
         'a slot variable sharded unlike its variable is refused with a clear error naming '
@@ -698,8 +683,9 @@ KNOWN_ISSUES.extend([
         'graph_rewrite/variables.py apply_handler (@handles list)',
         'these fused optimizer updates have no hand-written handler, so factor_handler '
         'partitions them: it picks a layout from the gradient (or caps an over-split dim) '
-        'and then tries to reshard the variable handle. They have the shape of the ops '
+        'and then tries to reshard the variable handle (e.g. variable and slots replicated, '
+        'gradient P(x,_)). They have the shape of the ops '
         'apply_handler covers (variable, slots, scalars, gradient): add them to its list.',
         raises='ValueError', match=r'a resource value cannot be moved between partitions',
-        example=Case('ResourceApplyAdaMax', '1d', (P(None, 'x'),) * 4)),
+        example=Case('ResourceApplyCenteredRMSProp', '1d', (_WHOLE,) * 4 + (P('x', None),))),
 ])
