@@ -46,6 +46,8 @@ from tf_gspmd.graph_rewrite.handlers import (HANDLERS, _shape_input, check_local
                                              emit_outputs, global_shape, handles, random_handler,
                                              static_handler)
 from tf_gspmd.graph_rewrite.partitioner import Local
+from tf_gspmd.graph_rewrite.windowed import SpatialDim, gather_window, trim_plan
+from tf_gspmd.propagation.halo import WindowDim
 from tf_gspmd.sharding import NamedSharding, P
 
 # Dtypes a pending sum over partitions can hold (what the collectives reduce).
@@ -219,11 +221,28 @@ def _local_strided_slice_args(plan: Sequence[DimSlice], whole: Sequence[bool]):
   return begin, end, strides, masks
 
 
+def shift_window(p, tensor: tf.Tensor, x: Local, pads, fill) -> tf.Tensor:
+  """This partition's shard of `x` padded by `pads` ({dim: (lo, hi)}, negative: cut) along
+  split dims, the result split like `x` (ceil-sized shards of the new size).
+
+  Pad and Slice along a split dim shift rows between shards: each output shard is a
+  window of width 1 over the input, with the pads as the window's padding, so its rows come
+  from the neighbours by the halo exchange of windowed ops (permutes, several hops when the
+  shift outgrows a shard), never from gathering the dim. Rows outside the input get `fill`.
+  """
+  dims = []
+  for d, (lo, hi) in sorted(pads.items()):
+    window = WindowDim(int(x.shape[d]), 1, 1, 1, int(lo), int(hi))
+    plan, tail = trim_plan(window, p.mesh.axes_size(x.sharding.spec.axes_of(d)))
+    dims.append(SpatialDim(d, tuple(x.sharding.spec.axes_of(d)), window, plan, tail))
+  return gather_window(p, tensor, x.sharding, dims, fill)
+
+
 def partitioned_slice(p, node, x: Local, plan: Sequence[DimSlice]):
   """(local tensor, sharding) of `x` sliced by `plan`; the sharding may hold a pending sum."""
   rank = len(x.shape)
   have = _axes(x.sharding, rank)
-  gather, pick, prefix = set(), [], set()
+  gather, pick, prefix, shifted = set(), [], set(), []
   summable = x.dtype in _SUMMABLE
   for i, e in enumerate(plan):
     if e.kind in ('new', 'keep') or not have[e.dim] or (e.kind == 'range' and e.count == 0):
@@ -234,6 +253,10 @@ def partitioned_slice(p, node, x: Local, plan: Sequence[DimSlice]):
       prefix.add(i)
     elif summable and 2 * len(e.rows()) <= n:
       pick.append(i)  # all-reducing the picked rows moves less than gathering the dim
+    elif e.kind == 'range' and e.stride == 1 and node.op == 'Slice':
+      # A shifted window (Pad's gradient): halos from the neighbours, nothing gathered.
+      # StridedSlice still gathers here: its sweep budget records that choice.
+      shifted.append(i)
     else:
       gather.add(e.dim)
   if gather:
@@ -241,18 +264,22 @@ def partitioned_slice(p, node, x: Local, plan: Sequence[DimSlice]):
                   f'{node.op} {node.name}: sliced dim')
     have = _axes(x.sharding, rank)
   tensor, partial = x.tensor, []
+  if shifted:  # rows [start, start + count) are a window of width 1 with negative padding
+    tensor = shift_window(p, tensor, x, {plan[i].dim: (-plan[i].start, plan[i].start +
+                                                      plan[i].count - x.shape[plan[i].dim])
+                                         for i in shifted}, 0)
   for i in pick:
     e = plan[i]
     tensor = _take_rows(p, tensor, x.sharding, x.shape, e.dim, e.rows())
     partial += list(have[e.dim])
-  whole = [i in pick or i in prefix for i in range(len(plan))]
+  whole = [i in pick or i in prefix or i in shifted for i in range(len(plan))]
   begin, end, strides, masks = _local_strided_slice_args(plan, whole)
   local = tf.strided_slice(tensor, begin, end, strides, name=node.name, **masks)
   out_axes = []
   for i, e in enumerate(plan):
     if e.kind == 'new':
       out_axes.append(())
-    elif e.kind == 'keep' or i in prefix:
+    elif e.kind == 'keep' or i in prefix or i in shifted:
       out_axes.append(have[e.dim])
     elif e.kind == 'range':
       out_axes.append(())
@@ -323,7 +350,8 @@ def pad_handler(p, graph, node, operands):
   paddings = np.asarray(_shape_input(p, graph, node, 1)).reshape(rank, 2)
   have = _axes(x.sharding, rank)
   constant = node.op in ('Pad', 'PadV2')
-  keep, tail = [], []
+  fill = _static_pad_value(p, graph, node)
+  keep, tail, shifted = [], [], {}
   for d in range(rank):
     lo, hi = (int(v) for v in paddings[d])
     if not have[d] or (lo, hi) == (0, 0):
@@ -333,13 +361,26 @@ def pad_handler(p, graph, node, operands):
     if constant and lo == 0 and _chunk(x.shape[d] + hi, shards) == _chunk(x.shape[d], shards):
       keep.append(have[d])  # each shard keeps its size: rows past the end become pad values
       tail.append(d)
+    elif fill is not None:
+      keep.append(have[d])  # rows shift between shards: halo exchange (`shift_window`)
+      shifted[d] = (lo, hi)
     else:
       keep.append(())
+  if shifted:  # one mechanism for every split dim: the window also pads the tails
+    shifted.update({d: tuple(int(v) for v in paddings[d]) for d in tail})
+    tail = []
   x = p.reshard(x, _named(p, keep), f'{node.op} {node.name}: padded dim')
   local_paddings = [[0, 0] if keep[d] else [int(v) for v in paddings[d]] for d in range(rank)]
   inputs = [x.tensor, tf.constant(local_paddings, dtype=operands[1].dtype)]
   if node.op == 'PadV2':
     inputs.append(p.replicate(operands[2], 'pad value').tensor)
+  if shifted:  # whole dims padded locally first, then split dims shifted with the pad value
+    local = tf.pad(x.tensor, local_paddings, constant_values=tf.cast(fill, x.dtype))
+    tensor = shift_window(p, local, Local(local, x.sharding, tuple(
+        x.shape[d] + (0 if keep[d] else sum(local_paddings[d])) for d in range(rank))),
+        shifted, fill)
+    tensor = tf.identity(tensor, name=node.name)
+    return [_result(p, graph, node, tensor, x.sharding)]
   out = emit_outputs(p, graph, node, inputs, [x.sharding], finish=False)[0]
   tensor = out.tensor
   if tail:
@@ -352,6 +393,16 @@ def pad_handler(p, graph, node, operands):
     tensor = tf.where(valid, tensor, tf.broadcast_to(value, tf.shape(tensor)),
                       name=node.name + '/gspmd/pad_tail')
   return [p.finish(graph, Local(tensor, out.sharding, out.shape), node.outputs[0].name)]
+
+
+def _static_pad_value(p, graph, node):
+  """The constant a Pad/PadV2 fills with, when known before run time (else None)."""
+  if node.op == 'Pad':
+    return 0
+  if node.op == 'PadV2':
+    value = p.static_value(graph, node.inputs[2])
+    return None if value is None else np.asarray(value).item()
+  return None  # MirrorPad reflects rows: not a shift
 
 
 # --- generated sequences -------------------------------------------------------------------
