@@ -15,7 +15,6 @@ import tensorflow as tf
 from tensorflow.compiler.xla.service import hlo_pb2
 
 import tf_gspmd as tg
-from tf_gspmd.runtime import sharded as sharded_lib
 from tf_gspmd.xla_bridge import tpu
 from tf_gspmd.xla_bridge.hlo import hlo_collectives
 

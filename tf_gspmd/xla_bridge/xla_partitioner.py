@@ -44,6 +44,7 @@ from tf_gspmd import op_sharding
 from tf_gspmd.sharding import Sharding
 from tf_gspmd.xla_bridge import pjrt
 
+
 def _xla_client():
   # jaxlib's XLA client is the only Python handle on PJRT's compile options (num_partitions,
   # use_spmd_partitioning, the partitioner choice) and on HLO -> StableHLO conversion.
@@ -114,7 +115,8 @@ def _check_even(sharding: Sharding, shape: tuple, what: str) -> None:
 
 def lower_annotated(fn, args: Sequence, arg_shardings: Sequence[Optional[Sharding]],
                     variable_sharding) -> tuple:
-  """(HloModuleProto with parameter and result shardings, [Parameter], output -> parameter alias).
+  """(HloModuleProto with parameter and result shardings, [Parameter], {result: parameter} of
+  the variables' new values, number of results).
 
   `fn`: the annotated tf.function; `args`: example arguments (tensors);
   `arg_shardings`: one Sharding (None: replicated) per argument;
@@ -362,15 +364,3 @@ def _received(kind: str, operand: int, result: int, operand_arrays, g: int) -> i
   # all-reduce: ring reduce-scatter then ring all-gather, per operand array
   return sum(2 * (g - 1) * -(-math.prod(dims) // g) * _DTYPE_BYTES[dtype]
              for arrays in operand_arrays for dtype, dims in arrays)
-
-
-def time_steps(run, args, repeats: int) -> float:
-  """Median seconds of `run(*args)` (blocking on its results) over `repeats` calls."""
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    outputs = run(*args)
-    for o in outputs:
-      o.block_until_ready()
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
