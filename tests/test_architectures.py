@@ -115,6 +115,7 @@ def _check_collectives(step, run, layout):
     assert any(kind == 'all_reduce' and 'b' in axes for kind, axes in kinds), kinds
 
 
+@pytest.mark.slow  # 30 s to 2 min each on 2 cores (partitioning a whole training step)
 @pytest.mark.parametrize('layout', LAYOUTS)
 @pytest.mark.parametrize('arch', ARCHS)
 def test_raw_tf_training_step(arch, layout, caplog):
@@ -123,14 +124,16 @@ def test_raw_tf_training_step(arch, layout, caplog):
   _check_collectives(step, run, layout)
 
 
-@pytest.mark.parametrize('layout', ['batch', 'batch_height'])
-@pytest.mark.parametrize('arch', ARCHS)
+@pytest.mark.slow  # 30 s to 2 min each on 2 cores (partitioning a whole training step)
+@pytest.mark.parametrize('arch,layout', [('resnet', 'batch'), ('mobilenet_v2', 'batch_height'),
+                                         ('efficientnet', 'batch_height')])
 def test_keras_training_step(arch, layout, caplog):
   """Keras 3 layers: BatchNormalization as moments + arithmetic, ZeroPadding2D, Dropout."""
   step, run = _train('keras', arch, layout, caplog)
   _check_collectives(step, run, layout)
 
 
+@pytest.mark.slow  # 30 s to 2 min each on 2 cores (partitioning a whole training step)
 @pytest.mark.parametrize('arch', ARCHS)
 def test_raw_tf_inference_forward(arch):
   """Inference: FusedBatchNormV3 on moving statistics, no dropout; batch x height split."""
