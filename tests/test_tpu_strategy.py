@@ -175,3 +175,32 @@ def test_replica_program_trains_on_pjrt_replicas_like_the_unpartitioned_step(meg
   # The collectives XLA runs are the mesh's: all-reduces over 'model' and 'data' groups.
   kinds = {(c.kind, c.replica_groups) for c in hlo_collectives(executable.compiled_hlo())}
   assert {g for _, g in kinds} <= {MODEL_GROUPS, DATA_GROUPS}
+
+
+def test_step_runs_under_strategy_run_with_replica_id_as_partition_id():
+  """The host side end to end (split, strategy.run, assemble, shard variables) on a program
+  without collectives (XLA collective ops have no CPU kernel outside a compiled program)."""
+  mesh = tg.Mesh.create((2, 4), ('data', 'model'))
+  w = tf.Variable(np.arange(8, dtype=np.float32), name='w_elementwise')
+  tg.shard_variable(w, mesh, tg.P('model'))
+
+  @tf.function
+  def fn(x):
+    x = tg.shard(x, mesh, tg.P('data', 'model'))
+    # The iotas are sliced by each partition's offsets: they depend on the partition id.
+    iota = tf.range(4)[:, None] * 100 + tf.range(8)[None, :] * 10
+    w.assign(w * 3.0)
+    return x * 2.0 + w + tf.cast(iota, tf.float32)
+
+  strategy = tf.distribute.MirroredStrategy([f'/device:CPU:{i}' for i in range(8)])
+  x = np.arange(32, dtype=np.float32).reshape(4, 8)
+  want = x * 2 + np.arange(8) * 3 + np.arange(4)[:, None] * 100 + np.arange(8) * 10
+  step = tpu.TPUStrategyStep(tg.partition(fn, mesh), strategy, x)
+  np.testing.assert_array_equal(step(x).numpy(), want)
+  step.sync_variables()
+  np.testing.assert_array_equal(w.numpy(), np.arange(8) * 3)
+  # Every replica claiming partition 0 gives other numbers: the replica id is what decides.
+  w.assign(np.arange(8, dtype=np.float32))
+  wrong = tpu.TPUStrategyStep(tg.partition(fn, mesh), strategy, x,
+                              replica_id=lambda: tf.constant(0, tf.int32))
+  assert np.abs(wrong(x).numpy() - want).max() > 1

@@ -33,7 +33,10 @@ experimental_device_assignment=...)`, `strategy.run`,
 No TPU is attached here, so that last part has never run on one. What is
 tested without a TPU (tests/test_tpu_strategy.py): the topology read from a
 serialized TopologyProto the way TF reads the one TPU initialization returns,
-the device assignment derived from it, the very replica function
+the device assignment derived from it, `TPUStrategyStep` called end to end
+under a MirroredStrategy of 8 CPUs (same replica API) on a program without
+collectives (XLA collective ops run only inside a compiled program), the very
+replica function
 `strategy.run` calls -- lowered by tf2xla (the compiler TPUStrategy uses) with
 its replica groups read from the HLO -- and that function run on 8 PJRT CPU
 replicas with XLA's replica id standing in for `replica_id_in_sync_group`,
