@@ -588,7 +588,47 @@ def plan_reshard(src: NamedSharding, dst: NamedSharding, shape: Sequence[int],
     candidate = refined.build(refined.search(), 'valley')
     if _plan_key(candidate) < _plan_key(best):
       best = candidate
-  return best
+  return _no_more_collectives_than_even(best, src, dst, shape, dtype_size)
+
+
+def collective_count(plan: ReshardPlan) -> int:
+  """Collectives a plan runs: every step but local slices, a repad once per round."""
+  return sum(len(s.rounds) if isinstance(s, Repad) else int(not isinstance(s, Slice))
+             for s in plan.steps)
+
+
+def _no_more_collectives_than_even(best: ReshardPlan, src, dst, shape,
+                                   dtype_size) -> ReshardPlan:
+  """`best`, or the naive plan when best saves only padding with extra collectives.
+
+  With short or empty shards (4 rows over 8 devices) the cheapest plan in
+  bytes can gather the non-empty shards first, repad and gather again: three
+  or more collectives where the naive plan runs one, to avoid receiving
+  padding rows. The same reshard with every split dim padded to divide
+  evenly moves as many bytes as that naive plan (its padding is real data
+  there), so the naive plan is taken when it runs fewer collectives, moves no
+  more bytes than that even reshard and stays within the memory bound: an
+  uneven split then costs no more collectives than the even one.
+  """
+  padded = _evenly_padded(src, dst, shape)
+  if padded == tuple(int(n) for n in shape):
+    return best
+  naive = naive_plan(src, dst, shape, dtype_size)
+  if (collective_count(naive) >= collective_count(best) or
+      naive.peak_bytes > best.bound_bytes):
+    return best
+  even = plan_reshard(src, dst, padded, dtype_size)
+  return naive if naive.bytes_moved <= even.bytes_moved else best
+
+
+def _evenly_padded(src: NamedSharding, dst: NamedSharding, shape) -> tuple:
+  """`shape` with each dim rounded up to a multiple of the devices splitting it in src or dst."""
+  out = []
+  for d, n in enumerate(shape):
+    axes = set(src.spec.axes_of(d)) | set(dst.spec.axes_of(d))
+    k = src.mesh.axes_size(tuple(axes))
+    out.append(_ceil(int(n), k) * k)
+  return tuple(out)
 
 
 def _plan_across_orders(src: NamedSharding, dst: NamedSharding, shape, dtype_size) -> ReshardPlan:

@@ -171,12 +171,20 @@ class OpRule:
 
   def join_dim(self, entry: DimEntry, factor_axes: Mapping[str, Axes], mesh: Mesh,
                dim_size: Optional[int]) -> Axes:
-    """Mesh axes of one dim given each factor's axes (the inverse of `split_dim`)."""
+    """Mesh axes of one dim given each factor's axes (the inverse of `split_dim`).
+
+    A plain dim keeps its factor's axes even when it is smaller than their
+    shard count: the trailing shards are empty (padding only), as in any
+    uneven split. Dropping the axes there would replicate the tensor and cost
+    a reshard wherever it meets a tensor that keeps them (4 experts over 8
+    devices: an all-gather and back at every annotation). `dim_size` does
+    not change the result: compound dims split by their factors' sizes.
+    """
     fs = dim_factors(entry)
     if not fs:
       return ()
     if len(fs) == 1:
-      return cap_axes(factor_axes.get(fs[0], ()), dim_size, mesh)
+      return tuple(factor_axes.get(fs[0], ()))
     out = []
     for f in fs:
       size, axes = self.size(f), []
@@ -250,9 +258,8 @@ class OpRule:
     holds it, or the local op sees blocks that do not match (a depthwise
     filter split on its multiplier while the output's (channel, multiplier)
     dim cannot show that split). A minor factor of a compound dim keeps axes
-    only when the factors before it are split into size-1 pieces, and a dim
-    smaller than its axes' shard count caps them (`cap_axes`); whatever one
-    tensor cannot hold, the factor loses everywhere. `shapes` lists operand
+    only when the factors before it are split into size-1 pieces; whatever
+    one tensor cannot hold, the factor loses everywhere. `shapes` lists operand
     then result shapes (None where unknown).
     """
     dims_list = self.tensor_dims()
@@ -331,18 +338,6 @@ def pick_candidate(candidates: Sequence[Tuple[Axes, int]], mesh: Mesh) -> Tuple[
 
 def _score(axes: Axes, mesh: Mesh) -> tuple:
   return (_product(mesh, axes), len(axes))
-
-
-def cap_axes(axes: Axes, dim_size: Optional[int], mesh: Mesh) -> Axes:
-  """The longest prefix of `axes` that splits a dim of `dim_size` into non-empty pieces."""
-  if dim_size is None:
-    return tuple(axes)
-  out = []
-  for a in axes:
-    if _product(mesh, out) * mesh.axis_size(a) > dim_size:
-      break
-    out.append(a)
-  return tuple(out)
 
 
 def _product(mesh: Mesh, axes) -> int:
