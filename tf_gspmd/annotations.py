@@ -59,6 +59,7 @@ def annotate(x, sharding: Sharding, unspecified_dims: Optional[Sequence[int]] = 
   """
   if _tf_variable_or_none(x) is not None:
     return shard_variable(x, sharding)
+  _check_annotatable(x, sharding)
   shape = _static_shape(x)
   if shape is not None:
     sharding.check_shape(shape, what=f'annotating tensor {_name(x)}')
@@ -272,6 +273,20 @@ def _variable_of_handle(handle):
 
 
 # --- helpers -------------------------------------------------------------------------
+def _check_annotatable(x, sharding) -> None:
+  """TypeErrors for what `annotate` cannot mean: a Python value, or a sharding of another type."""
+  if not isinstance(sharding, Sharding):
+    hint = (' Build one with NamedSharding(mesh, spec), or call shard(x, mesh, spec).'
+            if isinstance(sharding, tuple) else '')
+    raise TypeError(f'annotate: tensor {_name(x)} needs a Sharding, got '
+                    f'{type(sharding).__name__} {sharding!r}.{hint}')
+  if isinstance(x, (bool, int, float, complex, str, bytes, list, tuple)):
+    raise TypeError(
+        f'annotate: got the Python {type(x).__name__} {x!r} for sharding {sharding}, not a '
+        'tensor; an annotation marks a tensor of the traced function. Pass a tensor, e.g. '
+        'tf.constant(value), if you mean a constant.')
+
+
 def _sharding_of(mesh_or_sharding, spec) -> Sharding:
   if isinstance(mesh_or_sharding, Mesh):
     if spec is None:

@@ -23,7 +23,7 @@ import tensorflow as tf
 from tf_gspmd.graph import ir
 from tf_gspmd.graph_rewrite.partitioner import Local, OpRecord, Partitioner
 from tf_gspmd.mesh import Mesh
-from tf_gspmd.sharding import NamedSharding, Sharding, named_for_rank
+from tf_gspmd.sharding import NamedSharding, P, Sharding, named_for_rank
 
 
 class VariableStore:
@@ -36,6 +36,21 @@ class VariableStore:
   def __init__(self):
     self.sharded: Dict[int, Any] = {}    # id(tf.Variable) -> ShardedVariable
     self.originals: Dict[int, Any] = {}  # id(tf.Variable) -> tf.Variable
+    # id(tf.Variable) -> its shard_variable annotation when its shards were made (None: none),
+    # so an annotation changed afterwards is refused instead of silently ignored.
+    self.annotations: Dict[int, Optional[Sharding]] = {}
+
+  def check_annotations(self, variables) -> None:
+    """Raise a ValueError for a variable annotated differently since its shards were made."""
+    from tf_gspmd.annotations import variable_sharding  # pylint: disable=g-import-not-at-top
+    for var in variables:
+      then, now = self.annotations.get(id(var)), variable_sharding(var)
+      if now is not None and (then is None or now != then):
+        raise ValueError(
+            f'partition: variable {var.name} was annotated {now} after partitioning; its shards '
+            f'already live as {self.sharded[id(var)].sharding} (annotated {then} then). '
+            'Annotate variables before the first call, or partition the function again '
+            '(with a new VariableStore) to use the new layout.')
 
   def pairs(self, variables=None) -> List[tuple]:
     """(original, sharded) pairs, of `variables` only when given."""
@@ -109,6 +124,7 @@ class PartitionedFunction:
   # --- calling ------------------------------------------------------------------
   def __call__(self, *args):
     compiled = self._compile(args)
+    self.store.check_annotations(compiled.variables)
     self._last = compiled
     flat_args = [a for a in tf.nest.flatten(args) if _is_tensor_like(a)]
     if self.backend == 'xla':
@@ -298,6 +314,7 @@ class PartitionedFunction:
     if key in self._compiled:
       return self._compiled[key]
     program = capture(self.fn, *args)
+    _check_annotation_devices(program, self.mesh)
     self._annotate_arguments(program)
     self._annotate_outputs(program)
     plan = propagate_captured(program, self.mesh)
@@ -308,11 +325,8 @@ class PartitionedFunction:
   def _annotate_arguments(self, program: ir.Program) -> None:
     if self.in_shardings is None:
       return
-    given = list(self.in_shardings) if isinstance(self.in_shardings, (list, tuple)) else [
-        self.in_shardings] * len(program.arg_inputs)
-    if len(given) != len(program.arg_inputs):
-      raise ValueError(f'partition: {len(program.arg_inputs)} tensor arguments but '
-                       f'{len(given)} in_shardings.')
+    given = self._one_per(self.in_shardings, program.arg_inputs, 'in_shardings',
+                          'tensor argument')
     for tensor, sharding in zip(program.arg_inputs, given):
       if sharding is not None:
         self._annotate(program.main, tensor, sharding, 'in_shardings')
@@ -321,17 +335,42 @@ class PartitionedFunction:
     if self.out_shardings is None:
       return
     outs = program.main.outputs
-    given = list(self.out_shardings) if isinstance(self.out_shardings, (list, tuple)) else [
-        self.out_shardings] * len(outs)
-    if len(given) != len(outs):
-      raise ValueError(f'partition: {len(outs)} outputs but {len(given)} out_shardings.')
+    given = self._one_per(self.out_shardings, outs, 'out_shardings', 'output')
     for tensor, sharding in zip(outs, given):
       if sharding is not None:
         self._annotate(program.main, tensor, sharding, 'out_shardings')
 
-  def _annotate(self, graph: ir.Graph, tensor: str, sharding: Sharding, what: str) -> None:
+  def _one_per(self, given, tensors, what: str, noun: str) -> list:
+    """`given` (one sharding or P for all, or a list) as one entry per tensor of `tensors`."""
+    if given is None or isinstance(given, (Sharding, P)):
+      return [given] * len(tensors)
+    if not isinstance(given, (list, tuple)):
+      raise TypeError(f'partition({_name_of(self.fn)!r}): {what} must be a Sharding, a P or a '
+                      f'list of them (None: left to propagation), got {given!r}.')
+    if len(given) != len(tensors):
+      plural = '' if len(tensors) == 1 else 's'
+      raise ValueError(
+          f'partition({_name_of(self.fn)!r}): {len(tensors)} {noun}{plural} {list(tensors)} but '
+          f'{len(given)} {what} {list(given)}; give one per {noun} (None: left to propagation).')
+    return list(given)
+
+  def _annotate(self, graph: ir.Graph, tensor: str, sharding, what: str) -> None:
     t = graph.tensor(tensor)
-    named = named_for_rank(sharding, self.mesh, len(t.shape))
+    where = f'partition({_name_of(self.fn)!r}): {what} for {tensor}'
+    if isinstance(sharding, P):  # a spec on the partition's own mesh
+      try:
+        sharding = NamedSharding(self.mesh, sharding)
+      except ValueError as e:
+        raise ValueError(f'{where}: {e}') from None
+    if not isinstance(sharding, Sharding):
+      raise TypeError(f'{where}: expected a Sharding or a P, got {type(sharding).__name__} '
+                      f'{sharding!r}.')
+    if t.shape is not None:
+      sharding.check_shape(t.shape, where)  # the rank first: the clearest error
+    try:
+      named = named_for_rank(sharding, self.mesh, len(t.shape))
+    except ValueError as e:
+      raise ValueError(f'{where}: {e}') from None
     if named is None:
       raise ValueError(
           f'partition: {what} for {tensor} gives {sharding}, which no spec on {self.mesh} says '
@@ -367,9 +406,11 @@ class PartitionedFunction:
     for t in main.outputs:
       shape = main.tensor(t).shape
       if shape is None or None in shape:
+        maker = _through_identities(main, t)
         raise ValueError(
-            f'partition: output {t} ({main.producer(t).op}) has shape {shape}, known only at run '
-            'time; a partitioned function returns tensors of static shape.')
+            f'partition: output {t} ({main.producer(t).op}, made by {maker.name} of type '
+            f'{maker.op}) has shape {shape}, known only at run time; a partitioned function '
+            'returns tensors of static shape.')
     out_targets = [target(main, t) for t in main.outputs]
     out_shardings = [_boundary_layout(main, t, s, mesh) for t, s in zip(main.outputs, out_targets)]
     out_shapes = [tuple(main.tensor(t).shape) for t in main.outputs]
@@ -421,10 +462,42 @@ class PartitionedFunction:
             f'but {sharding} by this one; annotate it with shard_variable to fix its layout.')
       return
     self._originals[key] = var
+    from tf_gspmd.annotations import variable_sharding  # pylint: disable=g-import-not-at-top
+    self.store.annotations[key] = variable_sharding(var)
     devices = self._xla_devices() if self.backend == 'xla' else self.devices
     self._sharded_variables[key] = sharded_cls(
         var.read_value(), sharding, devices=devices, name=var.name.split(':')[0],
         trainable=getattr(var, 'trainable', True))
+
+
+def _check_annotation_devices(program: ir.Program, mesh: Mesh) -> None:
+  """Raise a ValueError naming the tensor when an annotation uses devices the mesh lacks."""
+  devices = sorted(mesh.devices)
+  for graph in program.graphs():
+    for node in graph.nodes:
+      for index, s in node.annotations.items():
+        used = sorted(s.devices)
+        if not used or s.is_manual or (s.is_maximal and used[0] in devices) or used == devices:
+          continue
+        what = (f'device {used[0]}' if s.kind == 'maximal' else
+                f'{len(used)} devices {_brief(used)}')
+        raise ValueError(
+            f'partition: the annotation {s} on {node.name}:{index} ({node.op}) puts the tensor on '
+            f'{what}, but the function is partitioned over {mesh} of {mesh.size} devices '
+            f'{_brief(devices)}; annotate over exactly the mesh\'s devices, each once (or one '
+            'of them for a single-device sharding).')
+
+
+def _brief(devices, limit: int = 16) -> str:
+  return str(devices) if len(devices) <= limit else str(devices[:limit])[:-1] + ', ...]'
+
+
+def _through_identities(graph: ir.Graph, tensor: str) -> ir.Node:
+  """The op that made `tensor`, looking through Identity and XlaSharding ops."""
+  node = graph.producer(tensor)
+  while node.op in ('Identity', 'XlaSharding') and node.inputs:
+    node = graph.producer(node.inputs[0])
+  return node
 
 
 def _working_order(graph: ir.Graph, plan, mesh: Mesh, args, variables) -> Mesh:

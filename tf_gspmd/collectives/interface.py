@@ -181,9 +181,11 @@ def carrier_for(dtype: tf.DType, op: Optional[str], what: str) -> Optional[Carri
       f'keep this tensor replicated or on one device, or convert it to a number first.')
 
 
-def _check_op(op: str) -> str:
+def _check_op(op: str, kind: str, axes) -> str:
   if op not in REDUCTIONS:
-    raise ValueError(f'Unknown reduction {op!r}; expected one of {REDUCTIONS}.')
+    scope = tf.get_current_name_scope()
+    raise ValueError(f"{kind} over mesh axes {tuple(axes)}" + (f" in '{scope}'" if scope else '')
+                     + f': unknown reduction {op!r}; expected one of {REDUCTIONS}.')
   return op
 
 
@@ -336,7 +338,8 @@ class Collectives(abc.ABC):
   # --- the collectives ---------------------------------------------------------------
   def all_reduce(self, x, axes, op: str = 'sum') -> tf.Tensor:
     """Reduce `x` elementwise over each group along `axes`; every member gets the result."""
-    x, axes, op = tf.convert_to_tensor(x), tables.normalize_axes(self.mesh, axes), _check_op(op)
+    x, axes = tf.convert_to_tensor(x), tables.normalize_axes(self.mesh, axes)
+    op = _check_op(op, 'all_reduce', axes)
     _static_shape(x, 'all_reduce')
     if self.mesh.axes_size(axes) == 1:
       return x
@@ -366,7 +369,8 @@ class Collectives(abc.ABC):
 
   def reduce_scatter(self, x, axes, dim: int, op: str = 'sum') -> tf.Tensor:
     """Reduce over the group, then keep chunk `axis_index(axes)` of ceil(n/k) along `dim`."""
-    x, axes, op = tf.convert_to_tensor(x), tables.normalize_axes(self.mesh, axes), _check_op(op)
+    x, axes = tf.convert_to_tensor(x), tables.normalize_axes(self.mesh, axes)
+    op = _check_op(op, 'reduce_scatter', axes)
     shape = _static_shape(x, 'reduce_scatter')
     dim = _check_dim(dim, len(shape), 'reduce_scatter')
     k = self.mesh.axes_size(axes)

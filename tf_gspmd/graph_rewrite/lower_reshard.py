@@ -101,7 +101,7 @@ def reshard(p, value: Local, target: NamedSharding, why: str = '') -> Local:
   `target` may keep some of the source's pending reductions (the planner
   resolves the others); it cannot add new ones.
   """
-  _check_value(p, value, target)
+  _check_value(p, value, target, why)
   shape = tuple(int(s) for s in value.shape)
   if 0 in shape:  # nothing to move: every shard is all padding
     return Local(tf.zeros(target.shard_shape(shape), value.dtype), target, shape)
@@ -130,11 +130,12 @@ def apply_plan(p, value: Local, plan: rp.ReshardPlan, why: str = '') -> Local:
   return Local(x, plan.dst, tuple(plan.shape))
 
 
-def _check_value(p, value: Local, target: NamedSharding) -> None:
+def _check_value(p, value: Local, target: NamedSharding, why: str = '') -> None:
   src, shape = value.sharding, tuple(int(s) for s in value.shape)
   if value.dtype in _NOT_MOVABLE:
-    raise ValueError(f'reshard {src} -> {target}: a {value.dtype.name} value cannot be moved '
-                     'between partitions.')
+    raise ValueError(f'reshard {src} -> {target}' + (f' of {why}' if why else '') +
+                     f': a {value.dtype.name} value cannot be moved between partitions; keep '
+                     'it replicated, or shard the numbers it is made from.')
   for s in (src, target):  # another device order of the backend's mesh is fine (a permute)
     if not s.mesh.is_reordering_of(p.backend.mesh):
       raise ValueError(f'reshard {src} -> {target}: {s} lives on {s.mesh!r}, the collective '
