@@ -14,7 +14,15 @@ padding sits at the end, gathering padded shards and keeping the first `n`
 rows gives the global value (`all_gather(..., size=n)`), and a reduce-scatter
 or all-to-all pads its split dim to a multiple of `k` itself.
 
-Every call is recorded in `records` (kind, axes, local shape, dtype, bytes, name)
+Any dtype of numbers (and bool) goes through every collective: a dtype the backends'
+kernels refuse travels as one they take, exactly (`carrier_for`): complex as pairs of its
+float parts, uint64 bitcast to int64 (sums as 32-bit halves with their carry, max/min with
+the top bit flipped), narrow integers, bool and bfloat16 widened. Products of complex or
+uint64 values are a gather and a local product. A reduction undefined for the dtype (max of
+complex, sum of bool) or a dtype no number carries (string) is refused by name.
+
+Every call is recorded in `records` (kind, axes, local shape, dtype, bytes, name; a
+`carried_as` param names the carrier dtype)
 so later stages can count and explain collectives, and its ops live under a
 readable name scope, `<current scope>/gspmd/<kind>_<i>`.
 
