@@ -349,3 +349,53 @@ def test_pool_gradient_with_batch_and_channel_splits_stays_local(spec):
   np.testing.assert_allclose(pf(img).numpy(), f(img).numpy(), rtol=1e-5, atol=1e-5)
   pool = [r for r in pf.op_records() if r.op in ('AvgPool', 'AvgPoolGrad')]
   assert pool and not any(r.collectives for r in pool)
+
+
+# --- halos that span several neighbours' shards ---------------------------------------------
+WINDOWED_TYPES = ('Conv2D', 'MaxPool', 'AvgPool', 'Conv2DBackpropInput', 'Conv2DBackpropFilter',
+                  'MaxPoolGrad', 'AvgPoolGrad')
+
+# Windows stay within the image size: TF's CPU AvgPoolGrad with SAME padding is not the
+# adjoint of AvgPool when a window is larger than the whole dim (it clamps the window
+# start, then sizes the window from the full kernel), and the partitioned gradient is.
+MULTI_HOP_CASES = [  # mesh, image shape (height split), kernel, stride
+    ('8', (2, 8, 6, 3), 5, 1),   # 5x5 on 1-row shards: 2 hops each side
+    ('8', (1, 5, 7, 2), 5, 1),   # uneven, 3 empty shards
+    ('4', (1, 7, 7, 2), 7, 1),   # uneven, 7x7 on 2-row shards: a whole shard and a partial one
+    ('4', (2, 4, 6, 3), 3, 2),   # stride 2 on a small late feature map: 3 hops to the right
+]
+
+
+@pytest.mark.parametrize('mesh_name,shape,k,s', MULTI_HOP_CASES,
+                         ids=[f'{m}-{"x".join(map(str, sh))}-k{k}s{s}'
+                              for m, sh, k, s in MULTI_HOP_CASES])
+def test_multi_hop_halos_forward_and_gradients_use_only_permutes(mesh_name, shape, k, s):
+  mesh = MESHES[mesh_name]
+  x = randn(12, *shape)
+  w1, w2 = randn(13, k, k, shape[3], 3), randn(14, 3, 3, 3, 2)
+
+  @tf.function
+  def step(x, w1, w2):
+    x = tg.shard(x, mesh, tg.P(None, 'x', None, None))
+    with tf.GradientTape() as tape:
+      tape.watch([x, w1, w2])
+      y = tf.nn.relu(tf.nn.conv2d(x, w1, s, 'SAME'))
+      m = tf.nn.max_pool2d(y, k, 1, 'SAME')
+      a = tf.nn.avg_pool2d(m, k, 1, 'SAME')
+      c = tf.nn.conv2d(a, w2, 1, 'SAME')
+      loss = tf.reduce_sum(c * c)
+    return [loss] + tape.gradient(loss, [x, w1, w2])
+
+  pf = partition(step, mesh)
+  for a, b in zip(pf(x, w1, w2), step(x, w1, w2)):
+    assert_close(a, b)
+  records = [r for r in pf.collectives() if r['op_type'] in WINDOWED_TYPES]
+  operand_gathers = [r for r in records
+                     if r['kind'] == 'all_gather' and not r['why'].startswith('result')]
+  assert not operand_gathers, operand_gathers
+  halos = [r for r in records if r['kind'] == 'permute']
+  assert any('shards away' in r['why'] for r in halos), halos  # several hops were needed
+  assert any('gradient' in r['why'] and 'shards away' in r['why'] for r in halos), halos
+  # Each piece is at most one source shard: the extended buffer is shard + halo rows.
+  for r in halos:
+    assert r['shape'][1] <= -(-shape[1] // mesh.size), r
