@@ -358,25 +358,26 @@ WINDOWED_TYPES = ('Conv2D', 'MaxPool', 'AvgPool', 'Conv2DBackpropInput', 'Conv2D
 # Windows stay within the image size: TF's CPU AvgPoolGrad with SAME padding is not the
 # adjoint of AvgPool when a window is larger than the whole dim (it clamps the window
 # start, then sizes the window from the full kernel), and the partitioned gradient is.
-MULTI_HOP_CASES = [  # mesh, image shape (height split), kernel, stride
-    ('8', (2, 8, 6, 3), 5, 1),   # 5x5 on 1-row shards: 2 hops each side
-    ('8', (1, 5, 7, 2), 5, 1),   # uneven, 3 empty shards
-    ('4', (1, 7, 7, 2), 7, 1),   # uneven, 7x7 on 2-row shards: a whole shard and a partial one
-    ('4', (2, 4, 6, 3), 3, 2),   # stride 2 on a small late feature map: 3 hops to the right
+MULTI_HOP_CASES = [  # mesh, mesh axes splitting the height, image shape, kernel, stride
+    ('8', 'x', (2, 8, 6, 3), 5, 1),            # 5x5 on 1-row shards: 2 hops each side
+    ('8', 'x', (1, 5, 7, 2), 5, 1),            # uneven, 3 empty shards
+    ('4', 'x', (1, 7, 7, 2), 7, 1),            # uneven, 7x7 on 2-row shards: whole + partial
+    ('4', 'x', (2, 4, 6, 3), 3, 2),            # stride 2 on a small late map: 3 hops right
+    ('2x4', ('x', 'y'), (1, 8, 5, 2), 5, 1),   # hops across the boundary of two mesh axes
 ]
 
 
-@pytest.mark.parametrize('mesh_name,shape,k,s', MULTI_HOP_CASES,
+@pytest.mark.parametrize('mesh_name,axes,shape,k,s', MULTI_HOP_CASES,
                          ids=[f'{m}-{"x".join(map(str, sh))}-k{k}s{s}'
-                              for m, sh, k, s in MULTI_HOP_CASES])
-def test_multi_hop_halos_forward_and_gradients_use_only_permutes(mesh_name, shape, k, s):
+                              for m, _, sh, k, s in MULTI_HOP_CASES])
+def test_multi_hop_halos_forward_and_gradients_use_only_permutes(mesh_name, axes, shape, k, s):
   mesh = MESHES[mesh_name]
   x = randn(12, *shape)
   w1, w2 = randn(13, k, k, shape[3], 3), randn(14, 3, 3, 3, 2)
 
   @tf.function
   def step(x, w1, w2):
-    x = tg.shard(x, mesh, tg.P(None, 'x', None, None))
+    x = tg.shard(x, mesh, tg.P(None, axes, None, None))
     with tf.GradientTape() as tape:
       tape.watch([x, w1, w2])
       y = tf.nn.relu(tf.nn.conv2d(x, w1, s, 'SAME'))
@@ -398,4 +399,4 @@ def test_multi_hop_halos_forward_and_gradients_use_only_permutes(mesh_name, shap
   assert any('gradient' in r['why'] and 'shards away' in r['why'] for r in halos), halos
   # Each piece is at most one source shard: the extended buffer is shard + halo rows.
   for r in halos:
-    assert r['shape'][1] <= -(-shape[1] // mesh.size), r
+    assert r['shape'][1] <= -(-shape[1] // mesh.axes_size(tuple(axes))), r
