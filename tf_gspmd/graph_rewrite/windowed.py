@@ -29,15 +29,16 @@ kernels, strides) is assembled from several neighbours: one permute per hop
 (`HaloPlan.left_pieces` / `right_pieces`), and its gradient goes back the same
 hops; the buffer stays the local shard plus the halo. Only a split dim that
 yields no output at all is gathered whole first (an all-gather) with one
-warning. When no spatial dim of the driving operand is
-split, the op is left to its propagation rule (`factors.factor_handler`),
-which partitions batch and channel dims.
+warning.
+
+Every layout (batch, channel, spatial) comes from the op's propagation rule
+(`factors.choose_layouts` with windowed factors allowed): this module only
+says how to compute locally (halos, masks, local shapes).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -46,12 +47,12 @@ from tensorflow.core.framework import attr_value_pb2
 
 from tf_gspmd.graph import emit
 from tf_gspmd.graph_rewrite import uneven
-from tf_gspmd.propagation.halo import HaloPlan, WindowDim, plan_halo, same_padding
-from tf_gspmd.graph_rewrite.handlers import (_shape_input, check_local_shape, fallback_handler,
-                                             global_shape, handles)
+from tf_gspmd.propagation.halo import HaloPlan, WindowDim, plan_halo
+from tf_gspmd.graph_rewrite.handlers import (check_local_shape, fallback_handler, global_shape,
+                                             handles)
 from tf_gspmd.graph_rewrite.partitioner import Local
 from tf_gspmd.collectives import slice_dim
-from tf_gspmd.sharding import NamedSharding, P
+from tf_gspmd.sharding import NamedSharding
 
 Axes = Tuple[str, ...]
 
@@ -83,37 +84,6 @@ class Layout:
       return cls(0, (1, 2), 3)
     raise NotHaloable(f'{node.op} {node.name}: data_format {fmt!r} is not supported by the '
                       'halo-exchange partitioner (NHWC or NCHW).')
-
-
-def _window_dims(node, image_shape, kernel: Sequence[int], layout: Layout) -> List[WindowDim]:
-  """The window of each spatial dim, in global terms, from the op's attrs."""
-  rank = len(image_shape)
-  strides = _attr(node, 'strides', [1] * rank)
-  dilations = _attr(node, 'dilations', None) or [1] * rank
-  padding = _attr(node, 'padding', 'VALID')
-  explicit = _attr(node, 'explicit_paddings', None) or []
-  out = []
-  for k, d in enumerate(layout.spatial):
-    n, size, stride, dil = int(image_shape[d]), int(kernel[k]), int(strides[d]), int(dilations[d])
-    if padding == 'SAME':
-      lo, hi = same_padding(n, size, stride, dil)
-    elif padding == 'EXPLICIT':
-      lo, hi = int(explicit[2 * d]), int(explicit[2 * d + 1])
-    elif padding == 'VALID':
-      lo, hi = 0, 0
-    else:
-      raise NotHaloable(f'{node.op} {node.name}: padding {padding!r} is not supported.')
-    out.append(WindowDim(n, size, stride, dil, lo, hi))
-  return out
-
-
-def _pool_kernel(node, layout: Layout) -> List[int]:
-  ksize, strides = _attr(node, 'ksize'), _attr(node, 'strides')
-  for d in (layout.batch, layout.channel):
-    if ksize[d] != 1 or strides[d] != 1:
-      raise NotHaloable(f'{node.op} {node.name}: pooling over the batch or channel dim '
-                        f'(ksize {ksize}, strides {strides}) cannot be halo-partitioned.')
-  return [ksize[d] for d in layout.spatial]
 
 
 def trim_plan(window: WindowDim, shards: int) -> Tuple[HaloPlan, int]:
@@ -177,39 +147,6 @@ def _plan_dims(p, node, spec: P, layout: Layout, windows: List[WindowDim],
   return dims
 
 
-def _spatially_split(value: Local, layout: Layout) -> bool:
-  return any(value.sharding.spec.axes_of(d) for d in layout.spatial)
-
-
-def _with_dims(spec: P, rank: int, dims: List[SpatialDim], **entries) -> P:
-  """`spec` with the spatial dims' axes from `dims` and other dims set from `entries`
-  (dim index -> axes)."""
-  out = [spec.axes_of(d) if d < len(spec) else () for d in range(rank)]
-  for sd in dims:
-    out[sd.dim] = sd.axes
-  for d, axes in entries.items():
-    out[int(d[1:])] = axes
-  return P(*[tuple(a) or None for a in out])
-
-
-def _spec(rank: int, **entries) -> P:
-  """A spec with `entries` (`d<index>` -> axes) and every other dim whole."""
-  return _with_dims(P(*([None] * rank)), rank, [], **entries)
-
-
-def _free_axes(candidates: Sequence[Axes], used: set) -> Axes:
-  """The first non-empty candidate that uses none of the `used` mesh axes, else ()."""
-  for axes in candidates:
-    if axes and not set(axes) & used:
-      return tuple(axes)
-  return ()
-
-
-def _used_axes(spec: P, dims: Sequence[int]) -> set:
-  return {a for d in dims for a in spec.axes_of(d)}
-
-
-# --- per-partition tables ------------------------------------------------------------------
 def _positions(sharding: NamedSharding, dim: int) -> np.ndarray:
   """Shard index along `dim` of each partition id."""
   return np.array([sharding.tile_index(pid)[dim] for pid in range(sharding.mesh.size)])
@@ -405,174 +342,66 @@ def _mask(p, value: Local, tensor: tf.Tensor, dims: Sequence[int], fill=0) -> tf
                              p.backend.partition_id)
 
 
-def _result(p, graph, node, tensor: tf.Tensor, spec: P, partial: Axes = ()) -> List[Local]:
+
+# --- layouts from the rule ------------------------------------------------------------------
+# Ops whose image (the tensor whose spatial dims the halo plan splits) is their result.
+_IMAGE_IS_RESULT = ('Conv2DBackpropInput', 'AvgPoolGrad', 'DepthwiseConv2dNativeBackpropInput')
+_SPATIAL_FACTORS = ('h', 'w')
+
+
+def _check_haloable(p, graph, node, operands) -> Layout:
+  """The op's layout, or NotHaloable when its form is outside halo exchange."""
+  from tf_gspmd.propagation.registry import RuleError  # pylint: disable=g-import-not-at-top
+  image = (global_shape(graph, node.outputs[0].name) if node.op in _IMAGE_IS_RESULT
+           else operands[0].shape)
+  if len(image) != 4:
+    raise NotHaloable(f'{node.op} {node.name}: its image has shape {image}; halo exchange '
+                      'handles rank-4 (2-D spatial) ops.')
+  layout = Layout.of(node)
+  padding = _attr(node, 'padding', 'VALID')
+  if padding not in ('SAME', 'VALID', 'EXPLICIT'):
+    raise NotHaloable(f'{node.op} {node.name}: padding {padding!r} is not supported.')
+  try:
+    from tf_gspmd.graph_rewrite import factors  # pylint: disable=g-import-not-at-top
+    factors.rule_for(p, node, graph)
+  except RuleError as e:  # pooling over batch or channels
+    raise NotHaloable(str(e)) from e
+  return layout
+
+
+def _rule_layouts(p, graph, node, operands, layout: Layout):
+  """The rule's layouts (`factors.choose_layouts`, spatial factors split with halos) and the
+  halo plan of each spatial dim. A spatial dim `_plan_dims` cannot halo-partition (no
+  output rows) is chosen whole instead (`_plan_dims` warns)."""
+  from tf_gspmd.graph_rewrite import factors  # pylint: disable=g-import-not-at-top
+  rule = factors.rule_for(p, node, graph)
+  windows = [rule.windows[n] for n in _SPATIAL_FACTORS]
+  on_result = node.op in _IMAGE_IS_RESULT
+  image = node.outputs[0].name if on_result else node.inputs[0]
+  whole = []
+  while True:
+    chosen = factors.choose_layouts(p, graph, node, operands, rule, windowed=True, whole=whole)
+    spec = (chosen.results[0] if on_result else chosen.operands[0]).spec
+    dims = _plan_dims(p, node, spec, layout, windows, image)
+    unfit = [n for n, sd in zip(_SPATIAL_FACTORS, dims) if sd.axes != chosen.axes(n)]
+    if not unfit:
+      return chosen, dims
+    whole += unfit
+
+
+def _resharded(p, node, operands, chosen) -> List[Local]:
+  """Operands in the rule's layouts; auxiliary ones (sizes vectors) as they are."""
+  return [value if need is None else p.reshard(value, need, f'operand {i} of {node.op}')
+          for i, (need, value) in enumerate(zip(chosen.operands, operands))]
+
+
+def _finish(p, graph, node, tensor, layout: NamedSharding) -> List[Local]:
   out = node.outputs[0].name
-  value = Local(tensor, NamedSharding(p.mesh, spec, partial=partial), global_shape(graph, out))
+  value = Local(tensor, layout, global_shape(graph, out))
   check_local_shape(node, value)
   return [p.finish(graph, value, out)]
 
 
-def _by_rule(p, graph, node, operands):
-  """No spatial dim is split: batch and channel dims follow the op's propagation rule."""
-  if node.op in _SIZED_BACKPROPS:
-    return _batch_split_backprop(p, graph, node, operands)
-  if node.op == 'AvgPoolGrad':
-    return _unsplit_avg_pool_grad(p, graph, node, operands)
-  from tf_gspmd.graph_rewrite import factors  # pylint: disable=g-import-not-at-top
-  if factors.has_rule(node, graph):
-    return factors.factor_handler(p, graph, node, operands)
-  return fallback_handler(p, graph, node, operands)
-
-
-# Gradient ops with a constant operand holding a global shape: operand index -> what it sizes.
-_SIZED_BACKPROPS = {'Conv2DBackpropInput': 0, 'Conv2DBackpropFilter': 1}
-
-
-def _unsplit_avg_pool_grad(p, graph, node, operands):
-  """AvgPoolGrad with no spatial split: pooling is per channel, so batch and channel
-  splits stay, and the local input shape is the shard of the original one."""
-  layout = Layout.of(node)
-  grad = operands[1]
-  spec = _spec(4, **{f'd{d}': grad.sharding.spec.axes_of(d) for d in (layout.batch, layout.channel)})
-  g = p.reshard(grad, NamedSharding(p.mesh, spec), f'output gradient of {node.op}')
-  out_shape = global_shape(graph, node.outputs[0].name)
-  sizes = _local_shape_const(operands[0].dtype, NamedSharding(p.mesh, spec).shard_shape(out_shape))
-  return _result(p, graph, node, emit.emit_node(node, [sizes, g.tensor]).outputs[0], spec)
-
-
-def _batch_split_backprop(p, graph, node, operands):
-  """A conv gradient whose image is split over batch only: every partition runs the op
-  on its batch rows with the original padding; the filter gradient is a partial sum."""
-  layout = Layout.of(node)
-  grad = operands[2]
-  batch = grad.sharding.spec.axes_of(layout.batch)
-  image_spec = _spec(4, **{f'd{layout.batch}': batch})
-  g = p.reshard(grad, NamedSharding(p.mesh, image_spec), f'output gradient of {node.op}')
-  gt = _mask(p, g, g.tensor, [layout.batch])
-  out_shape = global_shape(graph, node.outputs[0].name)
-  if _SIZED_BACKPROPS[node.op] == 0:  # image gradient: batch rows stay split
-    f = p.replicate(operands[1], f'filter of {node.op}')
-    sizes = _local_shape_const(operands[0].dtype, NamedSharding(p.mesh, image_spec).shard_shape(out_shape))
-    dx = emit.emit_node(node, [sizes, f.tensor, gt]).outputs[0]
-    return _result(p, graph, node, dx, image_spec)
-  x = p.reshard(operands[0], NamedSharding(p.mesh, image_spec), f'image of {node.op}')
-  xt = _mask(p, x, x.tensor, [layout.batch])
-  sizes = _local_shape_const(operands[1].dtype, out_shape)
-  dw = emit.emit_node(node, [xt, sizes, gt]).outputs[0]
-  return _result(p, graph, node, dw, _spec(4), partial=batch)
-
-
-def halo_op(driver: int, windows_of, *op_types):
-  """Register a halo-exchange handler for `op_types`.
-
-  `driver` is the operand whose spatial split the op follows, `windows_of(p,
-  graph, node, operands, layout)` the op's `WindowDim`s. Everything that can
-  refuse the op runs before anything is emitted: an op of another form is
-  computed on replicated operands with a warning, and an op whose driver has
-  no split spatial dim follows its propagation rule. The handler itself is
-  called as `fn(p, graph, node, operands, layout, windows)`.
-  """
-  def register(fn):
-    @handles(*op_types)
-    @functools.wraps(fn)
-    def handler(p, graph, node, operands):
-      value = operands[driver]
-      try:
-        if len(value.shape) != 4:
-          raise NotHaloable(f'{node.op} {node.name}: operand {node.inputs[driver]} has shape '
-                            f'{value.shape}; halo exchange handles rank-4 (2-D spatial) ops.')
-        layout = Layout.of(node)
-        windows = windows_of(p, graph, node, operands, layout)
-      except NotHaloable as e:
-        p.warn_once(f'not-haloable:{node.name}', f'tf_gspmd: {e} Its operands are replicated.')
-        return fallback_handler(p, graph, node, operands)
-      if not _spatially_split(value, layout):
-        return _by_rule(p, graph, node, operands)
-      return fn(p, graph, node, operands, layout, windows)
-    return handler
-  return register
-
-
-def _image_windows(kernel_of):
-  """windows_of for ops whose first operand is the image."""
-  return lambda p, graph, node, operands, layout: _window_dims(
-      node, operands[0].shape, kernel_of(p, graph, node, operands, layout), layout)
-
-
-def _result_windows(kernel_of):
-  """windows_of for ops whose result is the image (its gradient)."""
-  return lambda p, graph, node, operands, layout: _window_dims(
-      node, global_shape(graph, node.outputs[0].name),
-      kernel_of(p, graph, node, operands, layout), layout)
-
-
-def _filter_kernel(p, graph, node, operands, layout):
-  return operands[1].shape[:2]
-
-
-def _pool_ksize(p, graph, node, operands, layout):
-  return _pool_kernel(node, layout)
-
-
-def _filter_sizes_kernel(p, graph, node, operands, layout):
-  return [int(k) for k in _shape_input(p, graph, node, 1)][:2]
-
-
-def _out_channel_axes(p, graph, node, layout, candidates, used) -> Axes:
-  target = p.target(graph, node.outputs[0].name)
-  return _free_axes([target.spec.axes_of(layout.channel)] + list(candidates), used)
-
-
-# --- forward ops ---------------------------------------------------------------------------
-@halo_op(0, _image_windows(_filter_kernel), 'Conv2D')
-def conv_handler(p, graph, node, operands, layout, windows):
-  """Conv2D with split spatial dims: halo exchange, VALID conv.
-
-  Batch and spatial dims keep the image's axes; input channels keep theirs
-  (partial sums over them), output channels take the result's target axes or
-  the filter's when free.
-  """
-  image, filt = operands
-  b, c = layout.batch, layout.channel
-  dims = _plan_dims(p, node, image.sharding.spec, layout, windows, node.inputs[0])
-  spec = image.sharding.spec
-  used = _used_axes(spec, [b]) | {a for sd in dims for a in sd.axes}
-  in_ch = _free_axes([spec.axes_of(c)], used)
-  out_ch = _out_channel_axes(p, graph, node, layout, [filt.sharding.spec.axes_of(3)],
-                             used | set(in_ch))
-  partial = in_ch
-  filt_spec = _spec(4, d2=in_ch, d3=out_ch)
-  x = p.reshard(image, NamedSharding(p.mesh, _with_dims(spec, 4, dims, **{f'd{c}': in_ch})),
-                f'image of {node.op}')
-  f = p.reshard(filt, NamedSharding(p.mesh, filt_spec), f'filter of {node.op}')
-  xt, ft = x.tensor, f.tensor
-  if partial:  # padding channels would leak into the sum over channels
-    xt, ft = _mask(p, x, xt, [c]), _mask(p, f, ft, [2])
-  window = gather_window(p, xt, x.sharding, dims, 0)
-  y = _emit_valid(node, [window, ft])
-  return _result(p, graph, node, y, _with_dims(spec, 4, dims, **{f'd{c}': out_ch}), partial)
-
-
-@halo_op(0, _image_windows(_pool_ksize), 'MaxPool', 'AvgPool')
-def pool_handler(p, graph, node, operands, layout, windows):
-  """MaxPool / AvgPool with split spatial dims: halo exchange, VALID pool on the window;
-  rows outside the image are -inf for max, and AvgPool divides by the real count."""
-  (image,) = operands
-  dims = _plan_dims(p, node, image.sharding.spec, layout, windows, node.inputs[0])
-  spec = _with_dims(image.sharding.spec, 4, dims)
-  x = p.reshard(image, NamedSharding(p.mesh, spec), f'image of {node.op}')
-  is_max = node.op == 'MaxPool'
-  fill = uneven.identity_value('max', x.dtype) if is_max else 0
-  window = gather_window(p, x.tensor, x.sharding, dims, fill)
-  y = _emit_valid(node, [window])
-  if not is_max:
-    count = _count_fraction(p, node, dims, x.sharding, y.dtype)
-    if count is not None:  # y holds sum/area; the op wants sum/count
-      y = tf.math.divide_no_nan(y, count)
-  return _result(p, graph, node, y, spec)
-
-
-# --- gradients -----------------------------------------------------------------------------
 def _local_shape_const(dtype, shape) -> tf.Tensor:
   return tf.constant([int(s) for s in shape], dtype=dtype)
 
@@ -584,187 +413,143 @@ def _window_shape(local_shape, dims: Sequence[SpatialDim]) -> list:
   return shape
 
 
-@halo_op(2, _result_windows(_filter_kernel), 'Conv2DBackpropInput')
-def conv_backprop_input_handler(p, graph, node, operands, layout, windows):
-  """Image gradient of a conv with split spatial dims.
-
-  The local output-gradient rows give, by a VALID backprop, the gradient of
-  this partition's input window; the reverse halo exchange adds the borrowed
-  rows back into the neighbours' shards. The output-gradient's channel axes
-  (Conv2D) become partial sums.
-  """
-  _, filt, grad = operands
-  b, c = layout.batch, layout.channel
-  out_shape = global_shape(graph, node.outputs[0].name)
-  dims = _plan_dims(p, node, grad.sharding.spec, layout, windows, node.inputs[2])
-  spec = grad.sharding.spec
-  used = _used_axes(spec, [b]) | {a for sd in dims for a in sd.axes}
-  g_ch = _free_axes([spec.axes_of(c)], used)
-  in_ch = _out_channel_axes(p, graph, node, layout, [filt.sharding.spec.axes_of(2)],
-                            used | set(g_ch))
-  partial, filt_spec = g_ch, _spec(4, d2=in_ch, d3=g_ch)
-  g = p.reshard(grad, NamedSharding(p.mesh, _with_dims(spec, 4, dims, **{f'd{c}': g_ch})),
-                f'output gradient of {node.op}')
-  f = p.reshard(filt, NamedSharding(p.mesh, filt_spec), f'filter of {node.op}')
-  # Padding rows of the gradient would reach real input rows; padding channels the sum.
-  gt = _mask(p, g, g.tensor, range(4))
-  ft = _mask(p, f, f.tensor, [3]) if partial else f.tensor
-  out_spec = _with_dims(spec, 4, dims, **{f'd{c}': in_ch})
-  local = NamedSharding(p.mesh, out_spec).shard_shape(out_shape)
-  sizes = _local_shape_const(operands[0].dtype, _window_shape(local, dims))
-  dwindow = _emit_valid(node, [sizes, ft, gt])
-  dx = scatter_window(p, dwindow, NamedSharding(p.mesh, out_spec), dims)
-  return _result(p, graph, node, dx, out_spec, partial)
+def _unpartial(layout: NamedSharding) -> NamedSharding:
+  return NamedSharding(layout.mesh, layout.spec)
 
 
-@halo_op(0, _image_windows(_filter_sizes_kernel), 'Conv2DBackpropFilter')
-def conv_backprop_filter_handler(p, graph, node, operands, layout, windows):
-  """Filter gradient of a conv with split spatial dims: the haloed input window against the
-  local output-gradient rows, a partial sum over the batch and spatial axes."""
-  image, _, grad = operands
-  b, c = layout.batch, layout.channel
-  dims = _plan_dims(p, node, image.sharding.spec, layout, windows, node.inputs[0])
-  spec = image.sharding.spec
-  batch = spec.axes_of(b)
-  used = set(batch) | {a for sd in dims for a in sd.axes}
-  in_ch = _free_axes([spec.axes_of(c)], used)
-  target = p.target(graph, node.outputs[0].name)
-  g_ch = _free_axes([grad.sharding.spec.axes_of(c), target.spec.axes_of(3)],
-                    used | set(in_ch))
-  filt_spec = _spec(4, d2=in_ch, d3=g_ch)
-  x = p.reshard(image, NamedSharding(p.mesh, _with_dims(spec, 4, dims, **{f'd{c}': in_ch})),
-                f'image of {node.op}')
-  g = p.reshard(grad, NamedSharding(p.mesh, _with_dims(spec, 4, dims, **{f'd{c}': g_ch})),
-                f'output gradient of {node.op}')
-  # Both sides are summed over batch and spatial rows: no padding may take part.
-  xt = _mask(p, x, x.tensor, [b])
-  gt = _mask(p, g, g.tensor, range(4))
-  window = gather_window(p, xt, x.sharding, dims, 0)
-  local = NamedSharding(p.mesh, filt_spec).shard_shape(global_shape(graph, node.outputs[0].name))
-  sizes = _local_shape_const(operands[1].dtype, local)
-  dw = _emit_valid(node, [window, sizes, gt])
-  partial = tuple(batch) + tuple(a for sd in dims for a in sd.axes)
-  return _result(p, graph, node, dw, filt_spec, partial)
+# --- the local computation of each op -------------------------------------------------------
+# Each takes the operands in the rule's layouts, the chosen layouts and the halo plans, and
+# returns the local result (in layout `chosen.results[0]`).
+def _conv(p, node, values, chosen, dims, layout, out_shape):
+  """Conv2D: the haloed input window, VALID. Split input channels sum partially: their
+  padding must not take part."""
+  x, f = values
+  xt, ft = x.tensor, f.tensor
+  if chosen.axes('c'):
+    xt, ft = _mask(p, x, xt, [layout.channel]), _mask(p, f, ft, [2])
+  return _emit_valid(node, [gather_window(p, xt, x.sharding, dims, 0), ft])
 
 
-@halo_op(0, _image_windows(_pool_ksize), 'MaxPoolGrad')
-def max_pool_grad_handler(p, graph, node, operands, layout, windows):
-  """MaxPoolGrad with split spatial dims: route the local gradient rows through the haloed
-  input window (-inf outside the image), then add the halo rows back into the neighbours."""
-  image, pooled, grad = operands
-  dims = _plan_dims(p, node, image.sharding.spec, layout, windows, node.inputs[0])
-  spec = _with_dims(image.sharding.spec, 4, dims)
-  shared = NamedSharding(p.mesh, spec)  # image, pooled output and gradient alike
-  x = p.reshard(image, shared, f'image of {node.op}')
-  y = p.reshard(pooled, shared, f'pooled output of {node.op}')
-  g = p.reshard(grad, shared, f'output gradient of {node.op}')
-  window = gather_window(p, x.tensor, x.sharding, dims, uneven.identity_value('max', x.dtype))
-  gt = _mask(p, g, g.tensor, range(4))
-  dwindow = _emit_valid(node, [window, y.tensor, gt])
-  dx = scatter_window(p, dwindow, x.sharding, dims)
-  return _result(p, graph, node, dx, spec)
+def _pool(p, node, values, chosen, dims, layout, out_shape):
+  """MaxPool / AvgPool: rows outside the image are -inf for max; AvgPool divides by the
+  real count of each window."""
+  (x,) = values
+  is_max = node.op == 'MaxPool'
+  fill = uneven.identity_value('max', x.dtype) if is_max else 0
+  y = _emit_valid(node, [gather_window(p, x.tensor, x.sharding, dims, fill)])
+  if not is_max:
+    count = _count_fraction(p, node, dims, x.sharding, y.dtype)
+    if count is not None:  # y holds sum/area; the op wants sum/count
+      y = tf.math.divide_no_nan(y, count)
+  return y
 
 
-@halo_op(1, _result_windows(_pool_ksize), 'AvgPoolGrad')
-def avg_pool_grad_handler(p, graph, node, operands, layout, windows):
-  """AvgPoolGrad with split spatial dims: spread the local gradient rows over the window
-  (divided by the real count for SAME), then the reverse halo exchange."""
-  _, grad = operands
-  out_shape = global_shape(graph, node.outputs[0].name)
-  dims = _plan_dims(p, node, grad.sharding.spec, layout, windows, node.inputs[1])
-  spec = _with_dims(grad.sharding.spec, 4, dims)
-  out_layout = NamedSharding(p.mesh, spec)
-  g = p.reshard(grad, out_layout, f'output gradient of {node.op}')
-  gt = _mask(p, g, g.tensor, range(4))
-  count = _count_fraction(p, node, dims, out_layout, gt.dtype)
-  if count is not None:  # the forward divided by the real count, not the area
-    gt = tf.math.divide_no_nan(gt, count)
-  local = out_layout.shard_shape(out_shape)
-  sizes = _local_shape_const(operands[0].dtype, _window_shape(local, dims))
-  dwindow = _emit_valid(node, [sizes, gt])
-  dx = scatter_window(p, dwindow, out_layout, dims)
-  return _result(p, graph, node, dx, spec)
+def _conv_backprop_input(p, node, values, chosen, dims, layout, out_shape):
+  """The image gradient: VALID backprop of the local output-gradient rows gives the
+  gradient of this partition's input window; the reverse halo exchange adds borrowed rows
+  back into the neighbours. Split output channels ('o') sum partially."""
+  sizes, f, g = values
+  gt = _mask(p, g, g.tensor, range(4))  # padding rows would reach real input rows
+  ft = _mask(p, f, f.tensor, [3]) if chosen.axes('o') else f.tensor
+  result = _unpartial(chosen.results[0])
+  local = _window_shape(result.shard_shape(out_shape), dims)
+  dwindow = _emit_valid(node, [_local_shape_const(sizes.dtype, local), ft, gt])
+  return scatter_window(p, dwindow, result, dims)
 
 
-# --- depthwise convolutions: layouts from the rule ------------------------------------------
-_DEPTHWISE = ('DepthwiseConv2dNative', 'DepthwiseConv2dNativeBackpropInput',
-              'DepthwiseConv2dNativeBackpropFilter')
-
-
-def _depthwise_layouts(p, graph, node, operands, layout: Layout):
-  """The rule's layouts (`factors.choose_layouts`, spatial factors split with halos) and the
-  halo plan of each spatial dim. A spatial dim `_plan_dims` cannot halo-partition is
-  chosen whole instead (`_plan_dims` warns)."""
-  from tf_gspmd.graph_rewrite import factors  # pylint: disable=g-import-not-at-top
-  rule = factors.rule_for(p, node, graph)
-  names = ('h', 'w')
-  windows = [rule.windows[n] for n in names]
-  image = 2 if node.op == 'DepthwiseConv2dNativeBackpropInput' else 0
-  whole = []
-  while True:
-    chosen = factors.choose_layouts(p, graph, node, operands, rule, windowed=True, whole=whole)
-    spec = (chosen.results[0] if image == 2 else chosen.operands[0]).spec
-    dims = _plan_dims(p, node, spec, layout, windows, node.inputs[image])
-    unfit = [n for n, sd in zip(names, dims) if sd.axes != chosen.axes(n)]
-    if not unfit:
-      return chosen, dims
-    whole += unfit
-
-
-def _depthwise_operands(p, node, operands, chosen) -> List[Local]:
-  return [value if need is None else p.reshard(value, need, f'operand {i} of {node.op}')
-          for i, (need, value) in enumerate(zip(chosen.operands, operands))]
-
-
-def _finish_depthwise(p, graph, node, tensor, layout: NamedSharding) -> List[Local]:
-  out = node.outputs[0].name
-  value = Local(tensor, layout, global_shape(graph, out))
-  check_local_shape(node, value)
-  return [p.finish(graph, value, out)]
-
-
-@handles(*_DEPTHWISE)
-def depthwise_handler(p, graph, node, operands):
-  """A depthwise conv or one of its gradients, in the layouts its rule gives.
-
-  Output channel c * m + j stays with input channel c when channel blocks are
-  whole, which the rule's compound (c, m) dim ensures. Split spatial dims
-  exchange halos: the forward op and the filter gradient read the haloed
-  input window; the image gradient runs VALID on the local output-gradient
-  rows and sends the borrowed rows back (`scatter_window`). Unsplit spatial
-  dims are padded explicitly the same way, so the local op always runs VALID.
-  """
-  try:
-    if len(operands[0 if node.op != 'DepthwiseConv2dNativeBackpropInput' else 2].shape) != 4:
-      raise NotHaloable(f'{node.op} {node.name}: only rank-4 images are halo-partitioned.')
-    layout = Layout.of(node)
-  except NotHaloable as e:
-    p.warn_once(f'not-haloable:{node.name}', f'tf_gspmd: {e} Its operands are replicated.')
-    return fallback_handler(p, graph, node, operands)
-  chosen, dims = _depthwise_layouts(p, graph, node, operands, layout)
-  values = _depthwise_operands(p, node, operands, chosen)
-  result = chosen.results[0]
-  if node.op == 'DepthwiseConv2dNative':
-    x, f = values
-    window = gather_window(p, x.tensor, x.sharding, dims, 0)
-    return _finish_depthwise(p, graph, node, _emit_valid(node, [window, f.tensor]), result)
-  if node.op == 'DepthwiseConv2dNativeBackpropInput':
-    sizes, f, g = values
-    # Padding rows of the gradient would reach real input rows; padding multipliers the sum.
-    gt = _mask(p, g, g.tensor, range(4))
-    local = _window_shape(result.shard_shape(result_shape(graph, node)), dims)
-    dwindow = _emit_valid(node, [_local_shape_const(sizes.dtype, local), f.tensor, gt])
-    image = NamedSharding(p.mesh, result.spec)
-    return _finish_depthwise(p, graph, node, scatter_window(p, dwindow, image, dims), result)
+def _conv_backprop_filter(p, node, values, chosen, dims, layout, out_shape):
+  """The filter gradient: the haloed input window against the local output-gradient rows,
+  a partial sum over the batch and spatial axes."""
   x, sizes, g = values
   # Both sides are summed over batch and spatial rows: no padding may take part.
   xt = _mask(p, x, x.tensor, [layout.batch])
   gt = _mask(p, g, g.tensor, range(4))
   window = gather_window(p, xt, x.sharding, dims, 0)
-  local = result.shard_shape(result_shape(graph, node))
-  dw = _emit_valid(node, [window, _local_shape_const(sizes.dtype, local), gt])
-  return _finish_depthwise(p, graph, node, dw, result)
+  local = chosen.results[0].shard_shape(out_shape)
+  return _emit_valid(node, [window, _local_shape_const(sizes.dtype, local), gt])
 
 
-def result_shape(graph, node) -> tuple:
-  return global_shape(graph, node.outputs[0].name)
+def _max_pool_grad(p, node, values, chosen, dims, layout, out_shape):
+  """Route the local gradient rows through the haloed input window (-inf outside the
+  image), then add the halo rows back into the neighbours."""
+  x, y, g = values
+  window = gather_window(p, x.tensor, x.sharding, dims, uneven.identity_value('max', x.dtype))
+  gt = _mask(p, g, g.tensor, range(4))
+  dwindow = _emit_valid(node, [window, y.tensor, gt])
+  return scatter_window(p, dwindow, x.sharding, dims)
+
+
+def _avg_pool_grad(p, node, values, chosen, dims, layout, out_shape):
+  """Spread the local gradient rows over the window (divided by the real count for SAME),
+  then the reverse halo exchange."""
+  sizes, g = values
+  result = _unpartial(chosen.results[0])
+  gt = _mask(p, g, g.tensor, range(4))
+  count = _count_fraction(p, node, dims, result, gt.dtype)
+  if count is not None:  # the forward divided by the real count, not the area
+    gt = tf.math.divide_no_nan(gt, count)
+  local = _window_shape(result.shard_shape(out_shape), dims)
+  dwindow = _emit_valid(node, [_local_shape_const(sizes.dtype, local), gt])
+  return scatter_window(p, dwindow, result, dims)
+
+
+def _depthwise(p, node, values, chosen, dims, layout, out_shape):
+  """Output channel c * m + j stays with input channel c when channel blocks are whole,
+  which the rule's compound (c, m) dim ensures."""
+  x, f = values
+  return _emit_valid(node, [gather_window(p, x.tensor, x.sharding, dims, 0), f.tensor])
+
+
+def _depthwise_backprop_input(p, node, values, chosen, dims, layout, out_shape):
+  sizes, f, g = values
+  # Padding rows of the gradient would reach real input rows; padding multipliers the sum.
+  gt = _mask(p, g, g.tensor, range(4))
+  result = _unpartial(chosen.results[0])
+  local = _window_shape(result.shard_shape(out_shape), dims)
+  dwindow = _emit_valid(node, [_local_shape_const(sizes.dtype, local), f.tensor, gt])
+  return scatter_window(p, dwindow, result, dims)
+
+
+def _depthwise_backprop_filter(p, node, values, chosen, dims, layout, out_shape):
+  x, sizes, g = values
+  # Both sides are summed over batch and spatial rows: no padding may take part.
+  xt = _mask(p, x, x.tensor, [layout.batch])
+  gt = _mask(p, g, g.tensor, range(4))
+  window = gather_window(p, xt, x.sharding, dims, 0)
+  local = chosen.results[0].shard_shape(out_shape)
+  return _emit_valid(node, [window, _local_shape_const(sizes.dtype, local), gt])
+
+
+_LOCAL = {
+    'Conv2D': _conv, 'MaxPool': _pool, 'AvgPool': _pool,
+    'Conv2DBackpropInput': _conv_backprop_input, 'Conv2DBackpropFilter': _conv_backprop_filter,
+    'MaxPoolGrad': _max_pool_grad, 'AvgPoolGrad': _avg_pool_grad,
+    'DepthwiseConv2dNative': _depthwise,
+    'DepthwiseConv2dNativeBackpropInput': _depthwise_backprop_input,
+    'DepthwiseConv2dNativeBackpropFilter': _depthwise_backprop_filter,
+}
+
+
+@handles(*_LOCAL)
+def windowed_handler(p, graph, node, operands):
+  """A convolution, pooling or one of their gradients, in the layouts its rule gives.
+
+  The rule decides every layout (batch, channel and spatial factors; reduction
+  factors leave partial sums). Split spatial dims exchange halos: forward ops
+  and filter gradients read the haloed input window; image gradients run VALID
+  on the local output-gradient rows and send the borrowed rows back
+  (`scatter_window`). Unsplit spatial dims are padded explicitly the same way,
+  so the local op always runs VALID. An op of another form (rank, data format,
+  pooling over batch or channels) is computed on replicated operands with a
+  warning.
+  """
+  try:
+    layout = _check_haloable(p, graph, node, operands)
+  except NotHaloable as e:
+    p.warn_once(f'not-haloable:{node.name}', f'tf_gspmd: {e} Its operands are replicated.')
+    return fallback_handler(p, graph, node, operands)
+  chosen, dims = _rule_layouts(p, graph, node, operands, layout)
+  values = _resharded(p, node, operands, chosen)
+  out_shape = global_shape(graph, node.outputs[0].name)
+  local = _LOCAL[node.op](p, node, values, chosen, dims, layout, out_shape)
+  return _finish(p, graph, node, local, chosen.results[0])
