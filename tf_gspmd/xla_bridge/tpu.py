@@ -185,7 +185,7 @@ class TPUStrategyStep:
         lambda ctx: shards[ctx.replica_id_in_sync_group])
 
   def __call__(self, *args):
-    flat = [a for a in tf.nest.flatten(args)]
+    flat = list(tf.nest.flatten(args))
     if len(flat) != self._n_args:
       raise ValueError(f'TPUStrategyStep: {len(flat)} tensor arguments, expected {self._n_args}.')
     inputs = [self._per_replica(a, s, f'argument {i}')
