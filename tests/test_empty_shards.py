@@ -82,6 +82,19 @@ def test_gathering_an_over_split_dim_is_one_all_gather(shape):
   assert plan.peak_bytes <= plan.bound_bytes
 
 
+
+def test_over_split_dim_is_gathered_by_one_all_gather_in_a_program():
+  x = np.random.RandomState(3).randn(3, 5).astype(np.float32)
+
+  @tf.function
+  def f(x):
+    x = tg.shard(x, MESH8, tg.P('model', None))  # 3 rows over 8 devices
+    return tg.shard(tf.sin(x), MESH8, tg.P(None, None))
+
+  pf = tg.partition(f, MESH8)
+  assert relative_error([pf(x)], [f(x)]) <= RTOL
+  assert [r['kind'] for r in pf.collectives()] == ['all_gather'], pf.collectives()
+
 def test_memory_bound_still_wins_over_fewer_collectives():
   # 2 rows over 8 devices to a 2-D layout: the naive gather would hold the whole tensor,
   # over max(source, target); the planner keeps its bounded plan.
