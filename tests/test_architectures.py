@@ -88,14 +88,17 @@ def _train(style, arch, layout, caplog):
   d_partitioned, d_unpartitioned = normwise(got, ref64), normwise(ref32, ref64)
   print(f'{style} {arch} {layout}: to float64 partitioned {d_partitioned:.2e}, '
         f'unpartitioned {d_unpartitioned:.2e}')
-  # No farther from float64 than the unpartitioned float32 step, give or take round-off.
-  assert d_partitioned <= max(1.5 * d_unpartitioned, 1e-6), (d_partitioned, d_unpartitioned)
+  # The float64 twin is the same model (same weights, dropout mask, BN formula) ...
+  assert d_unpartitioned < 1e-4, d_unpartitioned
+  # ... and partitioning costs no accuracy (measured ratios 0.24 to 1.33; sums in another order).
+  assert d_partitioned <= 1.5 * d_unpartitioned, (d_partitioned, d_unpartitioned)
 
   no_rule = [str(w.message) for w in caught if 'no rule' in str(w.message)]
   no_rule += [r.getMessage() for r in caplog.records if 'has no partitioning rule' in r.getMessage()]
   assert not no_rule, no_rule
   records = step.op_records()
   assert not [(r.op, r.node) for r in records if r.how == 'replicated (no rule)']
+  assert not [line for line in step.explain().splitlines() if 'no rule for' in line]
   assert {r.op for r in records if r.how.startswith('replicated')} <= DYNAMIC_OK
   return step, run
 
