@@ -192,7 +192,8 @@ def test_untracked_slot_handle_is_refused():
 
 def test_fixed_padding_on_split_height_moves_halos():
   """tf.pad then a stride-2 VALID conv (and the pad's gradient, a Slice) on an 8-way height
-  split: rows shift between shards by permutes; nothing is gathered."""
+  split, and a PadV2 whose shift outgrows a shard: rows shift between shards by permutes;
+  nothing is gathered."""
   mesh, annotate = A.layout('height')
   kernel = tf.Variable(np.random.RandomState(0).randn(3, 3, 4, 4).astype(np.float32))
 
@@ -203,12 +204,14 @@ def test_fixed_padding_on_split_height_moves_halos():
       tape.watch(x)
       y = tf.nn.conv2d(A.fixed_padding(x, 3), kernel, 2, 'VALID')
       loss = tf.reduce_sum(y * y)
-    return y, tape.gradient(loss, x), tf.pad(x, [[0, 0], [2, 3], [0, 0], [0, 0]])
+    return y, tape.gradient(loss, x), tf.pad(x, [[0, 0], [2, 3], [0, 0], [0, 0]],
+                                             constant_values=1.5)
 
   images = np.random.RandomState(1).randn(2, 32, 32, 4).astype(np.float32)
   step = tg.partition(padded_conv, mesh)
   for got, want in zip(step(images), padded_conv(images)):
     assert normwise([got], [want]) <= RTOL
   kinds = _kinds(step)
+  # (the all-reduces sum the loss and the kernel gradient)
   assert set(kinds) <= {('permute', ('h',)), ('all_reduce', ('h',))}, kinds
   assert kinds[('permute', ('h',))] > 0

@@ -401,6 +401,9 @@ def _static_pad_value(p, graph, node):
     return 0
   if node.op == 'PadV2':
     value = p.static_value(graph, node.inputs[2])
+    producer = graph.producer(node.inputs[2])
+    if value is None and producer.op == 'Const':  # folding keeps int/bool tensors only
+      value = tf.make_ndarray(producer.attrs['value'].tensor)
     return None if value is None else np.asarray(value).item()
   return None  # MirrorPad reflects rows: not a shift
 
