@@ -5,7 +5,10 @@
   that propagation knows nothing about.
 - For op types with both, the layouts a handler actually uses (what it
   reshards each operand to, what layout it gives each result) are one factor
-  assignment of the rule, on sample shardings: the two cannot drift.
+  assignment of the rule, on sample shardings and, by brute force, on every op
+  sweep program of every such op type (a 4-device and a 2x4 mesh, the most
+  uneven split and a seeded pick of operand/output shardings, values checked
+  against the unpartitioned function): the two cannot drift.
 - Depthwise convolutions (channel multiplier > 1, split channels, split
   spatial dims with halos) and both gradients, against the unpartitioned op.
 """
@@ -273,3 +276,106 @@ def test_depthwise_with_multiplier_and_its_gradients(specs_in, filter_spec, out_
   assert all(r.how == 'hand-written' for r in records)
   kinds = collections.Counter(c['kind'] for r in records for c in r.collectives)
   assert kinds == expected, kinds
+
+
+# --- brute force: every op type with a rule and a hand-written handler --------------------
+# Handlers that make no layout decision of their own: values known statically.
+_NO_LAYOUT_DECISION = ('static_handler', 'no_op_handler')
+# Sharding combinations per program and mesh: the most uneven split first, then a seeded pick
+# (operands or outputs) from the op sweep's enumeration.
+CASES_PER_MESH = 2
+# Handlers that still use a layout their rule cannot give, and why. Their values are checked
+# all the same; `test_known_disagreements_still_disagree` fails once one is fixed.
+KNOWN_DISAGREEMENTS = {
+    'Slice': 'a few rows picked from a split dim are all-reduced (a pending sum over the '
+             "dim's axes, result whole there); the rule's sliced dim is a window, which "
+             'cannot say "sum over the axes of a dim the result keeps"',
+    'StridedSlice': 'as Slice (rows picked and all-reduced); an empty result is left '
+                    'replicated',
+}
+
+
+def _agreement_specs():
+  from tf_gspmd.testing.op_builders import op_specs  # pylint: disable=g-import-not-at-top
+  dispatch._load_families()  # pylint: disable=protected-access
+  out = []
+  for spec in op_specs():
+    handler = handlers.HANDLERS.get(spec.op_type)
+    entry = registry.lookup(spec.op_type)
+    if handler is None or entry is None or entry.rule is None:
+      continue
+    if handler.__name__ not in _NO_LAYOUT_DECISION:
+      out.append(spec)
+  return out
+
+
+AGREEMENT_SPECS = _agreement_specs()
+
+
+@pytest.fixture(scope='module')
+def sweep():
+  from tf_gspmd.testing import op_sweep  # pylint: disable=g-import-not-at-top
+  previous = op_sweep.fast_first_runs()
+  yield op_sweep.Sweep(AGREEMENT_SPECS)
+  op_sweep.restore_optimizer(previous)
+
+
+def test_the_brute_force_covers_every_op_type_with_a_rule_and_a_handler():
+  dispatch._load_families()  # pylint: disable=protected-access
+  covered = {s.op_type for s in AGREEMENT_SPECS}
+  missing = sorted(op for op, fn in handlers.HANDLERS.items()
+                   if fn.__name__ not in _NO_LAYOUT_DECISION and registry.lookup(op) is not None
+                   and registry.lookup(op).rule is not None and op not in covered)
+  assert not missing, f'op types with a rule and a handler but no sweep program: {missing}'
+
+
+def _run_recorded(sweep, case):
+  """(problems, disagreements) of one sweep case."""
+  op_type = sweep.specs[case.spec].op_type
+  with recording_layouts() as seen:
+    result = sweep.run(case)
+  problems = []
+  if result.status != 'pass' and not result.known:  # known: a refusal the sweep expects
+    problems.append(f'{case.label()}: {result.status} {result.message}')
+  drift = [f'{case.label()}: {msg}' for s in seen if s[2].op == op_type
+           for msg in disagreements(*s)]
+  return problems, drift
+
+
+@pytest.mark.parametrize('mesh_name', ['1d', '2d'])
+@pytest.mark.parametrize('name', [s.name for s in AGREEMENT_SPECS])
+def test_every_handler_uses_a_factor_assignment_of_its_rule(sweep, name, mesh_name):
+  """On a 4-device and a 2x4 mesh, uneven sizes included: the layouts each hand-written
+  handler uses are one valid factor assignment of the op's rule, and the values are the
+  unpartitioned function's."""
+  problems = []
+  for case in sweep.sample(name, mesh_name, CASES_PER_MESH):
+    errors, drift = _run_recorded(sweep, case)
+    problems += errors
+    if sweep.specs[name].op_type not in KNOWN_DISAGREEMENTS:
+      problems += drift
+  assert not problems, '\n'.join(problems)
+
+
+@pytest.mark.parametrize('op_type,spec_name,in_spec', [
+    ('Slice', 'Slice', ((), ('x',))), ('StridedSlice', 'StridedSlice', (('x',), ()))])
+def test_known_disagreements_still_disagree(sweep, op_type, spec_name, in_spec):
+  from tf_gspmd.testing.op_sweep import Case  # pylint: disable=g-import-not-at-top
+  assert op_type in KNOWN_DISAGREEMENTS
+  case = Case(spec_name, '1d', (tg.P(*[a or None for a in in_spec]),))
+  errors, drift = _run_recorded(sweep, case)
+  assert not errors, errors
+  assert drift, f'{op_type} now agrees with its rule: drop it from KNOWN_DISAGREEMENTS'
+
+
+def test_a_sharded_reduction_factor_shares_no_axis_with_the_results():
+  """A gather's table rows (a reduction) and its indices' dims are in no common tensor, but
+  the result is partial over the rows' axes: the two cannot take the same axes."""
+  from tf_gspmd.propagation.rule import REDUCTION, OpRule  # pylint: disable=g-import-not-at-top
+  gather = OpRule(operands=(('i', 'j'), ('k',)), results=(('k', 'j'),), kinds={'i': REDUCTION},
+                  sizes={'i': 8, 'j': 4, 'k': 6})
+  got = gather.resolve_axes({'i': ('a', 'b'), 'k': ('a', 'b'), 'j': ()})
+  assert got == {'i': ('a', 'b'), 'j': (), 'k': ()}
+  # Factors in no common tensor and no partial result may still share axes (IdentityN).
+  pair = OpRule(operands=(('i',), ('k',)), results=(('i',), ('k',)))
+  assert pair.resolve_axes({'i': ('a',), 'k': ('a',)}) == {'i': ('a',), 'k': ('a',)}

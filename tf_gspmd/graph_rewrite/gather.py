@@ -1,61 +1,85 @@
 """Partitioning gathers (embedding lookups) without gathering the table.
 
-When the table is split along the gathered axis, each partition looks up the
-indices that fall in its rows, zeroes the others, and the partial results
-are summed (a pending sum over the table's axes). Other table dims and the
-indices' dims pass through.
+The layouts come from the gather's rule (`factors.choose_layouts`): the
+table's gathered dim is a reduction factor, the indices' dims and the other
+table dims pass through. When the table is split along the gathered axis,
+each partition looks up the indices that fall in its rows, zeroes the others,
+and the partial results are summed (a pending sum over the table's axes).
 """
 
 from __future__ import annotations
 
+from typing import List
+
 import tensorflow as tf
 
 from tf_gspmd.graph_rewrite import uneven
-from tf_gspmd.graph_rewrite.handlers import global_shape, handles
+from tf_gspmd.graph_rewrite.handlers import check_local_shape, global_shape, handles
 from tf_gspmd.graph_rewrite.partitioner import Local
 from tf_gspmd.sharding import NamedSharding, P
 
 
-def partitioned_gather(p, params: Local, indices: Local, axis: int, target: NamedSharding,
-                       out_shape, name: str) -> Local:
-  table_axes = params.sharding.spec.axes_of(axis)
-  params_spec = list(params.sharding.spec)
-  taken = set(params.sharding.spec.used_axes())
-  # Indices follow the target on their dims, minus axes the table already uses.
-  idx_rank = len(indices.shape)
-  idx_spec = []
-  for d in range(idx_rank):
-    axes = tuple(a for a in target.spec.axes_of(axis + d) if a not in taken)
-    idx_spec.append(axes or None)
-  indices = p.reshard(indices, NamedSharding(p.mesh, P(*idx_spec)), 'gather indices')
-  if not table_axes:
+def local_gather(p, params: Local, indices: Local, axis: int, batch_dims: int,
+                 name: str) -> tf.Tensor:
+  """This partition's gather of its table block: rows other partitions hold give zeros
+  (their sum over the table's axes of `axis` is the gather)."""
+  if not params.sharding.spec.axes_of(axis):
     # Padding of uneven index shards may hold anything: keep it in range.
     safe = tf.clip_by_value(indices.tensor, 0, params.shape[axis] - 1)
-    local = tf.gather(params.tensor, safe, axis=axis, name=name)
-    spec = params_spec[:axis] + idx_spec + params_spec[axis + 1:]
-    return Local(local, NamedSharding(p.mesh, P(*spec)), tuple(out_shape))
+    return tf.gather(params.tensor, safe, axis=axis, batch_dims=batch_dims, name=name)
   rows = int(params.tensor.shape[axis])
   offset = uneven.shard_offset(params.sharding, params.shape, axis, p.backend.partition_id)
   local_idx = tf.cast(indices.tensor, tf.int32) - offset
   valid_rows = tf.minimum(rows, params.shape[axis] - offset)
   hit = tf.logical_and(local_idx >= 0, local_idx < valid_rows)
-  picked = tf.gather(params.tensor, tf.where(hit, local_idx, tf.zeros_like(local_idx)), axis=axis)
-  mask_shape = [1] * axis + list(hit.shape) + [1] * (len(params.shape) - axis - 1)
-  picked = tf.where(tf.reshape(hit, mask_shape), picked, tf.zeros_like(picked), name=name)
+  picked = tf.gather(params.tensor, tf.where(hit, local_idx, tf.zeros_like(local_idx)),
+                     axis=axis, batch_dims=batch_dims)
+  # hit is [batch..., index dims...]; picked is [params[:axis], index dims, params[axis+1:]].
+  lead = list(hit.shape[:batch_dims]) + [1] * (axis - batch_dims)
+  mask_shape = lead + list(hit.shape[batch_dims:]) + [1] * (len(params.shape) - axis - 1)
+  return tf.where(tf.reshape(hit, mask_shape), picked, tf.zeros_like(picked), name=name)
+
+
+def partitioned_gather(p, params: Local, indices: Local, axis: int, target: NamedSharding,
+                       out_shape, name: str) -> Local:
+  """A gather from a table whose layout is fixed (a variable's shard): the indices follow
+  the target on their dims, minus axes the table already uses."""
+  params_spec = list(params.sharding.spec)
+  taken = set(params.sharding.spec.used_axes())
+  idx_spec = []
+  for d in range(len(indices.shape)):
+    axes = tuple(a for a in target.spec.axes_of(axis + d) if a not in taken)
+    idx_spec.append(axes or None)
+  indices = p.reshard(indices, NamedSharding(p.mesh, P(*idx_spec)), 'gather indices')
+  local = local_gather(p, params, indices, axis, 0, name)
   spec = params_spec[:axis] + idx_spec + params_spec[axis + 1:]
-  return Local(picked, NamedSharding(p.mesh, P(*spec), partial=table_axes), tuple(out_shape))
+  return Local(local, NamedSharding(p.mesh, P(*spec), partial=params.sharding.spec.axes_of(axis)),
+               tuple(out_shape))
+
+
+def rule_gather(p, graph, node, operands, axis: int, batch_dims: int = 0) -> List[Local]:
+  """Gather / GatherV2 in the layouts of the op's rule (table, indices, result with a
+  pending sum over the axes of the gathered dim)."""
+  from tf_gspmd.graph_rewrite import factors  # pylint: disable=g-import-not-at-top
+  chosen = factors.choose_layouts(p, graph, node, operands)
+  params = p.reshard(operands[0], chosen.operands[0], f'table of {node.op}')
+  indices = p.reshard(operands[1], chosen.operands[1], f'indices of {node.op}')
+  local = local_gather(p, params, indices, axis, batch_dims, node.name)
+  out = node.outputs[0].name
+  value = Local(local, chosen.results[0], global_shape(graph, out))
+  check_local_shape(node, value)
+  return [p.finish(graph, value, out)]
 
 
 @handles('GatherV2')
 def gather_v2_handler(p, graph, node, operands):
-  params, indices = operands[0], operands[1]
+  params = operands[0]
   axis = p.static_value(graph, node.inputs[2])
-  batch_dims = node.attrs['batch_dims'].i if 'batch_dims' in node.attrs else 0
-  if axis is None or batch_dims:
+  if axis is None:
     from tf_gspmd.graph_rewrite.handlers import fallback_handler  # pylint: disable=g-import-not-at-top
     return fallback_handler(p, graph, node, operands)
   axis = int(axis) % len(params.shape)
-  out = node.outputs[0].name
-  value = partitioned_gather(p, params, indices, axis, p.target(graph, out),
-                             global_shape(graph, out), node.name)
-  return [p.finish(graph, value, out)]
+  batch_dims = node.attrs['batch_dims'].i if 'batch_dims' in node.attrs else 0
+  if batch_dims < 0:  # counted from the indices' rank, as TF does
+    batch_dims += len(operands[1].shape)
+  return rule_gather(p, graph, node, operands, axis, batch_dims)

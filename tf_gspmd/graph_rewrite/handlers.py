@@ -18,7 +18,6 @@ from tensorflow.core.framework import attr_value_pb2
 
 from tf_gspmd.graph import emit, ir
 from tf_gspmd.graph_rewrite.partitioner import Local, Partitioner, replicated
-from tf_gspmd.sharding import NamedSharding, P
 
 Handler = Callable[[Partitioner, ir.Graph, ir.Node, List[Local]], List[Local]]
 HANDLERS: Dict[str, Handler] = {}
@@ -222,55 +221,3 @@ def _shape_input(p, graph, node, index) -> np.ndarray:
         f'{node.op} {node.name}: its shape input {node.inputs[index]} is not known before run '
         'time; tf_gspmd needs static shapes to partition it.')
   return value
-
-
-@handles('Fill')
-def fill_handler(p, graph, node, operands):
-  """Fill(dims, value): fill the local shard shape directly."""
-  out = node.outputs[0].name
-  target = p.target(graph, out)
-  shape = global_shape(graph, out)
-  local_dims = tf.constant(target.shard_shape(shape), dtype=operands[0].dtype)
-  value = p.replicate(operands[1]).tensor
-  return emit_outputs(p, graph, node, [local_dims, value], [target], finish=False)
-
-
-@handles('BroadcastTo')
-def broadcast_to_handler(p, graph, node, operands):
-  out = node.outputs[0].name
-  target = p.target(graph, out)
-  shape = global_shape(graph, out)
-  src = operands[0]
-  offset = len(shape) - len(src.shape)
-  spec = [target.spec[offset + d] if src.shape[d] == shape[offset + d] else None
-          for d in range(len(src.shape))]
-  src = p.reshard(src, NamedSharding(p.mesh, P(*spec)), 'broadcast operand')
-  local = tf.constant(target.shard_shape(shape), dtype=operands[1].dtype)
-  return emit_outputs(p, graph, node, [src.tensor, local], [target], finish=False)
-
-
-@handles('Tile')
-def tile_handler(p, graph, node, operands):
-  """Tile(x, multiples): dims tiled once follow the target; tiling a size-1 dim gives
-  the local row count directly; other tiled dims are computed whole."""
-  out = node.outputs[0].name
-  shape, src = global_shape(graph, out), operands[0]
-  target = p.target(graph, out)
-  multiples = _shape_input(p, graph, node, 1)
-  in_spec, out_spec, local_multiples = [], [], []
-  for d, m in enumerate(multiples):
-    if m == 1:
-      in_spec.append(target.spec[d])
-      out_spec.append(target.spec[d])
-      local_multiples.append(1)
-    elif src.shape[d] == 1:
-      in_spec.append(None)
-      out_spec.append(target.spec[d])
-      local_multiples.append(target.shard_shape(shape)[d])
-    else:
-      in_spec.append(None)
-      out_spec.append(None)
-      local_multiples.append(int(m))
-  src = p.reshard(src, NamedSharding(p.mesh, P(*in_spec)), 'tile operand')
-  local = tf.constant(local_multiples, dtype=operands[1].dtype)
-  return emit_outputs(p, graph, node, [src.tensor, local], [NamedSharding(p.mesh, P(*out_spec))])

@@ -7,6 +7,8 @@ is written here:
 - Reshape: its shape operand holds the global shape; locally it reshapes to
   this partition's block of the result.
 - BiasAddGrad: emitted as the Sum it is (see `bias_add_grad_handler`).
+- Fill, BroadcastTo, Tile: their shape operands hold global shapes; locally
+  they fill, broadcast or tile to this partition's block of the result.
 """
 
 from __future__ import annotations
@@ -52,3 +54,46 @@ def bias_add_grad_handler(p, graph, node, operands):
   value = Local(total, chosen.results[0], global_shape(graph, node.outputs[0].name))
   check_local_shape(node, value)
   return [p.finish(graph, value, node.outputs[0].name)]
+
+
+def _local_shape(chosen, graph, node, dtype) -> tf.Tensor:
+  """This partition's shard shape of the result, as a shape operand of `dtype`."""
+  shape = global_shape(graph, node.outputs[0].name)
+  return tf.constant(chosen.results[0].shard_shape(shape), dtype=dtype)
+
+
+@handles('Fill')
+def fill_handler(p, graph, node, operands):
+  """Fill(dims, value): the result's layout from its rule (its users decide); fill the
+  local shard shape directly."""
+  chosen = factors.choose_layouts(p, graph, node, operands)
+  value = p.replicate(operands[1], 'fill value').tensor
+  return emit_outputs(p, graph, node, [_local_shape(chosen, graph, node, operands[0].dtype), value],
+                      chosen.results)
+
+
+@handles('BroadcastTo')
+def broadcast_to_handler(p, graph, node, operands):
+  """BroadcastTo(x, shape) in the layouts of its (broadcasting) rule: x's dims split like
+  the result dims they become; broadcast to the local shard shape."""
+  chosen = factors.choose_layouts(p, graph, node, operands)
+  src = p.reshard(operands[0], chosen.operands[0], 'broadcast operand')
+  local = _local_shape(chosen, graph, node, operands[1].dtype)
+  return emit_outputs(p, graph, node, [src.tensor, local], chosen.results)
+
+
+@handles('Tile')
+def tile_handler(p, graph, node, operands):
+  """Tile(x, multiples) in the layouts of its rule.
+
+  A tiled result dim is (copies, x's dim), copies major: a partition holds whole
+  copies of x's block, or (copies split into single copies) x's own shard of
+  the dim; a tiled size-1 dim is copies only. Either way the local multiple is
+  the result's shard rows over x's.
+  """
+  chosen = factors.choose_layouts(p, graph, node, operands)
+  src = p.reshard(operands[0], chosen.operands[0], 'tile operand')
+  out_local = chosen.results[0].shard_shape(global_shape(graph, node.outputs[0].name))
+  local_multiples = [o // s if s else 1 for o, s in zip(out_local, src.tensor.shape)]
+  local = tf.constant(local_multiples, dtype=operands[1].dtype)
+  return emit_outputs(p, graph, node, [src.tensor, local], chosen.results)

@@ -313,24 +313,15 @@ def strided_slice_handler(p, graph, node, operands):
 @handles('StridedSliceGrad')
 @_static_first
 def strided_slice_grad_handler(p, graph, node, operands):
-  """dx = zeros(shape) with dy written into the slice: dims kept whole stay sharded."""
+  """dx = zeros(shape) with dy written into the slice. Layouts from the rule: dims the
+  slice keeps whole pass through from dy to dx; sliced and shrunk dims are whole."""
+  from tf_gspmd.graph_rewrite import factors  # pylint: disable=g-import-not-at-top
   shape = tuple(int(s) for s in _shape_input(p, graph, node, 0))
   begin, end, strides = (_shape_input(p, graph, node, i) for i in (1, 2, 3))
   plan = strided_slice_plan(shape, begin, end, strides, **_masks(node))
-  dy = operands[4]
-  dy_axes = _axes(dy.sharding, len(dy.shape))
-  # dy's dims are the plan's entries that are not indexed away.
-  entries = [e for e in plan if e.kind != 'index']
-  keep_axes, need = {}, []
-  for e, axes in zip(entries, dy_axes):
-    if e.kind == 'keep':
-      keep_axes[e.dim] = axes
-      need.append(axes)
-    else:
-      need.append(())
-  dy = p.reshard(dy, _named(p, need), f'StridedSliceGrad {node.name}: sliced dims')
-  out_axes = [keep_axes.get(d, ()) for d in range(len(shape))]
-  out_sharding = _named(p, out_axes)
+  chosen = factors.choose_layouts(p, graph, node, operands)
+  dy = p.reshard(operands[4], chosen.operands[4], f'StridedSliceGrad {node.name}: sliced dims')
+  out_sharding = chosen.results[0]
   local_shape = out_sharding.shard_shape(shape)
   begin, end, strides, masks = _local_strided_slice_args(plan, [False] * len(plan))
   local = tf.raw_ops.StridedSliceGrad(
@@ -456,38 +447,33 @@ _SEGMENT_REDUCTION = {'UnsortedSegmentSum': 'sum', 'UnsortedSegmentMax': 'max',
 def unsorted_segment_handler(p, graph, node, operands):
   """Rows split over partitions reduce into partial segments, combined by one all-reduce.
 
-  The id dims of data and ids are split alike (as data is); data's other
-  dims keep data's sharding; the segment dim is whole. Ids in the padding of
-  uneven shards become -1, which every UnsortedSegment op drops.
+  Layouts from the rule: the id dims of data and ids are split alike (a
+  reduction factor), data's other dims pass through, the segment dim is
+  whole. Ids in the padding of uneven shards become -1, which every
+  UnsortedSegment op drops.
   """
+  from tf_gspmd.graph_rewrite import factors  # pylint: disable=g-import-not-at-top
   data, ids, num = operands
   r = len(ids.shape)
-  rank = len(data.shape)
-  have = _axes(data.sharding, rank)
   reduction = _SEGMENT_REDUCTION[node.op]
-  if data.dtype not in _SUMMABLE:  # no collective reduces it: compute whole
-    have = [()] * rank
-  data = p.reshard(data, _named(p, have), f'{node.op} data')
-  ids = p.reshard(ids, _named(p, have[:r]), f'{node.op} segment ids')
+  chosen = factors.choose_layouts(p, graph, node, operands, reduction=reduction,
+                                  combinable=data.dtype in _SUMMABLE)
+  data = p.reshard(data, chosen.operands[0], f'{node.op} data')
+  ids = p.reshard(ids, chosen.operands[1], f'{node.op} segment ids')
   ids_local = uneven.mask_padding(ids.tensor, ids.sharding, ids.shape, range(r), -1,
                                   p.backend.partition_id)
   num_local = p.replicate(num, 'number of segments').tensor
-  split = tuple(a for axes in have[:r] for a in axes)
-  out_sharding = _named(p, [()] + list(have[r:]), partial=split, reduction=reduction)
-  return emit_outputs(p, graph, node, [data.tensor, ids_local, num_local], [out_sharding])
+  return emit_outputs(p, graph, node, [data.tensor, ids_local, num_local], chosen.results)
 
 
 # --- gathers --------------------------------------------------------------------------------
 @handles('Gather')
 @_static_first
 def gather_v1_handler(p, graph, node, operands):
-  """Gather (v1) is GatherV2 on axis 0: the table-sharded gather of `gather.py`."""
+  """Gather (v1) is GatherV2 on axis 0: the table-sharded gather of `gather.py`, in the
+  layouts of its rule."""
   from tf_gspmd.graph_rewrite import gather  # pylint: disable=g-import-not-at-top
-  params, indices = operands
-  out = node.outputs[0].name
-  value = gather.partitioned_gather(p, params, indices, 0, p.target(graph, out),
-                                    global_shape(graph, out), node.name)
-  return [p.finish(graph, value, out)]
+  return gather.rule_gather(p, graph, node, operands, axis=0)
 
 
 
@@ -521,20 +507,20 @@ def one_hot_handler(p, graph, node, operands):
   Indices are shifted by this partition's first depth row; indices outside
   the local range give `off_value`, as out-of-range indices do globally (an
   index past the global depth can only land in the padding of the last shard).
-  Index dims keep the indices' sharding.
+  Layouts (index dims, depth dim) from the rule.
   """
   from tensorflow.core.framework import attr_value_pb2  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.graph_rewrite import factors  # pylint: disable=g-import-not-at-top
   indices, depth, on, off = operands
   out = node.outputs[0].name
   out_shape = global_shape(graph, out)
   rank = len(indices.shape)
   axis = node.attrs['axis'].i if 'axis' in node.attrs else -1
   axis = rank if axis == -1 else axis
-  index_axes = _axes(indices.sharding, rank)
-  used = {a for axes in index_axes for a in axes}
-  depth_axes = tuple(a for a in p.target(graph, out).spec.axes_of(axis) if a not in used)
-  out_axes = index_axes[:axis] + [depth_axes] + index_axes[axis:]
-  sharding = _named(p, out_axes)
+  chosen = factors.choose_layouts(p, graph, node, operands)
+  indices = p.reshard(indices, chosen.operands[0], 'OneHot indices')
+  sharding = chosen.results[0]
+  depth_axes = sharding.spec.axes_of(axis)
   values = [p.replicate(v, 'OneHot value').tensor for v in (on, off)]
   if not depth_axes:
     return emit_outputs(p, graph, node, [indices.tensor, p.replicate(depth).tensor] + values,

@@ -248,6 +248,14 @@ class OpRule:
       fs = [f for e in dims or () for f in dim_factors(e)]
       for f in fs:
         together[f].update(g for g in fs if g != f)
+    # A sharded reduction factor leaves the results partial over its axes, so the results
+    # hold it too (a gather's table rows and its indices' dims cannot share an axis).
+    in_results = {f for dims in self.results for e in dims or () for f in dim_factors(e)}
+    for f in self.factors():
+      if self.kind(f) == REDUCTION:
+        together[f].update(in_results)
+        for g in in_results:
+          together[g].add(f)
     return together
 
   def representable(self, factor_axes: Mapping[str, Axes], mesh: Mesh,
