@@ -47,12 +47,14 @@ test-fast: $(STAMP) $(XLASTAMP)
 	$(PY) -m pytest -q tests -m "not slow"
 
 # The benchmarks (their latest output goes in the closing notes). The full op sweep
-# takes about an hour: `$(PY) bench/op_sweep.py`; here it runs its CI sample.
-bench: $(STAMP) $(JAXSTAMP)
+# (18,932 cases) takes two to three hours on 2 cores: `nice $(PY) bench/op_sweep.py`;
+# here it runs its CI sample. vs_xla runs tf_gspmd's XLA backend beside XLA's own partitioner.
+bench: $(STAMP) $(XLASTAMP) $(JAXSTAMP)
 	$(PY) bench/partition_scaling.py
 	$(JAXENV)/bin/python bench/xla_reference.py > bench/xla_reference.json
 	$(PY) bench/reshard.py --xla bench/xla_reference.json
 	$(PY) bench/step_time.py
+	$(PY) bench/vs_xla.py
 	$(PY) bench/op_sweep.py --sample 2
 
 clean:
