@@ -525,9 +525,7 @@ class Sweep:
           errors.append(f'variable {k}: {why}')
     result.max_error = worst
     alike = _pass_through_alike(spec, case, _rule_of(program, nodes))
-    result.expect_no_collectives = alike and not _over_split(spec, case)
-    if alike and not result.expect_no_collectives and result.n_collectives:
-      result.note = OVER_SPLIT_NOTE
+    result.expect_no_collectives = alike
     if result.expect_no_collectives and result.n_collectives:
       errors.append(f'pass-through op with operands sharded alike emitted {result.n_collectives} '
                     f'collectives {result.collectives}')
@@ -565,27 +563,11 @@ def _rule_of(program, nodes):
     return None
 
 
-OVER_SPLIT_NOTE = ('pass-through op sharded alike, but a dim is split into more pieces than '
-                   'it has rows: propagation drops those axes (rule.cap_axes), which costs '
-                   'collectives')
-
-
-def _over_split(spec: OpSpec, case: Case) -> bool:
-  """Whether some annotated operand dim is split into more pieces than it has rows."""
-  mesh = mesh_named(case.mesh)
-  for operand, s in zip(spec.operands, case.in_specs):
-    if s is not None and any(mesh.axes_size(s.axes_of(d)) > n
-                             for d, n in enumerate(operand.value.shape)):
-      return True
-  return False
-
-
 def _pass_through_alike(spec: OpSpec, case: Case, rule) -> bool:
   """A pass-through op, every operand of one shape and sharded alike, outputs left to propagation.
 
-  Such a case must emit no collectives, except where a dim is split into more
-  pieces than it has rows: propagation deliberately drops the extra axes
-  (`rule.cap_axes`); those cases get a note instead.
+  Such a case must emit no collectives, a dim split into more pieces than it has
+  rows included (its trailing shards are empty, as in any uneven split).
   """
   if rule is None or not rule.is_pass_through or spec.variables or case.out_specs is not None:
     return False
@@ -682,7 +664,7 @@ KNOWN_ISSUES.extend([
         'apply-ops-without-handler', _RULE_PATH_APPLY,
         'graph_rewrite/variables.py apply_handler (@handles list)',
         'these fused optimizer updates have no hand-written handler, so factor_handler '
-        'partitions them: it picks a layout from the gradient (or caps an over-split dim) '
+        'partitions them: it picks a layout from the gradient '
         'and then tries to reshard the variable handle (e.g. variable and slots replicated, '
         'gradient P(x,_)). They have the shape of the ops '
         'apply_handler covers (variable, slots, scalars, gradient): add them to its list.',
