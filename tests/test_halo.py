@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tf_gspmd.propagation.halo import HaloPiece, WindowDim, halo_pieces, plan_halo, same_padding
+from tf_gspmd.propagation.halo import (HaloPiece, WindowDim, halo_pieces, plan_halo,
+                                      plan_input_gradient, same_padding)
 
 
 def windowed_sum(x, dim):
@@ -116,3 +117,86 @@ def test_uneven_and_multi_hop_sizes(n, window, stride, shards):
   dim = WindowDim(n, window, stride, 1, *same_padding(n, window, stride))
   got, _ = simulate(np.arange(1.0, n + 1), dim, shards)
   np.testing.assert_array_equal(got, windowed_sum(np.arange(1.0, n + 1), dim))
+
+
+# --- image gradients computed shard by shard ------------------------------------------------
+def windowed_sum_adjoint(g, dim):
+  """Reference: the image gradient of `windowed_sum` (every tap inside the image)."""
+  dx = np.zeros(dim.input_size)
+  for r in range(dim.output_size):
+    for t in range(dim.window):
+      j = r * dim.stride - dim.pad_lo + t * dim.dilation
+      if 0 <= j < dim.input_size:
+        dx[j] += g[r]
+  return dx
+
+
+def simulate_input_gradient(g, dim, shards):
+  """`plan_input_gradient` shard by shard: the output-gradient halo (NaN in every row a
+  partition must not read), then the backprop of a local op with explicit padding that
+  yields the shard's own rows."""
+  grad = plan_input_gradient(dim, shards)
+  plan, ci, m = grad.halo, -(-dim.input_size // shards), dim.output_size
+  assert plan.input_chunk == -(-m // shards) and plan.output_chunk == ci
+  co = plan.input_chunk
+  local = np.concatenate([g, np.full(co * shards - m, np.nan)]).reshape(shards, co)
+  padded = grad.pad_lo + grad.rows + grad.pad_hi
+  assert (padded - dim.effective_window) // dim.stride + 1 == plan.span  # the op's shape check
+  assert min(grad.pad_lo, grad.pad_hi) >= 0 and 0 <= min(grad.offsets)
+  out = []
+  for i in range(shards):
+    ext = np.concatenate([borrowed(local, i, plan.left_pieces, 'left'), local[i],
+                          borrowed(local, i, plan.right_pieces, 'right'), np.zeros(grad.tail)])
+    start = plan.window_starts[i]
+    window = ext[start:start + plan.span].copy()
+    assert len(window) == plan.span
+    rows = plan.window_global_starts[i] + np.arange(plan.span)
+    window[(rows < 0) | (rows >= m)] = 0.0  # outside the gradient (and its padding)
+    dlocal = np.zeros(padded)
+    for k in range(plan.span):
+      for t in range(dim.window):
+        dlocal[k * dim.stride + t * dim.dilation] += window[k]
+    own = dlocal[grad.pad_lo:grad.pad_lo + grad.rows]
+    out.append(own[grad.offsets[i]:grad.offsets[i] + ci])
+  return np.concatenate(out)[:dim.input_size], grad
+
+
+@settings(max_examples=400, deadline=None)
+@given(n=st.integers(1, 40), window=st.integers(1, 7), stride=st.integers(1, 3),
+       dilation=st.integers(1, 3), shards=st.integers(1, 8), same=st.booleans())
+def test_input_gradient_plan_gives_each_shard_its_rows(n, window, stride, dilation, shards, same):
+  lo, hi = same_padding(n, window, stride, dilation) if same else (0, 0)
+  dim = WindowDim(n, window, stride, dilation, lo, hi)
+  if dim.output_size == 0:
+    return
+  g = np.arange(1, dim.output_size + 1, dtype=np.float64)
+  got, grad = simulate_input_gradient(g, dim, shards)
+  np.testing.assert_array_equal(got, windowed_sum_adjoint(g, dim), err_msg=str(grad))
+  # Extra rows are computed only where a stride does not divide the shard.
+  if stride == 1 or (-(-n // shards)) % stride == 0:
+    assert grad.rows == -(-n // shards) and not any(grad.offsets)
+
+
+def test_input_gradient_of_a_same_conv_reads_one_gradient_row_each_side():
+  # The CNN's 3x3 SAME convolution of 32 rows over 4 shards: 10 gradient rows give the 8
+  # own rows directly (the forward op's window would be 10 rows, then sliced to 8).
+  grad = plan_input_gradient(WindowDim(32, 3, 1, 1, 1, 1), 4)
+  assert (grad.halo.left, grad.halo.right, grad.halo.span) == (1, 1, 10)
+  assert (grad.pad_lo, grad.pad_hi, grad.rows, grad.offsets) == (2, 2, 8, (0, 0, 0, 0))
+  whole = plan_input_gradient(WindowDim(32, 3, 1, 1, 1, 1), 1)  # an unsplit dim: the op's own
+  assert (whole.halo.span, whole.pad_lo, whole.pad_hi, whole.rows) == (32, 1, 1, 32)
+
+
+def test_input_gradient_with_odd_shards_and_stride_two_starts_at_two_phases():
+  grad = plan_input_gradient(WindowDim(10, 3, 2, 1, *same_padding(10, 3, 2)), 2)  # ci = 5
+  assert grad.rows == 6 and sorted(set(grad.offsets)) == [0, 1]
+  got, _ = simulate_input_gradient(np.arange(1.0, 6), WindowDim(10, 3, 2, 1, 0, 1), 2)
+  np.testing.assert_array_equal(got, windowed_sum_adjoint(np.arange(1.0, 6),
+                                                          WindowDim(10, 3, 2, 1, 0, 1)))
+
+
+def test_input_gradient_of_a_strided_one_by_one_skips_uncovered_rows():
+  dim = WindowDim(9, 1, 2)  # rows 1, 3, 5, 7 get no gradient
+  got, grad = simulate_input_gradient(np.arange(1.0, 6), dim, 3)
+  np.testing.assert_array_equal(got, windowed_sum_adjoint(np.arange(1.0, 6), dim))
+  assert grad.pad_lo >= 0

@@ -130,3 +130,70 @@ def plan_halo(dim: WindowDim, shards: int) -> HaloPlan:
   left, right = max(0, max(lefts)), max(0, max(rights))
   window_starts = tuple(left - l for l in lefts)
   return HaloPlan(shards, ci, co, left, right, span, window_starts, tuple(starts))
+
+
+@dataclasses.dataclass(frozen=True)
+class InputGradientPlan:
+  """How one partition computes the image gradient of its own shard rows directly.
+
+  The image gradient of a windowed op is a transposed window op: input row x
+  collects the output-gradient rows whose windows cover it. Shard i reads
+  output-gradient rows [halo.window_global_starts[i], + halo.span) (a halo
+  exchange of the output gradient, chunk co: `halo` is a `HaloPlan` over the
+  gradient's shards) and runs the backprop of a local forward op with
+  explicit padding (`pad_lo`, `pad_hi`) over `rows` image rows; its own rows
+  are rows [offsets[i], offsets[i] + ci) of that result. `rows` exceeds ci
+  (and `offsets` are non-zero) only when a stride does not divide ci, so that
+  shards start at different phases of the stride.
+  """
+  halo: HaloPlan
+  pad_lo: int
+  pad_hi: int
+  rows: int
+  offsets: tuple
+  tail: int  # zero rows after the gradient's right halo (trailing shards' windows)
+
+
+def plan_input_gradient(dim: WindowDim, shards: int) -> InputGradientPlan:
+  """The output-gradient halo and local padding that give each shard its own image rows.
+
+  Output row r covers image rows [r*s - pad_lo, r*s - pad_lo + window). For
+  shard i (own rows from a = i*ci) the first covering row is
+  r_min = ceil((a + pad_lo - window + 1) / s); a local forward op whose padded
+  input starts `pad_lo'` rows before the local window has its first output
+  row at r_min when (window start + pad_lo - pad_lo') = r_min * s. `pad_lo'`
+  must be the same on every shard (an attribute), so shards whose phase
+  (r_min * s - a - pad_lo + window - 1) is smaller start their local window
+  earlier (`offsets`). Only shards holding real image rows decide the halo
+  widths (as in the forward `trim_plan`). One shard reads the whole gradient
+  with the op's own padding.
+  """
+  n, m, s, eff = dim.input_size, dim.output_size, dim.stride, dim.effective_window
+  if m == 0:
+    raise ValueError(f'plan_input_gradient: {dim} has no output rows.')
+  ci, co = -(-n // shards), -(-m // shards)
+  real = [i for i in range(shards) if i * ci < n]
+  if shards == 1:
+    starts, pad_lo, offsets = {0: 0}, dim.pad_lo, (0,)
+  else:
+    first = {i: i * ci + dim.pad_lo - eff + 1 for i in real}  # r_min * s before rounding up
+    phase = {i: (-x) % s for i, x in first.items()}
+    top = max(phase.values())
+    pad_lo = eff - 1 - top
+    while pad_lo < 0:  # stride > window: start one gradient row earlier (it covers nothing)
+      pad_lo += s
+    offsets = tuple(top - phase[i] if i in phase else 0 for i in range(shards))
+    starts = {i: (i * ci - offsets[i] + dim.pad_lo - pad_lo) // s for i in real}
+  rows = ci + max(offsets)
+  # Gradient rows each real shard needs: up to the last window starting in its own rows.
+  last = {i: min(m - 1, (min(n, (i + 1) * ci) - 1 + dim.pad_lo) // s) for i in real}
+  span = max(max(last[i] - starts[i] + 1 for i in real), (pad_lo + rows - eff) // s + 1)
+  pad_hi = max(0, (span - 1) * s + eff - pad_lo - rows)
+  lefts = {i: i * co - starts[i] for i in real}
+  rights = {i: starts[i] + span - (i + 1) * co for i in real}
+  left, right = max(0, max(lefts.values())), max(0, max(rights.values()))
+  window_starts = tuple(left - lefts[i] if i in lefts else 0 for i in range(shards))
+  global_starts = tuple(starts[i] if i in starts else i * co - left for i in range(shards))
+  tail = max(0, max(st + span for st in window_starts) - (left + co + right))
+  halo = HaloPlan(shards, co, ci, left, right, span, window_starts, global_starts)
+  return InputGradientPlan(halo, pad_lo, pad_hi, rows, offsets, tail)
