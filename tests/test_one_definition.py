@@ -29,16 +29,9 @@ MESH = tg.Mesh.create((2, 4), ('a', 'b'))
 # Handlers registered (by random_handler's in-progress work, and VarIsInitializedOp) before
 # their rules: each must lose its entry here when its rule lands (checked below).
 PENDING_RULES = {
-    'random_handler (generated values; rules belong in propagation/ops_random.py)': (
-        'AllCandidateSampler', 'CudnnRNN', 'CudnnRNNBackprop', 'CudnnRNNBackpropV2',
-        'CudnnRNNBackpropV3', 'CudnnRNNV2', 'CudnnRNNV3', 'FixedUnigramCandidateSampler',
-        'LearnedUnigramCandidateSampler', 'LogUniformCandidateSampler', 'Multinomial',
-        'ParameterizedTruncatedNormal', 'RandomCrop', 'RandomGamma', 'RandomPoisson',
-        'RandomPoissonV2', 'RandomShuffle', 'SampleDistortedBoundingBox',
-        'SampleDistortedBoundingBoxV2', 'StatelessMultinomial',
-        'StatelessParameterizedTruncatedNormal', 'StatelessRandomGammaV2', 'StatelessRandomGetAlg',
-        'StatelessRandomPoisson', 'ThreadUnsafeUnigramCandidateSampler',
-        'UniformCandidateSampler'),
+    'random_handler (CudnnRNN*: rules belong in propagation/ops_nn.py)': (
+        'CudnnRNN', 'CudnnRNNBackprop', 'CudnnRNNBackpropV2', 'CudnnRNNBackpropV3', 'CudnnRNNV2',
+        'CudnnRNNV3'),
     'variables.initialized_handler (rule belongs in propagation/ops_variables.py)': (
         'VarIsInitializedOp',),
 }
@@ -286,13 +279,7 @@ _NO_LAYOUT_DECISION = ('static_handler', 'no_op_handler')
 CASES_PER_MESH = 2
 # Handlers that still use a layout their rule cannot give, and why. Their values are checked
 # all the same; `test_known_disagreements_still_disagree` fails once one is fixed.
-KNOWN_DISAGREEMENTS = {
-    'Slice': 'a few rows picked from a split dim are all-reduced (a pending sum over the '
-             "dim's axes, result whole there); the rule's sliced dim is a window, which "
-             'cannot say "sum over the axes of a dim the result keeps"',
-    'StridedSlice': 'as Slice (rows picked and all-reduced); an empty result is left '
-                    'replicated',
-}
+KNOWN_DISAGREEMENTS = {}
 
 
 def _agreement_specs():
@@ -357,8 +344,11 @@ def test_every_handler_uses_a_factor_assignment_of_its_rule(sweep, name, mesh_na
   assert not problems, '\n'.join(problems)
 
 
-@pytest.mark.parametrize('op_type,spec_name,in_spec', [
-    ('Slice', 'Slice', ((), ('x',))), ('StridedSlice', 'StridedSlice', (('x',), ()))])
+# (op type, sweep program, operand sharding) of each known disagreement; empty: none left.
+KNOWN_DISAGREEMENT_CASES = []
+
+
+@pytest.mark.parametrize('op_type,spec_name,in_spec', KNOWN_DISAGREEMENT_CASES)
 def test_known_disagreements_still_disagree(sweep, op_type, spec_name, in_spec):
   from tf_gspmd.testing.op_sweep import Case  # pylint: disable=g-import-not-at-top
   assert op_type in KNOWN_DISAGREEMENTS
@@ -366,6 +356,10 @@ def test_known_disagreements_still_disagree(sweep, op_type, spec_name, in_spec):
   errors, drift = _run_recorded(sweep, case)
   assert not errors, errors
   assert drift, f'{op_type} now agrees with its rule: drop it from KNOWN_DISAGREEMENTS'
+
+
+def test_every_known_disagreement_has_a_strict_case():
+  assert sorted(KNOWN_DISAGREEMENTS) == sorted({c[0] for c in KNOWN_DISAGREEMENT_CASES})
 
 
 def test_a_sharded_reduction_factor_shares_no_axis_with_the_results():

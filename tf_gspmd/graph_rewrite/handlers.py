@@ -161,13 +161,19 @@ def fallback_handler(p, graph, node, operands):
                       [replicated(p.mesh, t.rank or 0) for t in node.outputs])
 
 
+def _removed(op_def) -> bool:
+  """Op types TF removed (RandomCrop, RandomPoisson): no graph of this TF can hold them."""
+  return (op_def.HasField('deprecation') and
+          op_def.deprecation.version <= tf.version.GRAPH_DEF_VERSION)
+
+
 def _seeded_stateful_ops() -> tuple:
   """Op types TF marks stateful that draw from a seed (`seed`, `seed2` attrs), from their OpDefs."""
   from tf_gspmd.graph import static_values  # pylint: disable=g-import-not-at-top
   found = []
   for op_type in dir(tf.raw_ops):
     op_def = None if op_type.startswith('_') else static_values.op_def(op_type)
-    if op_def is None or not op_def.is_stateful:
+    if op_def is None or not op_def.is_stateful or _removed(op_def):
       continue
     outputs_data = not any(a.type in (tf.resource.as_datatype_enum, tf.string.as_datatype_enum)
                            for a in op_def.output_arg)  # queues hand out handles, not draws
@@ -206,8 +212,14 @@ def shared_seed_attrs(node: ir.Node) -> Dict[str, attr_value_pb2.AttrValue]:
 def random_handler(p, graph, node, operands):
   """Random values: generate the global tensor on every partition, then keep this
   partition's shard. Stateless ops give the same values everywhere from the same
-  seed; stateful ones draw one stream on all partitions (`shared_seed_attrs`)."""
-  inputs = [p.replicate(o).tensor for o in operands]
+  seed; stateful ones draw one stream on all partitions (`shared_seed_attrs`).
+
+  This is what the ops' rules say (`propagation/ops_random.py`): operands read
+  whole, results free (each takes its users' layout, a local slice of the
+  draw), so the handler makes no layout decision that `factors.choose_layouts`
+  could make differently (which it cannot import: factors imports this module).
+  """
+  inputs = [p.replicate(o, f'{node.op} reads its operands whole').tensor for o in operands]
   return emit_outputs(p, graph, node, inputs,
                       [replicated(p.mesh, t.rank or 0) for t in node.outputs],
                       attrs=shared_seed_attrs(node))

@@ -4,6 +4,13 @@ Their results depend on no data operand, so their factors are tied to
 nothing: they take the sharding of their users (a dropout mask takes the
 activation's sharding). A partitioner that shards a random result must make
 each partition produce its slice of the global random tensor.
+
+Random ops with distribution parameters or a data operand (gamma, Poisson,
+multinomial, truncated normal with bounds, shuffle), candidate samplers and
+bounding-box samplers are the same kind of rule: `random_handler` reads
+every operand whole, draws the global result from seeds shared by all
+partitions and keeps this partition's shard, so their operands are
+auxiliary (whole) and every result dim is a result-only factor (any layout).
 """
 
 from __future__ import annotations
@@ -19,6 +26,31 @@ RANDOM = [
     'RandomUniformInt', 'StatelessRandomBinomial',
 ]
 
+# Drawn whole from a seed by `random_handler`; operands (shapes, parameters, a value to
+# shuffle, true classes, boxes) are read whole: (input shapes and dtypes, result
+# shapes and dtypes) of an example node each.
+_F32, _I32, _I64 = 'float32', 'int32', 'int64'
+_SAMPLER = ([((3, 2), _I64)], [((4,), _I64), ((3, 2), _F32), ((4,), _F32)])
+_BOX = ([((3,), _I32), ((1, 1, 4), _F32)], [((3,), _I32), ((3,), _I32), ((1, 1, 4), _F32)])
+DRAWN_WHOLE = {
+    'AllCandidateSampler': _SAMPLER, 'FixedUnigramCandidateSampler': _SAMPLER,
+    'LearnedUnigramCandidateSampler': _SAMPLER, 'LogUniformCandidateSampler': _SAMPLER,
+    'ThreadUnsafeUnigramCandidateSampler': _SAMPLER, 'UniformCandidateSampler': _SAMPLER,
+    'Multinomial': ([((10, 3), _F32), ((), _I32)], [((10, 7), _I64)]),
+    'StatelessMultinomial': ([((10, 3), _F32), ((), _I32), ((2,), _I64)], [((10, 7), _I64)]),
+    'ParameterizedTruncatedNormal': ([((2,), _I32)] + [((), _F32)] * 4, [((10, 3), _F32)]),
+    'StatelessParameterizedTruncatedNormal': ([((2,), _I32), ((2,), _I64)] + [((), _F32)] * 4,
+                                              [((10, 3), _F32)]),
+    'RandomGamma': ([((1,), _I32), ((3,), _F32)], [((10, 3), _F32)]),
+    'RandomPoissonV2': ([((1,), _I32), ((3,), _F32)], [((10, 3), _I64)]),
+    'RandomShuffle': ([((10, 3), _F32)], [((10, 3), _F32)]),
+    'SampleDistortedBoundingBox': _BOX,
+    'SampleDistortedBoundingBoxV2': (_BOX[0] + [((), _F32)], _BOX[1]),
+    'StatelessRandomGammaV2': ([((2,), _I32), ((2,), _I64), ((10, 3), _F32)], [((10, 3), _F32)]),
+    'StatelessRandomPoisson': ([((2,), _I32), ((2,), _I64), ((10, 3), _F32)], [((10, 3), _F32)]),
+    'StatelessRandomGetAlg': ([], [((), _I32)]),
+}
+
 
 def _random_example(op):
   def build(b):
@@ -28,6 +60,18 @@ def _random_example(op):
     counter = b.placeholder('counter', (2,), dtype=tf.uint64)
     alg = b.const(1, name='alg')
     b.op(op, [shape, key, counter, alg], [(4, 8)], name='y')
+    return 'y'
+  return build
+
+
+def _drawn_whole_example(op):
+  def build(b):
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    ins, outs = DRAWN_WHOLE[op]
+    inputs = [b.placeholder(f'in{k}', shape, dtype=tf.as_dtype(dtype))
+              for k, (shape, dtype) in enumerate(ins)]
+    b.op(op, inputs, [shape for shape, _ in outs], name='y',
+         dtypes=[tf.as_dtype(dtype) for _, dtype in outs])
     return 'y'
   return build
 
@@ -61,6 +105,8 @@ def _key_counter(node, ctx):
 
 for _op in RANDOM:
   register(_op, 'generators', free_results, _random_example(_op))
+for _op in DRAWN_WHOLE:
+  register(_op, 'generators', free_results, _drawn_whole_example(_op))
 register('Fill', 'generators', free_results, _fill_example)
 register(['Range', 'LinSpace'], 'generators', free_results, _range_example)
 register(['StatelessRandomGetKeyCounter', 'StatelessRandomGetKeyCounterAlg'], 'generators', _key_counter,

@@ -343,6 +343,48 @@ def generator_specs() -> List[OpSpec]:
       spec('StatelessRandomGetKeyCounterAlg',
            lambda: raw('StatelessRandomGetKeyCounterAlg', [1, 2])),
   ]
+  return out + drawn_whole_specs(v)
+
+
+def drawn_whole_specs(v: Values) -> List[OpSpec]:
+  """Random ops with parameters or data operands, candidate and bounding-box samplers: drawn
+  whole from seeds (stateful ones seeded, so the unpartitioned run draws the same values)."""
+  f32, seeds = tf.float32, dict(seed=1, seed2=2)
+  classes = arg(v.ints((10, 2), 0, 4).astype(np.int64))  # < num_sampled (AllCandidateSampler)
+  sampled = dict(num_true=2, num_sampled=4, unique=True, **seeds)
+  out = [spec('AllCandidateSampler', lambda c: tuple(raw('AllCandidateSampler', c, **sampled)),
+              classes)]
+  for op, extra in (('FixedUnigramCandidateSampler', dict(unigrams=[1.0 + k for k in range(12)])),
+                    ('LearnedUnigramCandidateSampler', {}), ('LogUniformCandidateSampler', {}),
+                    ('ThreadUnsafeUnigramCandidateSampler', {}), ('UniformCandidateSampler', {})):
+    out.append(spec(op, lambda c, op=op, extra=extra: tuple(
+        raw(op, c, range_max=12, **sampled, **extra)), classes))
+  logits = arg(v.uniform((10, 3)))
+  bounds = [arg(np.float32(x)) for x in (0.5, 1.5, -1.0, 2.0)]  # mean, stddev, min, max
+  positive = arg(v.uniform((10, 3), 0.5, 3.0))
+  box = arg(np.array([[[0.1, 0.2, 0.7, 0.9]]], np.float32))
+  out += [
+      spec('Multinomial', lambda l: raw('Multinomial', l, 7, **seeds), logits),
+      spec('StatelessMultinomial', lambda l: raw('StatelessMultinomial', l, 7, [1, 2]), logits),
+      spec('ParameterizedTruncatedNormal',
+           lambda *b: raw('ParameterizedTruncatedNormal', [10, 3], *b, **seeds), *bounds),
+      spec('StatelessParameterizedTruncatedNormal',
+           lambda *b: raw('StatelessParameterizedTruncatedNormal', [10, 3], [1, 2], *b), *bounds),
+      spec('RandomGamma', lambda a: raw('RandomGamma', [10], a, **seeds),
+           arg(v.uniform((3,), 0.5, 3.0))),
+      spec('RandomPoissonV2', lambda r: raw('RandomPoissonV2', [10], r, **seeds),
+           arg(v.uniform((3,), 0.5, 3.0))),
+      spec('RandomShuffle', lambda x: raw('RandomShuffle', x, **seeds), arg(v.uniform((10, 3)))),
+      spec('SampleDistortedBoundingBox', lambda b: tuple(raw(
+          'SampleDistortedBoundingBox', [40, 30, 3], b, **seeds)), box),
+      spec('SampleDistortedBoundingBoxV2', lambda b: tuple(raw(
+          'SampleDistortedBoundingBoxV2', [40, 30, 3], b, 0.1, **seeds)), box),
+      spec('StatelessRandomGammaV2',
+           lambda a: raw('StatelessRandomGammaV2', [10, 3], [1, 2], a), positive),
+      spec('StatelessRandomPoisson',
+           lambda r: raw('StatelessRandomPoisson', [10, 3], [1, 2], r, dtype=f32), positive),
+      spec('StatelessRandomGetAlg', lambda: raw('StatelessRandomGetAlg')),
+  ]
   return out
 
 
