@@ -193,8 +193,9 @@ ROWS = P('x', None)
     ('Pad/tail', (ROWS,), None, {}),                 # 2 rows padded at the end: a local mask
     ('StridedSlice/column', (ROWS,), None, {}),
     ('StridedSlice/row', (ROWS,), None, {'all_reduce': 1}),       # one row, not 10
-    ('StridedSlice/few_rows', (ROWS,), None, {'reduce_scatter': 1}),  # 3 rows, kept split
-    ('StridedSlice/most_rows', (ROWS,), None, {'all_gather': 1}),  # cheaper to gather
+    # A range of a split dim stays split (as in XLA): rows shift from the neighbours.
+    ('StridedSlice/few_rows', (ROWS,), None, {'permute': 1}),  # 3 rows: one row moves
+    ('StridedSlice/most_rows', (ROWS,), None, {'permute': 1}),  # 8 rows: two rows move
     ('Range/float', (None,), (P('x'),), {}),         # local values from the shard offset
     ('OneHot/depth', (None,), (P(None, 'x'),), {}),  # local depth range
     ('UnsortedSegmentSum/rows', (ROWS, P('x')), None, {'all_reduce': 1}),

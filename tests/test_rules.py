@@ -150,8 +150,9 @@ def test_strided_slice_masks_and_windows():
                 attrs={'begin_mask': 1, 'end_mask': 1, 'new_axis_mask': 0,
                        'shrink_axis_mask': 4}).split(':')[0]
   r = _rule(build)
-  # dim 0 whole, dim 1 rows 2,4,6 (a stride-2 window at offset 2), dim 2 shrunk away.
-  assert r.text().startswith('([i,j,k],_,_,_)->([i,j]) need_replication={k}')
+  # dim 0 whole, dim 1 rows 2,4,6 (a stride-2 window at offset 2), dim 2 shrunk away: one
+  # row picked from its shards (a reduction: the pick, then a sum over the shards).
+  assert r.text().startswith('([i,j,k],_,_,_)->([i,j]) reduction={k}')
   w = r.windows['j']
   assert (w.stride, w.pad_lo, w.input_size, w.output_size) == (2, -2, 8, 3)
 

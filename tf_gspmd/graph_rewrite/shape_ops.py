@@ -6,17 +6,21 @@ sizes or offsets: a Slice's `size` on a dim that stays sharded, a Range or
 LinSpace asked for a sharded result. The handlers here rewrite them:
 
 - Slice / StridedSlice (every mask: begin, end, ellipsis, new axis, shrink;
-  negative indices and strides): dims taken whole keep their sharding; a
-  prefix of a sharded dim whose shards keep their size stays sharded as it
-  is; other sliced or indexed sharded dims either pick their rows locally
-  (each partition keeps the selected rows it holds, zeros elsewhere, leaving a
-  pending sum that the result's reshard resolves, moving only the selected
-  rows) or, when that would move more than gathering, are gathered first.
+  negative indices and strides), in the layouts of their rules: dims taken
+  whole keep their sharding; a sliced range of a split dim stays split, its
+  rows shifted from the neighbours by halo exchange (a width-1 window, as
+  XLA's partitioner does; a prefix whose shards keep their size moves
+  nothing); an indexed (shrunk) row of a split dim is picked locally (each
+  partition keeps it if it holds it, zeros elsewhere), leaving a pending sum
+  that the result's reshard resolves, moving one row; a reversed range is
+  taken whole.
 - StridedSliceGrad: the transpose of the above: dims taken whole stay sharded,
   the others are computed whole.
-- Pad / PadV2 / MirrorPad: unpadded dims keep their sharding; a constant pad
-  at the end of a sharded dim whose shards keep their size is a local mask;
-  other padded dims are gathered first.
+- Pad / PadV2 / MirrorPad, in the layouts of their rules: a padded split dim
+  stays split, rows shifted by halo exchange with the pad value as fill; a
+  pad value known only at run time fills the end of shards that keep their
+  size (a local mask), else the dim is taken whole; MirrorPad's padded dims
+  are taken whole.
 - Range / LinSpace: a sharded result computes its local values from this
   partition's offset (a table indexed by the partition id).
 - UnsortedSegmentSum/Max/Min/Prod: data rows and ids split alike give
@@ -41,13 +45,14 @@ from typing import List, Sequence
 import numpy as np
 import tensorflow as tf
 
+from tf_gspmd.graph import emit
 from tf_gspmd.graph_rewrite import uneven
 from tf_gspmd.graph_rewrite.handlers import (HANDLERS, _shape_input, check_local_shape,
                                              emit_outputs, global_shape, handles, random_handler,
                                              static_handler)
 from tf_gspmd.graph_rewrite.partitioner import Local
 from tf_gspmd.graph_rewrite.windowed import SpatialDim, gather_window, trim_plan
-from tf_gspmd.propagation.halo import WindowDim
+from tf_gspmd.propagation.rule import dim_factors
 from tf_gspmd.sharding import NamedSharding, P
 
 # Dtypes a pending sum over partitions can hold (what the collectives reduce).
@@ -181,12 +186,6 @@ def strided_slice_plan(shape, begin, end, strides, begin_mask=0, end_mask=0, ell
   return plan
 
 
-def _prefix_stays_sharded(e: DimSlice, n: int, shards: int) -> bool:
-  """A leading range whose shards keep their size: every partition keeps its own rows."""
-  return (e.kind == 'range' and e.start == 0 and e.stride == 1 and e.count > 0 and
-          _chunk(e.count, shards) == _chunk(n, shards))
-
-
 def _local_strided_slice_args(plan: Sequence[DimSlice], whole: Sequence[bool]):
   """begin, end, strides and masks of the local StridedSlice.
 
@@ -221,69 +220,64 @@ def _local_strided_slice_args(plan: Sequence[DimSlice], whole: Sequence[bool]):
   return begin, end, strides, masks
 
 
-def shift_window(p, tensor: tf.Tensor, x: Local, pads, fill) -> tf.Tensor:
-  """This partition's shard of `x` padded by `pads` ({dim: (lo, hi)}, negative: cut) along
-  split dims, the result split like `x` (ceil-sized shards of the new size).
+def shift_window(p, tensor: tf.Tensor, x: Local, windows) -> tf.Tensor:
+  """This partition's input window for `windows` ({dim: (WindowDim, fill)}) along split dims
+  of `x`: (local output rows - 1) * stride + 1 rows, the window's first row first.
 
-  Pad and Slice along a split dim shift rows between shards: each output shard is a
-  window of width 1 over the input, with the pads as the window's padding, so its rows come
-  from the neighbours by the halo exchange of windowed ops (permutes, several hops when the
-  shift outgrows a shard), never from gathering the dim. Rows outside the input get `fill`.
+  Pad and Slice along a split dim shift rows between shards: each output shard reads a
+  width-1 window of the input, with the pads (or the cut rows, as negative pads) as the
+  window's padding, so its rows come from the neighbours by the halo exchange of windowed
+  ops (permutes, several hops when the shift outgrows a shard), never from gathering the
+  dim. Rows outside the input get the dim's fill.
   """
-  dims = []
-  for d, (lo, hi) in sorted(pads.items()):
-    window = WindowDim(int(x.shape[d]), 1, 1, 1, int(lo), int(hi))
-    plan, tail = trim_plan(window, p.mesh.axes_size(x.sharding.spec.axes_of(d)))
-    dims.append(SpatialDim(d, tuple(x.sharding.spec.axes_of(d)), window, plan, tail))
-  return gather_window(p, tensor, x.sharding, dims, fill)
+  for d, (window, fill) in sorted(windows.items()):
+    axes = tuple(x.sharding.spec.axes_of(d))
+    plan, tail = trim_plan(window, p.mesh.axes_size(axes))
+    tensor = gather_window(p, tensor, x.sharding, [SpatialDim(d, axes, window, plan, tail)], fill)
+  return tensor
 
 
-def partitioned_slice(p, node, x: Local, plan: Sequence[DimSlice]):
-  """(local tensor, sharding) of `x` sliced by `plan`; the sharding may hold a pending sum."""
-  rank = len(x.shape)
-  have = _axes(x.sharding, rank)
-  gather, pick, prefix, shifted = set(), [], set(), []
-  summable = x.dtype in _SUMMABLE
+def _factor_of(rule, dim: int) -> str:
+  (f,) = dim_factors(rule.operands[0][dim])
+  return f
+
+
+def partitioned_slice(p, graph, node, operands: Sequence[Local], plan: Sequence[DimSlice]):
+  """(local tensor, sharding) of `operands[0]` sliced by `plan`, in the layouts of the rule.
+
+  The rule's factor of each sliced dim says how (`ops_shape.slice_rule`,
+  `strided_slice`): a kept dim passes through; a range is a width-1 window
+  whose split keeps the result split, rows shifted from the neighbours by halo
+  exchange (`shift_window`), as XLA's partitioner keeps a slice of a split dim
+  split; an indexed (shrunk) row is a reduction: each shard picks the row if it
+  holds it, the result is a pending sum over the dim's axes (one row moved,
+  not the dim); a reversed range needs the dim whole.
+  """
+  from tf_gspmd.graph_rewrite import factors  # pylint: disable=g-import-not-at-top
+  chosen = factors.choose_layouts(p, graph, node, operands, windowed=True,
+                                  combinable=operands[0].dtype in _SUMMABLE)
+  x = p.reshard(operands[0], chosen.operands[0], f'{node.op} {node.name}: sliced operand')
+  tensor, windows, local_plan = x.tensor, {}, list(plan)
   for i, e in enumerate(plan):
-    if e.kind in ('new', 'keep') or not have[e.dim] or (e.kind == 'range' and e.count == 0):
-      continue  # an empty range is empty locally too: nothing to move
-    shards = p.mesh.axes_size(have[e.dim])
-    n = x.shape[e.dim]
-    if _prefix_stays_sharded(e, n, shards):
-      prefix.add(i)
-    elif summable and 2 * len(e.rows()) <= n:
-      pick.append(i)  # all-reducing the picked rows moves less than gathering the dim
-    elif e.kind == 'range' and e.stride == 1 and node.op == 'Slice':
-      # A shifted window (Pad's gradient): halos from the neighbours, nothing gathered.
-      # StridedSlice still gathers here: its sweep budget records that choice.
-      shifted.append(i)
-    else:
-      gather.add(e.dim)
-  if gather:
-    x = p.reshard(x, _named(p, [() if d in gather else have[d] for d in range(rank)]),
-                  f'{node.op} {node.name}: sliced dim')
-    have = _axes(x.sharding, rank)
-  tensor, partial = x.tensor, []
-  if shifted:  # rows [start, start + count) are a window of width 1 with negative padding
-    tensor = shift_window(p, tensor, x, {plan[i].dim: (-plan[i].start, plan[i].start +
-                                                      plan[i].count - x.shape[plan[i].dim])
-                                         for i in shifted}, 0)
-  for i in pick:
-    e = plan[i]
-    tensor = _take_rows(p, tensor, x.sharding, x.shape, e.dim, e.rows())
-    partial += list(have[e.dim])
-  whole = [i in pick or i in prefix or i in shifted for i in range(len(plan))]
-  begin, end, strides, masks = _local_strided_slice_args(plan, whole)
+    if e.kind in ('new', 'keep') or not x.sharding.spec.axes_of(e.dim):
+      continue
+    f = _factor_of(chosen.rule, e.dim)
+    if e.kind == 'index':
+      tensor = _take_rows(p, tensor, x.sharding, x.shape, e.dim, e.rows())
+      local_plan[i] = DimSlice('index', e.dim, 0, 1, 1)
+    elif e.count:  # an empty range is empty locally too: nothing to move
+      windows[e.dim] = (chosen.rule.windows[f], 0)
+      rows = chosen.results[0].shard_shape(global_shape(graph, node.outputs[0].name))
+      local_plan[i] = DimSlice('range', e.dim, 0, _local_rows(rows, plan, i), e.stride)
+  tensor = shift_window(p, tensor, x, windows)
+  begin, end, strides, masks = _local_strided_slice_args(local_plan, [False] * len(plan))
   local = tf.strided_slice(tensor, begin, end, strides, name=node.name, **masks)
-  out_axes = []
-  for i, e in enumerate(plan):
-    if e.kind == 'new':
-      out_axes.append(())
-    elif e.kind == 'keep' or i in prefix or i in shifted:
-      out_axes.append(have[e.dim])
-    elif e.kind == 'range':
-      out_axes.append(())
-  return local, _named(p, out_axes, partial)
+  return local, chosen.results[0]
+
+
+def _local_rows(out_local_shape, plan: Sequence[DimSlice], i: int) -> int:
+  """Rows of plan entry i in the local result (result dims: every entry but 'index')."""
+  return out_local_shape[sum(1 for e in plan[:i] if e.kind != 'index')]
 
 
 def _masks(node) -> dict:
@@ -296,7 +290,7 @@ def _masks(node) -> dict:
 def slice_handler(p, graph, node, operands):
   x = operands[0]
   plan = slice_plan(x.shape, _shape_input(p, graph, node, 1), _shape_input(p, graph, node, 2))
-  local, sharding = partitioned_slice(p, node, x, plan)
+  local, sharding = partitioned_slice(p, graph, node, operands, plan)
   return [_result(p, graph, node, local, sharding)]
 
 
@@ -306,7 +300,7 @@ def strided_slice_handler(p, graph, node, operands):
   x = operands[0]
   begin, end, strides = (_shape_input(p, graph, node, i) for i in (1, 2, 3))
   plan = strided_slice_plan(x.shape, begin, end, strides, **_masks(node))
-  local, sharding = partitioned_slice(p, node, x, plan)
+  local, sharding = partitioned_slice(p, graph, node, operands, plan)
   return [_result(p, graph, node, local, sharding)]
 
 
@@ -336,54 +330,61 @@ def strided_slice_grad_handler(p, graph, node, operands):
 @handles('Pad', 'PadV2', 'MirrorPad')
 @_static_first
 def pad_handler(p, graph, node, operands):
+  """Layouts from the rule (`ops_shape.pad`): a padded dim is a width-1 window. The local
+  computation: dims held whole are padded by the op itself; split padded dims shift rows
+  between shards by halo exchange with the pad value as fill (`shift_window`). A pad value
+  known only at run time (PadV2) can fill only the end of shards that keep their size (a
+  local mask); MirrorPad reflects rows, not a shift: those dims are taken whole."""
+  from tf_gspmd.graph_rewrite import factors  # pylint: disable=g-import-not-at-top
   x = operands[0]
   rank = len(x.shape)
-  paddings = np.asarray(_shape_input(p, graph, node, 1)).reshape(rank, 2)
-  have = _axes(x.sharding, rank)
-  constant = node.op in ('Pad', 'PadV2')
+  paddings = [tuple(int(v) for v in row)
+              for row in np.asarray(_shape_input(p, graph, node, 1)).reshape(rank, 2)]
   fill = _static_pad_value(p, graph, node)
-  keep, tail, shifted = [], [], {}
-  for d in range(rank):
-    lo, hi = (int(v) for v in paddings[d])
-    if not have[d] or (lo, hi) == (0, 0):
-      keep.append(have[d])
-      continue
-    shards = p.mesh.axes_size(have[d])
-    if constant and lo == 0 and _chunk(x.shape[d] + hi, shards) == _chunk(x.shape[d], shards):
-      keep.append(have[d])  # each shard keeps its size: rows past the end become pad values
-      tail.append(d)
-    elif fill is not None:
-      keep.append(have[d])  # rows shift between shards: halo exchange (`shift_window`)
-      shifted[d] = (lo, hi)
-    else:
-      keep.append(())
-  if shifted:  # one mechanism for every split dim: the window also pads the tails
-    shifted.update({d: tuple(int(v) for v in paddings[d]) for d in tail})
-    tail = []
-  x = p.reshard(x, _named(p, keep), f'{node.op} {node.name}: padded dim')
-  local_paddings = [[0, 0] if keep[d] else [int(v) for v in paddings[d]] for d in range(rank)]
+  rule = factors.rule_for(p, node, graph)
+  whole = []
+  while True:
+    chosen = factors.choose_layouts(p, graph, node, operands, rule, windowed=True, whole=whole)
+    split = {d: chosen.axes(_factor_of(rule, d)) for d in range(rank)
+             if paddings[d] != (0, 0) and chosen.axes(_factor_of(rule, d))}
+    unfit = [_factor_of(rule, d) for d, axes in split.items() if fill is None and not
+             _pads_shard_tails(node, x.shape[d], paddings[d], p.mesh.axes_size(axes))]
+    if not unfit:
+      break
+    whole += unfit
+  x = p.reshard(x, chosen.operands[0], f'{node.op} {node.name}: padded operand')
+  local_paddings = [(0, 0) if d in split else paddings[d] for d in range(rank)]
   inputs = [x.tensor, tf.constant(local_paddings, dtype=operands[1].dtype)]
   if node.op == 'PadV2':
     inputs.append(p.replicate(operands[2], 'pad value').tensor)
-  if shifted:  # whole dims padded locally first, then split dims shifted with the pad value
-    local = tf.pad(x.tensor, local_paddings, constant_values=tf.cast(fill, x.dtype))
-    tensor = shift_window(p, local, Local(local, x.sharding, tuple(
-        x.shape[d] + (0 if keep[d] else sum(local_paddings[d])) for d in range(rank))),
-        shifted, fill)
-    tensor = tf.identity(tensor, name=node.name)
-    return [_result(p, graph, node, tensor, x.sharding)]
-  out = emit_outputs(p, graph, node, inputs, [x.sharding], finish=False)[0]
-  tensor = out.tensor
-  if tail:
-    value = inputs[2] if node.op == 'PadV2' else tf.zeros([], tensor.dtype)
-    valid = None
-    for d in tail:
-      m = uneven.valid_mask(x.sharding, x.shape, d, int(tensor.shape[d]), p.backend.partition_id,
-                            rank)
-      valid = m if valid is None else tf.logical_and(valid, m)
-    tensor = tf.where(valid, tensor, tf.broadcast_to(value, tf.shape(tensor)),
-                      name=node.name + '/gspmd/pad_tail')
-  return [p.finish(graph, Local(tensor, out.sharding, out.shape), node.outputs[0].name)]
+  tensor = x.tensor
+  if any(pads != (0, 0) for pads in local_paddings):
+    tensor = emit.emit_node(node, inputs, name=node.name + '/gspmd/local_pad').outputs[0]
+  padded = Local(tensor, x.sharding, tuple(n + sum(local_paddings[d])
+                                          for d, n in enumerate(x.shape)))
+  if fill is None and split:  # PadV2 with a pad value known only at run time
+    tensor = _fill_tails(p, padded, tensor, split, inputs[2])
+  elif split:
+    windows = {d: (chosen.rule.windows[_factor_of(rule, d)], fill) for d in split}
+    tensor = shift_window(p, tensor, padded, windows)
+  return [_result(p, graph, node, tf.identity(tensor, name=node.name), chosen.results[0])]
+
+
+def _pads_shard_tails(node, n: int, pads, shards: int) -> bool:
+  """A constant pad at the end of a dim whose shards keep their size: the new rows are the
+  tail of the last shards (a local mask, no rows move)."""
+  return (node.op != 'MirrorPad' and pads[0] == 0 and
+          _chunk(n + pads[1], shards) == _chunk(n, shards))
+
+
+def _fill_tails(p, x: Local, tensor: tf.Tensor, dims, value: tf.Tensor) -> tf.Tensor:
+  """Rows past the end of the input along split `dims` set to `value` (`_pads_shard_tails`)."""
+  valid = None
+  for d in sorted(dims):
+    m = uneven.valid_mask(x.sharding, x.shape, d, int(tensor.shape[d]), p.backend.partition_id,
+                          len(x.shape))
+    valid = m if valid is None else tf.logical_and(valid, m)
+  return tf.where(valid, tensor, tf.broadcast_to(tf.cast(value, tensor.dtype), tf.shape(tensor)))
 
 
 def _static_pad_value(p, graph, node):

@@ -6,8 +6,10 @@ common pieces: a dim that is split or merged becomes a compound dim of
 several factors, so a sharded dim keeps its sharding across the reshape
 wherever the split lines up with shard boundaries. Slice, StridedSlice and Pad
 keep a sharded dim sharded and record the window (offset, stride) the
-partitioner needs for the halo; Gather's indexed dim is a reduction (a masked
-local gather, then a sum over the shards).
+partitioner needs for the halo (rows shifted between neighbours, as XLA's
+partitioner does for slices and pads); Gather's indexed dim and a
+StridedSlice's shrunk (indexed) dim are reductions (a masked local pick, then
+a sum over the shards).
 """
 
 from __future__ import annotations
@@ -317,8 +319,10 @@ def strided_slice(node, ctx):
       continue
     size = shape[d]
     if masks['shrink_axis'] & bit:
+      # One row picked and the dim dropped: each shard keeps the row if it holds it (zeros
+      # otherwise), a sum over the shards gives it (a gather of one index, moving one row).
       f = namer.fresh()
-      kinds[f] = NEED_REPLICATION
+      kinds[f] = REDUCTION
       in_dims.append(f)
       d += 1
       continue
