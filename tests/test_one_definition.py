@@ -32,8 +32,6 @@ PENDING_RULES = {
     'random_handler (CudnnRNN*: rules belong in propagation/ops_nn.py)': (
         'CudnnRNN', 'CudnnRNNBackprop', 'CudnnRNNBackpropV2', 'CudnnRNNBackpropV3', 'CudnnRNNV2',
         'CudnnRNNV3'),
-    'variables.initialized_handler (rule belongs in propagation/ops_variables.py)': (
-        'VarIsInitializedOp',),
 }
 
 

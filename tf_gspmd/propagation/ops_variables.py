@@ -108,6 +108,11 @@ def variable_shape(node, ctx):
   return replicated_results(node, ctx, data_operands=[0])
 
 
+def var_is_initialized(node, ctx):
+  """VarIsInitializedOp: a scalar; the variable is only asked about, in whatever layout it has."""
+  return replicated_results(node, ctx, data_operands=[0])
+
+
 # --- examples ---------------------------------------------------------------------------
 def _read_example(b):
   v = b.resource('v', (16, 32))
@@ -171,6 +176,13 @@ def _variable_shape_example(b):
   return 'y'
 
 
+def _var_is_initialized_example(b):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  v = b.resource('v', (16, 32))
+  b.op('VarIsInitializedOp', [v], [()], name='y', dtypes=[tf.bool])
+  return 'y'
+
+
 register('ReadVariableOp', 'variables', read_variable, _read_example)
 register(['AssignVariableOp', 'AssignAddVariableOp', 'AssignSubVariableOp'], 'variables',
          assign_variable, _assign_example('AssignVariableOp'))
@@ -182,3 +194,4 @@ register(['ResourceScatterAdd', 'ResourceScatterSub', 'ResourceScatterUpdate',
          'variables', resource_scatter, _scatter_example('ResourceScatterAdd'))
 register('VarHandleOp', 'variables', var_handle, _var_handle_example)
 register('VariableShape', 'variables', variable_shape, _variable_shape_example)
+register('VarIsInitializedOp', 'variables', var_is_initialized, _var_is_initialized_example)

@@ -706,6 +706,8 @@ def variable_specs() -> List[OpSpec]:
   out = [
       spec('ReadVariableOp', lambda w: w.read_value(), var(v.uniform(BINARY_SHAPE))),
       spec('VariableShape', lambda w: raw('VariableShape', handle(w)), var(v.uniform(BINARY_SHAPE))),
+      spec('VarIsInitializedOp', lambda w: raw('VarIsInitializedOp', handle(w)),
+           var(v.uniform(BINARY_SHAPE))),
       spec('ResourceGather', lambda w, i: raw('ResourceGather', handle(w), i, dtype=tf.float32),
            var(v.uniform((10, 3))), arg(v.ints((4, 5), 0, 10))),
   ]
