@@ -15,9 +15,10 @@ import tensorflow as tf
 from hypothesis import given, settings, strategies as st
 
 import tf_gspmd as tg
-from tf_gspmd.propagation.halo import WindowDim, same_padding
+from tf_gspmd.propagation.halo import WindowDim, plan_input_gradient, same_padding
 from tf_gspmd.graph_rewrite.windowed import trim_plan
 from tf_gspmd.partitioned import partition
+from tf_gspmd.runtime import trace_per_partition
 
 RTOL = 1e-5
 
@@ -400,3 +401,73 @@ def test_multi_hop_halos_forward_and_gradients_use_only_permutes(mesh_name, axes
   # Each piece is at most one source shard: the extended buffer is shard + halo rows.
   for r in halos:
     assert r['shape'][1] <= -(-shape[1] // mesh.axes_size(tuple(axes))), r
+
+
+# --- image gradients of the own rows only -----------------------------------------------------
+IMAGE_GRAD_CASES = [  # mesh, image spec, image shape, kernel, stride, padding
+    ('4', tg.P(None, 'x', None, None), (2, 16, 6, 3), 3, 1, 'SAME'),      # the CNN's form
+    ('4', tg.P(None, 'x', None, None), (2, 12, 6, 3), 3, 2, 'VALID'),     # stride 2, ci = 3
+    ('4', tg.P(None, 'x', None, None), (2, 10, 7, 3), 3, 2, 'SAME'),      # uneven, two phases
+    ('4', tg.P(None, 'x', None, None), (1, 9, 5, 2), 1, 2, 'VALID'),      # 1x1/2: uncovered rows
+    ('8', tg.P(None, 'x', None, None), (1, 8, 5, 2), 5, 1, 'SAME'),       # 2 hops each side
+    ('2x2', tg.P(None, 'x', 'y', None), (2, 9, 11, 3), 3, 2, 'SAME'),     # both dims, uneven
+]
+
+
+def _spatial_plans(shape, mesh, spec, k, s, pad):
+  out = []
+  for d in (1, 2):
+    lo, hi = same_padding(shape[d], k, s) if pad == 'SAME' else (0, 0)
+    window = WindowDim(shape[d], k, s, 1, lo, hi)
+    shards = mesh.axes_size(spec.axes_of(d)) if spec.axes_of(d) else 1
+    out.append((d, window, shards))
+  return out
+
+
+@pytest.mark.parametrize('mesh_name,spec,shape,k,s,pad', IMAGE_GRAD_CASES,
+                         ids=[f'{m}-{"x".join(map(str, sh))}-k{k}s{s}{p}'
+                              for m, _, sh, k, s, p in IMAGE_GRAD_CASES])
+def test_image_gradients_compute_only_the_own_rows(mesh_name, spec, shape, k, s, pad):
+  mesh = MESHES[mesh_name]
+  x, w, dw = randn(20, *shape), randn(21, k, k, shape[3], 4), randn(22, k, k, shape[3], 2)
+
+  @tf.function
+  def step(x, w, dw):
+    x = tg.shard(x, mesh, spec)
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      y = tf.nn.conv2d(x, w, s, pad, name='conv')
+      z = tf.nn.depthwise_conv2d(x, dw, [1, s, s, 1], pad, name='depthwise')
+      loss = tf.reduce_sum(y * y) + tf.reduce_sum(tf.sin(z))
+    return loss, tape.gradient(loss, x)
+
+  pf = partition(step, mesh)
+  for got, want in zip(pf(x, w, dw), step(x, w, dw)):
+    assert_close(got, want)
+  plans = _spatial_plans(shape, mesh, spec, k, s, pad)
+  for op in ('Conv2DBackpropInput', 'DepthwiseConv2dNativeBackpropInput'):
+    records = [r for r in pf.collectives() if r['op_type'] == op]
+    assert all(r['kind'] == 'permute' and 'of the output gradient' in r['why']
+               for r in records), records
+    # One permute per halo piece of the output gradient; never more than the reverse
+    # exchange of the forward window's halo took.
+    want, before = 0, 0
+    for _, window, shards in plans:
+      if shards == 1:
+        continue
+      halo = plan_input_gradient(window, shards).halo
+      want += sum(1 for pc in halo.left_pieces + halo.right_pieces if pc.hop < shards)
+      fwd, _ = trim_plan(window, shards)
+      before += sum(1 for pc in fwd.left_pieces + fwd.right_pieces if pc.hop < shards)
+    assert len(records) == want <= before, (op, records)
+  # The local backprop ops produce the shard's rows (a stride that does not divide the
+  # shard adds the rows aligning its phase), not a halo-padded window.
+  compiled = pf.get_program(x, w, dw)
+  program = trace_per_partition(mesh, compiled.per_partition, compiled.local_specs)
+  local = [o for o in program.function.graph.get_operations()
+           if o.type in ('Conv2DBackpropInput', 'DepthwiseConv2dNativeBackpropInput')]
+  assert len(local) == 2 and all(o.name.endswith('/gspmd/own_rows') for o in local), local
+  for o in local:
+    for d, window, shards in plans:
+      assert o.outputs[0].shape[d] == plan_input_gradient(window, shards).rows, (o, d)
+    assert o.get_attr('padding') == b'EXPLICIT'

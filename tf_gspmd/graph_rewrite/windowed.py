@@ -11,11 +11,18 @@ max), and runs the op with VALID padding on the window. The geometry is
 rows read. A spatial dim that is not split is padded explicitly the same way
 (one shard, no neighbours), so every local op runs VALID.
 
-Gradients with respect to the image are the exact adjoint of that recipe:
-run the backprop op VALID on the local output-gradient rows, which gives the
-gradient of this partition's input window; keep the rows of its own shard
-and send the halo rows back to the neighbours they were borrowed from, which
-add them to theirs (a reverse halo exchange). Filter gradients are local
+Image gradients of convolutions (Conv2DBackpropInput, the depthwise one)
+compute only this partition's own rows: an image row collects the
+output-gradient rows whose windows cover it, so those rows come from the
+neighbours (a halo exchange of the output gradient, `halo.plan_input_gradient`)
+and one backprop op with explicit padding yields the shard directly -- not
+the gradient of the whole haloed input window, a third more rows for a 3x3
+convolution on 8-row shards. Pooling gradients (MaxPoolGrad needs the
+forward window's argmax; AvgPoolGrad its real counts) are the exact adjoint
+of the forward recipe: the backprop op VALID on the local output-gradient
+rows gives the gradient of the input window; the own rows are kept and the
+halo rows sent back to the neighbours they were borrowed from, which add
+them to theirs (a reverse halo exchange). Filter gradients are local
 contributions of the haloed input window and the local output-gradient rows:
 a partial sum over the batch and spatial axes, resolved by the result's
 reshard.
@@ -47,7 +54,8 @@ from tensorflow.core.framework import attr_value_pb2
 
 from tf_gspmd.graph import emit
 from tf_gspmd.graph_rewrite import uneven
-from tf_gspmd.propagation.halo import HaloPlan, WindowDim, plan_halo
+from tf_gspmd.propagation.halo import (HaloPlan, InputGradientPlan, WindowDim, plan_halo,
+                                      plan_input_gradient)
 from tf_gspmd.graph_rewrite.handlers import (check_local_shape, fallback_handler, global_shape,
                                              handles)
 from tf_gspmd.graph_rewrite.partitioner import Local
@@ -214,7 +222,7 @@ def _hop_text(hop: int) -> str:
   return '' if hop == 1 else f' {hop} shards away'
 
 
-def _borrow(p, x: tf.Tensor, sd: SpatialDim, piece, side: str) -> tf.Tensor:
+def _borrow(p, x: tf.Tensor, sd: SpatialDim, piece, side: str, of: str = '') -> tf.Tensor:
   """One halo piece: rows of the shard `piece.hop` positions away on `side` (zeros when no
   shard is that far away: those rows lie outside the image everywhere)."""
   d = sd.dim
@@ -222,16 +230,17 @@ def _borrow(p, x: tf.Tensor, sd: SpatialDim, piece, side: str) -> tf.Tensor:
     return _zero_rows(x, d, piece.rows)
   offset = piece.hop if side == 'left' else -piece.hop
   return _exchange(p, _slice(x, d, piece.start, piece.rows), sd.axes, offset,
-                   f'halo of dim {d} from the {side} neighbour{_hop_text(piece.hop)}')
+                   f'halo of dim {d}{of} from the {side} neighbour{_hop_text(piece.hop)}')
 
 
-def _extend(p, x: tf.Tensor, sd: SpatialDim, sharding: NamedSharding, fill) -> tf.Tensor:
+def _extend(p, x: tf.Tensor, sd: SpatialDim, sharding: NamedSharding, fill,
+            of: str = '') -> tf.Tensor:
   """This partition's input window along `sd`: halo rows borrowed (from as many neighbours
   as the halo spans), rows outside the image replaced by `fill`."""
   d, plan = sd.dim, sd.plan
   if sd.axes:
-    parts = ([_borrow(p, x, sd, piece, 'left') for piece in plan.left_pieces] + [x] +
-             [_borrow(p, x, sd, piece, 'right') for piece in plan.right_pieces])
+    parts = ([_borrow(p, x, sd, piece, 'left', of) for piece in plan.left_pieces] + [x] +
+             [_borrow(p, x, sd, piece, 'right', of) for piece in plan.right_pieces])
     ext = tf.concat(parts, axis=d) if len(parts) > 1 else x
     if sd.tail:
       paddings = [[0, 0]] * x.shape.rank
@@ -251,11 +260,12 @@ def _extend(p, x: tf.Tensor, sd: SpatialDim, sharding: NamedSharding, fill) -> t
 
 
 def gather_window(p, x: tf.Tensor, sharding: NamedSharding, dims: Sequence[SpatialDim],
-                  fill) -> tf.Tensor:
+                  fill, of: str = '') -> tf.Tensor:
   """The input window of this partition's output block: every spatial dim extended by its
-  halo (dims one after another, so corner blocks come along with the second exchange)."""
+  halo (dims one after another, so corner blocks come along with the second exchange).
+  `of` names the tensor in the collectives' records when it is not the op's input."""
   for sd in dims:
-    x = _extend(p, x, sd, sharding, fill)
+    x = _extend(p, x, sd, sharding, fill, of)
   return x
 
 
@@ -306,6 +316,70 @@ def scatter_window(p, w: tf.Tensor, sharding: NamedSharding,
   for sd in reversed(dims):
     w = _retract(p, w, sd, sharding)
   return w
+
+
+# --- image gradients of the own rows --------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class GradientDim:
+  """One spatial dim of an image gradient computed directly on the own rows: `image` is the
+  dim as the result is split, `gradient` the output-gradient halo (as a `SpatialDim` of
+  the output gradient, rows outside it masked) and `plan` the local op's padding."""
+  image: SpatialDim
+  gradient: SpatialDim
+  plan: InputGradientPlan
+
+
+def _gradient_dims(dims: Sequence[SpatialDim]) -> Optional[List[GradientDim]]:
+  """`plan_input_gradient` for each spatial dim; None when a dim yields no output rows
+  (its gradient is all zeros: the reverse halo exchange of `scatter_window` handles it)."""
+  out = []
+  for sd in dims:
+    if sd.window.output_size == 0:
+      return None
+    plan = plan_input_gradient(sd.window, sd.plan.shards)
+    grad = SpatialDim(sd.dim, sd.axes, WindowDim(sd.window.output_size, 1), plan.halo,
+                      plan.tail)
+    out.append(GradientDim(sd, grad, plan))
+  return out
+
+
+def _check_gradient_split(node, g: Local, dims: Sequence[SpatialDim]):
+  """The rule splits the output gradient's spatial dims as the image's (same factor)."""
+  for sd in dims:
+    if g.sharding.spec.axes_of(sd.dim) != sd.axes:
+      raise ValueError(f'{node.op} {node.name}: the output gradient {node.inputs[2]} is '
+                       f'split {g.sharding.spec} but the image gradient splits dim {sd.dim} '
+                       f'over {sd.axes}; the rule gives both the same spatial factor.')
+
+
+def own_rows_gradient(p, node, g: tf.Tensor, g_sharding: NamedSharding,
+                      result: NamedSharding, local_shape, gdims: Sequence[GradientDim],
+                      make_inputs) -> tf.Tensor:
+  """The image gradient of this partition's own rows, computed directly (the transposed
+  window op, as a backprop op with explicit padding): the output-gradient rows whose
+  windows cover those rows come from the neighbours (a halo exchange of the gradient),
+  then one local backprop op yields the shard (plus, when a stride does not divide the
+  shard, the few rows before it that align the stride's phase, sliced off).
+  `make_inputs(sizes, g_window)` gives the op's inputs."""
+  window = gather_window(p, g, g_sharding, [gd.gradient for gd in gdims], 0,
+                         of=' of the output gradient')
+  sizes = [int(s) for s in local_shape]
+  paddings = [0] * (2 * len(sizes))
+  for gd in gdims:
+    d = gd.image.dim
+    sizes[d] = gd.plan.rows
+    paddings[2 * d:2 * d + 2] = [gd.plan.pad_lo, gd.plan.pad_hi]
+  attrs = {'padding': attr_value_pb2.AttrValue(s=b'EXPLICIT'),
+           'explicit_paddings': attr_value_pb2.AttrValue(
+               list=attr_value_pb2.AttrValue.ListValue(i=paddings))}
+  dx = emit.emit_node(node, make_inputs(sizes, window), attrs=attrs,
+                      name=node.name + '/gspmd/own_rows').outputs[0]
+  for gd in gdims:
+    d, ci = gd.image.dim, gd.image.plan.input_chunk
+    if gd.plan.rows != ci:
+      start = _per_partition(p, gd.image, result, gd.plan.offsets, f'own_rows_start_dim{d}')
+      dx = _slice(dx, d, start, ci)
+  return dx
 
 
 # --- emitting the local op ----------------------------------------------------------------
@@ -445,16 +519,29 @@ def _pool(p, node, values, chosen, dims, layout, out_shape):
 
 
 def _conv_backprop_input(p, node, values, chosen, dims, layout, out_shape):
-  """The image gradient: VALID backprop of the local output-gradient rows gives the
-  gradient of this partition's input window; the reverse halo exchange adds borrowed rows
-  back into the neighbours. Split output channels ('o') sum partially."""
+  """The image gradient of the own rows (`own_rows_gradient`: a halo exchange of the
+  output gradient, one backprop op with explicit padding). Split output channels ('o')
+  sum partially."""
   sizes, f, g = values
   gt = _mask(p, g, g.tensor, range(4))  # padding rows would reach real input rows
   ft = _mask(p, f, f.tensor, [3]) if chosen.axes('o') else f.tensor
+  return _image_gradient(p, node, sizes, ft, g, gt, chosen, dims, out_shape)
+
+
+def _image_gradient(p, node, sizes, ft, g: Local, gt, chosen, dims, out_shape):
+  """A convolution's image gradient (inputs: sizes, filter, output gradient) of the own
+  rows; when a dim yields no output rows, the window's gradient scattered back."""
   result = _unpartial(chosen.results[0])
-  local = _window_shape(result.shard_shape(out_shape), dims)
-  dwindow = _emit_valid(node, [_local_shape_const(sizes.dtype, local), ft, gt])
-  return scatter_window(p, dwindow, result, dims)
+  local = result.shard_shape(out_shape)
+  gdims = _gradient_dims(dims)
+  if gdims is None:
+    window = _window_shape(local, dims)
+    dwindow = _emit_valid(node, [_local_shape_const(sizes.dtype, window), ft, gt])
+    return scatter_window(p, dwindow, result, dims)
+  _check_gradient_split(node, g, dims)
+  return own_rows_gradient(
+      p, node, gt, g.sharding, result, local, gdims,
+      lambda shape, window: [_local_shape_const(sizes.dtype, shape), ft, window])
 
 
 def _conv_backprop_filter(p, node, values, chosen, dims, layout, out_shape):
@@ -501,13 +588,11 @@ def _depthwise(p, node, values, chosen, dims, layout, out_shape):
 
 
 def _depthwise_backprop_input(p, node, values, chosen, dims, layout, out_shape):
+  """As `_conv_backprop_input` (channel blocks stay whole, see `_depthwise`)."""
   sizes, f, g = values
   # Padding rows of the gradient would reach real input rows; padding multipliers the sum.
   gt = _mask(p, g, g.tensor, range(4))
-  result = _unpartial(chosen.results[0])
-  local = _window_shape(result.shard_shape(out_shape), dims)
-  dwindow = _emit_valid(node, [_local_shape_const(sizes.dtype, local), f.tensor, gt])
-  return scatter_window(p, dwindow, result, dims)
+  return _image_gradient(p, node, sizes, f.tensor, g, gt, chosen, dims, out_shape)
 
 
 def _depthwise_backprop_filter(p, node, values, chosen, dims, layout, out_shape):
@@ -536,10 +621,12 @@ def windowed_handler(p, graph, node, operands):
 
   The rule decides every layout (batch, channel and spatial factors; reduction
   factors leave partial sums). Split spatial dims exchange halos: forward ops
-  and filter gradients read the haloed input window; image gradients run VALID
-  on the local output-gradient rows and send the borrowed rows back
-  (`scatter_window`). Unsplit spatial dims are padded explicitly the same way,
-  so the local op always runs VALID. An op of another form (rank, data format,
+  and filter gradients read the haloed input window; convolutions' image
+  gradients read the output gradient's halo and compute the own rows
+  (`own_rows_gradient`); pooling gradients run VALID on the local
+  output-gradient rows and send the borrowed rows back (`scatter_window`).
+  Unsplit spatial dims are padded explicitly the same way, so the local op
+  runs VALID (image gradients: the op's own padding, explicit). An op of another form (rank, data format,
   pooling over batch or channels) is computed on replicated operands with a
   warning.
   """
