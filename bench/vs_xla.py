@@ -51,14 +51,17 @@ where XLA moves fewer bytes):
 Measured at full sizes (README, "Side by side with XLA's own partitioner"): XLA never moved
 fewer bytes. MLP and transformer: the same plan on both sides, byte for byte. CNN: XLA
 exchanges halos again in the backward pass (10 collective-permutes against 6) and reduces
-BatchNorm statistics over h and data in two steps (1.36 MB against 0.73 MB). MoE: XLA
+BatchNorm statistics over h and data in two steps (1.36 MB against 0.99 MB; tf_gspmd's
+halos of the image gradients carry output-gradient rows, 64 channels, since it computes
+the own rows directly, as XLA does). MoE: XLA
 all-gathers the [G, S, M] tokens twice where tf_gspmd keeps them split and moves them by
 all-to-all only (7,320 B against 3,864 B).
-Step time: the CNN is the one model where ours can be slower (ours/XLA 0.98-1.17 over runs
-on a loaded 2-core machine, 1.05 in a quiet 20-step run): tf_gspmd computes the input
-gradient of the second convolution on a halo-padded window (f32[32,10,34,32] per device,
-then sliced) where XLA's partitioner computes the f32[32,8,32,32] shard directly after a
-halo exchange of the gradient -- a third more work for that convolution.
+Step time: the CNN is the one model where ours can be slower (ours/XLA 1.03-1.06 by median,
+0.99-1.06 by fastest call, over 3 full-size 20-step runs on a loaded 2-core machine; it was
+0.98-1.17 while tf_gspmd computed the input gradient of the second convolution on a
+halo-padded window, f32[32,10,34,32] per device, then sliced). Both now compute that
+gradient as the f32[32,8,32,32] shard directly, after a halo exchange of the output
+gradient: the compiled convolutions are the same shapes on both sides.
 
   .venv/bin/python bench/vs_xla.py [--models mlp,transformer,cnn,moe] [--quick]
                                    [--steps 20] [--check-steps 3] [--json PATH]
