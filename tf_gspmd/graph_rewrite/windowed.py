@@ -544,9 +544,9 @@ def _image_gradient(p, node, sizes, ft, g: Local, gt, chosen, dims, out_shape):
       lambda shape, window: [_local_shape_const(sizes.dtype, shape), ft, window])
 
 
-def _conv_backprop_filter(p, node, values, chosen, dims, layout, out_shape):
-  """The filter gradient: the haloed input window against the local output-gradient rows,
-  a partial sum over the batch and spatial axes."""
+def _filter_gradient(p, node, values, chosen, dims, layout, out_shape):
+  """The filter gradient (Conv2D and depthwise alike): the haloed input window against the
+  local output-gradient rows, a partial sum over the batch and spatial axes."""
   x, sizes, g = values
   # Both sides are summed over batch and spatial rows: no padding may take part.
   xt = _mask(p, x, x.tensor, [layout.batch])
@@ -595,23 +595,13 @@ def _depthwise_backprop_input(p, node, values, chosen, dims, layout, out_shape):
   return _image_gradient(p, node, sizes, f.tensor, g, gt, chosen, dims, out_shape)
 
 
-def _depthwise_backprop_filter(p, node, values, chosen, dims, layout, out_shape):
-  x, sizes, g = values
-  # Both sides are summed over batch and spatial rows: no padding may take part.
-  xt = _mask(p, x, x.tensor, [layout.batch])
-  gt = _mask(p, g, g.tensor, range(4))
-  window = gather_window(p, xt, x.sharding, dims, 0)
-  local = chosen.results[0].shard_shape(out_shape)
-  return _emit_valid(node, [window, _local_shape_const(sizes.dtype, local), gt])
-
-
 _LOCAL = {
     'Conv2D': _conv, 'MaxPool': _pool, 'AvgPool': _pool,
-    'Conv2DBackpropInput': _conv_backprop_input, 'Conv2DBackpropFilter': _conv_backprop_filter,
+    'Conv2DBackpropInput': _conv_backprop_input, 'Conv2DBackpropFilter': _filter_gradient,
     'MaxPoolGrad': _max_pool_grad, 'AvgPoolGrad': _avg_pool_grad,
     'DepthwiseConv2dNative': _depthwise,
     'DepthwiseConv2dNativeBackpropInput': _depthwise_backprop_input,
-    'DepthwiseConv2dNativeBackpropFilter': _depthwise_backprop_filter,
+    'DepthwiseConv2dNativeBackpropFilter': _filter_gradient,
 }
 
 
