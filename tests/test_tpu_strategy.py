@@ -9,6 +9,8 @@
   partition id (what `replica_id_in_sync_group` is on a TPU), trained against
   the unpartitioned step.
 """
+import collections
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -90,7 +92,8 @@ def megatron_step():
   # MirroredStrategy on 8 logical CPUs: the same replica API as TPUStrategy.
   strategy = tf.distribute.MirroredStrategy([f'/device:CPU:{i}' for i in range(8)])
   x = np.ones((8, 16), np.float32)
-  step = tpu.TPUStrategyStep(tg.partition(_train_step(w1, w2, mesh), mesh), strategy, x)
+  step = tpu.TPUStrategyStep(tg.partition(_train_step(w1, w2, mesh), mesh), strategy, x,
+                             exported=False)
   return step, (w1, w2)
 
 
@@ -195,12 +198,90 @@ def test_step_runs_under_strategy_run_with_replica_id_as_partition_id():
   strategy = tf.distribute.MirroredStrategy([f'/device:CPU:{i}' for i in range(8)])
   x = np.arange(32, dtype=np.float32).reshape(4, 8)
   want = x * 2 + np.arange(8) * 3 + np.arange(4)[:, None] * 100 + np.arange(8) * 10
-  step = tpu.TPUStrategyStep(tg.partition(fn, mesh), strategy, x)
+  # The traced program: the exported module (XlaCallModule) runs only inside a compiled XLA
+  # program, and MirroredStrategy on CPUs runs each replica's ops eagerly, one device at a time.
+  step = tpu.TPUStrategyStep(tg.partition(fn, mesh), strategy, x, exported=False)
   np.testing.assert_array_equal(step(x).numpy(), want)
   step.sync_variables()
   np.testing.assert_array_equal(w.numpy(), np.arange(8) * 3)
   # Every replica claiming partition 0 gives other numbers: the replica id is what decides.
   w.assign(np.arange(8, dtype=np.float32))
   wrong = tpu.TPUStrategyStep(tg.partition(fn, mesh), strategy, x,
-                              replica_id=lambda: tf.constant(0, tf.int32))
+                              replica_id=lambda: tf.constant(0, tf.int32), exported=False)
   assert np.abs(wrong(x).numpy() - want).max() > 1
+
+
+# --- the exported per-replica module (XlaCallModule) ----------------------------------------------
+def _zero_megatron_step(w1, w2, mesh=None):
+  """Megatron MLP with the weights also split over 'data' (gathered before use: all-gathers)."""
+  if mesh is not None:
+    tg.shard_variable(w1, mesh, tg.P('data', 'model'))
+    tg.shard_variable(w2, mesh, tg.P('model', 'data'))
+  return _train_step(w1, w2, mesh)
+
+
+@pytest.fixture(scope='module')
+def exported_step():
+  pytest.importorskip('jax')
+  mesh = tg.Mesh.create((2, 4), ('data', 'model'))
+  w1, w2 = _megatron()
+  strategy = tf.distribute.MirroredStrategy([f'/device:CPU:{i}' for i in range(8)])
+  x = np.ones((8, 16), np.float32)
+  step = tpu.TPUStrategyStep(tg.partition(_zero_megatron_step(w1, w2, mesh), mesh), strategy, x)
+  return step, (w1, w2)
+
+
+def test_exported_module_lowers_with_native_all_gathers(exported_step):
+  step, _ = exported_step
+  assert 'stablehlo.all_gather' in step.export.module
+  _, ir = _replica_hlo(step, step.local_examples(
+      [tf.Variable(tf.zeros((8, 8))), tf.Variable(tf.zeros((8, 4)))]))
+  hlo = ir(stage='hlo')
+  assert 'custom-call' not in hlo  # tf2xla inlined the module: no call, no marker left
+  found = collections.Counter((c.kind, c.replica_groups) for c in hlo_collectives(hlo))
+  assert found == {('all-gather', DATA_GROUPS): 3, ('all-reduce', MODEL_GROUPS): 1,
+                   ('all-reduce', DATA_GROUPS): 1, ('reduce-scatter', DATA_GROUPS): 2}
+  entry = hlo.split('ENTRY', 1)[1].split('\n', 1)[0]
+  assert 'partition' not in entry and 'f32[8,16]' not in entry  # local shards only, no id arg
+
+
+def test_exported_module_trains_on_pjrt_replicas_like_the_unpartitioned_step(exported_step):
+  """The replica function strategy.run calls (XlaCallModule of the exported module, variables
+  read and assigned), lowered by tf2xla and compiled for 8 PJRT CPU replicas."""
+  from jax._src.lib import xla_client  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.xla_bridge import export as export_lib, pjrt  # pylint: disable=g-import-not-at-top
+  devices = pjrt.jax_devices(8)
+  step, _ = exported_step
+  rng = np.random.RandomState(2)
+  batches = [rng.randn(8, 16).astype(np.float32) for _ in range(3)]
+  ref_w1, ref_w2 = _megatron()
+  reference = _train_step(ref_w1, ref_w2)
+  w1, w2 = _megatron()
+
+  arg_layouts = step.export.args                       # x, then the variables w1, w2
+  templates = [tf.Variable(tf.zeros(a.local_shape)) for a in arg_layouts[1:]]
+  _, ir = _replica_hlo(step, step.local_examples(templates))
+  module = hlo_pb2.HloModuleProto.FromString(ir(stage='hlo_serialized'))
+  updates = {e.output_shape_index[0]: e.parameter_number for e in module.input_output_alias.entries}
+  assert sorted(updates.items()) == [(1, 1), (2, 2)]  # the loss, then the new w1, w2
+  module.ClearField('input_output_alias')
+  stablehlo = xla_client._xla.mlir.hlo_to_stablehlo(module.SerializeToString())  # pylint: disable=protected-access
+  results = [step.export.results[0]] + [arg_layouts[updates[j]] for j in (1, 2)]
+  lowered = export_lib.XlaExport(stablehlo, step.mesh, list(arg_layouts), results, 'tpu_replica')
+  executable = pjrt.PjrtExecutable(lowered, devices)
+  state = [pjrt.put_global(v.numpy(), layout, devices)
+           for v, layout in zip((w1, w2), arg_layouts[1:])]
+  for x in batches:
+    outputs = executable.run([pjrt.put_global(x, arg_layouts[0], devices)] + state)
+    loss, state = float(np.asarray(outputs[0][0])), outputs[1:]
+    want = float(reference(x))
+    assert abs(loss - want) <= RTOL * max(1.0, abs(want)), (loss, want)
+  for buffers, layout, ref in zip(state, arg_layouts[1:], (ref_w1, ref_w2)):
+    got = pjrt.assemble_global(buffers, layout.sharding, layout.shape, layout.name).numpy()
+    err = np.max(np.abs(got - ref.numpy())) / np.max(np.abs(ref.numpy()))
+    assert err <= RTOL, (layout.name, err)
+  # What XLA compiled: the weights gathered by native all-gathers over 'data'.
+  compiled = collections.Counter((c.kind, c.replica_groups)
+                                 for c in hlo_collectives(executable.compiled_hlo()))
+  assert compiled[('all-gather', DATA_GROUPS)] >= 2, compiled
+  assert {g for _, g in compiled} <= {MODEL_GROUPS, DATA_GROUPS}

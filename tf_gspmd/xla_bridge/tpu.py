@@ -16,6 +16,12 @@ whose replica groups are the mesh's groups written in partition ids) with
   `experimental_local_results`, and each sharded variable kept as one
   sync-on-read variable whose per-replica component is that replica's shard.
 
+By default (`exported=True`) the replica does not run that traced program but
+the exported per-replica module (`partitioned.export_xla`: native collectives,
+partition id = XLA's replica id) through one `XlaCallModule` op
+(`call_module.py`), reading the shard variables into its parameters and
+assigning its variable results back (`XlaExport.results[j].updates`).
+
 All of it uses TF's public TPU API: `tf.tpu.experimental.Topology`,
 `tf.tpu.experimental.DeviceAssignment`, `tf.distribute.TPUStrategy(resolver,
 experimental_device_assignment=...)`, `strategy.run`,
@@ -56,6 +62,7 @@ from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.runtime import sharded as sharded_lib
 from tf_gspmd.runtime.launcher import PartitionContext
+from tf_gspmd.xla_bridge import call_module as call_module_lib
 from tf_gspmd.xla_bridge.collectives import XlaCollectives
 
 TOPOLOGY_AXES = ('x', 'y', 'z', 'core')
@@ -133,7 +140,7 @@ class TPUStrategyStep:
   """
 
   def __init__(self, partitioned, strategy, *example_args,
-               replica_id: Callable[[], tf.Tensor] = _tpu_replica_id):
+               replica_id: Callable[[], tf.Tensor] = _tpu_replica_id, exported: bool = True):
     self.mesh: Mesh = partitioned.mesh
     if strategy.num_replicas_in_sync != self.mesh.size:
       raise ValueError(f'TPUStrategyStep: the strategy runs {strategy.num_replicas_in_sync} '
@@ -161,6 +168,11 @@ class TPUStrategyStep:
                       name=f'{name.split(":")[0].replace("/", "_")}_shard')
           for (name, sharding, shape), v in zip(self.variable_layouts, compiled.variables)]
     self.scatter_variables()
+    # exported: the replica runs `partitioned.export_xla`'s StableHLO module (native
+    # collectives, partition id = XLA replica id) through one XlaCallModule op; otherwise the
+    # per-partition TF program traced with XlaCollectives (partition id = `replica_id()`).
+    self.export = partitioned.export_xla(*example_args) if exported else None
+    self._module = call_module_lib.serialized_module(self.export) if exported else None
     self._step = tf.function(self._distributed_step)
 
   # --- what strategy.run calls ------------------------------------------------------------------
@@ -170,8 +182,29 @@ class TPUStrategyStep:
     outputs = self._compiled.per_partition(ctx, *local)
     return [tf.convert_to_tensor(o) for o in outputs]
 
+  def exported_program(self, local: Sequence, variables: Sequence[tf.Variable]) -> list:
+    """The exported module on one replica's local arguments and shard variables.
+
+    The variables are read into the module's variable parameters; each result
+    that `export.results[j].updates` marks as a variable's new value is assigned
+    back to that variable; the other results (the outputs) are returned.
+    """
+    local = list(local)
+    values = [v.read_value() for v in variables]
+    results = call_module_lib.call_module(self.export, local + values, module=self._module,
+                                          name='tpu_replica_module')
+    outputs = []
+    for layout, value in zip(self.export.results, results):
+      if layout.updates is None:
+        outputs.append(value)
+      else:
+        variables[layout.updates - len(local)].assign(value)
+    return outputs
+
   def replica_fn(self, *local):
     """The function `strategy.run` runs on every replica: partition id = replica id."""
+    if self.export is not None:
+      return self.exported_program(local, self.shard_variables)
     return self.replica_program(self._replica_id(), *local, *self.shard_variables)
 
   def _distributed_step(self, *per_replica):
@@ -228,6 +261,10 @@ class TPUStrategyStep:
     Variables are passed in so that tf2xla makes them parameters and their new values results.
     """
     def replica(*local):
+      if self.export is not None:  # the module's partition id is XLA's replica id already
+        n_variables = len(self.shard_variables)
+        return self.exported_program(local[:-n_variables] if n_variables else local,
+                                     local[len(local) - n_variables:])
       return self.replica_program(replica_id(), *local)
     replica.__name__ = 'tpu_replica'
     return tf.function(replica, jit_compile=True)
