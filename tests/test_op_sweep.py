@@ -256,10 +256,11 @@ def _result(spec_name, status, error_type='', message=''):
 
 
 def test_known_issue_excuses_only_its_error_signature():
-  issue = next(k for k in op_sweep.KNOWN_ISSUES if k.name == 'apply-ops-without-handler')
+  issue = next(k for k in op_sweep.KNOWN_ISSUES if k.name == 'slot-sharded-unlike-variable')
   program = issue.programs[0]
-  signature = 'ValueError: reshard P(None, x) -> P(None, None): a resource value cannot be ' \
-              'moved between partitions.'
+  signature = ('ValueError: ResourceApplyAdagrad ResourceApplyAdagrad: slot variable accum:0 is '
+               "sharded P('x', None) but its variable var:0 is sharded P(None, None); shard "
+               'optimizer slots like their variables.')
   assert op_sweep.known_issue(*_result(program, 'error', 'ValueError', signature)) is issue
   # A wrong value, another exception type, another message, another program: never excused.
   assert op_sweep.known_issue(*_result(program, 'fail', '', 'call 1 output 0: max error 0.5')) \

@@ -30,7 +30,9 @@ def assign_handler(p, graph, node, operands):
 
 
 @handles('ResourceApplyGradientDescent', 'ResourceApplyAdam', 'ResourceApplyMomentum',
-         'ResourceApplyKerasMomentum', 'ResourceApplyAdagrad', 'ResourceApplyRMSProp')
+         'ResourceApplyKerasMomentum', 'ResourceApplyAdagrad', 'ResourceApplyRMSProp',
+         'ResourceApplyAdaMax', 'ResourceApplyAdadelta', 'ResourceApplyAdagradV2',
+         'ResourceApplyAdamWithAmsgrad', 'ResourceApplyCenteredRMSProp')
 def apply_handler(p, graph, node, operands):
   """Fused optimizer updates: tensors shaped like the variable follow its layout."""
   var = operands[0]

@@ -645,10 +645,10 @@ def summary(results: Sequence[CaseResult]) -> str:
 
 
 # --- failures found by the sweep in code outside it (reported to its owners) ----------------------
-_RULE_PATH_APPLY = ('ResourceApplyAdaMax', 'ResourceApplyAdadelta', 'ResourceApplyAdagradV2',
-                    'ResourceApplyAdamWithAmsgrad', 'ResourceApplyCenteredRMSProp')
 _SLOT_APPLY = ('ResourceApplyGradientDescent', 'ResourceApplyMomentum', 'ResourceApplyKerasMomentum',
-               'ResourceApplyAdagrad', 'ResourceApplyRMSProp', 'ResourceApplyAdam')
+               'ResourceApplyAdagrad', 'ResourceApplyRMSProp', 'ResourceApplyAdam',
+               'ResourceApplyAdaMax', 'ResourceApplyAdadelta', 'ResourceApplyAdagradV2',
+               'ResourceApplyAdamWithAmsgrad', 'ResourceApplyCenteredRMSProp')
 _WHOLE = P(None, None)
 
 KNOWN_ISSUES.extend([
@@ -660,14 +660,4 @@ KNOWN_ISSUES.extend([
         'count the refusal as a wrong result.',
         raises='ValueError', match=r'slot variable \S+ is sharded .* but its variable \S+ is sharded',
         example=Case('ResourceApplyAdagrad', '1d', (_WHOLE, P('x', None), _WHOLE))),
-    KnownIssue(
-        'apply-ops-without-handler', _RULE_PATH_APPLY,
-        'graph_rewrite/variables.py apply_handler (@handles list)',
-        'these fused optimizer updates have no hand-written handler, so factor_handler '
-        'partitions them: it picks a layout from the gradient '
-        'and then tries to reshard the variable handle (e.g. variable and slots replicated, '
-        'gradient P(x,_)). They have the shape of the ops '
-        'apply_handler covers (variable, slots, scalars, gradient): add them to its list.',
-        raises='ValueError', match=r'a resource value cannot be moved between partitions',
-        example=Case('ResourceApplyCenteredRMSProp', '1d', (_WHOLE,) * 4 + (P('x', None),))),
 ])
