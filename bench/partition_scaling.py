@@ -35,7 +35,8 @@ tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices('CPU')[0], [tf.config.LogicalDeviceConfiguration()] * 8)
 
 from tf_gspmd import Mesh, NamedSharding, P  # noqa: E402
-from tf_gspmd.runtime import SpmdProgram, tables, trace_per_partition  # noqa: E402
+from tf_gspmd.collectives import tables  # noqa: E402
+from tf_gspmd.runtime import SpmdProgram, trace_per_partition  # noqa: E402
 
 SIZES = (8, 64, 512, 2048)
 MODEL = 4
