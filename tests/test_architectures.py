@@ -174,19 +174,49 @@ def test_raw_tf_inference_forward(arch):
   assert not [r.node for r in predict.op_records() if r.how.startswith('replicated')]
 
 
-def test_untracked_slot_handle_is_refused():
-  """A slot reached only through `.handle` (MomentumOptimizer-style) is not in the function's
-  variables: refused with a clear error instead of updating one eager variable N times."""
-  var, slot = tf.Variable(tf.ones([8, 4])), tf.Variable(tf.zeros([8, 4]))
+def test_slot_used_only_through_its_handle_is_sharded_like_a_variable():
+  """A slot reached only through `.handle` (MomentumOptimizer-style, tf_keras legacy
+  optimizers) is not in the function's variables: capture finds the tf.Variable owning the
+  handle, so it is sharded and updated once per shard, not N times as one eager variable."""
+  def make():
+    var, slot = tf.Variable(tf.ones([8, 4])), tf.Variable(tf.zeros([8, 4]))
+
+    @tf.function
+    def update(grad):
+      tf.raw_ops.ResourceApplyMomentum(var=var.handle, accum=slot.handle, lr=0.1, grad=grad,
+                                       momentum=0.9)
+      return var.read_value()
+    return var, slot, update
+
+  mesh, _ = A.layout('batch')
+  var, slot, update = make()
+  ref_var, ref_slot, reference = make()
+  step = tg.partition(update, mesh)
+  grads = np.random.RandomState(0).randn(2, 8, 4).astype(np.float32)
+  for grad in grads:  # twice: the slot's state carries over
+    np.testing.assert_allclose(step(grad).numpy(), reference(grad).numpy(), rtol=1e-6)
+  step.sync_variables()
+  np.testing.assert_allclose(slot.numpy(), ref_slot.numpy(), rtol=1e-6)
+  np.testing.assert_allclose(var.numpy(), ref_var.numpy(), rtol=1e-6)
+  assert len(step.variable_bytes()) == 2  # the slot is one of the program's variables
+  assert not step.collectives()
+
+
+def test_handle_owned_by_no_variable_is_refused():
+  """A resource handle no live tf.Variable owns cannot be sharded: a clear error, never one
+  eager resource updated by every partition."""
+  from tensorflow.python.ops import gen_resource_variable_ops  # pylint: disable=g-import-not-at-top
+  handle = gen_resource_variable_ops.var_handle_op(dtype=tf.float32, shape=[8, 4],
+                                                   shared_name='orphan_slot')
+  gen_resource_variable_ops.assign_variable_op(handle, tf.zeros([8, 4]))
 
   @tf.function
   def update(grad):
-    tf.raw_ops.ResourceApplyMomentum(var=var.handle, accum=slot.handle, lr=0.1, grad=grad,
-                                     momentum=0.9)
-    return var.read_value()
+    gen_resource_variable_ops.assign_add_variable_op(handle, grad)
+    return grad
 
   mesh, _ = A.layout('batch')
-  with pytest.raises(ValueError, match=r'does not track .*ResourceApplyMomentum.*watch_variable'):
+  with pytest.raises(ValueError, match=r'does not track .*AssignAddVariableOp.*watch_variable'):
     tg.partition(update, mesh).get_program(np.ones([8, 4], np.float32))
 
 

@@ -290,24 +290,52 @@ def _captured_values(graph: FuncGraph) -> Tuple[Dict[str, Any], Dict[str, Any]]:
   variables, captures = {}, {}
   for external, internal in graph.captures:
     variable = by_handle.get(id(external))
+    if variable is None and _used_as_variable(graph, internal):
+      variable = _variable_owning(external)
+      if variable is None:
+        _refuse_untracked_variable_handle(graph, internal)
     if variable is not None:
       variables[internal.name] = variable
     else:
-      _refuse_untracked_variable_handle(graph, internal)
       captures[internal.name] = external
   return variables, captures
 
 
-def _refuse_untracked_variable_handle(graph: FuncGraph, internal: tf.Tensor) -> None:
-  """A variable reached only through `v.handle` (as `tf.raw_ops.ResourceApply*(accum=slot.handle)`
-  and tf_keras's legacy optimizers write it) is not in `graph.variables`: tf_gspmd could not
-  shard it, and handing every partition the one eager handle would update it N times."""
-  if internal.dtype != tf.resource:
-    return
+def _variable_owning(handle) -> Optional[tf.Variable]:
+  """The live tf.Variable whose handle is `handle`, if any.
+
+  A variable reached only through `v.handle` (as `tf.raw_ops.ResourceApply*(accum=slot.handle)`
+  and tf_keras's legacy optimizers write it) is not in `graph.variables`. Python's own
+  referrer lookup finds the variable holding that handle (its `_handle`), so such a slot is
+  sharded like any variable instead of being one eager handle that every partition updates.
+  """
+  import gc  # pylint: disable=g-import-not-at-top
+  for referrer in gc.get_referrers(handle):
+    owner = referrer
+    if isinstance(referrer, dict):  # the handle held in an instance __dict__
+      owner = next((o for o in gc.get_referrers(referrer)
+                    if isinstance(o, tf.Variable) and getattr(o, '__dict__', None) is referrer),
+                   None)
+    if isinstance(owner, tf.Variable) and getattr(owner, 'handle', None) is handle:
+      return owner
+  return None
+
+
+def _used_as_variable(graph: FuncGraph, internal: tf.Tensor) -> bool:
+  return internal.dtype == tf.resource and bool(_variable_users(graph, internal))
+
+
+def _variable_users(graph: FuncGraph, internal: tf.Tensor) -> list:
   users = [op for op in graph.get_operations() if any(t is internal for t in op.inputs)]
-  variable_users = [op for op in users if op.type.startswith('Resource') or op.type in (
+  return [op for op in users if op.type.startswith('Resource') or op.type in (
       'ReadVariableOp', 'AssignVariableOp', 'AssignAddVariableOp', 'AssignSubVariableOp',
       'VariableShape')]
+
+
+def _refuse_untracked_variable_handle(graph: FuncGraph, internal: tf.Tensor) -> None:
+  """A resource handle used as a variable but owned by no live tf.Variable: tf_gspmd could
+  not shard it, and handing every partition the one eager handle would update it N times."""
+  variable_users = _variable_users(graph, internal)
   if variable_users:
     raise ValueError(
         f'capture: {graph.name} uses the handle of a variable it does not track ({internal.name}, '
