@@ -173,3 +173,51 @@ def test_pipeline_data_all_reduces_are_reduced_once():
   kinds = collections.Counter((c['kind'], tuple(c['axes'])) for c in pf.collectives())
   # Without coalescing: one per weight per iteration (3 x 5) and the loss.
   assert kinds[('all_reduce', ('data',))] <= 4, kinds
+
+
+def test_transformer_weight_gradients_share_one_bucket():
+  """Weight gradients whose first use is inside the backward pass (Keras' reshape of an
+  attention kernel's gradient) stay pending: the update math that reads them is emitted
+  after the rest of the step, so every dense weight gradient joins one 'data' bucket."""
+  import os  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'examples', 'keras'))
+  import transformer  # pylint: disable=g-import-not-at-top
+  mesh = tg.Mesh.create((2, 4), ('data', 'model'))
+  model, optimizer = transformer.build(seed=0, layers=1)
+  ref_model, ref_optimizer = transformer.build(seed=0, layers=1)
+  transformer.layout(mesh).apply(model)
+  pf = tg.partition(transformer.train_step(model, optimizer, mesh), mesh)
+  reference = transformer.train_step(ref_model, ref_optimizer)
+  for seed in range(2):
+    tokens, labels = transformer.batch(seed)
+    np.testing.assert_allclose(float(pf(tokens, labels)), float(reference(tokens, labels)),
+                               rtol=1e-5)
+  pf.sync_variables()
+  for got, want in zip(model.trainable_variables, ref_model.trainable_variables):
+    if 'key/bias' in got.path:  # softmax ignores it: its gradient is rounding noise, which
+      continue                  # Adam scales to +-lr steps in both runs alike
+    assert rel_error(got.numpy(), want.numpy()) <= 1e-5, got.path
+  data = all_reduces(pf)
+  buckets = [r for r in data if r.get('fused', 1) > 1]
+  dense = [v for v in model.trainable_variables if 'embed' not in v.path]
+  assert len(buckets) == 1 and buckets[0]['fused'] == len(dense), [r.get('why') for r in data]
+  # Besides it: the loss, and the embedding's two row sums inside Adam's sparse update.
+  assert len(data) == 4, [r.get('why') for r in data]
+
+
+def test_a_sum_over_unsharded_dims_keeps_the_sum_pending():
+  x = np.random.RandomState(3).randn(64, 4, 3).astype(np.float32)
+
+  def f(x):
+    rows = tf.reduce_sum(tf.reduce_sum(x, axis=0), axis=1)    # a pending [4, 3], summed: [4]
+    kept = tf.reduce_sum(tf.reduce_sum(x * 2.0, axis=0), axis=[0], keepdims=True)  # [1, 3]
+    return tf.nn.relu(rows), tf.nn.relu(kept)
+
+  pf = tg.partition(tf.function(f), DATA8, in_shardings=[tg.P('data', None, None)])
+  for g, w in zip(pf(x), f(tf.constant(x))):
+    assert rel_error(g.numpy(), w.numpy()) <= 1e-5
+  linear = [r for r in pf.op_records() if r.how == 'linear on pending sums' and r.op == 'Sum']
+  assert len(linear) == 2, linear
+  (bucket,) = all_reduces(pf)
+  assert bucket['fused'] == 2 and bucket['shape'] == (4 + 3,), bucket['why']

@@ -158,3 +158,33 @@ def test_per_partition_calls_run_only_the_remapper_and_the_launch_no_grappler():
   assert rewrite.remapping != off
   assert rewrite.constant_folding == off and rewrite.arithmetic_optimization == off
   assert rewrite.function_optimization == off and rewrite.layout_optimizer == off
+
+
+def test_keras_step_is_traced_once_and_trains_like_keras():
+  """partition_model builds the optimizer before the step is captured, so TF traces the
+  Keras step once (a trace that creates Adam's variables would be traced again)."""
+  import keras  # pylint: disable=g-import-not-at-top
+
+  def build():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation='relu'),
+                              keras.layers.Dense(3)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss='mse')
+    return model
+
+  x, y = randn(1, 16, 6), randn(2, 16, 3)
+  reference, model = build(), build()
+  tg.partition_model(model, tg.Mesh.create((8,), ('data',)))
+  traced = []
+  train_step = model.train_step
+
+  def counting(data):
+    traced.append(1)
+    return train_step(data)
+  model.train_step = counting
+  got = [float(model.train_on_batch(x, y)) for _ in range(2)]
+  want = [float(reference.train_on_batch(x, y)) for _ in range(2)]
+  assert len(traced) == 1, f'the step was traced {len(traced)} times'
+  assert_close(got, want)
+  for a, b in zip(model.get_weights(), reference.get_weights()):
+    assert_close(a, b)

@@ -35,6 +35,17 @@ builds TF ops as it goes, and a finished TF graph is not rewritten).
    bucket exceeds that size (except a single larger value) and the buffer
    stays bounded. Pending graph outputs are resolved at the end of the graph.
 
+4. Update nodes last. A weight gradient's first consumer may sit inside the
+   backward pass (Keras reshapes an attention kernel's gradient there), which
+   would resolve the group early and split the gradients over several
+   all-reduces. So a node that would resolve a pending value and only updates
+   variables (`Coalescer.deferrable`: no result reaches a graph output, and it
+   reads no activation) is postponed, with everything that reads it or is
+   ordered after it; at the end of the graph every pending value is resolved
+   in buckets, then the postponed nodes are emitted. The backward pass reads
+   activations, so it is never postponed: no sum another gradient waits for
+   is delayed.
+
 Deadlock freedom: there is one per-partition program, so every partition
 emits the same collectives in the same order; the TF backend chains them per
 device with its ordering token in emission order, and a fused all-reduce is
@@ -52,8 +63,10 @@ import math
 import os
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import tensorflow as tf
 
+from tf_gspmd.graph.ir import split_tensor_name
 from tf_gspmd.graph_rewrite.partitioner import Local
 from tf_gspmd.sharding import NamedSharding
 
@@ -62,7 +75,7 @@ BUCKET_BYTES = 32 * 2**20  # largest fused all-reduce buffer (per device)
 _ADDS = ('AddV2', 'Add', 'AddN', 'Sub')
 _SCALED = ('Mul', 'RealDiv')  # operand 0 pending (RealDiv: the numerator only)
 _LAYOUT_ONLY = ('Identity', 'Snapshot', 'XlaSharding')
-LINEAR_OPS = _ADDS + _SCALED + ('Neg', 'Reshape') + _LAYOUT_ONLY
+LINEAR_OPS = _ADDS + _SCALED + ('Neg', 'Reshape', 'Sum') + _LAYOUT_ONLY
 
 
 def enabled() -> bool:
@@ -105,6 +118,7 @@ class Coalescer:
   def __init__(self, bucket_bytes: Optional[int] = None):
     self.bucket_bytes = BUCKET_BYTES if bucket_bytes is None else int(bucket_bytes)
     self.frames: List[Frame] = []
+    self._deferrable: Dict[int, tuple] = {}  # id(graph) -> (graph, its deferrable node names)
 
   # --- frames -------------------------------------------------------------------------
   def push(self, graph, env) -> Frame:
@@ -119,6 +133,39 @@ class Coalescer:
       self._resolve(p, frame, outputs)
     assert self.frames[-1] is frame
     self.frames.pop()
+
+  def flush(self, p, frame: Frame) -> None:
+    """Resolve every pending value of the frame (in buckets)."""
+    if frame.pending:
+      self._resolve(p, frame, list(frame.pending))
+
+  def deferrable(self, graph) -> frozenset:
+    """Names of the nodes of `graph` that only update variables (an optimizer's math and
+    writes): none of their results reaches a graph output, and what they and everything
+    downstream of them read is theirs, a variable, a scalar or a constant, never an
+    activation. The backward pass is not among them (it reads the forward's
+    activations), so postponing these delays no sum another gradient needs. What reads
+    a postponed node (by data or control) follows it, so every ordering edge is kept."""
+    cached = self._deferrable.get(id(graph))
+    if cached is not None and cached[0] is graph:
+      return cached[1]
+    outputs = {split_tensor_name(t)[0] for t in graph.outputs}
+    users: Dict[str, set] = {}
+    for n in graph.nodes:
+      for t in n.inputs:
+        users.setdefault(split_tensor_name(t)[0], set()).add(n.name)
+    no_output = set()  # no data path to a graph output
+    for n in reversed(graph.nodes):
+      if n.name not in outputs and users.get(n.name, set()) <= no_output:
+        no_output.add(n.name)
+    found = set()
+    for n in reversed(graph.nodes):
+      if (n.name in no_output and users.get(n.name, set()) <= found and
+          all(_update_input(graph, t, no_output) for t in n.inputs)):
+        found.add(n.name)
+    result = frozenset(found)
+    self._deferrable[id(graph)] = (graph, result)
+    return result
 
   # --- deferral -----------------------------------------------------------------------
   def defer(self, p, graph, value: Local, tensor: str, target: NamedSharding) -> Optional[Local]:
@@ -137,6 +184,12 @@ class Coalescer:
       self._resolve(p, frame, members)
       return frame.env.pop(tensor)  # run_graph stores it when the node is done
     return value
+
+  def would_resolve(self, p, frame: Frame, node, env: Dict[str, Local]) -> bool:
+    """Whether emitting `node` now resolves a pending value (not a linear node on them)."""
+    if not any(t in frame.pending for t in node.inputs):
+      return False
+    return not _linear_on_pending(p, frame, node, [env[t] for t in node.inputs])
 
   def before_node(self, p, frame: Frame, node, operands: List[Local]):
     """(operands, handler or None) for `node`: pending operands resolved, or kept pending
@@ -214,6 +267,18 @@ def _single_all_reduce(p, value: Local, target: NamedSharding) -> bool:
           steps[0].group_size == s.mesh.axes_size(s.partial_axes))
 
 
+def _update_input(graph, tensor: str, no_output) -> bool:
+  """Whether an update node may read `tensor`: made by another such node, a variable
+  handle, a constant or a scalar (a learning rate, a step count)."""
+  producer = graph.producer(tensor)
+  if producer.name in no_output or producer.op == 'Const':
+    return True
+  t = graph.tensor(tensor)
+  if t.dtype == tf.resource:
+    return True
+  return t.shape is not None and None not in t.shape and math.prod(t.shape) == 1
+
+
 # --- linear ops on pending sums ----------------------------------------------------------
 def _only_consumer(frame: Frame, tensor: str, node) -> bool:
   graph = frame.graph
@@ -254,7 +319,23 @@ def _linear_on_pending(p, frame: Frame, node, operands: List[Local]) -> bool:
                                         target.mesh == first.sharding.mesh)
   if node.op == 'Reshape':
     return pending == [True, False] and _reshape_prefix(first, tuple(out_shape)) is not None
+  if node.op == 'Sum':
+    return (pending == [True, False] and first.sharding.partial == 'sum' and
+            _summed_dims(operands[1], first) is not None)
   return False
+
+
+def _summed_dims(axes: Local, value: Local) -> Optional[tuple]:
+  """The dims a Sum reduces if it names them statically and none is sharded (summing the
+  local partial block is then exact), else None."""
+  given = tf.get_static_value(axes.tensor)
+  rank = len(value.shape)
+  if given is None or rank == 0:
+    return None
+  dims = tuple(sorted({int(a) % rank for a in np.atleast_1d(given)}))
+  if any(value.sharding.spec.axes_of(d) for d in dims if d < len(value.sharding.spec)):
+    return None
+  return dims
 
 
 def _reshape_prefix(value: Local, out_shape: tuple) -> Optional[int]:
@@ -292,6 +373,15 @@ def linear_handler(p, graph, node, operands: List[Local]) -> List[Local]:
     y = (tf.multiply if node.op == 'Mul' else tf.math.truediv)(first.tensor, scalar, name=name)
   elif node.op in _LAYOUT_ONLY:
     y = tf.identity(first.tensor, name=name)
+  elif node.op == 'Sum':  # over unsharded dims: the partial axes stay, those dims go
+    dims = _summed_dims(operands[1], first)
+    keep = bool(node.attrs['keep_dims'].b) if 'keep_dims' in node.attrs else False
+    spec = tuple(first.sharding.spec) + (None,) * (len(first.shape) - len(first.sharding.spec))
+    spec = tuple(None if d in dims else a for d, a in enumerate(spec)) if keep else tuple(
+        a for d, a in enumerate(spec) if d not in dims)
+    sharding = NamedSharding(first.sharding.mesh, spec, first.sharding.partial_axes,
+                             first.sharding.partial)
+    y = tf.reduce_sum(first.tensor, list(dims), keepdims=keep, name=name)
   else:  # Reshape keeping the sharded prefix
     keep = _reshape_prefix(first, out_shape)
     spec = tuple(first.sharding.spec)[:keep] + (None,) * (len(out_shape) - keep)

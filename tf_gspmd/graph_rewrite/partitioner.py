@@ -138,23 +138,27 @@ class Partitioner:
       if value.dtype == tf.resource:  # rules ask for the variable's shape
         self._resource_shapes.setdefault(graph.name, {})[name] = tuple(value.shape)
     frame = self._coalescer.push(graph, env) if self._coalescer else None
+    # Nodes that only feed variable updates (an optimizer's) and would resolve a pending
+    # sum are emitted after every other node, once all pending sums are resolved
+    # together: the gradients' all-reduces then fill one bucket instead of one per first
+    # consumer.
+    deferrable = self._coalescer.deferrable(graph) if frame is not None else frozenset()
+    postponed: List[ir.Node] = []
+    later = set()
     for node in graph.nodes:
       if node.outputs and all(t.name in env for t in node.outputs):
         continue  # an argument or a bound value
-      operands = [env[t] for t in node.inputs]
-      record = OpRecord(graph.name, node.name, node.op, '')
-      self._current = record
-      linear = None
-      if frame is not None:  # pending sums: resolved here, or kept through a linear node
-        operands, linear = self._coalescer.before_node(self, frame, node, operands)
-      handler, how = (linear, 'linear on pending sums') if linear else self._lookup(
-          self, node, graph)
-      record.how = how
-      outs = handler(self, graph, node, operands)
-      self._current = None
-      self.records.append(record)
-      for t, value in zip(node.outputs, outs):
-        env[t.name] = value
+      if _after(node, later) or (node.name in deferrable and
+                                  self._coalescer.would_resolve(self, frame, node, env)):
+        postponed.append(node)
+        later.add(node.name)
+        continue
+      self._emit_node(graph, node, env, frame)
+    if postponed:
+      self._resolve_all(graph, frame, f'{len(postponed)} update nodes postponed until the '
+                        'pending sums are resolved')
+      for node in postponed:
+        self._emit_node(graph, node, env, frame)
     if frame is not None:
       self._current = OpRecord(graph.name, f'{graph.name}/outputs', 'outputs',
                                'pending sums resolved at the end of the graph')
@@ -163,6 +167,29 @@ class Partitioner:
         self.records.append(self._current)
       self._current = None
     return [env[t] for t in graph.outputs]
+
+  def _emit_node(self, graph: ir.Graph, node: ir.Node, env: Dict[str, Local], frame) -> None:
+    operands = [env[t] for t in node.inputs]
+    record = OpRecord(graph.name, node.name, node.op, '')
+    self._current = record
+    linear = None
+    if frame is not None:  # pending sums: resolved here, or kept through a linear node
+      operands, linear = self._coalescer.before_node(self, frame, node, operands)
+    handler, how = (linear, 'linear on pending sums') if linear else self._lookup(
+        self, node, graph)
+    record.how = how
+    outs = handler(self, graph, node, operands)
+    self._current = None
+    self.records.append(record)
+    for t, value in zip(node.outputs, outs):
+      env[t.name] = value
+
+  def _resolve_all(self, graph: ir.Graph, frame, why: str) -> None:
+    self._current = OpRecord(graph.name, f'{graph.name}/pending', 'pending', why)
+    self._coalescer.flush(self, frame)
+    if self._current.collectives:
+      self.records.append(self._current)
+    self._current = None
 
   def finish(self, graph: ir.Graph, value: Local, tensor: str) -> Local:
     """Reshard a node result to the sharding propagation chose for `tensor`; a pending sum
@@ -173,3 +200,9 @@ class Partitioner:
       if deferred is not None:
         return deferred
     return self.reshard(value, target, f'result {tensor}')
+
+
+def _after(node: ir.Node, later) -> bool:
+  """Whether `node` reads a postponed node's result or is ordered after one."""
+  return (any(ir.split_tensor_name(t)[0] in later for t in node.inputs) or
+          any(c.lstrip('^') in later for c in node.control_inputs))
