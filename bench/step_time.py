@@ -114,11 +114,23 @@ SPARSE_GRADIENT_MODELS = ('transformer',)
 
 
 # ================================ child: one model, one system ================================
+INTRA_OP_ENV = 'STEP_TIME_INTRA_OP_THREADS'  # --intra-op-threads, handed to the TF children
+
+
 def configure_logical_cpus(n: int) -> None:
-  """Split the CPU into n logical devices; must run before TF initializes its devices."""
+  """Split the CPU into n logical devices; must run before TF initializes its devices.
+
+  With --intra-op-threads, TF's intra-op pool (shared by every logical device and by the
+  unpartitioned runs alike) gets that many threads: 8 partitions already keep both cores
+  busy with inter-op parallelism, and an op that also splits itself over the intra-op
+  pool oversubscribes them.
+  """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   tf.config.set_logical_device_configuration(
       tf.config.list_physical_devices('CPU')[0], [tf.config.LogicalDeviceConfiguration()] * n)
+  threads = os.environ.get(INTRA_OP_ENV)
+  if threads:
+    tf.config.threading.set_intra_op_parallelism_threads(int(threads))
 
 
 class ModelSpec:
@@ -632,6 +644,9 @@ def main(argv=None) -> int:
   parser.add_argument('--repeat', type=int, default=1,
                       help='run every child this many times, systems in turn; each step time is '
                            'the median over the runs of their medians')
+  parser.add_argument('--intra-op-threads', type=int, default=None,
+                      help="TF's intra-op threads in every TF child, partitioned and "
+                           'unpartitioned alike (default: TF picks, one per core)')
   parser.add_argument('--inputs', help=argparse.SUPPRESS)
   parser.add_argument('--child-model', help=argparse.SUPPRESS)
   parser.add_argument('--child-system', help=argparse.SUPPRESS)
@@ -644,6 +659,8 @@ def main(argv=None) -> int:
   if args.child_model:
     run_child(args)
     return 0
+  if args.intra_op_threads:
+    os.environ[INTRA_OP_ENV] = str(args.intra_op_threads)  # children inherit it
 
   letters = ['a'] if args.quick and args.models == 'a,b,c' else args.models.split(',')
   unknown = [m for m in letters if m not in MODELS]

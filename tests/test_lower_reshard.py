@@ -354,3 +354,23 @@ def test_sub_axis_steps_on_the_xla_backend():
                                                          ('permute', ())]
   assert program.records[0].groups.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
   assert sorted(map(tuple, program.records[1].groups.tolist())) == sorted(plan.steps[1].pairs)
+
+
+@pytest.mark.parametrize('shape, rolls', [((16, 16), 0), ((10, 13), 1)])
+def test_a_slice_rolls_only_where_a_window_is_clamped(shape, rolls):
+  # Replicated -> (x, y): each device keeps its window of rows. On an even split every
+  # window starts at its own rows, so no roll is emitted; on 10 rows over x=2 the windows
+  # still fit, but 13 columns over y=4 (chunk 4) clamp the last window, which is rolled.
+  from tf_gspmd.runtime import trace_per_partition  # pylint: disable=g-import-not-at-top
+  mesh = Mesh.create((2, 4), ('x', 'y'))
+  src, dst = NamedSharding(mesh, P(None, None)), NamedSharding(mesh, P('x', 'y'))
+
+  def per_partition(ctx, local):
+    stub = StubPartitioner(mesh, ctx.collectives)
+    return lower_reshard.reshard(stub, Local(local, src, shape), dst).tensor
+
+  program = trace_per_partition(mesh, per_partition, [tf.TensorSpec(shape, tf.float32)],
+                                autograph=False)
+  ops = collections.Counter(op.type for op in program.function.graph.get_operations())
+  assert ops['Roll'] == rolls, ops
+  assert not program.records  # a local slice: no collective

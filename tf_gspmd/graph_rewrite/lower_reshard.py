@@ -265,7 +265,10 @@ class _Lowering:
     if (rows == rows[0]).all():  # the same everywhere: a constant, no lookup
       return [int(v) for v in rows[0]]
     looked_up = self.backend.table(rows, name=name)
-    return [looked_up[i] for i in range(width)]
+    # A column equal on every partition stays a Python int, so what it drives (e.g. a
+    # slice's roll by 0 on an even split) is decided here instead of run on every call.
+    return [int(rows[0, i]) if (rows[:, i] == rows[0, i]).all() else looked_up[i]
+            for i in range(width)]
 
   def _positions(self, axes) -> Dict[int, int]:
     return {d: self.mesh.linear_index(d, axes) for d in self.mesh.devices}

@@ -299,6 +299,18 @@ class Slice:
     return f'slice dim={self.dim} axes={_fmt_axes(self.axes)}'
 
 
+def _gather_copy_elems(move, details) -> int:
+  """Elements an all-gather on a dim behind a non-trivial leading one moves again: the
+  gathered pieces arrive stacked in front and are transposed into place. Between plans
+  equal in bytes and steps this prefers gathering minor dims first, while the buffer is
+  small, so the last and largest gather lands in place."""
+  if move[0] != 'all_gather':
+    return 0
+  d = move[1]
+  shape_in, shape_out = details[2], details[3]
+  return _elems(shape_out) if _elems(shape_in[:d]) > 1 else 0
+
+
 def slice_window(index: int, chunk: int, rows: int) -> Tuple[int, int]:
   """(start, shift) for `Slice`: window [start, start+chunk) of `rows`, then roll up by shift."""
   want = index * chunk
@@ -1003,11 +1015,12 @@ class _Planner:
     return sorted(options)
 
   def search(self):
-    """Dijkstra over layouts; cost = (bytes received, non-valley steps, steps)."""
+    """Dijkstra over layouts; cost = (bytes received, non-valley steps, steps, elements
+    copied by all-gathers off the leading dim)."""
     start = self.start
-    best = {start: (0, 0, 0)}
+    best = {start: (0, 0, 0, 0)}
     parent = {start: None}
-    heap = [((0, 0, 0), 0, start)]
+    heap = [((0, 0, 0, 0), 0, start)]
     tie = itertools.count(1)
     while heap:
       cost, _, state = heapq.heappop(heap)
@@ -1023,7 +1036,8 @@ class _Planner:
         if peak > self.bound_elems:
           continue
         nonvalley = 1 if move[0] == 'slice' and state[2] != _PHASE_SLICE else 0
-        new_cost = (cost[0] + recv * self.dtype_size, cost[1] + nonvalley, cost[2] + 1)
+        new_cost = (cost[0] + recv * self.dtype_size, cost[1] + nonvalley, cost[2] + 1,
+                    cost[3] + _gather_copy_elems(move, effect[3]))
         if new_cost < best.get(new_state, (math.inf,)):
           best[new_state] = new_cost
           parent[new_state] = (state, move)
