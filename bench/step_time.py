@@ -182,6 +182,18 @@ class ModelSpec:
         lambda x: tg.shard(x, mesh, tg.P(*self.input_spec)))
     return models.keras_train_step(model, optimizer, annotate)
 
+  def partitioned_step(self, **partition_kwargs):
+    """(the Keras step on the model laid out and partitioned, a twin model, its optimizer):
+    both models start from the same weights; the twin is the unpartitioned reference."""
+    import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
+    mesh = self.tg_mesh()
+    model, optimizer = self.keras()
+    ref_model, ref_optimizer = self.keras()
+    if self.layout is not None:
+      self.layout(mesh).apply(model)
+    partitioned = tg.partition(self.train_step(model, optimizer, mesh), mesh, **partition_kwargs)
+    return partitioned, ref_model, ref_optimizer
+
   def tg_mesh(self):
     import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
     return tg.Mesh.create(self.mesh_shape, self.mesh_axes)
@@ -264,13 +276,7 @@ def dtensor_failure(error: Exception) -> str:
 def child_tf_gspmd(spec: ModelSpec, steps: int, warmup: int) -> dict:
   """The Keras step partitioned by tf_gspmd, beside the same step unpartitioned."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
-  mesh = spec.tg_mesh()
-  model, optimizer = spec.keras()
-  ref_model, ref_optimizer = spec.keras()
-  if spec.layout is not None:
-    spec.layout(mesh).apply(model)
-  partitioned = tg.partition(spec.train_step(model, optimizer, mesh), mesh)
+  partitioned, ref_model, ref_optimizer = spec.partitioned_step()
   reference = spec.train_step(ref_model, ref_optimizer)
   x, y = tf.constant(spec.x), tf.constant(spec.y)
   runs = measure({'unpartitioned': lambda: reference(x, y), 'tf_gspmd': lambda: partitioned(x, y)},
@@ -355,13 +361,7 @@ def child_dtensor(spec: ModelSpec, steps: int, warmup: int) -> dict:
 def child_xla_backend(spec: ModelSpec, steps: int, warmup: int) -> dict:
   """The Keras step partitioned with backend='xla', beside it unpartitioned under XLA."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
-  mesh = spec.tg_mesh()
-  model, optimizer = spec.keras()
-  ref_model, ref_optimizer = spec.keras()
-  if spec.layout is not None:
-    spec.layout(mesh).apply(model)
-  partitioned = tg.partition(spec.train_step(model, optimizer, mesh), mesh, backend='xla')
+  partitioned, ref_model, ref_optimizer = spec.partitioned_step(backend='xla')
   reference = tf.function(spec.train_step(ref_model, ref_optimizer).python_function,
                           jit_compile=True)
   x, y = tf.constant(spec.x), tf.constant(spec.y)

@@ -150,17 +150,15 @@ class Coalescer:
     if cached is not None and cached[0] is graph:
       return cached[1]
     outputs = {split_tensor_name(t)[0] for t in graph.outputs}
-    users: Dict[str, set] = {}
-    for n in graph.nodes:
-      for t in n.inputs:
-        users.setdefault(split_tensor_name(t)[0], set()).add(n.name)
+    users = {n.name: {c for t in n.outputs for c, _ in graph.consumers(t.name)}
+             for n in graph.nodes}
     no_output = set()  # no data path to a graph output
     for n in reversed(graph.nodes):
-      if n.name not in outputs and users.get(n.name, set()) <= no_output:
+      if n.name not in outputs and users[n.name] <= no_output:
         no_output.add(n.name)
     found = set()
     for n in reversed(graph.nodes):
-      if (n.name in no_output and users.get(n.name, set()) <= found and
+      if (n.name in no_output and users[n.name] <= found and
           all(_update_input(graph, t, no_output) for t in n.inputs)):
         found.add(n.name)
     result = frozenset(found)

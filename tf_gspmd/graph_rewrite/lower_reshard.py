@@ -262,13 +262,13 @@ class _Lowering:
     rows = np.zeros((self.num_partitions, width), np.int32)
     for pid, row in values.items():
       rows[pid] = row
-    if (rows == rows[0]).all():  # the same everywhere: a constant, no lookup
+    # A column equal on every partition is a Python int, no lookup: what it drives (e.g. a
+    # slice's roll by 0 on an even split) is decided here instead of run on every call.
+    constant = (rows == rows[0]).all(axis=0)
+    if constant.all():
       return [int(v) for v in rows[0]]
     looked_up = self.backend.table(rows, name=name)
-    # A column equal on every partition stays a Python int, so what it drives (e.g. a
-    # slice's roll by 0 on an even split) is decided here instead of run on every call.
-    return [int(rows[0, i]) if (rows[:, i] == rows[0, i]).all() else looked_up[i]
-            for i in range(width)]
+    return [int(rows[0, i]) if constant[i] else looked_up[i] for i in range(width)]
 
   def _positions(self, axes) -> Dict[int, int]:
     return {d: self.mesh.linear_index(d, axes) for d in self.mesh.devices}

@@ -155,17 +155,13 @@ class Partitioner:
         continue
       self._emit_node(graph, node, env, frame)
     if postponed:
-      self._resolve_all(graph, frame, f'{len(postponed)} update nodes postponed until the '
-                        'pending sums are resolved')
+      self._resolving(graph, 'pending', f'{len(postponed)} update nodes postponed until the '
+                      'pending sums are resolved', lambda: self._coalescer.flush(self, frame))
       for node in postponed:
         self._emit_node(graph, node, env, frame)
     if frame is not None:
-      self._current = OpRecord(graph.name, f'{graph.name}/outputs', 'outputs',
-                               'pending sums resolved at the end of the graph')
-      self._coalescer.pop(self, frame)
-      if self._current.collectives:
-        self.records.append(self._current)
-      self._current = None
+      self._resolving(graph, 'outputs', 'pending sums resolved at the end of the graph',
+                      lambda: self._coalescer.pop(self, frame))
     return [env[t] for t in graph.outputs]
 
   def _emit_node(self, graph: ir.Graph, node: ir.Node, env: Dict[str, Local], frame) -> None:
@@ -184,9 +180,11 @@ class Partitioner:
     for t, value in zip(node.outputs, outs):
       env[t.name] = value
 
-  def _resolve_all(self, graph: ir.Graph, frame, why: str) -> None:
-    self._current = OpRecord(graph.name, f'{graph.name}/pending', 'pending', why)
-    self._coalescer.flush(self, frame)
+  def _resolving(self, graph: ir.Graph, what: str, why: str, resolve: Callable[[], None]) -> None:
+    """Run `resolve` (pending sums resolved outside any node) under a record of its own,
+    kept if it emitted collectives."""
+    self._current = OpRecord(graph.name, f'{graph.name}/{what}', what, why)
+    resolve()
     if self._current.collectives:
       self.records.append(self._current)
     self._current = None
