@@ -448,7 +448,7 @@ def named_for_rank(sharding: Sharding, mesh: Mesh, rank: int,
   """
   if isinstance(sharding, NamedSharding) and sharding.mesh == mesh and sharding.rank == rank:
     return sharding
-  if sharding.is_replicated:
+  if sharding.is_replicated or _whole_on_the_only_device(sharding, mesh):
     return NamedSharding(mesh, P(*([None] * rank)))
   if sharding.rank is not None and sharding.rank != rank:
     return None
@@ -464,6 +464,15 @@ def named_for_rank(sharding: Sharding, mesh: Mesh, rank: int,
 
 
 # --- internals -----------------------------------------------------------------
+def _whole_on_the_only_device(sharding: Sharding, mesh: Mesh) -> bool:
+  """On a mesh of one device, a tiling into one piece (`{devices=[1,1]0}`, what Keras'
+  DataParallel writes on one device) or `{maximal device=0}` puts the whole tensor on every
+  device of the mesh: it means replicated there (on a larger mesh it means one device)."""
+  if mesh.size != 1 or sharding.is_manual or MANUAL in sharding.subgroups:
+    return False
+  return sharding.devices == tuple(mesh.devices)
+
+
 def _init_slots(obj, **values) -> None:
   """Set slots of an immutable value (construction and lazily filled caches only)."""
   for name, value in values.items():

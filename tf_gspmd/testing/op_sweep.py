@@ -56,9 +56,9 @@ import tensorflow as tf
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.sharding import NamedSharding, P
 from tf_gspmd.testing.op_builders import UNSWEPT, OpSpec, op_specs
+from tf_gspmd.testing.oracle import compare
 
 MESHES = {'1d': ((4,), ('x',)), '2d': ((2, 4), ('a', 'b'))}
-RTOL = 1e-5
 DEFAULT_BUDGET = 64  # operand-sharding combinations per program and mesh before subsetting
 _MESH_CACHE: Dict[str, Mesh] = {}
 
@@ -395,25 +395,6 @@ def _arguments(spec: OpSpec) -> list:
   return [o.value for o in spec.operands if _fed(o)]
 
 
-def compare(got: np.ndarray, want: np.ndarray, rtol: float = RTOL) -> Tuple[bool, float, str]:
-  """(equal enough, error, why not): floats within rtol of the largest magnitude, others exactly."""
-  if got.shape != want.shape:
-    return False, math.inf, f'shape {got.shape} != {want.shape}'
-  if got.dtype != want.dtype:
-    return False, math.inf, f'dtype {got.dtype} != {want.dtype}'
-  if want.dtype.kind in 'fc':
-    finite = np.isfinite(want)
-    same_special = np.array_equal(np.isnan(got), np.isnan(want)) and np.array_equal(
-        got[np.isinf(want)], want[np.isinf(want)])
-    scale = max(1.0, float(np.max(np.abs(want[finite])))) if finite.any() else 1.0
-    diff = np.abs(got[finite] - want[finite])
-    err = float(np.max(diff)) / scale if diff.size else 0.0
-    ok = same_special and np.all(np.isfinite(got[finite])) and err <= rtol
-    return bool(ok), err, '' if ok else f'max error {err:.3g} (scale {scale:.3g})'
-  bad = int(np.sum(got != want))
-  return bad == 0, float(bad), '' if bad == 0 else f'{bad} of {want.size} elements differ'
-
-
 def _error_text(error: BaseException, limit: int = 400) -> str:
   """The error itself, without TF's 'in user code' traceback."""
   text = str(error).strip()
@@ -433,10 +414,10 @@ class Sweep:
   """Runs cases; caches each program's unpartitioned reference result."""
 
   def __init__(self, specs: Optional[Sequence[OpSpec]] = None, timeout: float = 60.0,
-               rtol: float = RTOL):
+               max_error: Optional[float] = None):
     self.specs = {s.name: s for s in (specs if specs is not None else op_specs())}
     self.timeout = timeout
-    self.rtol = rtol
+    self.max_error = max_error  # None: the oracle's bound for each result's dtype
     self._references: Dict[str, Reference] = {}
 
   def reference(self, name: str) -> Reference:
@@ -510,7 +491,7 @@ class Sweep:
       if len(got) != len(want):
         errors.append(f'call {c + 1}: {len(got)} outputs, expected {len(want)}')
       for k, (a, b) in enumerate(zip(got, want)):
-        ok, err, why = compare(a, b, self.rtol)
+        ok, err, why = compare(a, b, self.max_error)
         worst = max(worst, err)
         if not ok:
           errors.append(f'call {c + 1} output {k}: {why}')
@@ -519,7 +500,7 @@ class Sweep:
       pf.sync_variables()
       finals = [v.numpy() for v in variables if v is not None]
       for k, (a, b) in enumerate(zip(finals, ref.variables)):
-        ok, err, why = compare(a, b, self.rtol)
+        ok, err, why = compare(a, b, self.max_error)
         worst = max(worst, err)
         if not ok:
           errors.append(f'variable {k}: {why}')
