@@ -17,6 +17,15 @@ def _configure_devices():
     pass  # already initialized (e.g. by a plugin); the assertion below checks the count
 
 
+def _configure_threads():
+  """TF_GSPMD_TEST_INTRA_OP_THREADS=1 runs every op's kernel on one thread: another code
+  path through TF's (and oneDNN's) kernels, on which the suite must hold too (.ci/run)."""
+  threads = os.environ.get('TF_GSPMD_TEST_INTRA_OP_THREADS')
+  if threads:
+    tf.config.threading.set_intra_op_parallelism_threads(int(threads))
+
+
 _configure_devices()
+_configure_threads()
 assert len(tf.config.list_logical_devices('CPU')) == NUM_DEVICES, (
     'tests need 8 logical CPU devices; TensorFlow was initialized before conftest ran')
