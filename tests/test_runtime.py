@@ -7,6 +7,7 @@ from tf_gspmd import Mesh, NamedSharding, P, Sharding
 from tf_gspmd.runtime import (ShardedValue, ShardedVariable, SpmdProgram, assemble, split,
                               trace_per_partition)
 from tf_gspmd.runtime.collectives import default_devices
+from tf_gspmd.testing import assert_close
 
 MESH = Mesh.create((2, 4), ('x', 'y'))
 DEVICES = default_devices(8)
@@ -58,10 +59,10 @@ def test_assemble_reduces_partial_shards():
   weights = {0: 0.25, 1: 0.75}
   shards = [tf.constant(shard_reference(value, plain, p) * weights[MESH.coords(p)['x']])
             for p in range(8)]
-  np.testing.assert_allclose(assemble(shards, sharding, (3, 10)).numpy(), value, rtol=1e-6)
+  assert_close(assemble(shards, sharding, (3, 10)), value, name='summed')
   maxed = NamedSharding(MESH, P(None, 'y'), partial=('x',), reduction='max')
-  np.testing.assert_allclose(assemble(shards, maxed, (3, 10)).numpy(),
-                             np.maximum(value * 0.25, value * 0.75), rtol=1e-6)
+  assert_close(assemble(shards, maxed, (3, 10)), np.maximum(value * 0.25, value * 0.75),
+               name='maxed')
 
 
 def test_split_refuses_partial_and_manual():
@@ -105,12 +106,12 @@ def test_sharded_variable_persists_assembles_and_scatters():
     factor[r0:r1, c0:c1] = p + 1
   total = program(var, delta)
   expected = init + factor
-  np.testing.assert_allclose(var.numpy(), expected, rtol=1e-6)
+  assert_close(var.numpy(), expected, name='w')
   # The padding stays zero (the split delta is zero-padded), so the local sums add up to the
   # global sum.
-  np.testing.assert_allclose(float(total), float(expected.sum()), rtol=1e-5)
+  assert_close(total, expected.sum(), name='total')
   program(var, delta)  # persists across calls
-  np.testing.assert_allclose(var.numpy(), init + 2 * factor, rtol=1e-6)
+  assert_close(var.numpy(), init + 2 * factor, name='w')
   var.scatter(np.zeros((7, 10), np.float32))
   np.testing.assert_array_equal(var.numpy(), np.zeros((7, 10)))
   with pytest.raises(ValueError, match='shape'):
@@ -133,18 +134,18 @@ def test_uneven_sharded_matmul_outputs_global_and_sharded():
 
   program = SpmdProgram(MESH, fn, [rows, None], [rows, None], out_shapes=[(13, 5), None])
   y, col_sums = program(x, w)
-  np.testing.assert_allclose(y.numpy(), x @ w, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(col_sums.numpy(), (x @ w).sum(0), rtol=1e-5, atol=1e-5)
+  assert_close(y, x @ w, name='y')
+  assert_close(col_sums, (x @ w).sum(0), name='col_sums')
   assert program.per_partition.records[0].kind == 'all_reduce'
 
   kept = SpmdProgram(MESH, fn, [rows, None], [rows, None], out_shapes=[(13, 5), None],
                      keep_sharded=[True, False])
   y_sharded, _ = kept(x, w)
   assert isinstance(y_sharded, ShardedValue) and y_sharded.sharding == rows
-  np.testing.assert_allclose(y_sharded.numpy(), x @ w, rtol=1e-5, atol=1e-6)
+  assert_close(y_sharded.numpy(), x @ w, name='y_sharded')
   # A sharded output feeds the next call without a round trip through the host.
   again, _ = kept(y_sharded, 2 * np.eye(5, dtype=np.float32))
-  np.testing.assert_allclose(again.numpy(), 2 * (x @ w), rtol=1e-5, atol=1e-6)
+  assert_close(again, 2 * (x @ w), name='again')
 
 
 def test_sharded_value_argument_and_program_cache():
@@ -157,11 +158,11 @@ def test_sharded_value_argument_and_program_cache():
 
   program = SpmdProgram(MESH, double, [rows], rows, out_shapes=[(9, 3)], keep_sharded=True)
   out = program(sv)
-  np.testing.assert_allclose(out.numpy(), 2 * value)
+  assert_close(out.numpy(), 2 * value, name='out')
   first = program.per_partition
   out2 = program(out)  # same local specs: no new per-partition trace
   assert program.per_partition is first
-  np.testing.assert_allclose(out2.numpy(), 4 * value)
+  assert_close(out2.numpy(), 4 * value, name='out2')
   with pytest.raises(ValueError, match='reshard'):
     SpmdProgram(MESH, double, [NamedSharding(MESH, P('x', None))])(sv)
 
@@ -219,9 +220,9 @@ def test_step_without_outputs_updates_variables_and_checkpoints(tmp_path):
 
   program = SpmdProgram(MESH, scale, [sharding])
   assert program(var) is None
-  np.testing.assert_allclose(var.numpy(), 3 * init, rtol=1e-6)
+  assert_close(var.numpy(), 3 * init, name='w')
   path = tf.train.Checkpoint(v=var).save(str(tmp_path / 'ckpt'))
   other = ShardedVariable(np.zeros((3, 11), np.float32), sharding, name='restored')
   tf.train.Checkpoint(v=other).restore(path).assert_consumed()
-  np.testing.assert_allclose(other.numpy(), 3 * init, rtol=1e-6)
+  assert_close(other.numpy(), 3 * init, name='restored')
   assert len(var.trainable_variables) == 8

@@ -26,8 +26,8 @@ from tf_gspmd.mesh import Mesh
 from tf_gspmd.partitioned import partition
 from tf_gspmd.runtime import ShardedValue, SpmdProgram
 from tf_gspmd.sharding import REPLICATED, NamedSharding, P, Sharding, named
+from tf_gspmd.testing import assert_close
 
-RTOL = 1e-5
 M8 = Mesh.create((8,), ('x',))
 M24 = Mesh.create((2, 4), ('x', 'y'))
 M222 = Mesh.create((2, 2, 2), ('x', 'y', 'z'))
@@ -217,12 +217,6 @@ def test_lowered_reshards_between_orders_are_exact(mesh):
 
 
 # --- partitioned functions on 8 logical CPUs --------------------------------------------------
-def assert_close(got, want):
-  got, want = np.asarray(got), np.asarray(want)
-  scale = max(1.0, float(np.max(np.abs(want))))
-  np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * scale)
-
-
 def kinds(pf):
   return sorted((r['kind'], r['axes']) for r in pf.collectives())
 
@@ -379,7 +373,7 @@ def test_variables_pin_the_mesh_order():
   assert pf.get_program(x).spmd.mesh == M24  # the variable keeps the mesh's order
   assert kinds(pf) == [('permute', ())]
   pf.sync_variables()
-  assert_close(w.numpy(), want / 2.0)
+  assert_close(w.numpy(), want / 2.0, name='w')
 
 
 def test_input_with_a_last_tile_dims_subgroup_in_another_order():
@@ -423,7 +417,7 @@ def test_a_variable_annotated_in_the_issue_order_is_stored_in_it():
   assert sharded.sharding.mesh == d24  # device 2 holds the tile (0, 1) the annotation gives it
   assert sharded.sharding.tile_index(2) == (0, 1)
   pf.sync_variables()
-  assert_close(w.numpy(), w_ref.numpy())
+  assert_close(w.numpy(), w_ref.numpy(), name='w')
   # The same step written in the mesh's order moves exactly the same.
   w2 = tf.Variable(randn(11, 8, 8))
   tg.shard_variable(w2, M24, P('x', 'y'))
@@ -476,9 +470,9 @@ def test_tile_2x4_on_a_1d_mesh_trains_like_unpartitioned():
   pf = partition(make(w), M8)
   step_ref = make(w_ref)
   for _ in range(2):
-    assert_close(pf(x), step_ref(x))
+    assert_close(pf(x), step_ref(x), name='loss')
   pf.sync_variables()
-  assert_close(w.numpy(), w_ref.numpy())
+  assert_close(w.numpy(), w_ref.numpy(), name='w')
   assert set(pf.get_program(x).mesh.axis_names) == {'x#0', 'x#1', 'x#2'}
 
 
