@@ -281,4 +281,11 @@ def _worst(got: np.ndarray, want: np.ndarray) -> str:
     diff = (got != want).astype(np.int8)
   index = np.unravel_index(int(np.argmax(diff)), want.shape)
   index = tuple(int(i) for i in index)
-  return f'at {index}: got {got[index]!r}, expected {want[index]!r}'
+  return f'at {index}: got {_scalar(got[index])}, expected {_scalar(want[index])}'
+
+
+def _scalar(value) -> str:
+  value = np.asarray(value)
+  if is_floating(value.dtype) and value.dtype.kind != 'c':
+    return f'{float(value):.7g}'
+  return str(value.item())
