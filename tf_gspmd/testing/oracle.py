@@ -130,7 +130,7 @@ def check(got, want, name: str = 'result', max_error: Optional[float] = None) ->
   if not is_floating(want.dtype):
     bad = int(np.sum(got != want))
     why = '' if bad == 0 else (f'{bad} of {want.size} elements differ (exact dtype '
-                               f'{want.dtype}), first at {_worst(got, want)}')
+                               f'{want.dtype}), first {_worst(got, want)}')
     return Verdict(name, bad == 0, float(bad), 0.0, why)
   error = relative_error(got, want)
   ok = error <= limit
