@@ -29,3 +29,30 @@ _configure_devices()
 _configure_threads()
 assert len(tf.config.list_logical_devices('CPU')) == NUM_DEVICES, (
     'tests need 8 logical CPU devices; TensorFlow was initialized before conftest ran')
+
+
+def _machine_lines():
+  """The CPU and TF's kernel choice, for the record: other CPUs take other code paths."""
+  model, flags = 'unknown CPU', []
+  try:
+    with open('/proc/cpuinfo') as info:
+      for line in info:
+        key, _, value = line.partition(':')
+        if key.strip() == 'model name' and model == 'unknown CPU':
+          model = value.strip()
+        elif key.strip() == 'flags':
+          flags = sorted(f for f in value.split() if f.startswith(('avx512', 'avx_vnni', 'amx')))
+          break
+  except OSError:
+    pass
+  threads = os.environ.get('TF_GSPMD_TEST_INTRA_OP_THREADS', 'default')
+  return [f'cpu: {model}; {" ".join(flags) or "no avx512"}',
+          f'TF_ENABLE_ONEDNN_OPTS={os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset (on)")}; '
+          f'intra-op threads: {threads}']
+
+
+def pytest_sessionstart(session):
+  reporter = session.config.pluginmanager.get_plugin('terminalreporter')
+  if reporter is not None:  # printed even under -q (CI's log says which code path ran)
+    for line in _machine_lines():
+      reporter.write_line(line)
