@@ -5,15 +5,7 @@ import tensorflow as tf
 
 import tf_gspmd as tg
 from tf_gspmd.partitioned import partition
-
-RTOL = 1e-5
-
-
-def assert_close(got, want, rtol=RTOL):
-  got, want = np.asarray(got), np.asarray(want)
-  scale = max(1.0, float(np.max(np.abs(want)))) if want.size else 1.0
-  assert got.shape == want.shape
-  np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * scale)
+from tf_gspmd.testing import assert_close
 
 
 def kinds(pf):
@@ -39,8 +31,8 @@ def test_megatron_mlp_on_2x4_mesh():
 
   x = randn(2, 10, 16)
   pf = partition(f, mesh)
-  for got, want in zip(pf(x), f(x)):
-    assert_close(got, want)
+  for name, got, want in zip(('loss', 'y'), pf(x), f(x)):
+    assert_close(got, want, name=name)
   # One all-reduce resolves the row-parallel matmul, one the batch sum: nothing else moves.
   assert kinds(pf) == [('all_reduce', ('data',)), ('all_reduce', ('model',))]
 
@@ -72,11 +64,10 @@ def test_data_parallel_training_step_uneven_batches(batch, devices):
   reference = _sgd_step(mesh, w_ref, b_ref)
   x = randn(2, batch, 16)
   y = np.random.RandomState(3).randint(0, 4, size=batch).astype(np.int32)
-  for _ in range(3):
-    assert_close(step(x, y), reference(x, y))
+  for k in range(3):
+    assert_close(step(x, y), reference(x, y), name=f'loss {k}')
   step.sync_variables()
-  assert_close(w.numpy(), w_ref.numpy())
-  assert_close(b.numpy(), b_ref.numpy())
+  assert_close({'w': w.numpy(), 'b': b.numpy()}, {'w': w_ref.numpy(), 'b': b_ref.numpy()})
   if batch >= devices:
     # The gradient all-reduces appear without being written; nothing is gathered.
     assert {k for k, _ in kinds(step)} == {'all_reduce'}
@@ -113,10 +104,9 @@ def test_training_loop_inside_one_function_keeps_collectives_in_the_loop():
   train = partition(_loop_training(mesh, *w, annotate=True), mesh)
   reference = _loop_training(mesh, *w_ref, annotate=False)
   x, y = randn(2, 10, 16), np.random.RandomState(3).randint(0, 4, 10).astype(np.int32)
-  assert_close(train(x, y, tf.constant(5)), reference(x, y, tf.constant(5)))
+  assert_close(train(x, y, tf.constant(5)), reference(x, y, tf.constant(5)), name='loss')
   train.sync_variables()
-  for a, b in zip(w, w_ref):
-    assert_close(a.numpy(), b.numpy())
+  assert_close([a.numpy() for a in w], [b.numpy() for b in w_ref], name='[w1, w2]')
   in_loop = [r for r in train.collectives() if r['graph'] != train.get_program(
       x, y, tf.constant(5)).program.main.name]
   # Three sums over 'data' (in one bucket) and one over 'model', all in the loop body.
@@ -135,7 +125,7 @@ def test_cond_branches_partitioned_alike():
   pf = partition(f, mesh)
   a = randn(5, 12, 3)
   for flag in (True, False):
-    assert_close(pf(a, tf.constant(flag)), f(a, tf.constant(flag)))
+    assert_close(pf(a, tf.constant(flag)), f(a, tf.constant(flag)), name=f'flag={flag}')
 
 
 def test_decorator_form_with_in_and_out_shardings():
@@ -166,4 +156,4 @@ def test_switch_case_branches_partitioned_alike():
   pf = partition(f, mesh)
   a = randn(1, 10, 3)  # 10 rows over 4: the max must not see padding
   for k in range(3):
-    assert_close(pf(a, tf.constant(k)), f(a, tf.constant(k)))
+    assert_close(pf(a, tf.constant(k)), f(a, tf.constant(k)), name=f'branch {k}')

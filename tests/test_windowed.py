@@ -1,7 +1,7 @@
 """Windowed ops (convolutions, pooling, their gradients) with split spatial dims.
 
 Each partitioned function is compared with the unpartitioned tf.function
-(float32 rel err <= 1e-5), and its collectives are checked: a halo exchange
+(by the oracle, tf_gspmd.testing), and its collectives are checked: a halo exchange
 moves rows with permutes and never gathers the image, also when a halo is
 wider than a neighbour's shard (it then comes from several neighbours, one
 permute per hop). The halo geometry itself (trimmed plans, multi-hop pieces,
@@ -19,16 +19,7 @@ from tf_gspmd.propagation.halo import WindowDim, plan_input_gradient, same_paddi
 from tf_gspmd.graph_rewrite.windowed import trim_plan
 from tf_gspmd.partitioned import partition
 from tf_gspmd.runtime import trace_per_partition
-
-RTOL = 1e-5
-
-
-def assert_close(got, want, rtol=RTOL):
-  got, want = np.asarray(got), np.asarray(want)
-  scale = max(1.0, float(np.max(np.abs(want)))) if want.size else 1.0
-  assert got.shape == want.shape
-  np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * scale)
-
+from tf_gspmd.testing import assert_close
 
 def randn(seed, *shape):
   return np.random.RandomState(seed).randn(*shape).astype(np.float32)
@@ -223,7 +214,7 @@ def test_forward_ops_exchange_halos(mesh_name, spec, shape):
   pf = partition(f, mesh)
   got = pf(x, w, dw)
   for name, a, b in zip(FORWARD, got, f(x, w, dw)):
-    assert_close(a, b)
+    assert_close(a, b, name=name)
   for name in FORWARD:
     records = records_of(pf, name)
     # Gathers of the image (not of a result propagation wants unsplit): never, also when
@@ -326,8 +317,9 @@ def test_gradients_exchange_halos_both_ways(mesh_name, spec, shape):
     return [loss] + tape.gradient(loss, [x, w1, dw, w2])
 
   pf = partition(step, mesh)
-  for a, b in zip(pf(x, w1, dw, w2), step(x, w1, dw, w2)):
-    assert_close(a, b)
+  for name, a, b in zip(('loss', 'dx', 'dw1', 'ddw', 'dw2'), pf(x, w1, dw, w2),
+                        step(x, w1, dw, w2)):
+    assert_close(a, b, name=name)
   by_type = {}
   for r in pf.collectives():
     by_type.setdefault(r['op_type'], []).append(r)
@@ -356,7 +348,7 @@ def test_pool_gradient_with_batch_and_channel_splits_stays_local(spec):
 
   img = np.random.RandomState(0).randn(4, 8, 6, 4).astype(np.float32)
   pf = tg.partition(f, mesh)
-  np.testing.assert_allclose(pf(img).numpy(), f(img).numpy(), rtol=1e-5, atol=1e-5)
+  assert_close(pf(img), f(img), name='d_img')
   pool = [r for r in pf.op_records() if r.op in ('AvgPool', 'AvgPoolGrad')]
   assert pool and not any(r.collectives for r in pool)
 
@@ -398,8 +390,8 @@ def test_multi_hop_halos_forward_and_gradients_use_only_permutes(mesh_name, axes
     return [loss] + tape.gradient(loss, [x, w1, w2])
 
   pf = partition(step, mesh)
-  for a, b in zip(pf(x, w1, w2), step(x, w1, w2)):
-    assert_close(a, b)
+  for name, a, b in zip(('loss', 'dx', 'dw1', 'dw2'), pf(x, w1, w2), step(x, w1, w2)):
+    assert_close(a, b, name=name)
   records = [r for r in pf.collectives() if r['op_type'] in WINDOWED_TYPES]
   operand_gathers = [r for r in records
                      if r['kind'] == 'all_gather' and not r['why'].startswith('result')]
@@ -451,8 +443,8 @@ def test_image_gradients_compute_only_the_own_rows(mesh_name, spec, shape, k, s,
     return loss, tape.gradient(loss, x)
 
   pf = partition(step, mesh)
-  for got, want in zip(pf(x, w, dw), step(x, w, dw)):
-    assert_close(got, want)
+  for name, got, want in zip(('loss', 'dx'), pf(x, w, dw), step(x, w, dw)):
+    assert_close(got, want, name=name)
   plans = _spatial_plans(shape, mesh, spec, k, s, pad)
   for op in ('Conv2DBackpropInput', 'DepthwiseConv2dNativeBackpropInput'):
     records = [r for r in pf.collectives() if r['op_type'] == op]
