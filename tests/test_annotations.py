@@ -10,6 +10,7 @@ from tensorflow.python.eager import context
 
 import tf_gspmd as tg
 from tf_gspmd import Mesh, NamedSharding, P, Sharding, get_sharding
+from tf_gspmd.testing import assert_close
 
 MESH = Mesh.create((2, 4), ('data', 'model'))
 DEVICE_MESH = np.arange(8).reshape(2, 4)
@@ -140,7 +141,7 @@ def test_gradient_carries_the_sharding():
     assert shardings == [NamedSharding(MESH, P('data', None))] * 2  # forward and its gradient
     return grad
   x = np.arange(48, dtype=np.float32).reshape(8, 6)
-  np.testing.assert_allclose(f(x).numpy(), 2 * x, rtol=1e-6)
+  assert_close(f(x), 2 * x, name='grad')
 
 
 def test_uneven_and_too_small_dims_are_accepted():
@@ -231,7 +232,7 @@ def test_shard_variable_is_found_from_reads_in_graphs():
     return inner(x) + tf.reduce_sum(read)
 
   x = np.ones([3, 8], np.float32)
-  np.testing.assert_allclose(outer(x).numpy(), np.full([3, 4], 8.0 + 32.0))
+  assert_close(outer(x), np.full([3, 4], 8.0 + 32.0, np.float32), name='outer')
 
 
 def test_resource_variables_under_tf_xla_sharding_flag():
@@ -286,8 +287,8 @@ def test_keras_layer_annotations():
     assert [get_sharding(t, MESH).spec for t in kernel_reads] == [P(None, 'model')]
     return y
 
-  np.testing.assert_allclose(forward(x).numpy(), eager, rtol=1e-5)
-  np.testing.assert_allclose(eager, x @ layer.kernel.numpy(), rtol=1e-5)
+  assert_close(forward(x), eager, name='traced')
+  assert_close(eager, x @ layer.kernel.numpy(), name='eager')
 
 
 def test_keras_functional_model_traces_annotations():

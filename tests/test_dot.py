@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tf_gspmd as tg
+from tf_gspmd.testing import assert_close
 
 MESH3 = tg.Mesh.create((2, 2, 2), ('x', 'y', 'z'))
 
@@ -20,8 +21,7 @@ def run(eq, shapes, specs, mesh=MESH3, out_spec=None):
   rng = np.random.RandomState(0)
   a, b = (rng.randn(*s).astype(np.float32) for s in shapes)
   pf = tg.partition(f, mesh)
-  got, want = pf(a, b).numpy(), f(a, b).numpy()
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  assert_close(pf(a, b), f(a, b), name=eq)
   # The dot's own collectives, and its pending sum when resolved at the function's end.
   dot = [r for r in pf.op_records() if r.op == 'Einsum' or r.op.startswith('BatchMatMul')
          or r.op in ('MatMul', 'outputs')]

@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 import tf_gspmd as tg
+from tf_gspmd.testing import assert_close
 
 MESH = tg.Mesh.create((4, 2), ('stage', 'data'))
 
@@ -28,9 +29,7 @@ def counts(pf):
 
 def run(fn, *args):
   pf = tg.partition(fn, MESH)
-  got, want = pf(*args), fn(*args)
-  for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
-    np.testing.assert_allclose(np.asarray(g), w.numpy(), rtol=1e-5, atol=1e-6)
+  assert_close(pf(*args), fn(*args), name='rolled')
   return counts(pf)
 
 
@@ -83,10 +82,10 @@ def test_gradient_of_a_roll_is_the_roll_back():
   x = randn(4, 8, 6)
   pf = tg.partition(make(w), MESH)
   ref = make(w_ref)
-  for _ in range(2):
-    np.testing.assert_allclose(float(pf(x)), float(ref(x)), rtol=1e-5)
+  for k in range(2):
+    assert_close(pf(x), ref(x), name=f'loss {k}')
   pf.sync_variables()
-  np.testing.assert_allclose(w.numpy(), w_ref.numpy(), rtol=1e-5, atol=1e-6)
+  assert_close(w.numpy(), w_ref.numpy(), name='w')
   whys = [c['why'] for c in pf.collectives() if c['kind'] == 'permute']
   assert len(whys) == 2 and any('by 2' in w for w in whys) and any('by -2' in w for w in whys)
 
