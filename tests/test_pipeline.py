@@ -37,7 +37,8 @@ def adam_step(variables, grads, moments, t, lr=0.05):
 def build(stage_fn, params, mesh, microbatches, piped, batch_spec):
   names = sorted(params)
   variables = [tf.Variable(params[n], name=n) for n in names]
-  moments = [(tf.Variable(tf.zeros_like(v)), tf.Variable(tf.zeros_like(v))) for v in variables]
+  moments = [(tf.Variable(tf.zeros_like(v), name=f'{n}_m'),
+              tf.Variable(tf.zeros_like(v), name=f'{n}_s')) for n, v in zip(names, variables)]
   stages = params[names[0]].shape[0]
 
   @tf.function
