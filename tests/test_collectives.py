@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from tf_gspmd import Mesh
 from tf_gspmd.runtime import CollectiveError, SpmdProgram
+from tf_gspmd.testing import assert_close, check
 
 N = 8
 LOCAL = (5, 6)  # odd sizes: every split over 2, 4 or 8 is uneven
@@ -52,7 +53,8 @@ def pad_to(a, dim, size):
 
 def ref_all_reduce(table, mesh, axes, op, p):
   g, _ = group_and_position(mesh, axes, p)
-  return _NP_REDUCE[op](np.stack([table[m] for m in g]), axis=0)
+  # In the operand's dtype, as the collective returns it (numpy sums int32 in int64).
+  return _NP_REDUCE[op](np.stack([table[m] for m in g]), axis=0).astype(table.dtype)
 
 
 def ref_all_gather(table, mesh, axes, dim, size, p):
@@ -178,15 +180,9 @@ def test_every_collective_matches_numpy(mesh_results):
   failures = []
   for name, (_, reference) in cases.items():
     for p in range(mesh.size):
-      want, got = reference(p), results[name][p]
-      if want.shape != got.shape:
-        failures.append(f'{name} partition {p}: shape {got.shape} != {want.shape}')
-      elif want.dtype.kind == 'f':
-        err = np.max(np.abs(got - want) / np.maximum(np.abs(want), 1e-30))
-        if err > 1e-5:
-          failures.append(f'{name} partition {p}: relative error {err}')
-      elif not np.array_equal(got, want):
-        failures.append(f'{name} partition {p}: {got} != {want}')
+      verdict = check(results[name][p], reference(p), f'{name} partition {p}')
+      if not verdict.ok:
+        failures.append(str(verdict))
   assert not failures, '\n'.join(failures[:20])
 
 
@@ -279,8 +275,7 @@ def test_while_loop_with_collectives_inside():
   for _ in range(steps):
     acc = [ref_all_reduce(np.stack(acc), mesh, ('y',), 'sum', p) * 0.25 +
            ref_shift(np.stack(acc), mesh, 'x', 1, True, p) for p in range(8)]
-  for p in range(8):
-    np.testing.assert_allclose(out.shards[p].numpy(), acc[p], rtol=1e-5)
+  assert_close(list(out.shards), acc, 'partitions')
 
 
 def test_repeated_calls_do_not_leak_threads():

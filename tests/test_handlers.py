@@ -6,6 +6,7 @@ import tensorflow as tf
 import tf_gspmd as tg
 from tf_gspmd.propagation.ops_shape import reshape_factors
 from tf_gspmd.propagation.rule_builders import Namer, make_rule
+from tf_gspmd.testing import assert_close
 
 MESH = tg.Mesh.create((2, 4), ('data', 'model'))
 
@@ -73,10 +74,9 @@ def test_variable_row_scatters_touch_only_the_rows_a_partition_holds(op, spec):
     return f
 
   pf = tg.partition(scatter(v), mesh)
-  np.testing.assert_allclose(pf(indices, updates).numpy(), scatter(v_ref)(indices, updates).numpy(),
-                             rtol=1e-6)
+  assert_close(pf(indices, updates), scatter(v_ref)(indices, updates), f'{op} result')
   pf.sync_variables()
-  np.testing.assert_allclose(v.numpy(), v_ref.numpy(), rtol=1e-6)
+  assert_close(v, v_ref, f'{op} variable')
 
 
 def test_fused_update_with_a_slot_sharded_unlike_its_variable_is_a_clear_error():

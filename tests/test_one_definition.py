@@ -22,6 +22,7 @@ import tensorflow as tf
 import tf_gspmd as tg
 from tf_gspmd.graph_rewrite import dispatch, handlers
 from tf_gspmd.propagation import registry
+from tf_gspmd.testing import assert_close, assert_close_to_float64
 
 MESH = tg.Mesh.create((2, 4), ('a', 'b'))
 
@@ -152,6 +153,17 @@ def _bn_grad(dy, x, scale, offset):
                                          epsilon=1e-3, is_training=True)[:3]
 
 
+def _bn_grad_float64(dy, x, scale, offset):
+  """`_bn_grad` in float64 (numpy: FusedBatchNormGradV3 has no float64 kernel)."""
+  del offset
+  dy, x, scale = (np.asarray(a, np.float64) for a in (dy, x, scale))
+  axes = (0, 1, 2)
+  inv = 1 / np.sqrt(x.var(axes) + 1e-3)
+  x_hat = (x - x.mean(axes)) * inv
+  dx = scale * inv * (dy - dy.mean(axes) - x_hat * (dy * x_hat).mean(axes))
+  return [dx, (dy * x_hat).sum(axes), dy.sum(axes)]
+
+
 def _depthwise_grads(x, w, dy):
   sizes = dict(strides=[1, 1, 1, 1], padding='SAME')
   return (tf.raw_ops.DepthwiseConv2dNativeBackpropInput(input_sizes=tf.shape(x), filter=w,
@@ -186,6 +198,14 @@ AGREEMENT_CASES = [
 ]
 
 
+# Cases where float32 is ill-conditioned, compared by the oracle's float64 rule. The batch norm
+# gradient is fed y_backprop = x: dx = scale/sigma * (dy - mean(dy) - x_hat * mean(dy x_hat))
+# then cancels to scale * x_hat * eps / (var + eps), ~1e-3 of its terms. Measured, dx: two
+# correct float32 runs 2.2e-4 (oneDNN on) / 2.9e-4 (off) apart, normwise; partitioned 1.4e-4
+# and unpartitioned 1.1e-4 / 2.1e-4 from float64.
+FLOAT64_REFERENCES = {'batch_norm_grad': _bn_grad_float64}
+
+
 @pytest.mark.parametrize('name,fn,args,specs', AGREEMENT_CASES,
                          ids=[c[0] for c in AGREEMENT_CASES])
 def test_hand_written_handlers_use_the_layouts_of_the_rule(name, fn, args, specs):
@@ -194,8 +214,11 @@ def test_hand_written_handlers_use_the_layouts_of_the_rule(name, fn, args, specs
   with recording_layouts() as seen:
     pf = tg.partition(program, MESH)
     got = pf(*args)
-  for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
-    np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-5)
+  if name in FLOAT64_REFERENCES:
+    exact = FLOAT64_REFERENCES[name](*args)
+    assert_close_to_float64(tf.nest.flatten(got), tf.nest.flatten(want), exact, name)
+  else:
+    assert_close(tf.nest.flatten(got), tf.nest.flatten(want), name)
   checked = [s for s in seen if registry.lookup(s[2].op) is not None and
              registry.lookup(s[2].op).rule is not None]
   assert checked, f'{name}: no hand-written handler of a rule-carrying op ran'
@@ -254,9 +277,7 @@ def test_depthwise_with_multiplier_and_its_gradients(specs_in, filter_spec, out_
   want = _depthwise_step((None, None))(x, w, dy)
   pf = tg.partition(_depthwise_step((specs_in, filter_spec), out_spec), MESH)
   got = pf(x, w, dy)
-  for g, r in zip(got, want):
-    err = np.max(np.abs(g.numpy() - r.numpy())) / max(1.0, np.max(np.abs(r.numpy())))
-    assert err <= 1e-5, err
+  assert_close(list(got), list(want), 'y, dx, dw')
   records = [r for r in pf.op_records() if r.op.startswith('DepthwiseConv2dNative')]
   assert {r.op for r in records} == {'DepthwiseConv2dNative', 'DepthwiseConv2dNativeBackpropInput',
                                      'DepthwiseConv2dNativeBackpropFilter'}

@@ -13,12 +13,13 @@ import pytest
 import tensorflow as tf
 
 import tf_gspmd as tg
+from tf_gspmd.testing import assert_close
 
 pytest.importorskip('jax')
 from tf_gspmd.xla_bridge import xla_partitioner  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_models import RTOL, _mlp, _mlp_batches, _step, max_relative_error  # noqa: E402
+from test_models import _mlp, _mlp_batches, _step  # noqa: E402
 
 MESH_SHAPE, AXES = (2, 4), ('data', 'model')
 
@@ -60,16 +61,16 @@ def test_mlp_2d_mesh_values_and_collectives():
   assert layouts['hidden_0/kernel:0'].spec == tg.P(None, 'model')
   assert layouts['hidden_1/kernel:0'].spec == tg.P('model', None)
 
-  for x, y in batches:
-    want = float(reference(x, y))
-    assert abs(float(ours(x, y)) - want) <= RTOL * max(1.0, abs(want))
-    assert abs(float(theirs(x, y)) - want) <= RTOL * max(1.0, abs(want))
-    assert abs(float(ours_xla(x, y)) - want) <= RTOL * max(1.0, abs(want))
+  for i, (x, y) in enumerate(batches):
+    want = reference(x, y)
+    assert_close(ours(x, y), want, f'step {i + 1} loss, tf_gspmd')
+    assert_close(np.asarray(theirs(x, y)), want, f"step {i + 1} loss, XLA's partitioner")
+    assert_close(np.asarray(ours_xla(x, y)), want, f'step {i + 1} loss, tf_gspmd via XLA')
   xla_values = theirs.read_variables()
   ours.sync_variables()
-  want = [v.numpy() for v in ref_model.variables]
-  assert max_relative_error([v.numpy() for v in model.variables], want) <= RTOL
-  assert max_relative_error([xla_values[v.value.name] for v in model.variables], want) <= RTOL
+  assert_close(list(model.variables), list(ref_model.variables), 'tf_gspmd')
+  assert_close([np.asarray(xla_values[v.value.name]) for v in model.variables],
+               list(ref_model.variables), "XLA's partitioner")
 
   # Collective kinds: both sum the 'model' partial products (groups of 4) and the 'data'
   # gradients (groups of 2) with all-reduces.
