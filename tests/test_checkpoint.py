@@ -23,11 +23,11 @@ import tensorflow as tf
 
 import tf_gspmd as tg
 from tf_gspmd import checkpoint as ckpt
+from tf_gspmd.testing import assert_close
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_models import _mlp_batches, _step, max_relative_error  # noqa: E402
+from test_models import _mlp_batches, _step  # noqa: E402
 
-RTOL = 1e-5
 SAVED_AFTER = 3   # steps trained before the save
 HIDDEN = 30
 
@@ -78,15 +78,15 @@ def saved(tmp_path_factory):
   ref_model, ref_optimizer = _mlp(0, hidden=HIDDEN)
   reference = _step(ref_model, ref_optimizer)
   batches = _mlp_batches(8)
-  for x, y in batches[:SAVED_AFTER]:
-    assert abs(float(step(x, y)) - float(reference(x, y))) <= RTOL
+  for i, (x, y) in enumerate(batches[:SAVED_AFTER]):
+    assert_close(step(x, y), reference(x, y), f'loss of step {i + 1}')
   record = tg.save_checkpoint(step, directory)
   step.sync_variables()
   variables = list(model.variables) + list(optimizer.variables)
   at_save = _values(variables)
   ref_at_save = _values(list(ref_model.variables) + list(ref_optimizer.variables))
   # The uninterrupted unpartitioned run: two more steps.
-  losses = [float(reference(x, y)) for x, y in batches[SAVED_AFTER:]]
+  losses = [reference(x, y).numpy() for x, y in batches[SAVED_AFTER:]]
   return dict(directory=directory, record=record, step=step, at_save=at_save,
               ref_at_save=ref_at_save, batches=batches, ref_losses=losses,
               ref_after=_values(list(ref_model.variables) + list(ref_optimizer.variables)))
@@ -94,16 +94,13 @@ def saved(tmp_path_factory):
 
 def _continue(step, saved):
   """Train the restored step like the uninterrupted reference; losses equal."""
-  for (x, y), want in zip(saved['batches'][SAVED_AFTER:], saved['ref_losses']):
-    got = float(step(x, y))
-    assert abs(got - want) <= RTOL * max(1.0, abs(want)), (got, want)
+  for i, ((x, y), want) in enumerate(zip(saved['batches'][SAVED_AFTER:], saved['ref_losses'])):
+    assert_close(step(x, y), want, f'loss of step {SAVED_AFTER + i + 1}')
 
 
 def _check_after(variables, saved):
-  got = _values(variables)
-  assert set(got) == set(saved['ref_after'])
-  names = sorted(got)
-  assert max_relative_error([got[n] for n in names], [saved['ref_after'][n] for n in names]) <= RTOL
+  """Every variable (weights, Adam slots, iterations) equals the uninterrupted run's."""
+  assert_close(_values(variables), saved['ref_after'], 'after restore and training')
 
 
 def _check_restored_bitwise(pairs, saved):
@@ -129,10 +126,8 @@ def test_checkpoint_holds_each_variable_as_its_global_value(saved):
   assert set(shapes) == set(saved['at_save'])  # keras paths: weights, Adam slots, iterations
   for name, value in saved['at_save'].items():
     assert np.array_equal(reader.get_tensor(name), value), name
-  names = sorted(saved['at_save'])
   # ... and they are the unpartitioned run's values after the same 3 steps.
-  assert max_relative_error([saved['at_save'][n] for n in names],
-                            [saved['ref_at_save'][n] for n in names]) <= RTOL
+  assert_close(saved['at_save'], saved['ref_at_save'], 'at save')
   assert tf.train.latest_checkpoint(saved['directory']) == saved['record'].prefix
 
 
@@ -284,7 +279,7 @@ def test_empty_shards_integers_and_duplicate_names(tmp_path):
   for (original, sharded), want in zip(again.variable_pairs(), [w.numpy(), v.numpy()]):
     assert np.array_equal(sharded.numpy(), want) and np.array_equal(original.numpy(), want)
   x = np.arange(12, dtype=np.float32).reshape(4, 3)
-  assert float(again(x)) == float(step(x))
+  assert_close(again(x), step(x), 'restored on (2, 4) vs saved on (4,)')
 
 
 KILLED_SAVE = textwrap.dedent('''
@@ -380,8 +375,8 @@ def test_readme_checkpoint_example_runs(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   prefix_line, losses = result.stdout.splitlines()
   assert prefix_line.split()[0].endswith('ckpt-1')
-  got, want = (float(v) for v in losses.split())
-  assert abs(got - want) <= RTOL * max(1.0, abs(want))
+  got, want = (np.float32(v) for v in losses.split())  # float32 losses, printed as floats
+  assert_close(got, want, 'README example loss after restore')
 
 
 def test_xla_backend_saves_and_restores_device_buffers(tmp_path):
@@ -419,7 +414,7 @@ def test_xla_backend_saves_and_restores_device_buffers(tmp_path):
   for original, sharded in xla.variable_pairs():
     assert np.array_equal(sharded.numpy(), reader.get_tensor(original.name[:-2]))
   # The originals were restored too: both go on alike (sums in another order: not bitwise).
-  assert abs(float(xla(x)) - float(step(x))) <= 1e-6 * abs(float(step(x)))
+  assert_close(xla(x), step(x), 'xla backend after restore vs unpartitioned')
 
 
 def test_keras_fit_model_saves_its_shards_and_restores_on_another_mesh(tmp_path):

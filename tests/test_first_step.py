@@ -19,21 +19,14 @@ import tf_gspmd as tg
 from tf_gspmd.graph.capture import capture
 from tf_gspmd.propagation.api import propagate_captured
 from tf_gspmd.runtime import launcher
+from tf_gspmd.testing import assert_close
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'bench'))
 import first_step  # noqa: E402  pylint: disable=g-import-not-at-top
 
-RTOL = 1e-5
-
 
 def randn(seed, *shape):
   return np.random.RandomState(seed).randn(*shape).astype(np.float32)
-
-
-def assert_close(got, want):
-  got, want = np.asarray(got), np.asarray(want)
-  scale = max(1.0, float(np.max(np.abs(want))))
-  np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * scale)
 
 
 def mlp_step(layers: int, mesh=None, width: int = 8, seed: int = 0):
@@ -117,11 +110,10 @@ def test_a_call_builds_no_specs_and_passes_no_variables(monkeypatch):
   pf = tg.partition(step, mesh)
   for i in range(3):
     x = randn(10 + i, 16, 8)
-    assert_close(pf(x), reference(x))
+    assert_close(pf(x), reference(x), f'loss of call {i}')
   assert len(built) == 1, built  # described once, for the first call
   pf.sync_variables()
-  for got, want in zip(variables, ref_variables):
-    assert_close(got.numpy(), want.numpy())
+  assert_close(variables, ref_variables, 'variables')
   # The launch function captured the 6 sharded variables (x 8 devices): a call passes
   # only the tokens and the batch.
   spmd = pf.get_program(randn(0, 16, 8)).spmd
@@ -144,7 +136,7 @@ def test_per_partition_calls_run_only_the_remapper_and_the_launch_no_grappler():
   pf = tg.partition(step, mesh)
   before = context.context().function_call_options
   x = randn(4, 16, 8)
-  assert_close(pf(x), reference(x))
+  assert_close(pf(x), reference(x), 'loss')
   assert context.context().function_call_options is before  # the caller's options restored
   spmd = pf.get_program(x).spmd
   (outer, _), = spmd._outer.values()  # pylint: disable=protected-access
@@ -182,9 +174,9 @@ def test_keras_step_is_traced_once_and_trains_like_keras():
     traced.append(1)
     return train_step(data)
   model.train_step = counting
-  got = [float(model.train_on_batch(x, y)) for _ in range(2)]
-  want = [float(reference.train_on_batch(x, y)) for _ in range(2)]
+  # Keras returns the float32 loss as a Python float: back to float32.
+  got = np.float32([model.train_on_batch(x, y) for _ in range(2)])
+  want = np.float32([reference.train_on_batch(x, y) for _ in range(2)])
   assert len(traced) == 1, f'the step was traced {len(traced)} times'
-  assert_close(got, want)
-  for a, b in zip(model.get_weights(), reference.get_weights()):
-    assert_close(a, b)
+  assert_close(got, want, 'losses')
+  assert_close(model.get_weights(), reference.get_weights(), 'weights')
