@@ -7,7 +7,8 @@ shape-carrying ops of `graph_rewrite/shape_ops.py` once more per mesh plus
 every program of theirs. `bench/op_sweep.py --sample N` runs N per program.
 Each case partitions the op with annotated operands, runs it twice on the
 logical devices and compares both calls with two calls of the unpartitioned
-function (float32 within 1e-5 relative, integers exactly), and checks that
+function by the oracle (`tf_gspmd.testing.oracle`: per result, the normwise
+relative error within its dtype's bound; integers exactly), and checks that
 a pass-through op with operands sharded alike emits no collectives.
 
 A failure is excused only by a known issue's error signature (exception type
@@ -29,6 +30,7 @@ as a test with TF_GSPMD_FULL_SWEEP=1 (marked `sweep`).
 import os
 import re
 
+import ml_dtypes
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -36,7 +38,7 @@ import tensorflow as tf
 from tf_gspmd.graph_rewrite import shape_ops
 from tf_gspmd.propagation import registry
 from tf_gspmd.sharding import P
-from tf_gspmd.testing import op_builders, op_sweep
+from tf_gspmd.testing import op_builders, op_sweep, oracle
 
 FULL_SWEEP = os.environ.get('TF_GSPMD_FULL_SWEEP') == '1'
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,13 +93,50 @@ def test_enumerate_cases_covers_products_within_budget_and_each_operand_beyond()
 
 
 def test_compare_tolerates_rounding_but_not_errors():
-  want = np.array([1.0, -300.0, np.nan, np.inf], np.float32)
-  ok, err, _ = op_sweep.compare(want + np.float32(1e-3), want)
-  assert ok and err < 1e-5  # scaled by the largest magnitude
-  assert not op_sweep.compare(want * np.float32(1.01), want)[0]
-  assert not op_sweep.compare(np.array([1.0, -300.0, 0.0, np.inf], np.float32), want)[0]
+  """The sweep compares through the oracle: normwise per result, not element by element."""
+  assert op_sweep.compare is oracle.compare
+  rng = np.random.RandomState(0)
+  want = rng.randn(16, 8).astype(np.float32)
+  want[3, 1] = np.float32(2e-6)
+  # Rounding of a sum in another order: every element a few ulps off.
+  ok, err, why = op_sweep.compare(want * np.float32(1 + 2 ** -21), want)
+  assert ok and 0 < err < oracle.bound(np.float32) and why == ''
+  # One element near zero off by 5x its own size: element-wise rtol would fail; the tensor
+  # agrees to 1e-7 and passes.
+  near_zero = want.copy()
+  near_zero[3, 1] = np.float32(1.2e-5)
+  ok, err, _ = op_sweep.compare(near_zero, want)
+  assert ok and not np.allclose(near_zero, want, rtol=1e-5, atol=0)
+  assert err == pytest.approx(1e-5 / np.linalg.norm(want.astype(np.float64)), rel=1e-3)
+  # Relative, not absolute: a small-valued result 1% off fails (the former rule divided by
+  # max(1, largest magnitude) and let it through: 1e-2 x 1e-4 < 1e-5).
+  small = want * np.float32(1e-4)
+  ok, err, why = op_sweep.compare(small * np.float32(1.01), small)
+  assert not ok and err == pytest.approx(1e-2, rel=1e-3) and 'bound 1e-05' in why
+  # Wrong blocks (a sum missing a shard, two shards swapped) fail by orders of magnitude.
+  halved = want.copy()
+  halved[8:] *= 0.5
+  swapped = np.concatenate([want[8:], want[:8]])
+  for wrong in (halved, swapped):
+    ok, err, _ = op_sweep.compare(wrong, want)
+    assert not ok and err > 1e3 * oracle.bound(np.float32)
+  # NaN and inf must match; the norms run over the rest.
+  special = np.array([1.0, -300.0, np.nan, np.inf], np.float32)
+  assert op_sweep.compare(special + np.float32(1e-3), special)[0]
+  assert not op_sweep.compare(np.array([1.0, -300.0, 0.0, np.inf], np.float32), special)[0]
+  assert not op_sweep.compare(np.array([1.0, -300.0, np.nan, -np.inf], np.float32), special)[0]
+  # Integers and booleans exactly; shapes and dtypes equal.
   assert not op_sweep.compare(np.array([1, 2], np.int32), np.array([1, 3], np.int32))[0]
+  assert not op_sweep.compare(np.array([True, False]), np.array([True, True]))[0]
   assert not op_sweep.compare(np.zeros((2, 1), np.float32), np.zeros((2,), np.float32))[0]
+  assert not op_sweep.compare(want.astype(np.float64), want)[0]
+  # 16-bit floats against their own bound (4 eps): one rounding of a slightly different sum
+  # passes, 10% off does not.
+  bf16 = want.astype(ml_dtypes.bfloat16)
+  assert op_sweep.compare((want * np.float32(1 + 2 ** -9)).astype(ml_dtypes.bfloat16), bf16)[0]
+  assert not op_sweep.compare((want * np.float32(1.1)).astype(ml_dtypes.bfloat16), bf16)[0]
+  # An explicit max_error (Sweep(max_error=...)) replaces the dtype's bound.
+  assert op_sweep.compare(small * np.float32(1.01), small, max_error=2e-2)[0]
 
 
 # --- slice plans (pure geometry, checked against TensorFlow) ------------------------------------

@@ -11,7 +11,6 @@ import collections
 import os
 import sys
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -61,25 +60,6 @@ def train_three(make, mesh, batches, exact=None):
     assert_close_to_float64(xla_vars, ref_vars, exact_vars, 'xla vs unpartitioned')
     assert_close_to_float64(tf_vars, ref_vars, exact_vars, 'tf backend vs unpartitioned')
   return xla, xla.xla_executable(*batches[0])
-
-
-def float64_build(build, **kwargs):
-  """`build(**kwargs)` in float64, starting from the float32 model's initial values."""
-  previous = keras.config.floatx(), keras.config.dtype_policy()
-  keras.config.set_floatx('float64')
-  keras.config.set_dtype_policy('float64')
-  try:
-    model, optimizer = build(**kwargs)
-  finally:
-    keras.config.set_floatx(previous[0])
-    keras.config.set_dtype_policy(previous[1])
-  assert all(v.dtype == 'float64' for v in model.variables)
-  twin, twin_optimizer = build(**kwargs)  # float64 initializers draw other numbers: copy
-  for v, w in zip(model.variables + optimizer.variables,
-                  twin.variables + twin_optimizer.variables):
-    assert v.path.split('/')[-1] == w.path.split('/')[-1], (v.path, w.path)
-    v.assign(np.asarray(w.numpy(), v.dtype))
-  return model, optimizer
 
 
 def check_exported_collectives(step, executable):
@@ -151,7 +131,7 @@ def test_transformer_megatron_with_adam():
     # every key shifts each query's scores alike; softmax cancels it): in float32 they and
     # their Adam slots hold round-off alone (measured: normwise 0.7-1.2 apart between two
     # correct float32 runs), so every variable is compared against a float64 run.
-    model, optimizer = float64_build(models.transformer.build, seed=0)
+    model, optimizer = models.float64_twin(models.transformer.build, seed=0)
     return models.transformer.train_step(model, optimizer), model.variables + optimizer.variables
 
   batches = [models.transformer.batch(seed=i) for i in range(STEPS)]
