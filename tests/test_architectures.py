@@ -5,14 +5,20 @@ ResNet bottlenecks, MobileNetV2 inverted residuals and EfficientNet MBConv with 
 batch, by height, by height x width and by batch x height. Each test checks:
 
 - the training-mode forward (logits) and the loss of the first step against the unpartitioned
-  float32 step (normwise relative error <= 1e-5); later steps' logits no farther from the
-  float64 run than the unpartitioned float32 ones (measured on the Keras ResNet: after one
-  update the unpartitioned float32 logits are 2.4e-5 from float64, the partitioned ones,
+  float32 step by the oracle (tf_gspmd.testing: normwise relative error <= 1e-5); later
+  steps' logits and loss by the oracle's float64 rule: no farther from the float64 run than
+  twice the unpartitioned float32 ones, plus 1e-5 (measured on the Keras ResNet: after one
+  update the unpartitioned float32 logits are 1.75e-5 from float64, the partitioned ones,
   whose BatchNorm means (`tf.nn.moments`, a Mean over 8x32x32 rows) add 8 partial sums,
-  far closer);
-- after two training steps (forward, backward, momentum update), that every variable (weights,
-  BatchNorm moving statistics, momentum slots) is no farther from a float64 run than the
-  unpartitioned float32 run is (partitioning must not cost accuracy);
+  1.8e-7);
+- after two training steps (forward, backward, momentum update), every variable (weights,
+  BatchNorm moving statistics, momentum slots) by the float64 rule: partitioning must not
+  cost accuracy. Some tensors are zero in exact arithmetic and round-off alone in float32
+  (the beta of a BatchNorm whose output reaches the next BatchNorm through a linear conv,
+  whose mean subtraction cancels it; the moving mean of a BatchNorm over such a zero-mean
+  input): 1e8 to 3e9 relative from float64 in both runs, the partitioned one 0.2 to 0.8 x
+  the unpartitioned distance. Measured, the partitioned distance uses at most 0.40 of the
+  rule's bound on any variable with oneDNN (0.28 without);
 - that no op was replicated for lack of a rule (no warning, no 'replicated (no rule)' record);
 - the collectives the layout calls for.
 """
@@ -27,24 +33,17 @@ import pytest
 import tensorflow as tf
 
 import tf_gspmd as tg
+from tf_gspmd.testing import assert_close, assert_close_to_float64, relative_error
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'examples'))
 import architectures as A  # noqa: E402
 
-RTOL = 1e-5
 STEPS = 2
 ARCHS = ['resnet', 'mobilenet_v2', 'efficientnet']
 LAYOUTS = ['batch', 'height', 'height_width', 'batch_height']
 # Only tensors of run-time shape may be replicated: the gradient's ZerosLike of the fused
 # batch norm's reserve spaces (shape unknown until run time, never read).
 DYNAMIC_OK = {'ZerosLike'}
-
-
-def normwise(got, want) -> float:
-  """max |got - want| / max |want| over lists of arrays, in float64."""
-  diff = max(float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
-             for a, b in zip(got, want))
-  return diff / max(float(np.max(np.abs(np.asarray(b, np.float64)))) for b in want)
 
 
 class _Run:
@@ -77,25 +76,33 @@ def _train(style, arch, layout, caplog):
     warnings.simplefilter('always')
     for s in range(STEPS):
       images, labels = A.batch(seed=s + 1)
-      (logits, loss), (ref_logits, ref_loss), (logits64, _) = (
+      (logits, loss), (ref_logits, ref_loss), (logits64, loss64) = (
           step(images, labels), run.steps[1](images, labels), run.steps[2](images, labels))
+      got, want, exact = ({'logits': a, 'loss': b} for a, b in ((logits, loss),
+                                                                (ref_logits, ref_loss),
+                                                                (logits64, loss64)))
+      print(f'{style} {arch} {layout} step {s + 1}: logits to float64 partitioned '
+            f'{relative_error(logits, logits64):.3g}, unpartitioned '
+            f'{relative_error(ref_logits, logits64):.3g}; partitioned vs unpartitioned '
+            f'{relative_error(logits, ref_logits):.3g}')
       if s == 0:  # the same weights: the forward equals the unpartitioned one
-        assert normwise([logits], [ref_logits]) <= RTOL, normwise([logits], [ref_logits])
-        assert abs(float(loss) - float(ref_loss)) <= RTOL * abs(float(ref_loss)), (loss, ref_loss)
-      else:  # after updates the float32 runs drift apart by their own round-off: measure both
-        d_partitioned = normwise([logits], [logits64])
-        d_unpartitioned = normwise([ref_logits], [logits64])
-        assert d_partitioned <= max(1.5 * d_unpartitioned, RTOL), (s, d_partitioned,
-                                                                   d_unpartitioned)
+        assert_close(got, want, 'step 1')
+        # ... and the float64 twin is the same model (weights, dropout mask, BN formula).
+        assert_close(want, {k: tf.cast(v, tf.float32) for k, v in exact.items()},
+                     'step 1, float64 twin')
+      else:  # after updates the float32 runs drift apart by their own round-off
+        assert_close_to_float64(got, want, exact, f'step {s + 1}')
   step.sync_variables()
-  got, ref32, ref64 = [[v.numpy() for v in state] for state in run.state]
-  d_partitioned, d_unpartitioned = normwise(got, ref64), normwise(ref32, ref64)
-  print(f'{style} {arch} {layout}: to float64 partitioned {d_partitioned:.2e}, '
-        f'unpartitioned {d_unpartitioned:.2e}')
-  # The float64 twin is the same model (same weights, dropout mask, BN formula) ...
-  assert d_unpartitioned < 1e-4, d_unpartitioned
-  # ... and partitioning costs no accuracy (measured ratios 0.24 to 1.33; sums in another order).
-  assert d_partitioned <= 1.5 * d_unpartitioned, (d_partitioned, d_unpartitioned)
+  got, ref32, ref64 = run.state
+  distances = [(relative_error(g, e), relative_error(w, e), getattr(g, 'path', g.name))
+               for g, w, e in zip(got, ref32, ref64)]
+  worst = max(distances)
+  print(f'{style} {arch} {layout}: variables to float64, worst partitioned {worst[0]:.3g} '
+        f'(unpartitioned {worst[1]:.3g}, {worst[2]}); worst unpartitioned '
+        f'{max(d[1] for d in distances):.3g}')
+  # Partitioning costs no accuracy: every variable (weights, BatchNorm moving statistics,
+  # momentum slots) no further from the float64 run than twice the unpartitioned float32 one.
+  assert_close_to_float64(got, ref32, ref64, 'variables')
 
   no_rule = [str(w.message) for w in caught if 'no rule' in str(w.message)]
   no_rule += [r.getMessage() for r in caplog.records if 'has no partitioning rule' in r.getMessage()]
@@ -167,7 +174,7 @@ def test_raw_tf_inference_forward(arch):
   images, _ = A.batch(seed=3)
   got = predict(images)
   want = A.raw_predict(net.twin(tf.float32))(images)
-  assert normwise([got], [want]) <= RTOL
+  assert_close(got, want, 'inference logits')
   kinds = _kinds(predict)
   gathered = [(r['kind'], r['op_type'], r['op'], r.get('shape')) for r in predict.collectives()
               if r['kind'] in ('all_gather', 'all_to_all')]
@@ -195,11 +202,10 @@ def test_slot_used_only_through_its_handle_is_sharded_like_a_variable():
   ref_var, ref_slot, reference = make()
   step = tg.partition(update, mesh)
   grads = np.random.RandomState(0).randn(2, 8, 4).astype(np.float32)
-  for grad in grads:  # twice: the slot's state carries over
-    np.testing.assert_allclose(step(grad).numpy(), reference(grad).numpy(), rtol=1e-6)
+  for i, grad in enumerate(grads):  # twice: the slot's state carries over
+    assert_close(step(grad), reference(grad), f'var after update {i + 1}')
   step.sync_variables()
-  np.testing.assert_allclose(slot.numpy(), ref_slot.numpy(), rtol=1e-6)
-  np.testing.assert_allclose(var.numpy(), ref_var.numpy(), rtol=1e-6)
+  assert_close({'slot': slot, 'var': var}, {'slot': ref_slot, 'var': ref_var})
   assert len(step.variable_bytes()) == 2  # the slot is one of the program's variables
   assert not step.collectives()
 
@@ -241,8 +247,7 @@ def test_fixed_padding_on_split_height_moves_halos():
 
   images = np.random.RandomState(1).randn(2, 32, 32, 4).astype(np.float32)
   step = tg.partition(padded_conv, mesh)
-  for got, want in zip(step(images), padded_conv(images)):
-    assert normwise([got], [want]) <= RTOL
+  assert_close(step(images), padded_conv(images), 'padded conv, input gradient, PadV2')
   kinds = _kinds(step)
   # (the all-reduces sum the loss and the kernel gradient)
   assert set(kinds) <= {('permute', ('h',)), ('all_reduce', ('h',))}, kinds
