@@ -249,7 +249,7 @@ def test_example_trains_model_parallel_with_keras_progress_bar(tmp_path):
   out = run_python(ROOT / 'examples' / 'keras' / 'model_parallel.py', tmp_path)
   assert re.search(r'Epoch 2/2', out) and re.search(r'\d+/\d+\S* .*━.*loss: [\d.]+', out), out
   error = float(re.search(r'weights vs plain Keras: relative error (\S+)', out).group(1))
-  assert error <= bound(np.float32), out
+  assert error <= bound(np.float32) and 'MISMATCH' not in out, out  # the oracle's verdicts
   assert re.search(r"^all_reduce +\('model',\) +[1-9]", out, re.M), out
 
 
