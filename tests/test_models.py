@@ -1,6 +1,7 @@
 """Keras 3 training steps partitioned on 8 logical CPUs, trained 5 steps against the unpartitioned run."""
 import collections
 import os
+import re
 import sys
 
 import keras
@@ -39,9 +40,14 @@ def float64_twin(build, **kwargs):
   assert len(model.variables + optimizer.variables) == len(twin.variables +
                                                            twin_optimizer.variables)
   for v, w in zip(model.variables + optimizer.variables, twin.variables + twin_optimizer.variables):
-    assert v.path.split('/')[-1] == w.path.split('/')[-1], (v.path, w.path)
+    assert _role(v) == _role(w) and tuple(v.shape) == tuple(w.shape), (v.path, w.path)
     v.assign(np.asarray(w.numpy(), v.dtype))
   return model, optimizer
+
+
+def _role(variable) -> str:
+  """A variable's name without its model's numbered name (an optimizer slot's name holds it)."""
+  return re.sub(r'^[a-z]+_\d+_', '', variable.path.split('/')[-1])
 
 
 def collective_kinds(step):
@@ -214,11 +220,24 @@ def test_cnn_with_batchnorm(spec):
   mesh = tg.Mesh.create((2, 4), ('data', 'h'))
   model, optimizer = _cnn(0)
   ref_model, ref_optimizer = _cnn(0)
+  exact_model, exact_optimizer = float64_twin(_cnn, seed=0)
   step = tg.partition(_step(model, optimizer, lambda x: tg.shard(x, mesh, tg.P(*spec))), mesh)
-  train_both(step, _step(ref_model, ref_optimizer), _images(4))
+  reference, exact_step = _step(ref_model, ref_optimizer), _step(exact_model, exact_optimizer)
+  losses = {'partitioned': [], 'unpartitioned': [], 'float64': []}
+  for x, y in _images(4):
+    losses['partitioned'].append(step(x, y).numpy())
+    losses['unpartitioned'].append(reference(x, y).numpy())
+    losses['float64'].append(exact_step(x.astype(np.float64), y).numpy())
   step.sync_variables()
-  assert_close(model.variables + optimizer.variables,
-               ref_model.variables + ref_optimizer.variables, 'variables')
+  # The float64 rule: several Adam steps of a BatchNorm net are ill-conditioned in float32
+  # (measured on an AVX-512 CPU, both oneDNN settings: bn_0 and conv_0 bias slots 2.9e-6
+  # apart between the two float32 runs, a third of float32's bound after 5 steps; on other
+  # CPUs the kernels differ), so both float32 runs are measured against float64.
+  assert_close_to_float64(np.float32(losses['partitioned']), np.float32(losses['unpartitioned']),
+                          np.float64(losses['float64']), 'losses')
+  assert_close_to_float64(model.variables + optimizer.variables,
+                          ref_model.variables + ref_optimizer.variables,
+                          exact_model.variables + exact_optimizer.variables, 'variables')
   kinds = collective_kinds(step)
   assert not any(kind == 'all_gather' for kind, _ in kinds), kinds
   if 'h' in spec:
