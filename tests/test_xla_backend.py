@@ -11,6 +11,7 @@ import collections
 import os
 import sys
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -132,7 +133,15 @@ def test_transformer_megatron_with_adam():
     # their Adam slots hold round-off alone (measured: normwise 0.7-1.2 apart between two
     # correct float32 runs), so every variable is compared against a float64 run.
     model, optimizer = models.float64_twin(models.transformer.build, seed=0)
-    return models.transformer.train_step(model, optimizer), model.variables + optimizer.variables
+    previous = keras.config.floatx(), keras.config.dtype_policy()
+    keras.config.set_floatx('float64')  # the step's Keras loss takes the policy it is made
+    keras.config.set_dtype_policy('float64')  # under: made here, it computes in float64 too
+    try:
+      step = models.transformer.train_step(model, optimizer)
+    finally:
+      keras.config.set_floatx(previous[0])
+      keras.config.set_dtype_policy(previous[1])
+    return step, model.variables + optimizer.variables
 
   batches = [models.transformer.batch(seed=i) for i in range(STEPS)]
   step, executable = train_three(make, mesh, batches, exact)

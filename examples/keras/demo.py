@@ -6,8 +6,11 @@ hidden dim over 'model' (Megatron style) and the batch over 'data' on a
 GradientTape, Adam), propagates the shardings, partitions it into one
 per-device program with collectives, and runs it. Each step prints the
 partitioned loss beside the unpartitioned run of the same step; at the end,
-the collectives one step runs and the per-device memory of variables and
-optimizer state.
+the collectives one step runs, the per-device memory of variables and
+optimizer state, and how far the weights are from the unpartitioned run's by
+the oracle (tf_gspmd.testing; float64_check.py: the normwise relative error
+per weight, bound 1e-5, and the float64 rule for the weights float32 cannot
+resolve, judged against the same steps run in float64).
 """
 import collections
 import os
@@ -31,6 +34,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, '..', '..'))
 sys.path.insert(0, HERE)
 import tf_gspmd as tg  # noqa: E402
+from tf_gspmd.testing import check  # noqa: E402
+import float64_check  # noqa: E402
 import transformer  # noqa: E402
 
 STEPS = 8
@@ -51,12 +56,6 @@ def memory_table(step, optimizer):
     print(f'{kind:<18}{total:>14,}{per_device:>14,}{expected:>14,}')
 
 
-def max_relative_error(got, want) -> float:
-  """Normwise relative error over all weights: max |got - want| / max |want|."""
-  diff = max(float(np.max(np.abs(a.numpy() - b.numpy()))) for a, b in zip(got, want))
-  return diff / max(float(np.max(np.abs(b.numpy()))) for b in want)
-
-
 def main():
   mesh = tg.Mesh.create((2, 4), ('data', 'model'))
   model, optimizer = transformer.build(seed=0)
@@ -66,15 +65,21 @@ def main():
         + ', '.join(f'{p} {s}' for p, s in applied[:3]))
   step = tg.partition(transformer.train_step(model, optimizer, mesh), mesh)
   reference = transformer.train_step(ref_model, ref_optimizer)
+  exact_model, exact_optimizer = float64_check.float64_twin(transformer.build, seed=0)
+  with float64_check.float64_policy():  # its loss in float64 too
+    exact = transformer.train_step(exact_model, exact_optimizer)
 
   bar = keras.utils.Progbar(STEPS, stateful_metrics=['loss', 'unpartitioned', 'rel_err'])
   start = time.time()
+  losses_ok = True
   for i in range(STEPS):
     tokens, labels = transformer.batch(seed=i)
-    loss = float(step(tokens, labels))
-    want = float(reference(tokens, labels))
-    bar.update(i + 1, [('loss', loss), ('unpartitioned', want),
-                       ('rel_err', abs(loss - want) / max(abs(want), 1e-12))])
+    loss, want = step(tokens, labels), reference(tokens, labels)
+    exact(tokens, labels)
+    verdict = check(loss, want, f'step {i + 1} loss')
+    losses_ok = losses_ok and verdict.ok
+    bar.update(i + 1, [('loss', float(loss)), ('unpartitioned', float(want)),
+                       ('rel_err', verdict.error)])
   print(f'{STEPS} steps in {time.time() - start:.1f} s (the first includes capture, '
         'propagation, partitioning and tracing)')
 
@@ -91,9 +96,15 @@ def main():
   memory_table(step, optimizer)
 
   step.sync_variables()
-  error = max_relative_error(model.trainable_variables, ref_model.trainable_variables)
-  print(f'\nafter {STEPS} steps, weights vs unpartitioned: relative error {error:.2e}')
+  report = float64_check.compare_weights(model.trainable_variables, ref_model.trainable_variables,
+                                         exact_model.trainable_variables)
+  print(f'\nafter {STEPS} steps, weights vs unpartitioned: relative error {report.error:.2e} '
+        f'(normwise, the worst of {report.compared} weights: {report.worst}; bound 1e-05)')
+  print('\n'.join(report.lines))
+  if not losses_ok:
+    print('MISMATCH: a loss differs from the unpartitioned one by more than the bound')
+  return 0 if report.ok and losses_ok else 1
 
 
 if __name__ == '__main__':
-  main()
+  sys.exit(main())
