@@ -614,15 +614,6 @@ def loss_verdict(what: str, got: List[float], want: List[float],
   return True, error, note
 
 
-def max_relative_diff(got: List[float], want: List[float]) -> Optional[float]:
-  """Not the check (that is `loss_verdict`, the oracle's): kept only because
-  tests/test_bench_step_time.py still calls it; drop it with that test's assertion."""
-  n = min(len(got), len(want))
-  if n == 0:
-    return None
-  return max(abs(g - w) / max(1.0, abs(w)) for g, w in zip(got[:n], want[:n]))
-
-
 def fmt_ms(run: dict) -> str:
   if run.get('error'):
     return run['error']

@@ -47,6 +47,7 @@ import tf_gspmd as tg  # noqa: E402
 from tf_gspmd.runtime import cluster  # noqa: E402
 from tf_gspmd.testing import check  # noqa: E402
 import float64_check  # noqa: E402  (examples/keras/float64_check.py: the weights' check)
+from tf_gspmd.testing.float64 import float64_policy, float64_twin  # noqa: E402
 import transformer  # noqa: E402  (examples/keras/transformer.py: the demo's model and layout)
 
 TASKS, DEVICES_PER_TASK = 2, 4
@@ -87,10 +88,10 @@ def main():
     print(f'{TASKS} workers {workers.addresses} up and connected in {time.time() - start:.1f} s')
     model, optimizer = transformer.build(seed=0)
     ref_model, ref_optimizer = transformer.build(seed=0)
-    exact_model, exact_optimizer = float64_check.float64_twin(transformer.build, seed=0)
+    exact_model, exact_optimizer = float64_twin(transformer.build, seed=0)
     transformer.layout(mesh).apply(model)
     reference = transformer.train_step(ref_model, ref_optimizer)
-    with float64_check.float64_policy():  # its loss in float64 too
+    with float64_policy():  # its loss in float64 too
       exact = transformer.train_step(exact_model, exact_optimizer)
     devices = cluster.mesh_devices(mesh, names, inside=('model',))
     for data in range(mesh.shape['data']):

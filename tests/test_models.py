@@ -1,7 +1,6 @@
 """Keras 3 training steps partitioned on 8 logical CPUs, trained 5 steps against the unpartitioned run."""
 import collections
 import os
-import re
 import sys
 
 import keras
@@ -11,6 +10,7 @@ import tensorflow as tf
 
 import tf_gspmd as tg
 from tf_gspmd.testing import assert_close, assert_close_to_float64, relative_error
+from tf_gspmd.testing.float64 import float64_policy, float64_twin
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'examples', 'keras'))
 import transformer  # noqa: E402
@@ -22,32 +22,6 @@ def train_both(step, reference, batches):
   """Train both steps on `batches`; each step's loss by the oracle."""
   for i, (tokens, labels) in enumerate(batches):
     assert_close(step(tokens, labels), reference(tokens, labels), f'loss of step {i + 1}')
-
-
-def float64_twin(build, **kwargs):
-  """`build(**kwargs)` (a Keras model and its optimizer) in float64, holding the values the
-  float32 build starts from (float64 initializers would draw other numbers)."""
-  previous = keras.config.floatx(), keras.config.dtype_policy()
-  keras.config.set_floatx('float64')
-  keras.config.set_dtype_policy('float64')
-  try:
-    model, optimizer = build(**kwargs)
-  finally:
-    keras.config.set_floatx(previous[0])
-    keras.config.set_dtype_policy(previous[1])
-  twin, twin_optimizer = build(**kwargs)
-  assert all(v.dtype == 'float64' for v in model.variables)
-  assert len(model.variables + optimizer.variables) == len(twin.variables +
-                                                           twin_optimizer.variables)
-  for v, w in zip(model.variables + optimizer.variables, twin.variables + twin_optimizer.variables):
-    assert _role(v) == _role(w) and tuple(v.shape) == tuple(w.shape), (v.path, w.path)
-    v.assign(np.asarray(w.numpy(), v.dtype))
-  return model, optimizer
-
-
-def _role(variable) -> str:
-  """A variable's name without its model's numbered name (an optimizer slot's name holds it)."""
-  return re.sub(r'^[a-z]+_\d+_', '', variable.path.split('/')[-1])
 
 
 def collective_kinds(step):
@@ -133,7 +107,8 @@ def test_transformer_megatron_on_data_model_mesh():
   step = tg.partition(transformer.train_step(model, optimizer, mesh), mesh)
   batches = [transformer.batch(seed=i) for i in range(STEPS)]
   train_both(step, transformer.train_step(ref_model, ref_optimizer), batches)
-  exact_step = transformer.train_step(exact_model, exact_optimizer)
+  with float64_policy():  # the step's Keras loss computes in the policy it is made under
+    exact_step = transformer.train_step(exact_model, exact_optimizer)
   for tokens, labels in batches:
     exact_step(tokens, labels)
   step.sync_variables()
@@ -222,12 +197,15 @@ def test_cnn_with_batchnorm(spec):
   ref_model, ref_optimizer = _cnn(0)
   exact_model, exact_optimizer = float64_twin(_cnn, seed=0)
   step = tg.partition(_step(model, optimizer, lambda x: tg.shard(x, mesh, tg.P(*spec))), mesh)
-  reference, exact_step = _step(ref_model, ref_optimizer), _step(exact_model, exact_optimizer)
+  reference = _step(ref_model, ref_optimizer)
+  with float64_policy():  # the step's Keras loss computes in the policy it is made under
+    exact_step = _step(exact_model, exact_optimizer)
   losses = {'partitioned': [], 'unpartitioned': [], 'float64': []}
   for x, y in _images(4):
     losses['partitioned'].append(step(x, y).numpy())
     losses['unpartitioned'].append(reference(x, y).numpy())
     losses['float64'].append(exact_step(x.astype(np.float64), y).numpy())
+  assert losses['float64'][0].dtype == np.float64
   step.sync_variables()
   # The float64 rule: several Adam steps of a BatchNorm net are ill-conditioned in float32
   # (measured on an AVX-512 CPU, both oneDNN settings: bn_0 and conv_0 bias slots 2.9e-6

@@ -11,7 +11,6 @@ import collections
 import os
 import sys
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -20,6 +19,7 @@ pytest.importorskip('jax')
 
 import tf_gspmd as tg  # noqa: E402
 from tf_gspmd.testing import assert_close, assert_close_to_float64, check  # noqa: E402
+from tf_gspmd.testing.float64 import float64_policy, float64_twin  # noqa: E402
 from tf_gspmd.xla_bridge import (PjrtExecutable, XlaLoweringError, export_per_replica,  # noqa: E402
                                  stablehlo_collectives)
 from tf_gspmd.xla_bridge import pjrt  # noqa: E402
@@ -132,15 +132,9 @@ def test_transformer_megatron_with_adam():
     # every key shifts each query's scores alike; softmax cancels it): in float32 they and
     # their Adam slots hold round-off alone (measured: normwise 0.7-1.2 apart between two
     # correct float32 runs), so every variable is compared against a float64 run.
-    model, optimizer = models.float64_twin(models.transformer.build, seed=0)
-    previous = keras.config.floatx(), keras.config.dtype_policy()
-    keras.config.set_floatx('float64')  # the step's Keras loss takes the policy it is made
-    keras.config.set_dtype_policy('float64')  # under: made here, it computes in float64 too
-    try:
+    model, optimizer = float64_twin(models.transformer.build, seed=0)
+    with float64_policy():  # the step's Keras loss computes in the policy it is made under
       step = models.transformer.train_step(model, optimizer)
-    finally:
-      keras.config.set_floatx(previous[0])
-      keras.config.set_dtype_policy(previous[1])
     return step, model.variables + optimizer.variables
 
   batches = [models.transformer.batch(seed=i) for i in range(STEPS)]

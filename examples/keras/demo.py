@@ -36,6 +36,7 @@ sys.path.insert(0, HERE)
 import tf_gspmd as tg  # noqa: E402
 from tf_gspmd.testing import check  # noqa: E402
 import float64_check  # noqa: E402
+from tf_gspmd.testing.float64 import float64_policy, float64_twin  # noqa: E402
 import transformer  # noqa: E402
 
 STEPS = 8
@@ -65,8 +66,8 @@ def main():
         + ', '.join(f'{p} {s}' for p, s in applied[:3]))
   step = tg.partition(transformer.train_step(model, optimizer, mesh), mesh)
   reference = transformer.train_step(ref_model, ref_optimizer)
-  exact_model, exact_optimizer = float64_check.float64_twin(transformer.build, seed=0)
-  with float64_check.float64_policy():  # its loss in float64 too
+  exact_model, exact_optimizer = float64_twin(transformer.build, seed=0)
+  with float64_policy():  # its loss in float64 too
     exact = transformer.train_step(exact_model, exact_optimizer)
 
   bar = keras.utils.Progbar(STEPS, stateful_metrics=['loss', 'unpartitioned', 'rel_err'])

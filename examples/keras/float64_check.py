@@ -11,43 +11,11 @@ the partitioned run no further from float64 than twice the unpartitioned run, pl
 A weight counts as ill-conditioned when the unpartitioned float32 run is itself further than
 the bound from float64.
 """
-import contextlib
 from typing import List, NamedTuple
 
-import keras
 import numpy as np
 
 from tf_gspmd.testing import assert_close_to_float64, bound, relative_error
-
-
-@contextlib.contextmanager
-def float64_policy():
-  """Keras' float type and dtype policy float64 inside. Build the float64 model and its
-  training step in here: a Keras loss takes the policy it is made under, and one made
-  outside computes in float32 (the float64 run would then not be exact)."""
-  previous = keras.config.floatx(), keras.config.dtype_policy()
-  keras.config.set_floatx('float64')
-  keras.config.set_dtype_policy('float64')
-  try:
-    yield
-  finally:
-    keras.config.set_floatx(previous[0])
-    keras.config.set_dtype_policy(previous[1])
-
-
-def float64_twin(build, **kwargs):
-  """`build(**kwargs)` (a Keras model and its optimizer) in float64, holding the values the
-  float32 build starts from (float64 initializers would draw other numbers)."""
-  with float64_policy():
-    model, optimizer = build(**kwargs)
-  twin, twin_optimizer = build(**kwargs)
-  pairs = list(zip(model.variables + optimizer.variables,
-                   twin.variables + twin_optimizer.variables))
-  assert len(pairs) == len(twin.variables + twin_optimizer.variables)
-  for v, w in pairs:
-    assert v.shape == w.shape, (v.path, w.path)  # slot names carry the model's name
-    v.assign(np.asarray(w.numpy(), v.dtype))
-  return model, optimizer
 
 
 class WeightReport(NamedTuple):
