@@ -69,7 +69,7 @@ def test_plan_at_8_is_what_partition_builds_and_runs(which):
   assert 'activation peak' in str(report) and 'collectives per step' in str(report)
 
 
-def test_dense_transformer_at_2048_matches_the_closed_form_without_allocating():
+def test_dense_transformer_at_2048_matches_its_formula_without_allocating():
   mesh = Mesh.create((64, 32), ('X', 'Y'))
   cfg = models.Dense(layers=2)
   before = _rss_bytes()
@@ -102,7 +102,7 @@ def test_dense_transformer_at_2048_matches_the_closed_form_without_allocating():
   assert counts == {k: v['count'] for k, v in small_report.collective_summary().items()}
 
 
-def test_gshard_moe_at_2048_matches_the_closed_form():
+def test_gshard_moe_at_2048_matches_its_formula():
   mesh = Mesh.create((2048,), ('model',))
   cfg = models.moe_config(2048)
   built = models.gshard_moe(mesh, cfg, models.abstract_variables)
