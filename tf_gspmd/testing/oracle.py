@@ -121,6 +121,7 @@ class Verdict:
 
 def check(got, want, name: str = 'result', max_error: Optional[float] = None) -> Verdict:
   """Compare one tensor with the oracle's rule; `max_error` overrides `bound(dtype)`."""
+  python_floats = _is_python_float(want)
   got, want = _array(got), _array(want)
   limit = bound(want.dtype) if max_error is None else max_error
   if got.shape != want.shape:
@@ -136,6 +137,9 @@ def check(got, want, name: str = 'result', max_error: Optional[float] = None) ->
   ok = error <= limit
   why = '' if ok else (f'normwise relative error {error:.3g} > bound {limit:.3g} ({want.dtype}, '
                        f'shape {want.shape}); largest difference {_worst(got, want)}')
+  if not ok and python_floats and error <= _BOUND_FLOAT32:
+    why += ('; Python floats are read as float64: pass float32 results (a Keras loss or '
+            'metric) as np.float32(...)')
   return Verdict(name, ok, error, limit, why)
 
 
@@ -246,6 +250,13 @@ def _leaf_name(leaves: tuple, fallback: str) -> str:
 def _is_variable(leaf) -> bool:
   return 'Variable' in type(leaf).__name__ or 'Variable' in ' '.join(
       c.__name__ for c in type(leaf).__mro__)
+
+
+def _is_python_float(x) -> bool:
+  """A Python float or a list/tuple of them: numbers that carry no dtype of their own."""
+  if isinstance(x, (list, tuple)):
+    return len(x) > 0 and all(isinstance(v, float) and not isinstance(v, np.floating) for v in x)
+  return isinstance(x, float) and not isinstance(x, np.floating)
 
 
 def _array(x) -> np.ndarray:
