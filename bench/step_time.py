@@ -307,24 +307,13 @@ def float64_losses(spec: ModelSpec, calls: int) -> dict:
   measures each pair of float32 runs against. Over 17 Adam steps float32 is ill-conditioned
   (the CNN's BatchNorm, conv biases with a zero gradient): two correct float32 runs drift
   apart by about the bound (measured, full sizes: XLA unpartitioned vs Keras 6.4e-6)."""
-  import keras  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.testing.float64 import float64_policy, float64_twin  # pylint: disable=g-import-not-at-top
   try:
-    previous = keras.config.floatx(), keras.config.dtype_policy()
-    keras.config.set_floatx('float64')
-    keras.config.set_dtype_policy('float64')
-    try:
-      model, optimizer = spec.keras()
+    model, optimizer = float64_twin(spec.keras)
+    with float64_policy():
       step = spec.train_step(model, optimizer)  # its Keras loss takes the policy: float64
-    finally:
-      keras.config.set_floatx(previous[0])
-      keras.config.set_dtype_policy(previous[1])
-    twin, twin_optimizer = spec.keras()  # float64 initializers draw other numbers: copy
-    for v, w in zip(model.variables + optimizer.variables,
-                    twin.variables + twin_optimizer.variables):
-      assert v.shape == w.shape, (v.path, w.path)  # slot names carry the model's name
-      v.assign(np.asarray(w.numpy(), v.dtype))
     x = tf.constant(spec.x.astype(np.float64) if spec.x.dtype == np.float32 else spec.x)
     y = tf.constant(spec.y)
     return {'losses': [float(step(x, y)) for _ in range(calls)], 'error': None}
