@@ -169,19 +169,14 @@ def assert_close_to_float64(got, want, exact, name: str = 'result',
   """
   failures = []
   for path, g, w, e in _zip_leaves(name, got, want, exact):
-    g, w, e = _array(g), _array(w), _array(e)
-    if g.shape != w.shape or g.dtype != w.dtype:
-      failures.append(str(check(g, w, path)))
-      continue
-    if not is_floating(w.dtype):
-      verdict = check(g, w, path)
+    g, w = _array(g), _array(w)
+    if g.shape != w.shape or g.dtype != w.dtype or not is_floating(w.dtype):
+      verdict = check(g, w, path)  # a mismatch of shape or dtype, or an exact dtype
       if not verdict.ok:
         failures.append(str(verdict))
       continue
     limit_floor = bound(w.dtype) if floor is None else floor
-    exact_wide = _as_wide(e)
-    err_got = relative_error(_as_wide(g), exact_wide)
-    err_want = relative_error(_as_wide(w), exact_wide)
+    err_got, err_want = relative_error(g, e), relative_error(w, e)  # both in float64
     limit = 2 * err_want + limit_floor
     if not err_got <= limit:
       failures.append(
@@ -239,17 +234,12 @@ def _is_leaf(seq) -> bool:
 def _leaf_name(leaves: tuple, fallback: str) -> str:
   """A Keras variable's path or a TF variable's name, from whichever side has one."""
   for leaf in leaves:
-    for attr in ('path', 'name'):
-      value = getattr(leaf, attr, None)
-      if isinstance(value, str) and hasattr(leaf, 'shape') and hasattr(leaf, 'dtype') and \
-          not isinstance(leaf, np.ndarray) and _is_variable(leaf):
-        return value
+    if any('Variable' in cls.__name__ for cls in type(leaf).__mro__):
+      for attr in ('path', 'name'):
+        value = getattr(leaf, attr, None)
+        if isinstance(value, str):
+          return value
   return fallback
-
-
-def _is_variable(leaf) -> bool:
-  return 'Variable' in type(leaf).__name__ or 'Variable' in ' '.join(
-      c.__name__ for c in type(leaf).__mro__)
 
 
 def _is_python_float(x) -> bool:
