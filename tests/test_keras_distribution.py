@@ -19,7 +19,7 @@ import pytest
 import tf_gspmd as tg
 from tf_gspmd.keras import hooks
 from tf_gspmd.partitioned import PartitionedFunction
-from tf_gspmd.testing import assert_close, bound
+from tf_gspmd.testing import as_float32, assert_close, bound
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Read when pytest imports this file: importing tf_gspmd must leave Keras as it was.
@@ -54,13 +54,6 @@ def guide_model():
   return model
 
 
-def _float32(values):
-  """Keras reports its float32 losses and metrics as Python floats: back to float32."""
-  if isinstance(values, dict):
-    return {k: _float32(v) for k, v in values.items()}
-  return np.asarray(values, np.float32)
-
-
 def step_programs(function):
   """The PartitionedFunctions behind a model's train/test function that have run."""
   cells = [c.cell_contents for c in getattr(function, '__closure__', None) or ()]
@@ -74,8 +67,8 @@ def assert_same_training(model, reference, distribution):
     got_eval = model.evaluate(X, Y, batch_size=16, verbose=0)
   want, want_eval = reference.fit(X, Y, **FIT).history, reference.evaluate(X, Y, batch_size=16, verbose=0)
   assert len(want['loss']) == 2 and 'val_loss' in want
-  assert_close(_float32(got), _float32(want), 'history')
-  assert_close(_float32(got_eval), _float32(want_eval), 'evaluate')
+  assert_close(as_float32(got), as_float32(want), 'history')
+  assert_close(as_float32(got_eval), as_float32(want_eval), 'evaluate')
   assert_close(model.weights, reference.weights, 'weights')
 
 
@@ -118,7 +111,7 @@ def test_model_parallel_guide_code_matches_plain_keras():
     predicted = model.predict(X, batch_size=16, verbose=0)
     got_batch = model.train_on_batch(X[:16], Y[:16])
   assert_close(predicted, reference.predict(X, batch_size=16, verbose=0), 'predict')
-  assert_close(_float32(got_batch), _float32(reference.train_on_batch(X[:16], Y[:16])),
+  assert_close(as_float32(got_batch), as_float32(reference.train_on_batch(X[:16], Y[:16])),
                'train_on_batch')
   assert_close(model.weights, reference.weights, 'weights')
 
@@ -163,8 +156,8 @@ def test_scope_and_set_distribution_agree_and_the_model_keeps_its_distribution()
   reference.fit(X, Y, **FIT_SHORT)
   assert_close(by_scope.weights, reference.weights, 'weights')
   launches = by_scope._tf_gspmd_launcher.launches
-  assert_close(_float32(by_scope.train_on_batch(X[:16], Y[:16])),   # the step compiled in fit
-               _float32(reference.train_on_batch(X[:16], Y[:16])), 'train_on_batch')
+  assert_close(as_float32(by_scope.train_on_batch(X[:16], Y[:16])),   # the step compiled in fit
+               as_float32(reference.train_on_batch(X[:16], Y[:16])), 'train_on_batch')
   assert by_scope._tf_gspmd_launcher.launches == launches + 1
   assert tg.keras.shard_layouts(by_scope)['d1/kernel'][0] == tg.P(None, 'model')
 

@@ -3,7 +3,7 @@ import keras
 import numpy as np
 
 import tf_gspmd as tg
-from tf_gspmd.testing import assert_close
+from tf_gspmd.testing import as_float32, assert_close
 
 
 def _model():
@@ -14,13 +14,6 @@ def _model():
   model.compile(optimizer=keras.optimizers.Adam(1e-2), metrics=['accuracy'],
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   return model
-
-
-def _float32(values):
-  """Keras reports its float32 losses and metrics as Python floats: back to float32."""
-  if isinstance(values, dict):
-    return {k: _float32(v) for k, v in values.items()}
-  return np.asarray(values, np.float32)
 
 
 def test_fit_and_evaluate_match_unpartitioned():
@@ -38,10 +31,10 @@ def test_fit_and_evaluate_match_unpartitioned():
   got, want = model.fit(x, y, **kw).history, reference.fit(x, y, **kw).history
   assert len(want['loss']) == 2 and 'val_accuracy' in want
   # losses, accuracy and validation metrics, epoch by epoch
-  assert_close(_float32(got), _float32(want), 'history')
+  assert_close(as_float32(got), as_float32(want), 'history')
   assert_close(model.weights, reference.weights, 'weights')  # weights synced back after fit
-  assert_close(_float32(model.evaluate(x, y, batch_size=16, verbose=0)),
-               _float32(reference.evaluate(x, y, batch_size=16, verbose=0)), 'evaluate')
+  assert_close(as_float32(model.evaluate(x, y, batch_size=16, verbose=0)),
+               as_float32(reference.evaluate(x, y, batch_size=16, verbose=0)), 'evaluate')
   # The training step really ran partitioned: its shards live across the 8 devices.
   hidden = next(s for v, s in model._tf_gspmd_store.pairs() if 'h0/kernel' in v.name)
   assert hidden.sharding.spec == tg.P(None, 'model') and hidden.local_shape == (16, 8)

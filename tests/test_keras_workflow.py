@@ -17,7 +17,8 @@ import pytest
 import tensorflow as tf
 
 import tf_gspmd as tg
-from tf_gspmd.testing import assert_close, assert_close_to_float64, bound, relative_error
+from tf_gspmd.testing import (as_float32, assert_close, assert_close_to_float64, bound,
+                              relative_error)
 
 
 def _model(seed=0):
@@ -46,13 +47,6 @@ def _data(n=64, seed=0):
   return rng.randn(n, 16).astype(np.float32), rng.randint(0, 4, n).astype(np.int32)
 
 
-def _float32(values):
-  """Keras reports its float32 losses and metrics as Python floats: back to float32."""
-  if isinstance(values, dict):
-    return {k: _float32(v) for k, v in values.items()}
-  return np.asarray(values, np.float32)
-
-
 def _weights(model):
   """'layer/variable' -> value, read by get_weights (which pulls a partitioned model's shards
   first); the paths without the model's own name, which Keras numbers per instance."""
@@ -63,11 +57,11 @@ def _weights(model):
 
 
 def _history(fit):
-  return _float32(fit.history)
+  return as_float32(fit.history)
 
 
 def _evaluate(model, x, y, batch_size):
-  return _float32(model.evaluate(x, y, batch_size=batch_size, verbose=0))
+  return as_float32(model.evaluate(x, y, batch_size=batch_size, verbose=0))
 
 
 def _shards_of(model, name):
@@ -283,7 +277,7 @@ def test_tensorboard_callback(tmp_path):
     logged.append(_logged_scalars(tmp_path / name / 'train'))
   got, want = logged
   assert want['epoch_loss'] and sorted(got) == sorted(want)
-  assert_close(_float32(got['epoch_loss']), _float32(want['epoch_loss']), 'epoch_loss')
+  assert_close(as_float32(got['epoch_loss']), as_float32(want['epoch_loss']), 'epoch_loss')
 
 
 def test_on_batch_calls():
@@ -291,10 +285,10 @@ def test_on_batch_calls():
   model, reference = _partitioned(_model()), _model()
   for start in (0, 16):
     xb, yb = x[start:start + 16], y[start:start + 16]
-    assert_close(_float32(model.train_on_batch(xb, yb)),
-                 _float32(reference.train_on_batch(xb, yb)), f'train_on_batch at {start}')
-  assert_close(_float32(model.test_on_batch(x[:16], y[:16])),
-               _float32(reference.test_on_batch(x[:16], y[:16])), 'test_on_batch')
+    assert_close(as_float32(model.train_on_batch(xb, yb)),
+                 as_float32(reference.train_on_batch(xb, yb)), f'train_on_batch at {start}')
+  assert_close(as_float32(model.test_on_batch(x[:16], y[:16])),
+               as_float32(reference.test_on_batch(x[:16], y[:16])), 'test_on_batch')
   assert_close(model.predict_on_batch(x[:16]), reference.predict_on_batch(x[:16]),
                'predict_on_batch')
   assert_close(_weights(model), _weights(reference), 'weights')

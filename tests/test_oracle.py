@@ -125,5 +125,5 @@ def test_python_floats_are_float64_and_the_message_says_how_to_state_float32():
   history = [0.6931471824645996, 0.5]  # a float32 loss carried as Python floats
   other = [float(np.float32(0.6931471824645996) * np.float32(1 + 2e-7)), 0.5]
   verdict = check(other, history, 'loss')
-  assert not verdict.ok and 'np.float32' in verdict.why
+  assert not verdict.ok and 'as_float32' in verdict.why
   assert check(np.float32(other), np.float32(history), 'loss').ok

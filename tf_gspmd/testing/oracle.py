@@ -139,7 +139,7 @@ def check(got, want, name: str = 'result', max_error: Optional[float] = None) ->
                        f'shape {want.shape}); largest difference {_worst(got, want)}')
   if not ok and python_floats and error <= _BOUND_FLOAT32:
     why += ('; Python floats are read as float64: pass float32 results (a Keras loss or '
-            'metric) as np.float32(...)')
+            'metric) through as_float32(...)')
   return Verdict(name, ok, error, limit, why)
 
 
@@ -185,6 +185,14 @@ def assert_close_to_float64(got, want, exact, name: str = 'result',
   if failures:
     raise AssertionError('partitioned result is further from float64 than unpartitioned:\n  ' +
                          '\n  '.join(failures))
+
+
+def as_float32(values):
+  """Keras reports its float32 losses and metrics as Python floats (which read as float64):
+  back to float32, for float32's bound. Dicts (a history) keep their keys."""
+  if isinstance(values, dict):
+    return {k: as_float32(v) for k, v in values.items()}
+  return np.asarray(values, np.float32)
 
 
 def compare(got, want, max_error: Optional[float] = None) -> Tuple[bool, float, str]:
