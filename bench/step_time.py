@@ -82,6 +82,9 @@ os.environ.setdefault('KERAS_BACKEND', 'tensorflow')
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import oracle_file  # noqa: E402  (sibling: the oracle without importing TensorFlow)
+
 NUM_DEVICES = 8
 RESULT_PREFIX = 'STEP_TIME_RESULT '
 
@@ -561,20 +564,6 @@ def spawn(model: str, system: str, cfg: dict, args, inputs: Optional[str] = None
   return {n: {'error': f'error: exit {proc.returncode}: {tail[0][:80]}'} for n in names}
 
 
-def oracle():
-  """tf_gspmd's numerical oracle, loaded from its file: numpy and ml_dtypes only, so the
-  parent process needs no TensorFlow for the checks."""
-  name = 'tf_gspmd_testing_oracle'
-  if name not in sys.modules:
-    import importlib.util  # pylint: disable=g-import-not-at-top
-    spec = importlib.util.spec_from_file_location(
-        name, os.path.join(ROOT, 'tf_gspmd', 'testing', 'oracle.py'))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-  return sys.modules[name]
-
-
 def loss_verdict(what: str, got: List[float], want: List[float],
                  exact: Optional[List[float]] = None) -> Optional[tuple]:
   """(ok, error, note): the oracle on two loss sequences (their common prefix, as float32:
@@ -587,7 +576,7 @@ def loss_verdict(what: str, got: List[float], want: List[float],
   n = min(len(got), len(want), len(exact) if exact else len(got))
   if n == 0:
     return None
-  check = oracle()
+  check = oracle_file.load()
   g, w = np.float32(got[:n]), np.float32(want[:n])
   error = check.relative_error(g, w)
   if not exact:
@@ -804,7 +793,7 @@ def main(argv=None) -> int:
             if result.get('float64', {}).get('losses') else
             f'float64 run {result.get("float64", {}).get("error") or "missing"}: bound alone')
     notes.append(f'    losses over {len(unpart.get("losses") or [])} steps, normwise relative '
-                 f'error (oracle, bound {oracle().bound("float32"):g}; {rule}): '
+                 f'error (oracle, bound {oracle_file.load().bound("float32"):g}; {rule}): '
                  + ('; '.join(checks) or 'nothing to compare'))
   print(table(rows, HEADER))
   print('\n'.join(notes))

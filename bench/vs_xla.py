@@ -140,21 +140,11 @@ class Case:
 def _float64_step(spec):
   """(step, variables, batch): the unpartitioned step in float64, from the float32 models'
   initial weights: the exact answer the oracle's float64 rule measures both runs against."""
-  import keras  # pylint: disable=g-import-not-at-top
-  previous = keras.config.floatx(), keras.config.dtype_policy()
-  keras.config.set_floatx('float64')
-  keras.config.set_dtype_policy('float64')
-  try:
-    model, optimizer = spec.keras()
+  from tf_gspmd.testing.float64 import float64_policy, float64_twin  # pylint: disable=g-import-not-at-top
+  model, optimizer = float64_twin(spec.keras)
+  with float64_policy():
     step = spec.train_step(model, optimizer)  # its Keras loss takes the policy: float64
-  finally:
-    keras.config.set_floatx(previous[0])
-    keras.config.set_dtype_policy(previous[1])
-  twin, twin_optimizer = spec.keras()  # float64 initializers draw other numbers: copy
   variables = list(model.variables) + list(optimizer.variables)
-  for v, w in zip(variables, list(twin.variables) + list(twin_optimizer.variables)):
-    assert v.shape == w.shape, (v.path, w.path)  # slot names carry the model's name
-    v.assign(np.asarray(w.numpy(), v.dtype))
   batch = tuple(b.astype(np.float64) if b.dtype == np.float32 else b for b in (spec.x, spec.y))
   return step, variables, batch
 
@@ -317,13 +307,6 @@ def measure(name: str, quick: bool, steps: int, check_steps: int) -> dict:
   return result
 
 
-def mismatches(errors: dict) -> list:
-  """The oracle's failures: losses by its default bound; variables by the float64 rule where
-  the model has a float64 run (each partitioned run within 2 x floor + bound of float64,
-  tensor by tensor), else by the default bound."""
-  return errors['failures']
-
-
 def _kinds(summary: dict) -> str:
   return ' '.join(f'{k}x{n}' for k, n in sorted(summary['kinds'].items()))
 
@@ -388,7 +371,7 @@ def main(argv=None) -> int:
     if name not in MODELS:
       parser.error(f'unknown model {name!r}; choose from {MODELS}')
     r = measure(name, args.quick, args.steps, args.check_steps)
-    bad = mismatches(r['errors'])
+    bad = r['errors']['failures']  # the oracle's (check above)
     if bad:
       print(f'MISMATCH {name}:\n' + '\n'.join(bad), file=sys.stderr)
       failed = True

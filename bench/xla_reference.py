@@ -116,6 +116,7 @@ def force_host_devices() -> None:
     os.environ['XLA_FLAGS'] = f'{flags} {flag}'.strip()
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import oracle_file  # noqa: E402  (sibling: the oracle without tf_gspmd)
 import reshard_cases  # noqa: E402  (sibling module, pure Python)
 
 # ---------------------------------------------------------------------------
@@ -485,21 +486,6 @@ def build_program(case: dict, jax_mesh):
   return fn, arg_shape, arg_sharding, expected
 
 
-def _oracle():
-  """tf_gspmd's numerical oracle, loaded from its file (numpy and ml_dtypes only): this
-  script runs in the JAX venv, where tf_gspmd (TensorFlow) cannot be imported."""
-  name = 'tf_gspmd_testing_oracle'
-  if name not in sys.modules:
-    import importlib.util  # pylint: disable=g-import-not-at-top
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        'tf_gspmd', 'testing', 'oracle.py')
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-  return sys.modules[name]
-
-
 def _check_numerics(case, fn, arg_shape, arg_sharding, expected) -> str:
   import jax
   import numpy as np
@@ -509,7 +495,7 @@ def _check_numerics(case, fn, arg_shape, arg_sharding, expected) -> str:
   got = out[tuple(slice(0, n) for n in case['shape'])]
   want = expected(arg)
   if case['src_partial']:
-    oracle = _oracle()
+    oracle = oracle_file.load()
     err, bound = oracle.relative_error(got, want), oracle.bound(got.dtype)
     if not err <= bound:
       raise AssertionError(f'case {case["name"]}: XLA result differs from numpy\'s float64 sum: '
