@@ -19,7 +19,7 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-posi
 tf.config.set_logical_device_configuration(
     tf.config.list_physical_devices('CPU')[0], [tf.config.LogicalDeviceConfiguration()] * 8)
 import tf_gspmd as tg  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tf_gspmd.testing import check  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tf_gspmd.testing.oracle import check, report  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 STAGES, MICROBATCHES, BATCH, WIDTH, HIDDEN = 4, 8, 64, 64, 256
 mesh = tg.Mesh.create((STAGES, 2), ('stage', 'data'))
@@ -93,13 +93,9 @@ def main():
   verdicts += [check(params[n], ref_params[n], n) for n in params]
   verdicts += [check(slots[n], ref_slots[n], f'{n}_momentum') for n in slots]
   print(f'loss {float(loss):.6f} vs sequential {float(ref_loss):.6f}')
-  for verdict in verdicts:
-    if not verdict.ok:
-      print(f'MISMATCH {verdict}')
-  worst = max(verdicts, key=lambda v: v.error)
-  print(f'max relative error vs unpartitioned: {worst.error:.2e} ({worst.name}; normwise per '
-        f'tensor, bound {worst.bound:g})')
-  return 0 if all(v.ok for v in verdicts) else 1
+  lines, ok = report(verdicts, 'max relative error vs unpartitioned:')
+  print('\n'.join(lines))
+  return 0 if ok else 1
 
 
 if __name__ == '__main__':

@@ -27,7 +27,7 @@ from keras import layers  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..'))
 import tf_gspmd  # noqa: E402
 from tf_gspmd.partitioned import PartitionedFunction  # noqa: E402
-from tf_gspmd.testing import check  # noqa: E402
+from tf_gspmd.testing.oracle import check, report  # noqa: E402
 
 
 def get_model():
@@ -82,16 +82,12 @@ def main():
   verdicts = [check(np.float32(loss), np.float32(plain_loss), 'evaluate loss')]
   verdicts += [check(a, b, a.path) for a, b in zip(model.weights, plain.weights)]
   print(f'\nevaluate loss {loss:.6f} (plain Keras {plain_loss:.6f}), accuracy {accuracy:.4f}')
-  for verdict in verdicts:
-    if not verdict.ok:
-      print(f'MISMATCH {verdict}')
-  worst = max(verdicts, key=lambda v: v.error)
-  print(f'weights vs plain Keras: relative error {worst.error:.2e} ({worst.name}; normwise per '
-        f'tensor, bound {worst.bound:g})')
+  lines, ok = report(verdicts, 'weights vs plain Keras: relative error')
+  print('\n'.join(lines))
   print(f'\n{"collective":<12}{"axes":<22}count per training step')
   for (kind, axes), count in sorted(collectives_of(model).items()):
     print(f'{kind:<12}{str(axes):<22}{count}')
-  return 0 if all(v.ok for v in verdicts) else 1
+  return 0 if ok else 1
 
 
 if __name__ == '__main__':

@@ -40,7 +40,7 @@ False
 """
 import dataclasses
 import math
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import ml_dtypes
 import numpy as np
@@ -185,6 +185,17 @@ def assert_close_to_float64(got, want, exact, name: str = 'result',
   if failures:
     raise AssertionError('partitioned result is further from float64 than unpartitioned:\n  ' +
                          '\n  '.join(failures))
+
+
+def report(verdicts: Sequence[Verdict], headline: str) -> Tuple[List[str], bool]:
+  """A script's summary of its checks: a 'MISMATCH <verdict>' line per failure, then
+  '<headline> <worst error> (<its tensor>; normwise per tensor, bound <b>)'; and whether
+  every check passed."""
+  lines = [f'MISMATCH {v}' for v in verdicts if not v.ok]
+  worst = max(verdicts, key=lambda v: v.error)
+  lines.append(f'{headline} {worst.error:.2e} ({worst.name}; normwise per tensor, '
+               f'bound {worst.bound:g})')
+  return lines, all(v.ok for v in verdicts)
 
 
 def as_float32(values):
