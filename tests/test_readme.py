@@ -67,3 +67,14 @@ def test_demo_trains_partitioned_beside_unpartitioned():
     row = re.search(kind + r' +([\d,]+) +([\d,]+) +([\d,]+)', out)
     total, per_device, expected = (int(g.replace(',', '')) for g in row.groups())
     assert per_device == expected < total, row.group(0)
+
+
+def test_readme_oracle_section_runs(tmp_path):
+  section = README.split('## How results are checked', 1)[1]
+  script = tmp_path / 'readme_oracle.py'
+  script.write_text(first_python_block(section))
+  result = run_python(script)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.strip() == ('y: normwise relative error 0.316 > bound 1e-05 (float32, '
+                                   'shape (2,)); largest difference at (1,): got 2, expected 3'), \
+      result.stdout
