@@ -615,8 +615,9 @@ def windowed_handler(p, graph, node, operands):
   gradients read the output gradient's halo and compute the own rows
   (`own_rows_gradient`); pooling gradients run VALID on the local
   output-gradient rows and send the borrowed rows back (`scatter_window`).
-  Unsplit spatial dims are padded explicitly the same way, so the local op
-  runs VALID (image gradients: the op's own padding, explicit). An op of another form (rank, data format,
+  With a spatial dim split, the unsplit ones are padded explicitly the same way,
+  so the local op runs VALID (image gradients: the op's own padding, explicit);
+  with none split, the op runs as written on the local blocks (`_whole_images`). An op of another form (rank, data format,
   pooling over batch or channels) is computed on replicated operands with a
   warning.
   """
@@ -628,5 +629,45 @@ def windowed_handler(p, graph, node, operands):
   chosen, dims = _rule_layouts(p, graph, node, operands, layout)
   values = _resharded(p, node, operands, chosen)
   out_shape = global_shape(graph, node.outputs[0].name)
-  local = _LOCAL[node.op](p, node, values, chosen, dims, layout, out_shape)
+  if any(sd.axes for sd in dims):
+    local = _LOCAL[node.op](p, node, values, chosen, dims, layout, out_shape)
+  else:
+    local = _whole_images(p, node, values, chosen, layout, out_shape)
   return _finish(p, graph, node, local, chosen.results[0])
+
+
+# Operand -> the dims where padding of an uneven shard must read as zero when the op runs
+# on whole images (the same masks the windowed forms apply; see each of them for why).
+# 'c'/'o': only when that channel factor is split (a partial sum over it).
+_WHOLE_IMAGE_MASKS = {
+    'Conv2D': {0: ('c', 'channel'), 1: ('c', [2])},
+    'Conv2DBackpropInput': {1: ('o', [3]), 2: (None, range(4))},
+    'Conv2DBackpropFilter': {0: (None, 'batch'), 2: (None, range(4))},
+    'DepthwiseConv2dNativeBackpropInput': {2: (None, range(4))},
+    'DepthwiseConv2dNativeBackpropFilter': {0: (None, 'batch'), 2: (None, range(4))},
+    'MaxPoolGrad': {2: (None, range(4))},
+    'AvgPoolGrad': {1: (None, range(4))},
+}
+# Ops whose operand 0 (image gradients) or 1 (filter gradients) is the result's shape.
+_SIZES_OPERAND = {'Conv2DBackpropInput': 0, 'AvgPoolGrad': 0,
+                  'DepthwiseConv2dNativeBackpropInput': 0, 'Conv2DBackpropFilter': 1,
+                  'DepthwiseConv2dNativeBackpropFilter': 1}
+
+
+def _whole_images(p, node, values, chosen, layout, out_shape) -> tf.Tensor:
+  """No spatial dim split (batch or channels only): the op itself, with its own padding,
+  on the local blocks. No halo and no Pad copy, and the op keeps the form TF's oneDNN
+  rewrite knows: its backprop-input kernels take SAME/VALID, not EXPLICIT padding, and the
+  explicit form fell back to Eigen, 7x slower on ResNet50's image gradients."""
+  inputs = [value.tensor if value is not None else None for value in values]
+  for i, (factor, dims) in _WHOLE_IMAGE_MASKS.get(node.op, {}).items():
+    if factor is not None and not chosen.axes(factor):
+      continue
+    dims = [getattr(layout, dims)] if isinstance(dims, str) else dims
+    inputs[i] = _mask(p, values[i], inputs[i], dims)
+  sizes = _SIZES_OPERAND.get(node.op)
+  if sizes is not None:
+    local = _unpartial(chosen.results[0]).shard_shape(out_shape)
+    inputs[sizes] = _local_shape_const(values[sizes].tensor.dtype, local)
+  op = emit.emit_node(node, inputs, name=node.name + '/gspmd/local')
+  return op.outputs[0]
