@@ -35,7 +35,7 @@ does), so the train, test and predict steps agree on every variable's layout.
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Sequence, Union
+from typing import Any, Dict, List, Sequence, Union
 
 import keras
 import numpy as np
@@ -77,10 +77,9 @@ def _signature(batch) -> tuple:
                for t in tf.nest.flatten(batch))
 
 
-@tf.function(reduce_retracing=True)
-def _fingerprint_all(variables):
+def _fingerprint(value) -> tf.Tensor:
   # tf.fingerprint hashes each row's raw bytes (farmhash64), any numeric dtype.
-  return tf.stack([tf.fingerprint(tf.reshape(v, [1, -1]))[0] for v in variables])
+  return tf.fingerprint(tf.reshape(value, [1, -1]))[0]
 
 
 class _Mirror:
@@ -89,11 +88,30 @@ class _Mirror:
   def __init__(self, store: VariableStore):
     self.store = store
     self._agreed: Dict[int, bytes] = {}  # id(original) -> its fingerprint when both copies agreed
+    self._compiled: Dict[tuple, Any] = {}  # fingerprint checks and copies, per variable list
 
   def _fingerprints(self, originals) -> List[bytes]:
     if not originals:
       return []
-    return [row.tobytes() for row in _fingerprint_all(list(originals)).numpy()]
+    return [row.tobytes() for row in self._fingerprint_function(originals)().numpy()]
+
+  def _fingerprint_function(self, originals):
+    """One compiled call fingerprinting these originals, cached per list (a model checks the
+    same lists every call). The variables are captured, not passed: passing V variables
+    costs a call V argument checks."""
+    key = ('fingerprints',) + tuple(id(o) for o in originals)
+    function = self._compiled.get(key)
+    if function is None:
+      self._bound_cache()
+      captured = list(originals)
+      function = self._compiled[key] = tf.function(
+          lambda: tf.stack([_fingerprint(v) for v in captured]), autograph=False)
+    return function
+
+  def _bound_cache(self) -> None:
+    # Rare lists (the few originals a user wrote) add entries too; keep the cache small.
+    if len(self._compiled) >= 32:
+      self._compiled.clear()
 
   def _agree(self, originals) -> None:
     for var, fp in zip(originals, self._fingerprints(originals)):
@@ -128,9 +146,32 @@ class _Mirror:
     for original, sharded in pairs:
       if id(original) in written:
         sharded.scatter(original.read_value())
-      else:
-        original.assign(sharded.assemble())
-    self._agree([o for o, _ in pairs])
+    copied = [(o, s) for o, s in pairs if id(o) not in written]
+    if copied:
+      fingerprints = self._copy_back(copied)().numpy()
+      for (original, _), fp in zip(copied, fingerprints):
+        self._agreed[id(original)] = fp.tobytes()
+    self._agree([o for o, _ in pairs if id(o) in written])
+
+  def _copy_back(self, pairs):
+    """One compiled call assigning each pair's assembled shards to its original and returning
+    the fingerprints of the values assigned (the agreement). Eagerly, each pair cost an
+    assemble and an assign from Python: 83 ms per train_on_batch of a 2-layer transformer
+    whose step is 140 ms. Cached per list of pairs: a model pulls the same lists each call."""
+    key = ('copy back',) + tuple((id(o), id(s)) for o, s in pairs)
+    function = self._compiled.get(key)
+    if function is None:
+      self._bound_cache()
+      @tf.function(autograph=False)
+      def copy_back():
+        fingerprints = []
+        for original, sharded in pairs:
+          value = sharded.assemble()
+          original.assign(value)
+          fingerprints.append(_fingerprint(value))
+        return tf.stack(fingerprints)
+      function = self._compiled[key] = copy_back
+    return function
 
 
 class _Sync(keras.callbacks.Callback):

@@ -1,0 +1,302 @@
+"""Data parallel over 8 logical CPUs against what this machine allows, and against Keras on JAX.
+
+Two models, each trained by Keras `train_on_batch` (forward, backward, optimizer):
+  resnet50     keras.applications.ResNet50 (weights=None), 64x64x3, 10 classes, batch 32, SGD.
+  transformer  a 2-layer transformer encoder classifier (bench/first_step.py's): seq 64,
+               d_model 128, 8 heads, ff 512, vocab 256, batch 32, Adam.
+
+The limit. N partitions on this machine's cores cannot beat one device doing the same
+work: the least a data-parallel step can cost is N times the unpartitioned step at the
+per-device batch (batch/N) plus the all-reduce of the gradients. Both terms are measured
+here, in the same process as the partitioned step and round-robin with it:
+  unpartitioned at batch/N   the same model, TF unpartitioned, on batch/N examples;
+  all-reduce alone           tf_gspmd's own all-reduce of the gradient bytes (one f32
+                             vector of the trainable parameter count per device, summed
+                             over 8 devices), a partitioned program doing nothing else.
+  limit = N x (unpartitioned at batch/N) + all-reduce; ratio = partitioned step / limit.
+
+Side by side (each system in a fresh subprocess, so first steps are cold):
+  tf_gspmd      `tg.partition_model(model, Mesh((8,), ('data',)))`: first step (with the
+                pipeline's phases, bench/first_step.py's PhaseTimer), then steady steps
+                round-robin with the unpartitioned model at batch and at batch/N and with
+                the all-reduce. The first loss is compared with the unpartitioned model's
+                first loss (same weights, same batch) through the oracle and printed.
+  tf            TF unpartitioned: first step and steady step (a fresh process: the first
+                step of a process that already ran TF would be cheaper).
+  keras_jax     Keras 3 on JAX (.jaxenv), `keras.distribution.DataParallel` over 8 host
+                devices, and the same model on one device, round-robin: its first step and
+                its own partitioned / unpartitioned ratio.
+
+  .venv/bin/python bench/limit.py [--models resnet50,transformer] [--steps 5] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # before TensorFlow is first imported
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+N = 8
+RESULT = 'LIMIT_RESULT '
+CONFIGS = {
+    'resnet50': dict(batch=32, image=64, classes=10),
+    'transformer': dict(batch=32, vocab=256, seq=64, d_model=128, heads=8, ff=512, layers=2),
+}
+
+
+def build(name: str, cfg: dict, batch: int, seed: int = 0):
+  """The compiled Keras model and a batch of `batch` examples (the first `batch` of the
+  full batch, so the per-device batch is the same data a partition sees)."""
+  import keras  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(seed)
+  rng = np.random.RandomState(1)
+  if name == 'resnet50':
+    model = keras.applications.ResNet50(weights=None, input_shape=(cfg['image'],) * 2 + (3,),
+                                        classes=cfg['classes'])
+    x = rng.randn(cfg['batch'], cfg['image'], cfg['image'], 3).astype(np.float32)
+    y = rng.randint(0, cfg['classes'], cfg['batch']).astype(np.int32)
+    optimizer = keras.optimizers.SGD(0.01)
+  else:
+    sys.path.insert(0, HERE)
+    import first_step  # pylint: disable=g-import-not-at-top
+    model = first_step.transformer_classifier(cfg)
+    x = rng.randint(0, cfg['vocab'], (cfg['batch'], cfg['seq'])).astype(np.int32)
+    y = rng.randint(0, cfg['vocab'], cfg['batch']).astype(np.int32)
+    optimizer = keras.optimizers.Adam(1e-3)
+  model.compile(optimizer=optimizer,
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  return model, x[:batch], y[:batch]
+
+
+def parameter_count(model) -> int:
+  return int(sum(int(v.numpy().size) for v in model.trainable_variables))
+
+
+def timed(fn) -> float:
+  start = time.perf_counter()
+  fn()
+  return time.perf_counter() - start
+
+
+def round_robin(calls: dict, steps: int) -> dict:
+  """Median seconds of each call, the calls taken in turn (load hits all alike)."""
+  for fn in calls.values():  # warm-up: one untimed call each
+    fn()
+  times = {k: [] for k in calls}
+  for _ in range(steps):
+    for k, fn in calls.items():
+      times[k].append(timed(fn))
+  return {k: statistics.median(v) for k, v in times.items()}
+
+
+# ---------------------------------------------------------------- children
+def configure_logical_cpus(n: int) -> None:
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  tf.config.set_logical_device_configuration(tf.config.list_physical_devices('CPU')[0],
+                                             [tf.config.LogicalDeviceConfiguration()] * n)
+
+
+def all_reduce_program(mesh, count: int):
+  """A partitioned program whose only work is one all-reduce of `count` f32 per device."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
+  grads = tf.Variable(tf.ones([N, count]), name='stacked_gradients')
+  tg.shard_variable(grads, mesh, tg.P('data', None))
+
+  @tf.function
+  def reduce():
+    # max of the sum: not linear, so the whole summed vector must be all-reduced first.
+    return tf.reduce_max(tf.reduce_sum(grads, 0))
+  program = tg.partition(reduce, mesh)
+  return lambda: program().numpy(), program
+
+
+def child_tf_gspmd(name: str, cfg: dict, steps: int) -> dict:
+  configure_logical_cpus(N)
+  sys.path.insert(0, ROOT)
+  sys.path.insert(0, HERE)
+  import first_step  # pylint: disable=g-import-not-at-top
+  import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.testing import oracle  # pylint: disable=g-import-not-at-top
+  mesh = tg.Mesh.create((N,), ('data',))
+  model, x, y = build(name, cfg, cfg['batch'])
+  tg.partition_model(model, mesh)
+  timer = first_step.PhaseTimer()
+  with timer.installed():
+    start = time.perf_counter()
+    first_loss = model.train_on_batch(x, y)
+    first = time.perf_counter() - start
+  whole, _, _ = build(name, cfg, cfg['batch'])
+  whole_loss = whole.train_on_batch(x, y)
+  part, xs, ys = build(name, cfg, cfg['batch'] // N)
+  count = parameter_count(model)
+  reduce, reduce_program = all_reduce_program(mesh, count)
+  medians = round_robin({'partitioned': lambda: model.train_on_batch(x, y),
+                         'unpartitioned': lambda: whole.train_on_batch(x, y),
+                         'per_device_batch': lambda: part.train_on_batch(xs, ys),
+                         'all_reduce': reduce}, steps)
+  kinds = [r['kind'] for r in reduce_program.collectives()]
+  verdict = oracle.check(oracle.as_float32(first_loss), oracle.as_float32(whole_loss),
+                         name='first loss')
+  phases = timer.phases(medians['partitioned'])
+  phases['other'] = max(0.0, first - sum(phases.values()))
+  return {'first_s': first, 'phases': phases, 'parameters': count,
+          'all_reduce_collectives': kinds, 'first_loss_error': verdict.error,
+          'first_loss_ok': verdict.ok, **{f'{k}_s': v for k, v in medians.items()}}
+
+
+def child_tf(name: str, cfg: dict, steps: int) -> dict:
+  configure_logical_cpus(N)
+  model, x, y = build(name, cfg, cfg['batch'])
+  first = timed(lambda: model.train_on_batch(x, y))
+  steady = round_robin({'step': lambda: model.train_on_batch(x, y)}, steps)['step']
+  return {'first_s': first, 'step_s': steady}
+
+
+def child_keras_jax(name: str, cfg: dict, steps: int) -> dict:
+  import keras  # pylint: disable=g-import-not-at-top
+  devices = keras.distribution.list_devices()[:N]
+  distribution = keras.distribution.DataParallel(devices=devices)
+  with distribution.scope():
+    model, x, y = build(name, cfg, cfg['batch'])
+
+    def step():
+      with distribution.scope():
+        return model.train_on_batch(x, y)
+    first = timed(step)
+  whole, _, _ = build(name, cfg, cfg['batch'])
+  medians = round_robin({'partitioned': step,
+                         'unpartitioned': lambda: whole.train_on_batch(x, y)}, steps)
+  return {'first_s': first, **{f'{k}_s': v for k, v in medians.items()}}
+
+
+CHILDREN = {'tf_gspmd': child_tf_gspmd, 'tf': child_tf, 'keras_jax': child_keras_jax}
+
+
+# ---------------------------------------------------------------- parent
+def jax_python():
+  for candidate in (os.environ.get('TF_GSPMD_JAX_PYTHON'), os.path.join(ROOT, '.jaxenv', 'bin',
+                                                                        'python')):
+    if candidate and os.path.exists(candidate):
+      return candidate
+  return None
+
+
+def spawn(system: str, name: str, cfg: dict, steps: int, timeout: float) -> dict:
+  python, env = sys.executable, dict(os.environ, KERAS_BACKEND='tensorflow')
+  if system == 'keras_jax':
+    python = jax_python()
+    if python is None:
+      return {'error': 'no JAX venv (.jaxenv or $TF_GSPMD_JAX_PYTHON)'}
+    env = dict(os.environ, KERAS_BACKEND='jax',
+               XLA_FLAGS=f'--xla_force_host_platform_device_count={N}')
+  cmd = [python, os.path.abspath(__file__), '--child', system, name, json.dumps(cfg), str(steps)]
+  start = time.perf_counter()
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=ROOT, check=False)
+  except subprocess.TimeoutExpired:
+    return {'error': f'timed out after {timeout:.0f} s'}
+  print(f'  {name} / {system}: {time.perf_counter() - start:.0f} s', file=sys.stderr)
+  for line in proc.stdout.splitlines():
+    if line.startswith(RESULT):
+      return json.loads(line[len(RESULT):])
+  sys.stderr.write(proc.stderr[-3000:])
+  tail = [l for l in proc.stderr.splitlines() if l.strip()][-1:] or ['no output']
+  return {'error': f'exit {proc.returncode}: {tail[0][:120]}'}
+
+
+def cpu_model() -> str:
+  try:
+    with open('/proc/cpuinfo') as f:
+      for line in f:
+        if line.startswith('model name'):
+          return line.split(':', 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or 'unknown'
+
+
+def ms(seconds) -> str:
+  return '-' if seconds is None else f'{1e3 * seconds:.0f} ms'
+
+
+def report(name: str, cfg: dict, r: dict) -> list:
+  g, t, j = r.get('tf_gspmd', {}), r.get('tf', {}), r.get('keras_jax', {})
+  ran = lambda result: bool(result) and 'error' not in result  # noqa: E731
+  lines = [f'{name} {cfg}, data parallel over {N}']
+  for system, res in (('tf_gspmd', g), ('tf', t), ('keras_jax', j)):
+    if 'error' in res:
+      lines.append(f'  {system}: error: {res["error"]}')
+  if ran(g):
+    limit = N * g['per_device_batch_s'] + g['all_reduce_s']
+    lines += [
+        f'  tf_gspmd step                    {ms(g["partitioned_s"])}',
+        f'  TF unpartitioned step            {ms(g["unpartitioned_s"])}',
+        f'  limit = {N} x {ms(g["per_device_batch_s"])} (TF at batch {cfg["batch"] // N}) '
+        f'+ {ms(g["all_reduce_s"])} (all-reduce of {g["parameters"] * 4 / 1e6:.1f} MB, '
+        f'{len(g["all_reduce_collectives"])} collective) = {ms(limit)}',
+        f'  step / limit                     {g["partitioned_s"] / limit:.2f} (goal <= 1.2)'
+        if name == 'resnet50' else
+        f'  step / limit                     {g["partitioned_s"] / limit:.2f}',
+        f'  step / TF unpartitioned step     {g["partitioned_s"] / g["unpartitioned_s"]:.2f}' +
+        (' (goal <= 1.0)' if name == 'transformer' else ''),
+        f'  first loss vs unpartitioned: normwise error {g["first_loss_error"]:.1e} '
+        f'({"ok" if g["first_loss_ok"] else "MISMATCH"})',
+        '  phases of the first step (s): ' + ', '.join(f'{k} {v:.2f}'
+                                                      for k, v in g['phases'].items())]
+  if ran(j):
+    lines.append(f'  Keras-on-JAX step {ms(j["partitioned_s"])}, unpartitioned '
+                 f'{ms(j["unpartitioned_s"])}: its own ratio '
+                 f'{j["partitioned_s"] / j["unpartitioned_s"]:.2f}')
+    if ran(g):
+      lines.append(f'  tf_gspmd step / Keras-on-JAX step  '
+                   f'{g["partitioned_s"] / j["partitioned_s"]:.2f} (goal < 1.0)')
+  if ran(g) and ran(t):
+    lines.append(f'  first step: tf_gspmd {g["first_s"]:.2f} s, TF unpartitioned '
+                 f'{t["first_s"]:.2f} s: {g["first_s"] / t["first_s"]:.1f}x (goal <= 3x)')
+  if ran(g) and ran(j):
+    lines.append(f'  first step: Keras-on-JAX {j["first_s"]:.2f} s: tf_gspmd / JAX '
+                 f'{g["first_s"] / j["first_s"]:.2f}x (goal <= 1.5x)')
+  return lines
+
+
+def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  if argv and argv[0] == '--child':
+    system, name, cfg, steps = argv[1], argv[2], json.loads(argv[3]), int(argv[4])
+    print(RESULT + json.dumps(CHILDREN[system](name, cfg, steps)), flush=True)
+    return 0
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--models', default='resnet50,transformer')
+  parser.add_argument('--systems', default='tf_gspmd,tf,keras_jax')
+  parser.add_argument('--steps', type=int, default=5)
+  parser.add_argument('--timeout', type=float, default=1800)
+  parser.add_argument('--json')
+  flags = parser.parse_args(argv)
+  results, lines = {}, [f'cpu: {cpu_model()}, {os.cpu_count()} cores']
+  for name in flags.models.split(','):
+    cfg = CONFIGS[name]
+    results[name] = {s: spawn(s, name, cfg, flags.steps, flags.timeout)
+                     for s in flags.systems.split(',')}
+    lines += report(name, cfg, results[name])
+  print('\n'.join(lines))
+  if flags.json:
+    with open(flags.json, 'w') as f:
+      json.dump(results, f, indent=1)
+  mismatch = any(not r.get('tf_gspmd', {}).get('first_loss_ok', True) for r in results.values())
+  return 1 if mismatch else 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
