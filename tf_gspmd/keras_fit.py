@@ -44,6 +44,7 @@ import tensorflow as tf
 from tf_gspmd.annotations import shard, shard_variable, variable_sharding
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.partitioned import PartitionedFunction, VariableStore
+from tf_gspmd.runtime.launcher import without_grappler
 from tf_gspmd.sharding import P
 
 
@@ -93,7 +94,8 @@ class _Mirror:
   def _fingerprints(self, originals) -> List[bytes]:
     if not originals:
       return []
-    return [row.tobytes() for row in self._fingerprint_function(originals)().numpy()]
+    with without_grappler():  # a hash per variable: nothing to optimize, much to pay for
+      return [row.tobytes() for row in self._fingerprint_function(originals)().numpy()]
 
   def _fingerprint_function(self, originals):
     """One compiled call fingerprinting these originals, cached per list (a model checks the
@@ -148,7 +150,8 @@ class _Mirror:
         sharded.scatter(original.read_value())
     copied = [(o, s) for o, s in pairs if id(o) not in written]
     if copied:
-      fingerprints = self._copy_back(copied)().numpy()
+      with without_grappler():  # reads and assigns: nothing to optimize
+        fingerprints = self._copy_back(copied)().numpy()
       for (original, _), fp in zip(copied, fingerprints):
         self._agreed[id(original)] = fp.tobytes()
     self._agree([o for o, _ in pairs if id(o) in written])
@@ -163,13 +166,13 @@ class _Mirror:
     if function is None:
       self._bound_cache()
       @tf.function(autograph=False)
-      def copy_back():
+      def copy_back():  # few ops per variable: tracing it is part of the first step
         fingerprints = []
         for original, sharded in pairs:
           value = sharded.assemble()
-          original.assign(value)
-          fingerprints.append(_fingerprint(value))
-        return tf.stack(fingerprints)
+          original.assign(value, read_value=False)
+          fingerprints.append(tf.fingerprint(tf.reshape(value, [1, -1])))
+        return tf.concat(fingerprints, 0)
       function = self._compiled[key] = copy_back
     return function
 

@@ -255,7 +255,7 @@ class SpmdProgram:
     try:
       # Variables are captured by the outer function (see _outer_function): only the
       # other arguments are passed, so a call does not hand TF V x N variables to check.
-      with _outer_call_options():
+      with without_grappler():
         flat = outer(tokens, *[self._outer_input(a, value) for a, value in zip(args_spec, args)
                                if a.kind != 'variable'])
     except tf.errors.OpError as error:
@@ -636,19 +636,21 @@ _GRAPPLER_PASSES = ('constant_folding', 'arithmetic_optimization', 'layout_optim
                     'implementation_selector', 'common_subgraph_elimination')
 
 
-_OUTER_OPTIONS = {}  # (the caller's config, executor type) -> the outer launch's call options
+_NO_GRAPPLER_OPTIONS = {}  # (the caller's config, executor type) -> the same, Grappler off
 
 
-def _outer_call_options():
-  """Runs the outer launch function without Grappler (a context manager).
+def without_grappler():
+  """Runs the tf.function calls inside without Grappler (a context manager).
 
-  The outer graph is small (splits, N call ops, assembly), but Grappler run on it
-  also specializes the per-partition function per call site (each partition's
-  id is a constant, its unused outputs differ) and optimizes every copy with
-  the full pipeline: N more optimizations of the whole body (measured: a quarter
-  of the instantiation of a residual CNN on 8 devices). Each call op carries its
-  own config (`_call_config`). The eager context's per-thread function call
-  options are TF-private: they are what a tf.function call reads its config from.
+  For functions that are run a few times or are mostly data movement, where
+  Grappler's pipeline costs more than it saves. The outer launch function: it is
+  small (splits, N call ops, assembly), but Grappler run on it also specializes the
+  per-partition function per call site (each partition's id is a constant, its
+  unused outputs differ) and optimizes every copy with the full pipeline: N more
+  optimizations of the whole body (measured: a quarter of the instantiation of a
+  residual CNN on 8 devices). Each call op carries its own config (`_call_config`).
+  The eager context's per-thread function call options are TF-private: they are
+  what a tf.function call reads its config from.
   """
   import contextlib  # pylint: disable=g-import-not-at-top
   ctx = context.context()
@@ -657,13 +659,13 @@ def _outer_call_options():
   def options():
     saved = ctx.function_call_options
     key = (saved.config_proto_serialized, saved.executor_type)
-    if key not in _OUTER_OPTIONS:  # the user's config (threads, placement), Grappler off
+    if key not in _NO_GRAPPLER_OPTIONS:  # the user's config (threads, placement), Grappler off
       config = config_pb2.ConfigProto()
       config.ParseFromString(saved.config_proto_serialized)
       config.graph_options.rewrite_options.disable_meta_optimizer = True
-      _OUTER_OPTIONS[key] = context.FunctionCallOptions(
+      _NO_GRAPPLER_OPTIONS[key] = context.FunctionCallOptions(
           executor_type=saved.executor_type, config_proto=config)
-    ctx.function_call_options = _OUTER_OPTIONS[key]
+    ctx.function_call_options = _NO_GRAPPLER_OPTIONS[key]
     try:
       yield
     finally:

@@ -247,8 +247,12 @@ class ShardedVariable(tf.Module):
 
   def assemble(self) -> tf.Tensor:
     """The global value (padding dropped)."""
-    return assemble([v.read_value() for v in self.shards], self.sharding, self.shape,
-                    f'ShardedVariable {self.label!r}')
+    what = f'ShardedVariable {self.label!r}'
+    # Only the shards the global value is made of: one of a replicated variable, not N.
+    needed = set(_tile_members(self.sharding, len(self.shards), what).reshape(-1).tolist())
+    shards = [tf.raw_ops.ReadVariableOp(resource=v.handle, dtype=v.dtype) if p in needed
+              else None for p, v in enumerate(self.shards)]
+    return assemble(shards, self.sharding, self.shape, what)
 
   def numpy(self) -> np.ndarray:
     return self.assemble().numpy()
