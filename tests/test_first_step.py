@@ -124,32 +124,42 @@ def test_a_call_builds_no_specs_and_passes_no_variables(monkeypatch):
   assert len(concrete.captured_inputs) >= len(variables) * 8
 
 
-def test_per_partition_calls_run_only_the_remapper_and_the_launch_no_grappler():
-  """Per-device instantiation re-optimizes the body N times: only the remapper's fusions run;
-  the outer launch (whose Grappler specialized the body per call site) runs none."""
+def test_per_partition_calls_and_the_launch_run_no_grappler(monkeypatch):
+  """Per-device instantiation would run Grappler over the body N times: by default the
+  per-partition calls run none (TF_GSPMD_GRAPPLER names passes to bring back), nor does the
+  outer launch (whose Grappler specialized the body per call site)."""
   from tensorflow.core.protobuf import config_pb2  # pylint: disable=g-import-not-at-top
   from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=g-import-not-at-top
   from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
   mesh = tg.Mesh.create((8,), ('data',))
-  step, _ = mlp_step(1, mesh)
-  reference, _ = mlp_step(1)
-  pf = tg.partition(step, mesh)
-  before = context.context().function_call_options
-  x = randn(4, 16, 8)
-  assert_close(pf(x), reference(x), 'loss')
-  assert context.context().function_call_options is before  # the caller's options restored
-  spmd = pf.get_program(x).spmd
-  (outer, _), = spmd._outer.values()  # pylint: disable=protected-access
-  concrete, = outer._list_all_concrete_functions()  # pylint: disable=protected-access
-  calls = [op for op in concrete.graph.get_operations() if op.type == 'StatefulPartitionedCall']
-  assert len(calls) == 8
-  config = config_pb2.ConfigProto()
-  config.ParseFromString(calls[0].get_attr('config_proto'))
-  rewrite = config.graph_options.rewrite_options
+
+  def call_configs(seed):
+    step, _ = mlp_step(1, mesh, seed=seed)
+    reference, _ = mlp_step(1, seed=seed)
+    pf = tg.partition(step, mesh)
+    before = context.context().function_call_options
+    x = randn(4, 16, 8)
+    assert_close(pf(x), reference(x), 'loss')
+    assert context.context().function_call_options is before  # the caller's options restored
+    (outer, _), = pf.get_program(x).spmd._outer.values()  # pylint: disable=protected-access
+    concrete, = outer._list_all_concrete_functions()  # pylint: disable=protected-access
+    calls = [op for op in concrete.graph.get_operations()
+             if op.type == 'StatefulPartitionedCall']
+    assert len(calls) == 8
+    configs = []
+    for call in calls:
+      config = config_pb2.ConfigProto()
+      config.ParseFromString(call.get_attr('config_proto'))
+      configs.append(config.graph_options.rewrite_options)
+    return configs
+
+  assert all(r.disable_meta_optimizer for r in call_configs(1))
+  monkeypatch.setenv('TF_GSPMD_GRAPPLER', 'remapping')
   off = rewriter_config_pb2.RewriterConfig.OFF
-  assert rewrite.remapping != off
-  assert rewrite.constant_folding == off and rewrite.arithmetic_optimization == off
-  assert rewrite.function_optimization == off and rewrite.layout_optimizer == off
+  for rewrite in call_configs(2):
+    assert not rewrite.disable_meta_optimizer and rewrite.remapping != off
+    assert rewrite.constant_folding == off and rewrite.arithmetic_optimization == off
+    assert rewrite.function_optimization == off and rewrite.layout_optimizer == off
 
 
 def test_keras_step_is_traced_once_and_trains_like_keras():

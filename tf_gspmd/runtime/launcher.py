@@ -628,8 +628,8 @@ def _read_only_inputs(function):
 
 
 # Grappler passes run on the per-partition function (TF_GSPMD_GRAPPLER overrides: a comma-
-# separated list, 'all' for TF's default pipeline, 'none' for no Grappler at all).
-DEFAULT_GRAPPLER = ('remapping',)
+# separated list such as 'remapping', 'all' for TF's default pipeline, 'none' for none).
+DEFAULT_GRAPPLER = ()
 _GRAPPLER_PASSES = ('constant_folding', 'arithmetic_optimization', 'layout_optimizer',
                     'dependency_optimization', 'loop_optimization', 'function_optimization',
                     'shape_optimization', 'remapping', 'debug_stripper', 'pin_to_host_optimization',
@@ -678,11 +678,14 @@ def _call_config() -> bytes:
 
   TF instantiates the per-partition function once per device, and each
   instantiation runs Grappler over the whole body again: N times the graph
-  optimization an unpartitioned step pays once (measured on 8 devices: 40-60% of
-  the first step of a 2-layer transformer and of a residual CNN). Only the
-  remapper is kept by default: its fusions (conv/matmul + bias + activation) are
-  what the steady step measurably needs (the residual CNN's step was 1.8-2.3x
-  slower without it, and no slower with the remapper alone).
+  optimization an unpartitioned step pays once. By default none runs. Measured
+  with data parallel over 8 (bench/limit.py, step_time.py): the remapper alone,
+  the pass that mattered, changed no steady step (ResNet50 1672 vs 1648 ms, the
+  2-layer transformer 141 vs 147 ms, the halo CNN 163 vs 166 ms) once windowed ops
+  with whole images kept their own padding (TF's oneDNN graph rewrite, which is not
+  Grappler and runs anyway, fuses and picks the kernels), and it cost ResNet50's
+  first step 5.3 s (instantiation 11.8 -> 6.5 s without it). TF_GSPMD_GRAPPLER
+  brings passes back for a program that gains from them.
   """
   import os  # pylint: disable=g-import-not-at-top
   from tensorflow.core.protobuf import config_pb2  # pylint: disable=g-import-not-at-top
