@@ -22,6 +22,7 @@ LAYERS = (
     ('graph_rewrite',),             # the partitioner: local ops from rules, reshards
     ('runtime',),                   # TF backend: collectives on TF devices, the launcher
     ('xla_bridge',),                # XLA backend: XLA collectives, export, PJRT
+    ('build_progress',),            # what a long first call is doing, shown as it runs
     ('partitioned',),               # partition(): capture -> propagate -> rewrite -> backend
     ('checkpoint', 'saved_model', 'serve', 'planning'),  # save/restore/export/serve/plan a partitioned program
     ('keras_layout', 'keras_fit', 'keras'),  # Keras on top of partition()

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from tf_gspmd import build_progress
 from tf_gspmd.graph import ir
 from tf_gspmd.graph_rewrite.partitioner import Local, OpRecord, Partitioner
 from tf_gspmd.mesh import Mesh
@@ -104,7 +105,8 @@ class PartitionedFunction:
 
   def __init__(self, fn, mesh: Mesh, in_shardings=None, out_shardings=None, *,
                devices: Optional[Sequence[str]] = None, timeout: Optional[float] = None,
-               store: Optional[VariableStore] = None, backend: str = 'tf'):
+               store: Optional[VariableStore] = None, backend: str = 'tf',
+               progress: Optional[bool] = None):
     if not isinstance(mesh, Mesh):
       raise TypeError(f'partition: mesh must be a tf_gspmd.Mesh, got {type(mesh).__name__}.')
     if backend not in BACKENDS:
@@ -121,9 +123,28 @@ class PartitionedFunction:
     self._sharded_variables = self.store.sharded  # id(tf.Variable) -> ShardedVariable
     self._originals = self.store.originals
     self._last: Optional[_Compiled] = None
+    self.progress = build_progress.enabled_by_default() if progress is None else bool(progress)
+    self.last_build: Optional[build_progress.BuildProgress] = None  # its .phases: (phase, s)
+    self._building: Optional[build_progress.BuildProgress] = None
 
   # --- calling ------------------------------------------------------------------
   def __call__(self, *args):
+    if _signature_key(args) in self._compiled:
+      return self._call(args)
+    what = f'{_name_of(self.fn)} on {self.mesh.size} devices'
+    with build_progress.BuildProgress(what, self.progress) as progress:
+      self._building = self.last_build = progress
+      try:
+        return self._call(args)
+      finally:
+        self._building = None
+
+  def _phase(self, text: str) -> None:
+    """Mark the phase of the first call being built (shown when the build takes long)."""
+    if self._building is not None:
+      self._building.phase(text)
+
+  def _call(self, args):
     compiled = self._compile(args)
     self.store.check_annotations(compiled.variables)
     self._last = compiled
@@ -319,12 +340,15 @@ class PartitionedFunction:
     key = _signature_key(args)
     if key in self._compiled:
       return self._compiled[key]
+    self._phase('capturing the step')
     program = capture(self.fn, *args)
     _check_annotation_devices(program, self.mesh)
     mesh = _program_mesh(program, self.mesh, self._boundary_shardings(program))
     self._annotate_arguments(program, mesh)
     self._annotate_outputs(program, mesh)
+    self._phase('propagating shardings')
     plan = propagate_captured(program, mesh)
+    self._phase('making the sharded variables')
     compiled = self._build(program, plan, mesh)
     self._compiled[key] = compiled
     return compiled
@@ -438,6 +462,7 @@ class PartitionedFunction:
 
     @tf.autograph.experimental.do_not_convert  # plain Python emitting ops: no autograph
     def per_partition(ctx, *local):
+      self._phase('partitioning the program')
       n_args = len(arg_shapes)
       values = [Local(t, s, shape) for t, s, shape in
                 zip(local[:n_args], arg_shardings + capture_shardings, arg_shapes)]
@@ -453,6 +478,8 @@ class PartitionedFunction:
       entry = list(move.records)
       outs = [move(main, t, v, s, 'output') for t, v, s in zip(main.outputs, outs, out_shardings)]
       op_records[:] = entry + partitioner.records + move.records[len(entry):]
+      self._phase('compiling with XLA and running the first step' if self.backend == 'xla' else
+                  f'instantiating on {mesh.size} devices and running the first step')
       return [o.tensor for o in outs]
 
     per_partition.__name__ = _name_of(self.fn)
@@ -661,6 +688,9 @@ def partition(fn=None, mesh: Optional[Mesh] = None, in_shardings=None, out_shard
   `backend`: 'tf' (default: TF collectives between TF devices) or 'xla' (the
   per-replica program exported to StableHLO, compiled by XLA and run on the
   mesh's devices through PJRT; needs the `tf_gspmd[xla]` extra).
+  `progress`: while a first call builds for longer than a few seconds, show
+  which phase it is in (one updating line on a terminal, INFO log lines
+  otherwise; see `tf_gspmd.build_progress`); default on unless TF_GSPMD_PROGRESS=0.
 
   >>> mesh = Mesh.create((8,), ('data',))                          # doctest: +SKIP
   >>> step = partition(train_step, mesh, in_shardings=NamedSharding(mesh, P('data', None)))  # doctest: +SKIP

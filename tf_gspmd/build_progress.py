@@ -1,0 +1,103 @@
+"""What a partitioned program's first call is doing, shown while it takes long.
+
+The first call of a partitioned function captures the step, propagates
+shardings, makes the sharded variables, partitions the program and lets TF
+instantiate it on every device: tens of seconds for a large model. Keras shows a
+progress bar for the steps that follow; this shows which phase the build is in.
+Nothing is shown for a build shorter than `DELAY` seconds. On a terminal it is
+one line, updated in place and closed with the phase times; elsewhere (a log
+file, a notebook, pytest) one INFO line on the 'tf_gspmd' logger per phase
+reached after the delay, and one at the end. Off with `progress=False` on
+`tf_gspmd.partition`, or TF_GSPMD_PROGRESS=0 for the whole process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Dict, List, Optional, TextIO
+
+DELAY = 3.0      # seconds of build before anything is shown
+POLL = 0.25      # seconds between updates of the line
+_LOG = logging.getLogger('tf_gspmd')
+
+
+def enabled_by_default() -> bool:
+  return os.environ.get('TF_GSPMD_PROGRESS', '1').lower() not in ('0', 'false', 'off', 'no')
+
+
+class BuildProgress:
+  """A context manager around one build; `phase(text)` marks where it is.
+
+  `phases` holds (phase, seconds) in order once the build ends, shown or not.
+  """
+
+  def __init__(self, name: str, enabled: bool = True, stream: Optional[TextIO] = None,
+               delay: Optional[float] = None):
+    self.name = name
+    self.enabled = enabled
+    self.stream = stream if stream is not None else sys.stderr
+    self.delay = DELAY if delay is None else delay
+    self.phases: List[tuple] = []
+    self._lock = threading.Lock()
+    self._done = threading.Event()
+    self._thread: Optional[threading.Thread] = None
+    self._start = self._phase_start = 0.0
+    self._phase = ''
+    self._shown = False
+    self._logged: Dict[str, bool] = {}
+
+  def __enter__(self) -> 'BuildProgress':
+    self._start = self._phase_start = time.perf_counter()
+    if self.enabled:
+      self._thread = threading.Thread(target=self._run, name='tf_gspmd_progress', daemon=True)
+      self._thread.start()
+    return self
+
+  def phase(self, text: str) -> None:
+    now = time.perf_counter()
+    with self._lock:
+      if self._phase:
+        self.phases.append((self._phase, now - self._phase_start))
+      self._phase, self._phase_start = text, now
+
+  def __exit__(self, *exc) -> None:
+    self.phase('')
+    self._done.set()
+    if self._thread is not None:
+      self._thread.join()
+    if self._shown and exc[0] is None:
+      self._show(f'built in {time.perf_counter() - self._start:.1f} s (' + ', '.join(
+          f'{p} {s:.1f} s' for p, s in self.phases) + ')', final=True)
+    elif self._shown and self._is_terminal():
+      self.stream.write('\n')
+      self.stream.flush()
+
+  # --- showing --------------------------------------------------------------------
+  def _is_terminal(self) -> bool:
+    isatty = getattr(self.stream, 'isatty', None)
+    return bool(isatty and isatty())
+
+  def _run(self) -> None:
+    while not self._done.wait(POLL):
+      now = time.perf_counter()
+      if now - self._start < self.delay:
+        continue
+      with self._lock:
+        phase, since = self._phase, self._phase_start
+      if phase:
+        self._show(f'{phase} ({now - since:.0f} s; {now - self._start:.0f} s in all)',
+                   phase=phase)
+
+  def _show(self, text: str, phase: str = '', final: bool = False) -> None:
+    line = f'tf_gspmd: building {self.name}: {text}'
+    if self._is_terminal():  # rewrite the line in place (padded over a longer one); end it
+      self.stream.write('\r' + line.ljust(100) + ('\n' if final else ''))
+      self.stream.flush()
+    elif final or not self._logged.get(phase):
+      self._logged[phase] = True
+      _LOG.info(line if final else f'tf_gspmd: building {self.name}: {phase}')
+    self._shown = True
