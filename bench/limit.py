@@ -40,12 +40,14 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Dict
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # before TensorFlow is first imported
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 N = 8
+PROFILE = os.environ.get('LIMIT_PROFILE') == '1'  # set by --profile for the children
 RESULT = 'LIMIT_RESULT '
 CONFIGS = {
     'resnet50': dict(batch=32, image=64, classes=10),
@@ -89,14 +91,20 @@ def timed(fn) -> float:
 
 
 def round_robin(calls: dict, steps: int) -> dict:
-  """Median seconds of each call, the calls taken in turn (load hits all alike)."""
+  """Median seconds of each call (wall, and process CPU as '<name>_cpu'), the calls taken in
+  turn (load from other processes hits all alike)."""
   for fn in calls.values():  # warm-up: one untimed call each
     fn()
   times = {k: [] for k in calls}
+  cpu = {k: [] for k in calls}
   for _ in range(steps):
     for k, fn in calls.items():
+      start = time.process_time()
       times[k].append(timed(fn))
-  return {k: statistics.median(v) for k, v in times.items()}
+      cpu[k].append(time.process_time() - start)
+  medians = {k: statistics.median(v) for k, v in times.items()}
+  medians.update({f'{k}_cpu': statistics.median(v) for k, v in cpu.items()})
+  return medians
 
 
 # ---------------------------------------------------------------- children
@@ -150,9 +158,11 @@ def child_tf_gspmd(name: str, cfg: dict, steps: int) -> dict:
                          name='first loss')
   phases = timer.phases(medians['partitioned'])
   phases['other'] = max(0.0, first - sum(phases.values()))
+  profile = profile_step(lambda: model.train_on_batch(x, y)) if PROFILE else None
   return {'first_s': first, 'phases': phases, 'parameters': count,
           'all_reduce_collectives': kinds, 'first_loss_error': verdict.error,
-          'first_loss_ok': verdict.ok, **{f'{k}_s': v for k, v in medians.items()}}
+          'first_loss_ok': verdict.ok, 'profile': profile,
+          **{f'{k}_s': v for k, v in medians.items()}}
 
 
 def child_tf(name: str, cfg: dict, steps: int) -> dict:
@@ -178,6 +188,51 @@ def child_keras_jax(name: str, cfg: dict, steps: int) -> dict:
   medians = round_robin({'partitioned': step,
                          'unpartitioned': lambda: whole.train_on_batch(x, y)}, steps)
   return {'first_s': first, **{f'{k}_s': v for k, v in medians.items()}}
+
+
+# Events of TF's executor and eager runtime, not ops: left out of the per-kind times.
+_RUNTIME_EVENTS = {'Process', 'Run', 'Start', 'Done', 'RunClosure', 'ExecuteAsync', 'Loop',
+                   'CompleteParams', 'ParallelFor', 'FunctionRun', 'ExecutorDoneCallback'}
+_COLLECTIVE_OPS = ('CollectiveReduceV2', 'CollectiveGatherV2', 'CollectiveBcastSendV2',
+                   'CollectiveBcastRecvV2', 'CollectiveAllToAllV2')
+
+
+def profile_step(step, steps: int = 2) -> dict:
+  """Where a step's time goes, from TF's profiler: per op kind (summed over devices and
+  threads, per step), the collectives (their time includes the wait for the slowest peer:
+  idle at the barrier), and the wall time."""
+  import glob  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  # TF's own profile format; the module path is TF's (tsl), read here only, in a bench.
+  from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=g-import-not-at-top
+  where = tempfile.mkdtemp(prefix='limit_profile_')
+  tf.profiler.experimental.start(where)
+  start = time.perf_counter()
+  for _ in range(steps):
+    step()
+  wall = (time.perf_counter() - start) / steps
+  tf.profiler.experimental.stop()
+  space = xplane_pb2.XSpace()
+  with open(glob.glob(where + '/**/*.xplane.pb', recursive=True)[-1], 'rb') as f:
+    space.ParseFromString(f.read())
+  shutil.rmtree(where, ignore_errors=True)
+  kinds: Dict[str, float] = {}
+  for plane in space.planes:
+    for line in plane.lines:
+      for event in line.events:
+        name = plane.event_metadata[event.metadata_id].name
+        if ':' not in name:
+          continue  # Python and runtime scopes, not an op
+        kind = name.rsplit(':', 1)[1].strip()
+        if kind in _RUNTIME_EVENTS or kind.startswith('__inference'):
+          continue
+        kinds[kind] = kinds.get(kind, 0.0) + event.duration_ps / 1e9 / steps
+  collectives = sum(kinds.pop(k, 0.0) for k in _COLLECTIVE_OPS)
+  top = sorted(kinds.items(), key=lambda kv: -kv[1])
+  return {'wall_ms': 1e3 * wall, 'collectives_ms': collectives,
+          'ops_ms': sum(kinds.values()), 'top_kinds_ms': top[:12]}
 
 
 CHILDREN = {'tf_gspmd': child_tf_gspmd, 'tf': child_tf, 'keras_jax': child_keras_jax}
@@ -249,12 +304,23 @@ def report(name: str, cfg: dict, r: dict) -> list:
         f'  step / limit                     {g["partitioned_s"] / limit:.2f} (goal <= 1.2)'
         if name == 'resnet50' else
         f'  step / limit                     {g["partitioned_s"] / limit:.2f}',
+        f'  CPU: the step uses {ms(g["partitioned_cpu_s"])}; {N} x {ms(g["per_device_batch_cpu_s"])}'
+        f' (TF at batch {cfg["batch"] // N}) = {ms(N * g["per_device_batch_cpu_s"])} over '
+        f'{os.cpu_count()} cores: no step below '
+        f'{ms(N * g["per_device_batch_cpu_s"] / os.cpu_count())} on TF kernels (TF '
+        f'unpartitioned: {ms(g["unpartitioned_s"])})',
         f'  step / TF unpartitioned step     {g["partitioned_s"] / g["unpartitioned_s"]:.2f}' +
         (' (goal <= 1.0)' if name == 'transformer' else ''),
         f'  first loss vs unpartitioned: normwise error {g["first_loss_error"]:.1e} '
         f'({"ok" if g["first_loss_ok"] else "MISMATCH"})',
         '  phases of the first step (s): ' + ', '.join(f'{k} {v:.2f}'
                                                       for k, v in g['phases'].items())]
+    if g.get('profile'):
+      prof = g['profile']
+      lines.append(f'  profile of one step ({prof["wall_ms"]:.0f} ms wall x {os.cpu_count()} '
+                   f'cores): ops {prof["ops_ms"]:.0f} ms summed over devices, collectives '
+                   f'{prof["collectives_ms"]:.0f} ms (with the wait at each barrier); by kind: ' +
+                   ', '.join(f'{k} {v:.0f}' for k, v in prof['top_kinds_ms']))
   if ran(j):
     lines.append(f'  Keras-on-JAX step {ms(j["partitioned_s"])}, unpartitioned '
                  f'{ms(j["unpartitioned_s"])}: its own ratio '
@@ -283,7 +349,11 @@ def main(argv=None) -> int:
   parser.add_argument('--steps', type=int, default=5)
   parser.add_argument('--timeout', type=float, default=1800)
   parser.add_argument('--json')
+  parser.add_argument('--profile', action='store_true',
+                      help="also profile one partitioned step (TF's profiler): time by op kind")
   flags = parser.parse_args(argv)
+  if flags.profile:
+    os.environ['LIMIT_PROFILE'] = '1'
   results, lines = {}, [f'cpu: {cpu_model()}, {os.cpu_count()} cores']
   for name in flags.models.split(','):
     cfg = CONFIGS[name]
