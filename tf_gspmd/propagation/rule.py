@@ -87,13 +87,16 @@ class OpRule:
   # --- structure ---------------------------------------------------------------
   def factors(self) -> Tuple[str, ...]:
     """Every factor in order of first appearance (operands, then results)."""
-    seen = []
-    for dims in self.operands + self.results:
-      for e in dims or ():
-        for f in dim_factors(e):
-          if f not in seen:
-            seen.append(f)
-    return tuple(seen)
+    cached = self.__dict__.get('_factors')  # a rule is frozen: computed once (hot in sweeps)
+    if cached is None:
+      seen = []
+      for dims in self.operands + self.results:
+        for e in dims or ():
+          for f in dim_factors(e):
+            if f not in seen:
+              seen.append(f)
+      cached = self.__dict__['_factors'] = tuple(seen)
+    return cached
 
   def kind(self, factor: str) -> str:
     return self.kinds.get(factor, PASS_THROUGH)
@@ -108,6 +111,12 @@ class OpRule:
   @property
   def is_pass_through(self) -> bool:
     """True for ops XLA calls pass-through: every data tensor holds the same plain factors."""
+    cached = self.__dict__.get('_is_pass_through')  # a rule is frozen: computed once
+    if cached is None:
+      cached = self.__dict__['_is_pass_through'] = self._pass_through()
+    return cached
+
+  def _pass_through(self) -> bool:
     if self.windows or self.broadcast_operands or self.shifted:
       return False
     if any(self.kind(f) != PASS_THROUGH for f in self.factors()):
@@ -247,7 +256,14 @@ class OpRule:
       out[f] = tuple(keep)
     return out
 
-  def _cooccurring(self) -> Dict[str, set]:
+  def _cooccurring(self) -> Dict[str, frozenset]:
+    cached = self.__dict__.get('_together')  # a rule is frozen: computed once
+    if cached is None:
+      cached = self.__dict__['_together'] = {
+          f: frozenset(g) for f, g in self._cooccurring_sets().items()}
+    return cached
+
+  def _cooccurring_sets(self) -> Dict[str, set]:
     together: Dict[str, set] = {f: set() for f in self.factors()}
     for dims in self.tensor_dims():
       fs = [f for e in dims or () for f in dim_factors(e)]
