@@ -27,7 +27,8 @@ Side by side (each system in a fresh subprocess, so first steps are cold):
                 devices, and the same model on one device, round-robin: its first step and
                 its own partitioned / unpartitioned ratio.
 
-  .venv/bin/python bench/limit.py [--models resnet50,transformer] [--steps 5] [--json PATH]
+  .venv/bin/python bench/limit.py [--models resnet50,transformer] [--steps 5] [--profile]
+                                  [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ CONFIGS = {
     'resnet50': dict(batch=32, image=64, classes=10),
     'transformer': dict(batch=32, vocab=256, seq=64, d_model=128, heads=8, ff=512, layers=2),
 }
+QUICK = {'transformer': dict(batch=16, vocab=32, seq=8, d_model=16, heads=2, ff=32, layers=1)}
 
 
 def build(name: str, cfg: dict, batch: int, seed: int = 0):
@@ -349,15 +351,20 @@ def main(argv=None) -> int:
   parser.add_argument('--steps', type=int, default=5)
   parser.add_argument('--timeout', type=float, default=1800)
   parser.add_argument('--json')
+  parser.add_argument('--quick', action='store_true',
+                      help='a tiny transformer only, 2 steps: checks the bench runs, not speed')
   parser.add_argument('--profile', action='store_true',
                       help="also profile one partitioned step (TF's profiler): time by op kind")
   flags = parser.parse_args(argv)
   if flags.profile:
     os.environ['LIMIT_PROFILE'] = '1'
   results, lines = {}, [f'cpu: {cpu_model()}, {os.cpu_count()} cores']
-  for name in flags.models.split(','):
-    cfg = CONFIGS[name]
-    results[name] = {s: spawn(s, name, cfg, flags.steps, flags.timeout)
+  configs = QUICK if flags.quick else CONFIGS
+  models = list(QUICK) if flags.quick else flags.models.split(',')
+  steps = 2 if flags.quick else flags.steps
+  for name in models:
+    cfg = configs[name]
+    results[name] = {s: spawn(s, name, cfg, steps, flags.timeout)
                      for s in flags.systems.split(',')}
     lines += report(name, cfg, results[name])
   print('\n'.join(lines))
