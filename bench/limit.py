@@ -26,6 +26,9 @@ Side by side (each system in a fresh subprocess, so first steps are cold):
   keras_jax     Keras 3 on JAX (.jaxenv), `keras.distribution.DataParallel` over 8 host
                 devices, and the same model on one device, round-robin: its first step and
                 its own partitioned / unpartitioned ratio.
+  tf_gspmd_xla  the XLA backend (`partition_model(..., backend='xla')`, XLA:CPU through
+                PJRT) beside XLA:CPU unpartitioned (Keras' jit_compile=True) and TF
+                unpartitioned: which backend CPU should use.
 
   .venv/bin/python bench/limit.py [--models resnet50,transformer] [--steps 5] [--profile]
                                   [--quick] [--json PATH]
@@ -57,7 +60,7 @@ CONFIGS = {
 QUICK = {'transformer': dict(batch=16, vocab=32, seq=8, d_model=16, heads=2, ff=32, layers=1)}
 
 
-def build(name: str, cfg: dict, batch: int, seed: int = 0):
+def build(name: str, cfg: dict, batch: int, seed: int = 0, jit_compile=False):
   """The compiled Keras model and a batch of `batch` examples (the first `batch` of the
   full batch, so the per-device batch is the same data a partition sees)."""
   import keras  # pylint: disable=g-import-not-at-top
@@ -77,7 +80,7 @@ def build(name: str, cfg: dict, batch: int, seed: int = 0):
     x = rng.randint(0, cfg['vocab'], (cfg['batch'], cfg['seq'])).astype(np.int32)
     y = rng.randint(0, cfg['vocab'], cfg['batch']).astype(np.int32)
     optimizer = keras.optimizers.Adam(1e-3)
-  model.compile(optimizer=optimizer,
+  model.compile(optimizer=optimizer, jit_compile=jit_compile,
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   return model, x[:batch], y[:batch]
 
@@ -167,6 +170,26 @@ def child_tf_gspmd(name: str, cfg: dict, steps: int) -> dict:
           **{f'{k}_s': v for k, v in medians.items()}}
 
 
+def child_tf_gspmd_xla(name: str, cfg: dict, steps: int) -> dict:
+  """The XLA backend (`partition_model(..., backend='xla')`: the per-partition program compiled
+  by XLA, run through PJRT on 8 CPU devices) beside XLA:CPU unpartitioned (Keras'
+  jit_compile=True) and TF unpartitioned, round-robin."""
+  configure_logical_cpus(N)
+  sys.path.insert(0, ROOT)
+  import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
+  model, x, y = build(name, cfg, cfg['batch'])
+  tg.partition_model(model, tg.Mesh.create((N,), ('data',)), backend='xla', progress=False)
+  first = timed(lambda: model.train_on_batch(x, y))
+  xla, _, _ = build(name, cfg, cfg['batch'], jit_compile=True)
+  xla_first = timed(lambda: xla.train_on_batch(x, y))
+  whole, _, _ = build(name, cfg, cfg['batch'])
+  medians = round_robin({'partitioned': lambda: model.train_on_batch(x, y),
+                         'xla_unpartitioned': lambda: xla.train_on_batch(x, y),
+                         'unpartitioned': lambda: whole.train_on_batch(x, y)}, steps)
+  return {'first_s': first, 'xla_first_s': xla_first,
+          **{f'{k}_s': v for k, v in medians.items()}}
+
+
 def child_tf(name: str, cfg: dict, steps: int) -> dict:
   configure_logical_cpus(N)
   model, x, y = build(name, cfg, cfg['batch'])
@@ -237,7 +260,8 @@ def profile_step(step, steps: int = 2) -> dict:
           'ops_ms': sum(kinds.values()), 'top_kinds_ms': top[:12]}
 
 
-CHILDREN = {'tf_gspmd': child_tf_gspmd, 'tf': child_tf, 'keras_jax': child_keras_jax}
+CHILDREN = {'tf_gspmd': child_tf_gspmd, 'tf': child_tf, 'keras_jax': child_keras_jax,
+            'tf_gspmd_xla': child_tf_gspmd_xla}
 
 
 # ---------------------------------------------------------------- parent
@@ -330,6 +354,18 @@ def report(name: str, cfg: dict, r: dict) -> list:
     if ran(g):
       lines.append(f'  tf_gspmd step / Keras-on-JAX step  '
                    f'{g["partitioned_s"] / j["partitioned_s"]:.2f} (goal < 1.0)')
+  x = r.get('tf_gspmd_xla', {})
+  if 'error' in x:
+    lines.append(f'  tf_gspmd_xla: error: {x["error"]}')
+  elif ran(x):
+    lines += [
+        f'  XLA backend step {ms(x["partitioned_s"])} (first step {x["first_s"]:.2f} s); XLA:CPU '
+        f'unpartitioned {ms(x["xla_unpartitioned_s"])} (first {x["xla_first_s"]:.2f} s); TF '
+        f'unpartitioned {ms(x["unpartitioned_s"])}',
+        f'  XLA:CPU / TF kernels, unpartitioned: '
+        f'{x["xla_unpartitioned_s"] / x["unpartitioned_s"]:.2f}' + (
+            f'; XLA backend / TF backend, partitioned: '
+            f'{x["partitioned_s"] / g["partitioned_s"]:.2f}' if ran(g) else '')]
   if ran(g) and ran(t):
     lines.append(f'  first step: tf_gspmd {g["first_s"]:.2f} s, TF unpartitioned '
                  f'{t["first_s"]:.2f} s: {g["first_s"] / t["first_s"]:.1f}x (goal <= 3x)')
@@ -347,7 +383,8 @@ def main(argv=None) -> int:
     return 0
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--models', default='resnet50,transformer')
-  parser.add_argument('--systems', default='tf_gspmd,tf,keras_jax')
+  parser.add_argument('--systems', default='tf_gspmd,tf,keras_jax,tf_gspmd_xla',
+                      help='tf_gspmd, tf, keras_jax, tf_gspmd_xla (the XLA backend)')
   parser.add_argument('--steps', type=int, default=5)
   parser.add_argument('--timeout', type=float, default=1800)
   parser.add_argument('--json')

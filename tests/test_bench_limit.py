@@ -2,8 +2,9 @@
 
 It checks that the bench runs and reports, not its speed: the partitioned step, the limit
 with its terms, the CPU floor, the first loss against the unpartitioned one (by the oracle;
-the run exits 1 on a mismatch), the first step's phases and the profile; Keras-on-JAX's lines
-when the JAX venv (`make test` makes .jaxenv) is there.
+the run exits 1 on a mismatch), the first step's phases and the profile, the XLA backend
+beside XLA:CPU unpartitioned, and Keras-on-JAX's lines when the JAX venv (`make test` makes
+.jaxenv) is there.
 """
 import os
 import re
@@ -31,6 +32,10 @@ def test_quick_run_prints_the_limit_and_the_ratios():
     assert phase in phases, phases
   assert re.search(r'profile of one step .* by kind: \S+ \d+', out), out
   assert re.search(r'first step: tf_gspmd [\d.]+ s, TF unpartitioned [\d.]+ s', out), out
+  assert re.search(r'XLA backend step \d+ ms \(first step [\d.]+ s\); XLA:CPU unpartitioned '
+                   r'\d+ ms', out), out
+  assert re.search(r'XLA:CPU / TF kernels, unpartitioned: [\d.]+; XLA backend / TF backend, '
+                   r'partitioned: [\d.]+', out), out
   if limit.jax_python() is not None:
     assert re.search(r'Keras-on-JAX step \d+ ms, unpartitioned \d+ ms', out), out
     assert re.search(r'first step: Keras-on-JAX [\d.]+ s', out), out
