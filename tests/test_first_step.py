@@ -249,3 +249,17 @@ def test_a_replicated_variable_is_assembled_from_one_shard():
   reads = [op for op in whole.get_concrete_function().graph.get_operations()
            if op.type == 'ReadVariableOp']
   assert len(reads) == 1, reads
+
+
+def test_shard_variables_share_one_tf_name_and_keep_a_readable_label():
+  """Eager TF caches a kernel per variable-handle attributes (the name is one) and device:
+  the V x N shards share one name, so a first call makes few kernels, not one per shard."""
+  from tf_gspmd.runtime import sharded  # pylint: disable=g-import-not-at-top
+  mesh = tg.Mesh.create((8,), ('data',))
+  step, variables = mlp_step(2, mesh)
+  pf = tg.partition(step, mesh)
+  pf(randn(7, 16, 8))
+  held = pf.sharded_variables()
+  assert len(held) == len(variables)
+  assert {v.name for s in held for v in s.variables} == {sharded.SHARD_NAME + ':0'}
+  assert sorted(s.label for s in held) == sorted(v.name.split(':')[0] for v in variables)

@@ -200,6 +200,13 @@ def _identifier(name: str) -> str:
   return cleaned if cleaned and not cleaned[0].isdigit() else f'v_{cleaned}'
 
 
+# The TF name of every per-device shard variable (`label` keeps the readable one). Eager TF
+# makes each variable's handle with its name as an attribute, and caches one kernel per
+# attributes and device: a name per shard cost a new kernel for every one of the V x N shards
+# (0.85 ms each, 2,600 for ResNet50 on 8 devices), one shared name 0.15 ms.
+SHARD_NAME = 'tf_gspmd_shard'
+
+
 class ShardedVariable(tf.Module):
   """One `tf.Variable` per partition holding its padded shard of a global value.
 
@@ -228,9 +235,9 @@ class ShardedVariable(tf.Module):
     self.label = name
     shards = split(value, sharding, self.devices, f'ShardedVariable {name!r}')
     self.shards = []
-    for p, (device, shard) in enumerate(zip(self.devices, shards)):
+    for device, shard in zip(self.devices, shards):
       with tf.device(device):
-        self.shards.append(tf.Variable(shard, name=f'{name}_shard{p}', trainable=trainable))
+        self.shards.append(tf.Variable(shard, name=SHARD_NAME, trainable=trainable))
 
   @property
   def variables(self) -> tuple:
