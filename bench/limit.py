@@ -60,7 +60,7 @@ CONFIGS = {
 QUICK = {'transformer': dict(batch=16, vocab=32, seq=8, d_model=16, heads=2, ff=32, layers=1)}
 
 
-def build(name: str, cfg: dict, batch: int, seed: int = 0, jit_compile=False):
+def build(name: str, cfg: dict, batch: int, seed: int = 0, jit_compile='auto'):
   """The compiled Keras model and a batch of `batch` examples (the first `batch` of the
   full batch, so the per-device batch is the same data a partition sees)."""
   import keras  # pylint: disable=g-import-not-at-top
