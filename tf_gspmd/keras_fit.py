@@ -79,8 +79,14 @@ def _signature(batch) -> tuple:
 
 
 def _fingerprint(value) -> tf.Tensor:
-  # tf.fingerprint hashes each row's raw bytes (farmhash64), any numeric dtype.
-  return tf.fingerprint(tf.reshape(value, [1, -1]))[0]
+  """[1, 8] uint8: tf.fingerprint hashes each row's raw bytes (farmhash64), any dtype."""
+  return tf.fingerprint(tf.reshape(value, [1, -1]))
+
+
+def _read(variable) -> tf.Tensor:
+  # The raw read: one op, where read_value() adds an Identity and gradient bookkeeping to a
+  # trace over every variable of the model (part of the first step).
+  return tf.raw_ops.ReadVariableOp(resource=variable.handle, dtype=variable.dtype)
 
 
 class _Mirror:
@@ -107,7 +113,7 @@ class _Mirror:
       self._bound_cache()
       captured = list(originals)
       function = self._compiled[key] = tf.function(
-          lambda: tf.stack([_fingerprint(v) for v in captured]), autograph=False)
+          lambda: tf.concat([_fingerprint(_read(v)) for v in captured], 0), autograph=False)
     return function
 
   def _bound_cache(self) -> None:
@@ -174,7 +180,7 @@ class _Mirror:
         for original, sharded in pairs:
           value = sharded.assemble()
           original.assign(value, read_value=False)
-          fingerprints.append(tf.fingerprint(tf.reshape(value, [1, -1])))
+          fingerprints.append(_fingerprint(value))
         return tf.concat(fingerprints, 0)
       function = self._compiled[key] = copy_back
     return function
