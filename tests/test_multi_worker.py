@@ -59,6 +59,30 @@ def test_mesh_devices_errors():
     cluster.mesh_devices(mesh, _names(2, 4), inside=('batch',))
 
 
+def test_the_task_whose_server_is_gone_is_named_not_the_one_the_error_names(monkeypatch):
+  """TF's error may name a live task whose collectives the dead one aborted; the task whose
+  server no longer accepts connections is the lost one."""
+  import socket  # pylint: disable=g-import-not-at-top
+  devices = [d for names in _names(2, 4) for d in names]
+  live = socket.socket()
+  live.bind(('127.0.0.1', 0))
+  live.listen(1)
+  closed = socket.socket()
+  closed.bind(('127.0.0.1', 0))
+  gone = closed.getsockname()[1]
+  closed.close()  # nothing listens there: a killed worker's port
+  monkeypatch.setattr(cluster, 'task_addresses', lambda: {
+      '/job:worker/replica:0/task:0': f'127.0.0.1:{live.getsockname()[1]}',
+      '/job:worker/replica:0/task:1': f'127.0.0.1:{gone}'})
+  text = ('UNAVAILABLE: Socket closed\nAdditional GRPC error information from remote target '
+          '/job:worker/replica:0/task:0/device:CPU:0 while calling RunComponentFunction')
+  try:
+    assert cluster.lost_tasks(devices, tf.errors.UnavailableError(None, None, text)) == [
+        '/job:worker/replica:0/task:1']
+  finally:
+    live.close()
+
+
 def test_lost_task_is_named_only_for_unavailable_errors():
   devices = [d for names in _names(2, 4) for d in names]
   text = ('UNAVAILABLE: Socket closed\nAdditional GRPC error information from remote target '

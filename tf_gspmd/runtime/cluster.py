@@ -187,22 +187,35 @@ def task_addresses() -> Dict[str, str]:
 
 
 def lost_tasks(devices: Sequence[str], error: Exception) -> List[str]:
-  """The tasks among those running `devices` that a TF error says are unreachable.
+  """The tasks among those running `devices` that are unreachable after a TF error.
 
-  Only UNAVAILABLE errors mean a task is gone. TF names it by its task name
-  ('/job:worker/replica:0/task:1', in 'remote target ...') or by its address
-  ('127.0.0.1:port', in the gRPC message); both are matched.
+  Only UNAVAILABLE errors mean a task is gone. The tasks whose server no longer
+  accepts a connection are the lost ones. Only when every server still answers
+  (a network failure that passed) do the tasks the error names count: TF names a
+  task by its name ('/job:worker/replica:0/task:1', in 'remote target ...') or its
+  address ('127.0.0.1:port'), and may name a live task whose collectives the
+  lost one aborted, so the names alone can blame the wrong task.
   """
   if not isinstance(error, tf.errors.UnavailableError):
     return []
   text = str(error)
   addresses = task_addresses()
-  found = []
-  for task in sorted({task_of(d) for d in devices}):
-    address = addresses.get(task)
-    if re.search(re.escape(task) + r'(?!\d)', text) or (address and address in text):
-      found.append(task)
-  return found
+  tasks = sorted({task_of(d) for d in devices})
+  dead = [t for t in tasks if addresses.get(t) and not _accepts_connections(addresses[t])]
+  if dead:
+    return dead
+  return [t for t in tasks if re.search(re.escape(t) + r'(?!\d)', text) or
+          (addresses.get(t) and addresses[t] in text)]
+
+
+def _accepts_connections(address: str, timeout: float = 1.0) -> bool:
+  """Whether a TCP connection to `address` ('host:port') opens: a killed server's does not."""
+  host, _, port = address.rpartition(':')
+  try:
+    with socket.create_connection((host.strip('[]'), int(port)), timeout=timeout):
+      return True
+  except (OSError, ValueError):
+    return False
 
 
 def raise_if_task_lost(devices: Sequence[str], error: Exception, what: str) -> None:
