@@ -45,6 +45,7 @@ from tf_gspmd.annotations import shard, shard_variable, variable_sharding
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.partitioned import PartitionedFunction, VariableStore
 from tf_gspmd.runtime.launcher import without_grappler
+from tf_gspmd.runtime.sharded import read
 from tf_gspmd.sharding import P
 
 
@@ -83,12 +84,6 @@ def _fingerprint(value) -> tf.Tensor:
   return tf.fingerprint(tf.reshape(value, [1, -1]))
 
 
-def _read(variable) -> tf.Tensor:
-  # The raw read: one op, where read_value() adds an Identity and gradient bookkeeping to a
-  # trace over every variable of the model (part of the first step).
-  return tf.raw_ops.ReadVariableOp(resource=variable.handle, dtype=variable.dtype)
-
-
 class _Mirror:
   """Keeps the model's own variables and their shards agreeing; a write to an original wins."""
 
@@ -107,19 +102,21 @@ class _Mirror:
     """One compiled call fingerprinting these originals, cached per list (a model checks the
     same lists every call). The variables are captured, not passed: passing V variables
     costs a call V argument checks."""
-    key = ('fingerprints',) + tuple(id(o) for o in originals)
+    captured = list(originals)
+    return self._compiled_once(
+        ('fingerprints',) + tuple(id(o) for o in captured),
+        lambda: tf.concat([_fingerprint(read(v)) for v in captured], 0))
+
+  def _compiled_once(self, key: tuple, body):
+    """`tf.function(body)`, made once per key (ids of the variables it captures, which the
+    cached function keeps alive, so they are not reused)."""
     function = self._compiled.get(key)
     if function is None:
-      self._bound_cache()
-      captured = list(originals)
-      function = self._compiled[key] = tf.function(
-          lambda: tf.concat([_fingerprint(_read(v)) for v in captured], 0), autograph=False)
+      # Rare lists (the few originals a user wrote) add entries too; keep the cache small.
+      if len(self._compiled) >= 32:
+        self._compiled.clear()
+      function = self._compiled[key] = tf.function(body, autograph=False)
     return function
-
-  def _bound_cache(self) -> None:
-    # Rare lists (the few originals a user wrote) add entries too; keep the cache small.
-    if len(self._compiled) >= 32:
-      self._compiled.clear()
 
   def _agree(self, originals) -> None:
     for var, fp in zip(originals, self._fingerprints(originals)):
@@ -170,20 +167,15 @@ class _Mirror:
     the fingerprints of the values assigned (the agreement). Eagerly, each pair cost an
     assemble and an assign from Python: 83 ms per train_on_batch of a 2-layer transformer
     whose step is 140 ms. Cached per list of pairs: a model pulls the same lists each call."""
-    key = ('copy back',) + tuple((id(o), id(s)) for o, s in pairs)
-    function = self._compiled.get(key)
-    if function is None:
-      self._bound_cache()
-      @tf.function(autograph=False)
-      def copy_back():  # few ops per variable: tracing it is part of the first step
-        fingerprints = []
-        for original, sharded in pairs:
-          value = sharded.assemble()
-          original.assign(value, read_value=False)
-          fingerprints.append(_fingerprint(value))
-        return tf.concat(fingerprints, 0)
-      function = self._compiled[key] = copy_back
-    return function
+    def copy_back():  # few ops per variable: tracing it is part of the first step
+      fingerprints = []
+      for original, sharded in pairs:
+        value = sharded.assemble()
+        original.assign(value, read_value=False)
+        fingerprints.append(_fingerprint(value))
+      return tf.concat(fingerprints, 0)
+    return self._compiled_once(('copy back',) + tuple((id(o), id(s)) for o, s in pairs),
+                               copy_back)
 
 
 class _Sync(keras.callbacks.Callback):

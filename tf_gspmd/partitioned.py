@@ -129,13 +129,14 @@ class PartitionedFunction:
 
   # --- calling ------------------------------------------------------------------
   def __call__(self, *args):
-    if _signature_key(args) in self._compiled:
-      return self._call(args)
+    compiled = self._compiled.get(_signature_key(args))
+    if compiled is not None:
+      return self._call(args, compiled)
     what = f'{_name_of(self.fn)} on {self.mesh.size} devices'
     with build_progress.BuildProgress(what, self.progress) as progress:
       self._building = self.last_build = progress
       try:
-        return self._call(args)
+        return self._call(args, self._compile(args))
       finally:
         self._building = None
 
@@ -144,8 +145,7 @@ class PartitionedFunction:
     if self._building is not None:
       self._building.phase(text)
 
-  def _call(self, args):
-    compiled = self._compile(args)
+  def _call(self, args, compiled: _Compiled):
     self.store.check_annotations(compiled.variables)
     self._last = compiled
     flat_args = [a for a in tf.nest.flatten(args) if _is_tensor_like(a)]

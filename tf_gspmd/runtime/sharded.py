@@ -200,6 +200,12 @@ def _identifier(name: str) -> str:
   return cleaned if cleaned and not cleaned[0].isdigit() else f'v_{cleaned}'
 
 
+def read(variable) -> tf.Tensor:
+  """A variable's value as one ReadVariableOp: `read_value()` adds an Identity and gradient
+  bookkeeping, which a trace over every variable of a model pays per variable."""
+  return tf.raw_ops.ReadVariableOp(resource=variable.handle, dtype=variable.dtype)
+
+
 # The TF name of every per-device shard variable (`label` keeps the readable one). Eager TF
 # makes each variable's handle with its name as an attribute, and caches one kernel per
 # attributes and device: a name per shard cost a new kernel for every one of the V x N shards
@@ -257,8 +263,7 @@ class ShardedVariable(tf.Module):
     what = f'ShardedVariable {self.label!r}'
     # Only the shards the global value is made of: one of a replicated variable, not N.
     needed = set(_tile_members(self.sharding, len(self.shards), what).reshape(-1).tolist())
-    shards = [tf.raw_ops.ReadVariableOp(resource=v.handle, dtype=v.dtype) if p in needed
-              else None for p, v in enumerate(self.shards)]
+    shards = [read(v) if p in needed else None for p, v in enumerate(self.shards)]
     return assemble(shards, self.sharding, self.shape, what)
 
   def numpy(self) -> np.ndarray:
