@@ -271,10 +271,15 @@ WINDOWED_OPS = ('Conv2D', 'MaxPool', 'AvgPool', 'DepthwiseConv2dNative', 'Conv2D
                  'DepthwiseConv2dNativeBackpropInput', 'DepthwiseConv2dNativeBackpropFilter')
 
 
-@pytest.mark.parametrize('spec,batch', [(tg.P('x', None, None, None), 8),
-                                        (tg.P('x', None, None, None), 5),   # uneven batch
-                                        (tg.P(None, None, None, 'x'), 3)])  # channels
-def test_whole_images_keep_the_ops_own_padding(spec, batch):
+# Batch split: the windowed ops move nothing; the loss and filter gradients' sums over the
+# batch go out in one fused all-reduce. Channel split: Conv2D's partial sum over input
+# channels is reduce-scattered, the two gradients that need every channel gather them.
+@pytest.mark.parametrize('spec,batch,kinds', [
+    (tg.P('x', None, None, None), 8, ['all_reduce']),
+    (tg.P('x', None, None, None), 5, ['all_reduce']),   # uneven batch
+    (tg.P(None, None, None, 'x'), 3,                   # channels
+     ['reduce_scatter', 'all_gather', 'all_gather', 'all_reduce'])])
+def test_whole_images_keep_the_ops_own_padding(spec, batch, kinds):
   """With no spatial dim split each windowed op and its gradients run as written (SAME
   padding, no Pad copy): TF's oneDNN rewrite has no kernel for an EXPLICIT-padded image
   gradient, and the Eigen one it fell back to made ResNet50's data-parallel step 2.5x
@@ -295,6 +300,7 @@ def test_whole_images_keep_the_ops_own_padding(spec, batch):
   pf = partition(step, mesh)
   for name, got, want in zip(('loss', 'dx', 'dw', 'ddw'), pf(x, w, dw), step(x, w, dw)):
     assert_close(got, want, name=name)
+  assert [r['kind'] for r in pf.collectives()] == kinds, pf.collectives()
   compiled = pf.get_program(x, w, dw)
   program = trace_per_partition(mesh, compiled.per_partition, compiled.local_specs)
   ops = program.function.graph.get_operations()
