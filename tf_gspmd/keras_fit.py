@@ -155,12 +155,31 @@ class _Mirror:
       if id(original) in written:
         sharded.scatter(original.read_value())
     copied = [(o, s) for o, s in pairs if id(o) not in written]
-    if copied:
-      with without_grappler():  # reads and assigns: nothing to optimize
-        fingerprints = self._copy_back(copied)().numpy()
-      for (original, _), fp in zip(copied, fingerprints):
-        self._agreed[id(original)] = fp.tobytes()
+    in_graph = [(o, s) for o, s in copied if getattr(s, 'assembles_in_graph', True)]
+    on_host = [(o, s) for o, s in copied if not getattr(s, 'assembles_in_graph', True)]
+    with without_grappler():  # reads and assigns: nothing to optimize
+      if in_graph:
+        self._note_agreed(in_graph, self._copy_back(in_graph)().numpy())
+      if on_host:  # device buffers outside TF (backend='xla'): assembled eagerly, then assigned
+        values = [s.assemble() for _, s in on_host]
+        self._note_agreed(on_host, self._assign(on_host)(values).numpy())
     self._agree([o for o, _ in pairs if id(o) in written])
+
+  def _note_agreed(self, pairs, fingerprints) -> None:
+    for (original, _), fp in zip(pairs, fingerprints):
+      self._agreed[id(original)] = fp.tobytes()
+
+  def _assign(self, pairs):
+    """One compiled call assigning given global values to these originals; returns their
+    fingerprints (the agreement). For shards that live outside TF's runtime (PJRT buffers),
+    which a traced function cannot read."""
+    originals = [o for o, _ in pairs]
+
+    def assign(values):
+      for original, value in zip(originals, values):
+        original.assign(value, read_value=False)
+      return tf.concat([_fingerprint(v) for v in values], 0)
+    return self._compiled_once(('assign',) + tuple(id(o) for o in originals), assign)
 
   def _copy_back(self, pairs):
     """One compiled call assigning each pair's assembled shards to its original and returning
@@ -239,6 +258,10 @@ class _Launcher:
     return [_backing(v) for m in self.model.metrics for v in m.variables]
 
   # --- launching ----------------------------------------------------------------
+  def partitioned(self, step) -> PartitionedFunction:
+    """`step` (a tf.function of one batch) partitioned over the mesh, on the shared store."""
+    return PartitionedFunction(step, self.mesh, store=self.store, **self.kwargs)
+
   def launch(self, fn, batch):
     """One partitioned call; writes to the originals since the last one are sent out first."""
     if id(fn) not in self._annotated_for:  # before its first trace makes shards
@@ -269,9 +292,7 @@ class _Launcher:
     def one_step(data):
       return step_method(split(data))
 
-    one = PartitionedFunction(one_step, self.mesh, store=self.store, **self.kwargs)
-    many = PartitionedFunction(self._looped(step_method), self.mesh, store=self.store,
-                               **self.kwargs)
+    one, many = self.partitioned(one_step), self.partitioned(self._looped(step_method))
     name = getattr(step_method, '__name__', 'step')
     self.functions[name], self.functions[f'{name}_looped'] = one, many
 
@@ -321,8 +342,7 @@ class _Launcher:
     def predict_step(data):
       return self.model.predict_step(split(data))
 
-    fn = PartitionedFunction(predict_step, self.mesh, store=self.store, **self.kwargs)
-    self.functions['predict_step'] = fn
+    fn = self.functions['predict_step'] = self.partitioned(predict_step)
 
     def function(data):
       outputs = [self.launch(fn, batch) for batch in data]

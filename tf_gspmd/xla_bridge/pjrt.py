@@ -176,7 +176,13 @@ class XlaShardedVariable:
                                    name=f'{self.label}_template', trainable=False)
     return self._template
 
+  # Its shards are PJRT buffers, which a traced TF function cannot read: assemble eagerly.
+  assembles_in_graph = False
+
   def assemble(self) -> tf.Tensor:
+    if not tf.executing_eagerly():
+      raise RuntimeError(f'XlaShardedVariable {self.label!r}: its shards are device buffers '
+                         'outside TF; assemble() runs eagerly, not inside a tf.function.')
     return assemble_global(self.shards, self.sharding, self.shape,
                            f'XlaShardedVariable {self.label!r}')
 
