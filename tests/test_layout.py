@@ -12,6 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / 'tf_gspmd'
 
 # Bottom to top: a unit may import units listed before it (and itself), never after.
 LAYERS = (
+    ('_tf_version',),               # checks TensorFlow is installed, before importing it
     ('mesh', 'sharding'),           # value types
     ('op_sharding',),               # OpSharding conversion, the one place
     ('annotations',),               # writes and reads TF's XlaSharding

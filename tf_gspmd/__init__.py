@@ -5,6 +5,7 @@ conversion, and the annotation API (`shard`, `mesh_split`, `shard_variable`,
 `get_sharding`, ...) that later stages read from captured graphs.
 `tg.saved_model` exports partitioned programs (SavedModel signatures, XLA modules).
 """
+from tf_gspmd import _tf_version  # first: a missing or unsupported TensorFlow says what to install
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.sharding import P, Sharding, NamedSharding, named, named_for_rank
 from tf_gspmd.op_sharding import from_proto, to_proto
