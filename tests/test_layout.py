@@ -15,6 +15,7 @@ LAYERS = (
     ('_tf_version',),               # checks TensorFlow is installed, before importing it
     ('mesh', 'sharding'),           # value types
     ('op_sharding',),               # OpSharding conversion, the one place
+    ('dtensor_compat',),            # TF DTensor's Mesh and Layout as tf_gspmd's, the one place
     ('annotations',),               # writes and reads TF's XlaSharding
     ('pipeline',),                  # GSPMD pipelining: annotated TF ops, before capture
     ('graph',),                     # capture, IR, rebuild, static values

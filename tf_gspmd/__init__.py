@@ -4,11 +4,20 @@ Value types (`Mesh`, `P`, `Sharding`, `NamedSharding`), `OpSharding`
 conversion, and the annotation API (`shard`, `mesh_split`, `shard_variable`,
 `get_sharding`, ...) that later stages read from captured graphs.
 `tg.saved_model` exports partitioned programs (SavedModel signatures, XLA modules).
+
+TF DTensor users keep their `tf.experimental.dtensor.Mesh` and `Layout`: every
+entry point taking a mesh or sharding takes them, and `from_dtensor_mesh` /
+`from_dtensor_layout` convert them explicitly.
+
+>>> layout = dtensor.Layout.batch_sharded(dtensor_mesh, 'batch', rank=2)  # doctest: +SKIP
+>>> from_dtensor_layout(layout)                                             # doctest: +SKIP
+NamedSharding(Mesh.create((2, 4), ('batch', 'model')), P('batch', None))
 """
 from tf_gspmd import _tf_version  # first: a missing or unsupported TensorFlow says what to install
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.sharding import P, Sharding, NamedSharding, named, named_for_rank
 from tf_gspmd.op_sharding import from_proto, to_proto
+from tf_gspmd.dtensor_compat import from_dtensor_layout, from_dtensor_mesh
 from tf_gspmd.annotations import (
     annotate, shard, mesh_split, mesh_split_sharding, split, tile, partial_tile, replicate,
     assign_device, shard_variable, variable_sharding, get_sharding)
@@ -34,4 +43,5 @@ __all__ = [
     'annotate', 'shard', 'mesh_split', 'mesh_split_sharding', 'split', 'tile', 'partial_tile',
     'replicate', 'assign_device', 'shard_variable', 'variable_sharding', 'get_sharding',
     'save_checkpoint', 'restore_checkpoint', 'pipeline', 'pipeline_bubble_fraction',
+    'from_dtensor_layout', 'from_dtensor_mesh',
 ]

@@ -32,7 +32,7 @@ from tensorflow.compiler.xla import xla_data_pb2
 from tensorflow.python.compiler.xla.experimental import xla_sharding as tf_xla_sharding
 from tensorflow.python.eager import context
 
-from tf_gspmd import op_sharding
+from tf_gspmd import dtensor_compat, op_sharding
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.sharding import MANUAL, REPLICATED, NamedSharding, Sharding, named_for_rank
 
@@ -71,9 +71,13 @@ def annotate(x, sharding: Sharding, unspecified_dims: Optional[Sequence[int]] = 
 
 
 @_plain_python
-def shard(x, mesh: Mesh, spec, unspecified_dims: Optional[Sequence[int]] = None):
-  """Annotate `x` as laid out by `P(...)` on `mesh`: `shard(x, mesh, P('data', None))`."""
-  return annotate(x, NamedSharding(mesh, spec), unspecified_dims)
+def shard(x, mesh_or_sharding, spec=None, unspecified_dims: Optional[Sequence[int]] = None):
+  """Annotate `x` as laid out by `P(...)` on `mesh`: `shard(x, mesh, P('data', None))`.
+
+  Or by a given sharding: `shard(x, sharding)`. A TF DTensor Mesh or Layout
+  stands for a mesh or sharding: `shard(x, dtensor.Layout(['batch', UNSHARDED], mesh))`.
+  """
+  return annotate(x, _sharding_of(mesh_or_sharding, spec, 'shard'), unspecified_dims)
 
 
 @_plain_python
@@ -178,7 +182,8 @@ def shard_variable(v, mesh_or_sharding, spec=None):
   `XlaSharding` op when `context.enable_xla_sharding_for_resource_variables()`
   is on) and as a Python attribute that keeps the mesh, read by
   `variable_sharding(v)` and by `get_sharding` on the variable's reads.
-  Works on `tf.Variable` and on built Keras 3 variables.
+  Works on `tf.Variable` and on built Keras 3 variables. A TF DTensor Mesh or
+  Layout stands for a mesh or sharding: `shard_variable(v, dtensor.Layout(...))`.
   """
   var = _tf_variable(v)
   sharding = _sharding_of(mesh_or_sharding, spec)
@@ -287,15 +292,17 @@ def _check_annotatable(x, sharding) -> None:
         'tf.constant(value), if you mean a constant.')
 
 
-def _sharding_of(mesh_or_sharding, spec) -> Sharding:
+def _sharding_of(mesh_or_sharding, spec, what: str = 'shard_variable') -> Sharding:
+  """The sharding `(mesh, spec)` or `(sharding, None)` means; a DTensor Mesh or Layout converted."""
+  mesh_or_sharding = dtensor_compat.converted(mesh_or_sharding)
   if isinstance(mesh_or_sharding, Mesh):
     if spec is None:
-      raise ValueError('shard_variable(v, mesh, spec): a mesh needs a spec such as P(None, "model").')
+      raise ValueError(f'{what}(x, mesh, spec): a mesh needs a spec such as P(None, "model").')
     return NamedSharding(mesh_or_sharding, spec)
   if isinstance(mesh_or_sharding, Sharding) and spec is None:
     return mesh_or_sharding
   raise TypeError(
-      f'shard_variable: expected (mesh, P(...)) or a Sharding, got {mesh_or_sharding!r}, {spec!r}.')
+      f'{what}: expected (mesh, P(...)) or a Sharding, got {mesh_or_sharding!r}, {spec!r}.')
 
 
 def _tf_variable_or_none(v):

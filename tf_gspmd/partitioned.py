@@ -107,6 +107,14 @@ class PartitionedFunction:
                devices: Optional[Sequence[str]] = None, timeout: Optional[float] = None,
                store: Optional[VariableStore] = None, backend: str = 'tf',
                progress: Optional[bool] = None):
+    from tf_gspmd import dtensor_compat  # pylint: disable=g-import-not-at-top
+    if dtensor_compat.is_dtensor_mesh(mesh) and devices is None and backend == 'tf':
+      devices = dtensor_compat.mesh_devices(mesh)  # a DTensor mesh runs on the devices it names
+    mesh = dtensor_compat.converted(mesh)
+    # DTensor Layouts (one for all, or one per tensor) converted once here: every later reader
+    # (_boundary_shardings, _one_per, _annotate, subclasses) sees tf_gspmd Shardings.
+    in_shardings = dtensor_compat.converted(in_shardings)
+    out_shardings = dtensor_compat.converted(out_shardings)
     if not isinstance(mesh, Mesh):
       raise TypeError(f'partition: mesh must be a tf_gspmd.Mesh, got {type(mesh).__name__}.')
     if backend not in BACKENDS:
