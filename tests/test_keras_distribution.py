@@ -76,7 +76,8 @@ def test_importing_tf_gspmd_leaves_keras_alone():
   assert not ENABLED_AT_IMPORT and not BACKEND_HAD_DISTRIBUTE_TENSOR_AT_IMPORT
 
 
-def test_model_parallel_guide_code_matches_plain_keras():
+def guide_distribution():
+  """The guide's ModelParallel over a 2x4 mesh of the 8 CPU devices."""
   devices = keras.distribution.list_devices()
   assert devices == [f'cpu:{i}' for i in range(8)]
   mesh = keras.distribution.DeviceMesh(shape=(2, 4), axis_names=['data', 'model'], devices=devices)
@@ -85,7 +86,11 @@ def test_model_parallel_guide_code_matches_plain_keras():
   layout_map['d1/bias'] = ('model',)
   layout_map['e1/kernel'] = ('model', None)
   layout_map['d2/output'] = ('data', None)
-  distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name='data')
+  return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name='data')
+
+
+def test_model_parallel_guide_code_matches_plain_keras():
+  distribution = guide_distribution()
   reference = guide_model()
   keras.distribution.set_distribution(distribution)
   model = guide_model()

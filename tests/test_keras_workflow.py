@@ -90,10 +90,15 @@ def test_unannotated_output_kernel_replicated_across_train_evaluate_predict():
 
 
 def test_writes_between_calls_are_what_the_next_call_trains_on(tmp_path):
+  writes_between_calls(tmp_path)
+
+
+def writes_between_calls(tmp_path, **partition):
   """fit -> set_weights -> fit -> load_weights -> fit -> checkpoint restore -> fit -> assign ->
-  evaluate -> predict -> fit -> save('m.keras'), each step against the same sequence unpartitioned."""
+  evaluate -> predict -> fit -> save('m.keras'), each step against the same sequence unpartitioned.
+  `partition`: more arguments of partition_model (backend='xla': tests/test_keras_xla.py)."""
   x, y = _data()
-  model, reference = _partitioned(_model()), _model()
+  model, reference = _partitioned(_model(), **partition), _model()
   both = (model, reference)
 
   def fit_both(what):
@@ -150,6 +155,7 @@ def test_writes_between_calls_are_what_the_next_call_trains_on(tmp_path):
   print(f'write check before each launch: median {check_ms:.2f} ms over '
         f'{len(launcher.check_seconds)} launches')
   assert len(launcher.check_seconds) == launcher.launches == 6 * 4 + 2 + 4
+  return model
 
 
 def test_rewind_to_last_synced_values_mid_fit_is_not_lost():
@@ -173,6 +179,11 @@ def test_rewind_to_last_synced_values_mid_fit_is_not_lost():
 
 
 def test_steps_per_execution_runs_k_steps_per_launch():
+  steps_per_execution()
+
+
+def steps_per_execution(**partition):
+  """Returns the model run with steps_per_execution=3."""
   x, y = _data(112)  # 7 batches of 16: chunks of 3, 3 and a partial 1
   runs = {}
   for k in (1, 3):
@@ -180,7 +191,7 @@ def test_steps_per_execution_runs_k_steps_per_launch():
     model.compile(optimizer=keras.optimizers.Adam(1e-2), metrics=['accuracy'],
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   steps_per_execution=k)
-    _partitioned(model)
+    _partitioned(model, **partition)
     model.fit(x, y, **FIT)  # compiles
     launcher = model._tf_gspmd_launcher
     launches, start, cpu = launcher.launches, time.perf_counter(), time.process_time()
@@ -209,12 +220,17 @@ def test_steps_per_execution_runs_k_steps_per_launch():
   launches = launcher.launches
   assert_close(_evaluate(model, x, y, 16), _evaluate(reference, x, y, 16), 'evaluate')
   assert launcher.launches - launches == 3
+  return model
 
 
 def test_uneven_last_batch_no_padding_in_predict_fit_or_evaluate():
+  uneven_last_batch()
+
+
+def uneven_last_batch(**partition):
   mesh = tg.Mesh.create((4, 2), ('data', 'model'))
   x, y = _data(10)
-  model, reference = _partitioned(_model(), mesh=mesh), _model()
+  model, reference = _partitioned(_model(), mesh=mesh, **partition), _model()
   got = model.predict(x, batch_size=4, verbose=0)  # batches of 4, 4 and 2 over 4 devices
   want = reference.predict(x, batch_size=4, verbose=0)
   assert got.shape == want.shape == (10, 4)
@@ -230,8 +246,12 @@ def test_uneven_last_batch_no_padding_in_predict_fit_or_evaluate():
 
 @pytest.mark.filterwarnings('ignore:Skipping variable loading for optimizer')  # fresh models
 def test_callbacks(tmp_path):
+  callbacks_agree(tmp_path)
+
+
+def callbacks_agree(tmp_path, **partition):
   x, y = _data()
-  model, reference = _partitioned(_model()), _model()
+  model, reference = _partitioned(_model(), **partition), _model()
 
   def callbacks(tag):
     return [keras.callbacks.ModelCheckpoint(str(tmp_path / f'{tag}_{{epoch}}.weights.h5'),
@@ -281,8 +301,12 @@ def test_tensorboard_callback(tmp_path):
 
 
 def test_on_batch_calls():
+  on_batch_calls()
+
+
+def on_batch_calls(**partition):
   x, y = _data(32)
-  model, reference = _partitioned(_model()), _model()
+  model, reference = _partitioned(_model(), **partition), _model()
   for start in (0, 16):
     xb, yb = x[start:start + 16], y[start:start + 16]
     assert_close(as_float32(model.train_on_batch(xb, yb)),

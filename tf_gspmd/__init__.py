@@ -25,7 +25,7 @@ from tf_gspmd.pipeline import bubble_fraction as pipeline_bubble_fraction, pipel
 
 from tf_gspmd.partitioned import PartitionedFunction, partition
 from tf_gspmd.keras_layout import LayoutMap
-from tf_gspmd.keras_fit import partition_model
+from tf_gspmd.keras_fit import partition_model, unpartition_model
 from tf_gspmd import keras  # keras.distribution on TF: changes nothing until keras.enable()
 from tf_gspmd.propagation.api import Plan, propagate
 from tf_gspmd.planning import PlanReport, abstract_variable, plan
@@ -37,7 +37,7 @@ from tf_gspmd.checkpoint import restore_checkpoint, save_checkpoint
 from tf_gspmd import saved_model  # tg.saved_model.save / load (SavedModel), save_xla / load_xla
 
 __all__ = [
-    'partition', 'PartitionedFunction', 'LayoutMap', 'partition_model', 'Plan', 'propagate', 'plan', 'PlanReport', 'abstract_variable', 'capture', 'rebuild',
+    'partition', 'PartitionedFunction', 'LayoutMap', 'partition_model', 'unpartition_model', 'Plan', 'propagate', 'plan', 'PlanReport', 'abstract_variable', 'capture', 'rebuild',
     'plan_reshard', 'CollectiveError', 'ShardedValue', 'ShardedVariable', 'SpmdProgram',
     'Mesh', 'P', 'Sharding', 'NamedSharding', 'named', 'named_for_rank', 'from_proto', 'to_proto',
     'annotate', 'shard', 'mesh_split', 'mesh_split_sharding', 'split', 'tile', 'partial_tile',

@@ -34,6 +34,7 @@ does), so the train, test and predict steps agree on every variable's layout.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Dict, List, Sequence, Union
 
@@ -47,6 +48,7 @@ from tf_gspmd.partitioned import PartitionedFunction, VariableStore
 from tf_gspmd.runtime.launcher import without_grappler
 from tf_gspmd.runtime.sharded import read
 from tf_gspmd.sharding import P
+from tf_gspmd.xla_bridge.export import XlaLoweringError
 
 
 def _backing(variable):
@@ -270,7 +272,10 @@ class _Launcher:
     start = time.perf_counter()
     self.mirror.push_changed()
     self.check_seconds.append(time.perf_counter() - start)
-    out = fn(batch)
+    try:
+      out = fn(batch)
+    except XlaLoweringError as error:  # backend='xla': name the Keras layers, not only nodes
+      raise XlaLoweringError(f'{error}{_in_layers(self.model, str(error))}') from None
     self.launches += 1
     self.mirror.note_new()
     if self.pull_every_step:
@@ -348,6 +353,37 @@ class _Launcher:
       outputs = [self.launch(fn, batch) for batch in data]
       return tf.nest.map_structure(lambda *ts: tf.concat(ts, 0), *outputs)
     return function
+
+
+def _layer_paths(model) -> set:
+  """Every layer path of `model` that Keras' public API shows: its layers' names and the
+  layer part of each variable's path ('attention/query' of 'attention/query/kernel')."""
+  paths = {layer.name for layer in model.layers}
+  for variable in model.variables:
+    parts = variable.path.split('/')[:-1]
+    paths.update('/'.join(parts[:k]) for k in range(1, len(parts) + 1))
+  return paths
+
+
+def _in_layers(model, message: str) -> str:
+  """" In Keras layer 'a/b', ... of model 'm'." for the nodes a lowering error names, by their name scopes.
+
+  TF names a layer's scope by the layer's name, uniquified with a '_<n>' suffix per trace."""
+  found = []
+  paths = _layer_paths(model)
+  for node in sorted(set(re.findall(r'node ([^\s(){}]+)', message))):
+    scopes = [[c, re.sub(r'_\d+$', '', c)] for c in node.split('/')[:-1]]
+    best = ''
+    for path in paths:
+      parts = path.split('/')
+      for start in range(len(scopes) - len(parts) + 1):
+        if all(p in scopes[start + i] for i, p in enumerate(parts)) and len(path) > len(best):
+          best = path
+    if best and best not in found:
+      found.append(best)
+  if not found:
+    return ''
+  return f' In Keras layer {", ".join(repr(p) for p in found)} of model {model.name!r}.'
 
 
 def _build_optimizer(model) -> None:

@@ -138,7 +138,7 @@ def _function_and_examples(fn, signatures):
   elif hasattr(fn, '_tf_gspmd_launcher'):
     pf = _keras_forward(fn)
   else:
-    raise TypeError(f'saved_model.save: expected a tf_gspmd.PartitionedFunction or a Keras model '
+    raise TypeError(f'saved_model: expected a tf_gspmd.PartitionedFunction or a Keras model '
                     f'prepared with partition_model, got {type(fn).__name__}.')
   if signatures is None:
     compiled = list(pf._compiled.values())  # pylint: disable=protected-access
@@ -482,8 +482,12 @@ XLA_VALUES = 'values.npz'
 ANNOTATED = 'annotated'
 
 
-def save_xla(pf: PartitionedFunction, export_dir: str, *example_args):
+def save_xla(pf, export_dir: str, *example_args):
   """Write the XLA/TPU export of `pf` for these example arguments; returns its `XlaExport`.
+
+  `pf`: a `PartitionedFunction`, or a Keras 3 model prepared with
+  `tg.partition_model` (its forward pass `model(x, training=False)` over the
+  mesh and layouts its steps use, with the weights it holds now).
 
   `module.mlir`: the per-replica StableHLO module (partition id = replica id,
   native collectives). `layouts.json`: mesh and, for every parameter and
@@ -493,6 +497,8 @@ def save_xla(pf: PartitionedFunction, export_dir: str, *example_args):
   unpartitioned function as a SavedModel ('serving_default' and `.function`)
   whose ops carry their propagated shardings as `_XlaSharding` attributes.
   """
+  if not isinstance(pf, PartitionedFunction):
+    pf, _ = _function_and_examples(pf, example_args)
   compiled = pf.get_program(*example_args)
   export = pf.export_xla(*example_args)
   os.makedirs(export_dir, exist_ok=True)

@@ -54,6 +54,9 @@ def emit_outputs(p: Partitioner, graph: ir.Graph, node: ir.Node, inputs, shardin
   outs = []
   for t, tensor, sharding in zip(node.outputs, op.outputs, shardings):
     value = Local(tensor, sharding, global_shape(graph, t.name))
+    if tensor.shape.rank is None and tensor.dtype not in (tf.resource, tf.variant):
+      # An op TF cannot infer shapes of (EagerPyFunc): the captured graph knew its shape.
+      tensor.set_shape(sharding.shard_shape(value.shape))
     check_local_shape(node, value)
     outs.append(p.finish(graph, value, t.name) if finish else value)
   return outs

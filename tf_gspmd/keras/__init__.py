@@ -38,16 +38,24 @@ from __future__ import annotations
 from tf_gspmd.keras import hooks, translate
 from tf_gspmd.keras.translate import mesh_and_devices, to_mesh, to_sharding, to_spec
 
-__all__ = ['enable', 'disable', 'is_enabled', 'annotate_variables', 'distribution_of', 'shard_layouts',
+__all__ = ['enable', 'disable', 'is_enabled', 'backend', 'annotate_variables', 'distribution_of', 'shard_layouts',
            'mesh_and_devices', 'to_mesh', 'to_sharding', 'to_spec']
 
 
-def enable() -> None:
+def enable(backend: str = 'tf') -> None:
   """Make Keras' `keras.distribution` API run through tf_gspmd on the TF backend (idempotent).
+
+  `backend`: where the partitioned steps run. 'tf' (default): one TF program per
+  device, TF collectives. 'xla': the per-replica program exported to StableHLO,
+  compiled by XLA and run on the DeviceMesh's devices through PJRT (the
+  `tf_gspmd[xla]` extra); the variables stay on those devices between calls.
+  Calling it again switches the backend for models partitioned afterwards; a
+  model already partitioned on the other backend refuses to run (see
+  `tf_gspmd.unpartition_model`).
 
   Raises RuntimeError when Keras runs another backend.
   """
-  hooks.install()
+  hooks.install(backend)
 
 
 def disable() -> None:
@@ -57,6 +65,11 @@ def disable() -> None:
 
 def is_enabled() -> bool:
   return hooks.installed()
+
+
+def backend() -> str:
+  """The backend `enable()` set: 'tf' or 'xla'."""
+  return hooks.backend()
 
 
 def distribution_of(model):
@@ -84,5 +97,9 @@ def shard_layouts(model) -> dict:
   store = model.__dict__.get('_tf_gspmd_store')
   if store is None:
     return {}
-  return {original.name.split(':')[0]: (sharded.sharding.spec, tuple(sharded.local_shape))
+  # Keyed by the Keras path: the TF names of nested layers' variables repeat ('attention/kernel'
+  # for each of query, key and value).
+  paths = {id(getattr(v, '_value', v)): v.path for v in hooks.all_variables(model)}
+  return {paths.get(id(original), original.name.split(':')[0]):
+          (sharded.sharding.spec, tuple(sharded.local_shape))
           for original, sharded in store.pairs()}

@@ -49,6 +49,9 @@ _ENTRY_POINTS = ('fit', 'evaluate', 'predict', 'train_on_batch', 'test_on_batch'
 _STEP_FACTORIES = ('make_train_function', 'make_test_function', 'make_predict_function')
 
 _MISSING = object()
+# The backend partitioned models run on: 'tf' (TF devices and collectives) or 'xla' (one
+# XLA-compiled program per replica, run through PJRT); set by install().
+_backend = ['tf']
 # (owner, attribute name, value before install or _MISSING), in install order.
 _saved: List[Tuple[object, str, object]] = []
 
@@ -145,7 +148,7 @@ def _give_layouts(variables, distribution) -> None:
       variable._layout = distribution.get_variable_layout(variable)  # pylint: disable=protected-access
 
 
-def _all_variables(model) -> list:
+def all_variables(model) -> list:
   """The model's, its optimizer's and its metrics' variables, each once."""
   found: Dict[int, object] = {}
   groups = [model.variables]
@@ -175,7 +178,7 @@ def annotate_variables(model, distribution) -> List[Tuple[str, object]]:
   """
   store = model.__dict__.get('_tf_gspmd_store')
   applied = []
-  for variable in _all_variables(model):
+  for variable in all_variables(model):
     if store is not None and id(getattr(variable, '_value', variable)) in store.sharded:
       continue
     sharding = _sharding_of(variable, distribution)
@@ -199,18 +202,39 @@ def partition_for_distribution(model) -> bool:
   if distribution is None:
     return False
   done = model.__dict__.get(_PARTITIONED_FOR)
+  if '_tf_gspmd_launcher' not in model.__dict__:
+    done = None  # tf_gspmd.unpartition_model(model) undid it: partition it again
+  backend = _backend[0]
   if done is distribution:
+    _check_backend(model, backend)
     return False
   if done is not None:
     raise ValueError(f'tf_gspmd.keras: model {model.name} runs partitioned for {done}; it cannot '
                      f'switch to {distribution}. Build a new model under the new distribution.')
   _give_layouts(model.variables, distribution)  # before fit builds optimizer slots from them
   mesh, devices = translate.mesh_and_devices(distribution.device_mesh)
-  partition_model(model, mesh, batch_axes=translate.batch_axes(distribution), devices=devices)
+  if backend == 'xla':
+    from tf_gspmd.xla_bridge.pjrt import devices_named  # pylint: disable=g-import-not-at-top
+    devices = devices_named(devices)  # the DeviceMesh's devices, in its order, as jax's
+  partition_model(model, mesh, batch_axes=translate.batch_axes(distribution), devices=devices,
+                  backend=backend)
   for name in _STEP_FACTORIES:
     setattr(model, name, _annotating(model, distribution, getattr(model, name)))
   model.__dict__[_PARTITIONED_FOR] = distribution
   return True
+
+
+def _check_backend(model, backend: str) -> None:
+  """A model keeps the backend it was partitioned on: refuse a switch, saying what to do."""
+  launcher = model.__dict__.get('_tf_gspmd_launcher')
+  had = launcher.kwargs.get('backend', 'tf') if launcher is not None else backend
+  if had != backend:
+    raise ValueError(
+        f"tf_gspmd.keras: model {model.name} runs partitioned on backend={had!r}, but "
+        f"tf_gspmd.keras.enable(backend={backend!r}) is in force. Its variables live on the "
+        f"{had!r} backend's devices; call tf_gspmd.unpartition_model(model) first (it copies "
+        'the trained values back into the model), then fit again to partition it on the new '
+        'backend.')
 
 
 def _entry_point(name, original):
@@ -234,7 +258,15 @@ def installed() -> bool:
   return bool(_saved)
 
 
-def install() -> None:
+def backend() -> str:
+  """The backend models are partitioned on while installed ('tf' or 'xla')."""
+  return _backend[0]
+
+
+def install(backend: str = 'tf') -> None:
+  if backend not in ('tf', 'xla'):
+    raise ValueError(f"tf_gspmd.keras.enable: backend must be 'tf' or 'xla', got {backend!r}.")
+  _backend[0] = backend
   if installed():
     return
   backend = keras.backend.backend()
@@ -249,6 +281,7 @@ def install() -> None:
 
 
 def uninstall() -> None:
+  _backend[0] = 'tf'
   while _saved:
     owner, name, value = _saved.pop()
     if value is _MISSING:

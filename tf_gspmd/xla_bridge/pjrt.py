@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import sys
 from typing import Dict, List, Optional, Sequence
 
@@ -71,6 +72,26 @@ def jax_devices(num_devices: int) -> list:
         f'was initialized before tf_gspmd could ask for more. Set XLA_FLAGS='
         f'{HOST_DEVICE_FLAG}={max(num_devices, MIN_HOST_DEVICES)} before the first use of jax.')
   return list(cpus[:num_devices])
+
+
+def devices_named(names: Sequence[str]) -> list:
+  """The jax device of each TF device name ('/device:CPU:3' -> jax's CPU device 3), so a
+  program on the XLA backend runs on the devices a Keras DeviceMesh lists, in its order."""
+  parsed = []
+  for name in names:
+    match = re.fullmatch(r'(?:.*device:)?([A-Za-z_]+):(\d+)', str(name))
+    if match is None:
+      raise ValueError(f"backend='xla': cannot read device {name!r} as a TF device name.")
+    parsed.append((match.group(1).lower(), int(match.group(2))))
+  jax = _import_jax(max(i for _, i in parsed) + 1)
+  out = []
+  for kind, index in parsed:
+    available = jax.devices(kind)
+    if index >= len(available):
+      raise RuntimeError(f"backend='xla': device {kind}:{index} asked for, but jax has "
+                         f'{len(available)} {kind} device(s).')
+    out.append(available[index])
+  return out
 
 
 def put_local(values: Sequence, devices: Sequence) -> list:
