@@ -232,23 +232,30 @@ def test_disable_restores_keras_own_behaviour():
   assert module.distribute_tensor is hooks.distribute_tensor
 
 
-def run_python(code_or_path, tmp_path, timeout=240):
+def run_python(code_or_path, tmp_path, timeout=240, args=()):
   script = code_or_path if isinstance(code_or_path, pathlib.Path) else tmp_path / 'script.py'
   if script is not code_or_path:
     script.write_text(code_or_path)
   env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL='2')
-  result = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True,
+  result = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   return result.stdout
 
 
 def test_example_trains_model_parallel_with_keras_progress_bar(tmp_path):
-  out = run_python(ROOT / 'examples' / 'keras' / 'model_parallel.py', tmp_path)
+  check_model_parallel_example(tmp_path)
+
+
+def check_model_parallel_example(tmp_path, *args) -> str:
+  """examples/keras/model_parallel.py (with `args`) trains with Keras' progress bar and equals
+  plain Keras; returns its output."""
+  out = run_python(ROOT / 'examples' / 'keras' / 'model_parallel.py', tmp_path, args=args)
   assert re.search(r'Epoch 2/2', out) and re.search(r'\d+/\d+\S* .*━.*loss: [\d.]+', out), out
   error = float(re.search(r'weights vs plain Keras: relative error (\S+)', out).group(1))
   assert error <= bound(np.float32) and 'MISMATCH' not in out, out  # the oracle's verdicts
   assert re.search(r"^all_reduce +\('model',\) +[1-9]", out, re.M), out
+  return out
 
 
 def test_readme_keras_distribution_section_runs(tmp_path):

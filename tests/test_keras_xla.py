@@ -14,6 +14,7 @@ this backend.
 """
 import collections
 import os
+import re
 import sys
 
 import keras
@@ -30,8 +31,8 @@ from tf_gspmd.xla_bridge import XlaLoweringError, stablehlo_collectives  # noqa:
 
 sys.path.insert(0, os.path.dirname(__file__))
 import test_keras_workflow as workflow  # noqa: E402
-from test_keras_distribution import (FIT, X, Y, guide_distribution, guide_model,  # noqa: E402
-                                     step_programs)
+from test_keras_distribution import (FIT, X, Y, check_model_parallel_example,  # noqa: E402
+                                     guide_distribution, guide_model, step_programs)
 
 # Recorded collective kind -> the native XLA op it is exported as (tests/test_xla_backend.py).
 NATIVE = {'all_reduce': 'all-reduce', 'broadcast': 'all-reduce', 'reduce_scatter': 'reduce-scatter',
@@ -348,3 +349,9 @@ def test_a_layer_xla_cannot_compile_is_named(layer, op):
   x = np.ones((16, 16), np.float32)
   with pytest.raises(XlaLoweringError, match=rf"op type {op} .* In Keras layer 'odd_layer'"):
     model.fit(x, np.ones((16, 4), np.float32), **FIT_ONE)
+
+
+def test_example_model_parallel_with_backend_xla(tmp_path):
+  out = check_model_parallel_example(tmp_path, '--backend', 'xla')
+  assert re.search(r'XLA compiled the training step for 8 PJRT devices; its collectives: '
+                   r'all-reduce x[1-9]', out), out

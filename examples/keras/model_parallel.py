@@ -6,7 +6,13 @@ progress bar); the one addition is `tf_gspmd.keras.enable()`. The same model
 then trains with no distribution, and the script prints how far the weights
 are apart (the oracle's normwise relative error per weight, tf_gspmd.testing)
 and the collectives one partitioned training step runs.
+
+`--backend xla`: the same code after `tf_gspmd.keras.enable(backend='xla')`: each
+step is one XLA-compiled per-replica program run on 8 PJRT CPU devices (the
+`tf_gspmd[xla]` extra); the collectives are then also counted in the module
+XLA compiled.
 """
+import argparse
 import collections
 import os
 import sys
@@ -50,15 +56,22 @@ def get_data():
   return images, labels
 
 
+def train_step_of(model) -> PartitionedFunction:
+  """The partitioned training step behind the model's train_function."""
+  cells = [c.cell_contents for c in model.train_function.__closure__ or ()]
+  return next(p for p in cells if isinstance(p, PartitionedFunction) and p._last is not None)
+
+
 def collectives_of(model):
   """Kind and axes of each collective one partitioned training step runs."""
-  cells = [c.cell_contents for c in model.train_function.__closure__ or ()]
-  step = next(p for p in cells if isinstance(p, PartitionedFunction) and p._last is not None)
-  return collections.Counter((c['kind'], c['axes']) for c in step.collectives())
+  return collections.Counter((c['kind'], c['axes']) for c in train_step_of(model).collectives())
 
 
 def main():
-  tf_gspmd.keras.enable()
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--backend', choices=('tf', 'xla'), default='tf')
+  backend = parser.parse_args().backend
+  tf_gspmd.keras.enable(backend=backend)
   x, y = get_data()
   # ---------------------------------------------------------------- Keras' guide code
   devices = keras.distribution.list_devices()  # 8 logical CPU devices
@@ -87,6 +100,11 @@ def main():
   print(f'\n{"collective":<12}{"axes":<22}count per training step')
   for (kind, axes), count in sorted(collectives_of(model).items()):
     print(f'{kind:<12}{str(axes):<22}{count}')
+  if backend == 'xla':
+    step = train_step_of(model)
+    counts = step._last.xla.executable.collective_counts()  # pylint: disable=protected-access
+    print(f'\nXLA compiled the training step for {step.mesh.size} PJRT devices; its collectives: '
+          + ', '.join(f'{kind} x{n}' for kind, n in sorted(counts.items())))
   return 0 if ok else 1
 
 
