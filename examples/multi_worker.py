@@ -2,6 +2,7 @@
 
     python examples/multi_worker.py            # train 3 steps across the two workers
     python examples/multi_worker.py --fault    # ... and kill worker 1 mid-step before the last
+    python examples/multi_worker.py --hang     # ... or stop it (SIGSTOP: hangs, never dies)
 
 Two `tf.distribute.Server` processes (the job 'worker', tasks 0 and 1, on
 loopback ports) hold 4 CPU devices each. This process is the client: it
@@ -17,7 +18,10 @@ With --fault, a checkpoint is saved after step 2 (each worker writes its own
 slices), then steps run back to back while worker 1 is killed with SIGKILL
 from a timer, and the step in flight raises a CollectiveError naming the dead
 task. The example then restarts the workers, connects again,
-partitions again, restores the checkpoint and runs step 3 again.
+partitions again, restores the checkpoint and runs step 3 again. With --hang,
+worker 1 is stopped (SIGSTOP) instead: it keeps its port open and never
+answers, and the step in flight raises a CollectiveError naming it once the
+collective timeout has passed; the recovery is the same.
 
 The last line is `max relative error vs unpartitioned: <x>`: the largest normwise
 relative error (the oracle's, tf_gspmd.testing; bound 1e-5 for float32) of every
@@ -52,7 +56,7 @@ import transformer  # noqa: E402  (examples/keras/transformer.py: the demo's mod
 
 TASKS, DEVICES_PER_TASK = 2, 4
 STEPS = 3
-TIMEOUT = 30.0  # seconds a collective may wait for its peers
+TIMEOUT = float(os.environ.get('TF_GSPMD_EXAMPLE_TIMEOUT', 30.0))  # a collective's wait, s
 
 
 def partition_step(model, optimizer, mesh, devices):
@@ -78,7 +82,10 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--fault', action='store_true',
                       help='kill worker 1 before the last step, restart it, restore, continue')
+  parser.add_argument('--hang', action='store_true',
+                      help='as --fault, but stop worker 1 (SIGSTOP) instead of killing it')
   args = parser.parse_args()
+  fault = 'hang' if args.hang else 'kill' if args.fault else None
 
   mesh = tg.Mesh.create((2, 4), ('data', 'model'))
   start = time.time()
@@ -103,9 +110,9 @@ def main():
     errors, ok = [], True
     for i in range(STEPS):
       tokens, labels = transformer.batch(seed=i)
-      if args.fault and i == STEPS - 1:
+      if fault and i == STEPS - 1:
         step = fail_and_recover(workers, step, mesh, model, optimizer, checkpoints,
-                                tokens, labels)
+                                tokens, labels, fault)
       t = time.time()
       loss = step(tokens, labels)
       seconds = time.time() - t
@@ -116,7 +123,7 @@ def main():
       ok = ok and verdict.ok
       print(f'step {i + 1}: loss {float(loss):.7f} unpartitioned {float(want):.7f} '
             f'({seconds:.2f} s){"" if verdict.ok else " MISMATCH"}')
-      if args.fault and i == STEPS - 2:
+      if fault and i == STEPS - 2:
         record = tg.save_checkpoint(step, checkpoints)
         writers = sorted({cluster.task_of(device) for device, *_ in record.slices})
         print(f'checkpoint {os.path.basename(record.prefix)} written by {writers}')
@@ -132,14 +139,14 @@ def main():
   return 0 if ok and report.ok else 1
 
 
-def fail_and_recover(workers, step, mesh, model, optimizer, checkpoints, tokens, labels):
-  """Kill worker 1 while steps run, see the call in flight fail, restart the workers, continue
-  from the checkpoint (the steps run meanwhile are discarded by the restore)."""
+def fail_and_recover(workers, step, mesh, model, optimizer, checkpoints, tokens, labels, fault):
+  """Kill (or stop) worker 1 while steps run, see the call in flight fail, restart the workers,
+  continue from the checkpoint (the steps run meanwhile are discarded by the restore)."""
   killed_at = []
 
   def kill():
     killed_at.append(time.time())
-    workers.kill(1)
+    (workers.stop if fault == 'hang' else workers.kill)(1)
 
   timer = threading.Timer(0.5, kill)
   timer.start()
@@ -152,7 +159,8 @@ def fail_and_recover(workers, step, mesh, model, optimizer, checkpoints, tokens,
         raise SystemExit('the steps ran on although task 1 is dead')
   except tg.CollectiveError as error:
     timer.join()
-    print(f'killed task 1 (SIGKILL) while steps ran ({calls} calls had completed)')
+    print(f'{"stopped task 1 (SIGSTOP)" if fault == "hang" else "killed task 1 (SIGKILL)"} '
+          f'while steps ran ({calls} calls had completed)')
     print(f'CollectiveError after {time.time() - killed_at[0]:.2f} s: {error}')
   t = time.time()
   # Every task restarts, not only the dead one: the failure aborted the collectives of the

@@ -9,16 +9,19 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf_gspmd as tg
-from tf_gspmd.runtime import cluster
+from tf_gspmd.runtime import cluster, remote_watch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, 'examples', 'multi_worker.py')
-TIMEOUT = 30.0  # the example's collective timeout
+TIMEOUT = 20.0  # the example's collective timeout (TF_GSPMD_EXAMPLE_TIMEOUT)
 
 
 def _names(tasks, per_task):
@@ -95,13 +98,57 @@ def test_lost_task_is_named_only_for_unavailable_errors():
     cluster.raise_if_task_lost(devices, tf.errors.UnavailableError(None, None, text), 'step')
 
 
+class _Marker:
+  """A token variable stand-in: its [state, since] marker, or a read that never returns."""
+
+  def __init__(self, state=0, since=0.0, hangs=False):
+    self.value, self.hangs = np.array([state, since]), hangs
+
+  def numpy(self):
+    if self.hangs:
+      threading.Event().wait()  # a stopped task: the read never answers
+    return self.value
+
+
+def test_a_task_that_does_not_answer_is_the_hung_one():
+  now = time.time()
+  markers = [_Marker(3, now - 30)] * 4 + [_Marker(hangs=True)] * 4
+  hung = remote_watch._hung_partitions(markers, timeout=10, probe_seconds=0.2)
+  assert sorted(hung) == [4, 5, 6, 7] and 'did not answer' in hung[4]
+
+
+def test_partitions_that_never_reached_a_collective_others_wait_in_are_hung():
+  now = time.time()
+  markers = [_Marker(5, now - 30)] * 4 + [_Marker(4, now - 30)] * 2 + [_Marker(5, now - 1)] * 2
+  hung = remote_watch._hung_partitions(markers, timeout=10, probe_seconds=1)
+  assert sorted(hung) == [4, 5] and 'never reached collective #2' in hung[4]
+  # Nobody has waited past the timeout: still computing, nobody to blame.
+  assert remote_watch._hung_partitions([_Marker(5, now - 1)] * 8, 10, 1) == {}
+
+
+def test_a_watched_call_returns_or_raises_what_the_call_does():
+  assert remote_watch.run_watched(lambda: 7, [], [], timeout=5, what='step') == 7
+  with pytest.raises(ZeroDivisionError):
+    remote_watch.run_watched(lambda: 1 / 0, [], [], timeout=5, what='step')
+  devices = [f'/job:worker/replica:0/task:{p // 4}/device:CPU:{p % 4}' for p in range(8)]
+  assert remote_watch.spans_other_tasks(devices)
+  assert not remote_watch.spans_other_tasks([f'/device:CPU:{p}' for p in range(8)])
+  markers = [_Marker(1, time.time())] * 4 + [_Marker(hangs=True)] * 4
+  start = time.time()
+  with pytest.raises(remote_watch.Hang, match=r'task:1 .*partitions \[4, 5, 6, 7\], stopped'):
+    remote_watch.run_watched(threading.Event().wait, markers, devices, timeout=0.5,
+                             what='step', probe_seconds=0.3)
+  assert time.time() - start < 3
+
+
 @pytest.fixture(scope='module')
 def runs():
-  """The example's output, plain and with --fault (run concurrently)."""
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', KERAS_BACKEND='tensorflow')
+  """The example's output, plain, with --fault and with --hang (run concurrently)."""
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', KERAS_BACKEND='tensorflow',
+             TF_GSPMD_EXAMPLE_TIMEOUT=str(TIMEOUT))
   procs = {mode: subprocess.Popen([sys.executable, EXAMPLE] + flags, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-           for mode, flags in (('plain', []), ('fault', ['--fault']))}
+           for mode, flags in (('plain', []), ('fault', ['--fault']), ('hang', ['--hang']))}
   out = {}
   for mode, proc in procs.items():
     try:
@@ -149,4 +196,19 @@ def test_killed_worker_raises_then_restore_continues(runs):
   assert 'checkpoint ckpt-1 written by' in out and 'restored the checkpoint' in out
   assert _final_error(out) <= 1e-5
   # The interrupted run, resumed from the checkpoint, gives the uninterrupted run's losses.
+  assert _losses(out) == _losses(runs['plain'])
+
+
+@pytest.mark.slow
+def test_hung_worker_raises_within_the_timeout_then_restore_continues(runs):
+  """SIGSTOP: the task keeps its port open and never answers; the client still raises."""
+  out = runs['hang']
+  assert re.search(r'stopped task 1 \(SIGSTOP\) while steps ran \(\d+ calls had completed\)', out)
+  match = re.search(r'CollectiveError after (\S+) s: (.*)', out)
+  assert match, out[-3000:]
+  assert TIMEOUT - 1 <= float(match.group(1)) < TIMEOUT + 10  # the timeout, then a 5 s probe
+  assert 'task /job:worker/replica:0/task:1' in match.group(2)
+  assert 'partitions [4, 5, 6, 7], stopped responding' in match.group(2)
+  assert 'restored the checkpoint' in out
+  assert _final_error(out) <= 1e-5
   assert _losses(out) == _losses(runs['plain'])

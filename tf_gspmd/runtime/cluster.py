@@ -220,7 +220,8 @@ def _accepts_connections(address: str, timeout: float = 1.0) -> bool:
 
 def raise_if_task_lost(devices: Sequence[str], error: Exception, what: str) -> None:
   """Raise a CollectiveError naming the unreachable task(s), their addresses and partitions."""
-  from tf_gspmd.runtime.launcher import CollectiveError  # pylint: disable=g-import-not-at-top
+  # Imported here: a LocalCluster worker runs this file as a script, without the package.
+  from tf_gspmd.runtime.errors import CollectiveError  # pylint: disable=g-import-not-at-top
   tasks = lost_tasks(devices, error)
   if not tasks:
     return
@@ -315,6 +316,12 @@ class LocalCluster:
     if process is not None and process.poll() is None:
       process.send_signal(signal.SIGKILL)
       process.wait()
+
+  def stop(self, task: int) -> None:
+    """SIGSTOP task `task`: it hangs without dying (its port still accepts connections)."""
+    process = self.processes[task]
+    if process is not None and process.poll() is None:
+      process.send_signal(signal.SIGSTOP)
 
   def restart(self, task: int) -> None:
     """Start task `task` again, on the same address, after it died or was killed."""

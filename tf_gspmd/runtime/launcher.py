@@ -46,7 +46,9 @@ from tensorflow.python.ops import gen_functional_ops
 
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.runtime import collectives as collectives_lib
+from tf_gspmd.runtime import remote_watch
 from tf_gspmd.runtime import sharded as sharded_lib
+from tf_gspmd.runtime.errors import CollectiveError
 from tf_gspmd.collectives import tables
 from tf_gspmd.runtime.sharded import ShardedValue, ShardedVariable
 from tf_gspmd.sharding import NamedSharding, P, Sharding
@@ -54,10 +56,6 @@ from tf_gspmd.sharding import NamedSharding, P, Sharding
 DEFAULT_TIMEOUT = collectives_lib.DEFAULT_TIMEOUT
 PARTITION_ID_SPEC = tf.TensorSpec([], tf.int32, name='partition_id')
 TOKEN_SPEC = tf.TensorSpec([], tf.resource, name='token')
-
-
-class CollectiveError(RuntimeError):
-  """A collective of the per-partition program failed or timed out; says which and where."""
 
 
 @collectives_lib._no_autograph  # pylint: disable=protected-access
@@ -251,13 +249,24 @@ class SpmdProgram:
     self._last = program
     token_variables = self._token_variables()
     tokens = [t.handle for t in token_variables]
-    watch = _WATCHDOG.watch(self, token_variables)
+    # Variables are captured by the outer function (see _outer_function): only the
+    # other arguments are passed, so a call does not hand TF V x N variables to check.
+    inputs = [self._outer_input(a, value) for a, value in zip(args_spec, args)
+              if a.kind != 'variable']
+
+    def launch():
+      with without_grappler():  # per thread: the call may run on remote_watch's thread
+        return outer(tokens, *inputs)
+    remote = self.timeout is not None and remote_watch.spans_other_tasks(self.devices)
+    watch = None if remote else _WATCHDOG.watch(self, token_variables)
     try:
-      # Variables are captured by the outer function (see _outer_function): only the
-      # other arguments are passed, so a call does not hand TF V x N variables to check.
-      with without_grappler():
-        flat = outer(tokens, *[self._outer_input(a, value) for a, value in zip(args_spec, args)
-                               if a.kind != 'variable'])
+      if remote:  # partitions in other processes: watched for a task that stops answering
+        flat = remote_watch.run_watched(launch, token_variables, self.devices, self.timeout,
+                                        self.name)
+      else:
+        flat = launch()
+    except remote_watch.Hang as hang:
+      raise CollectiveError(str(hang)) from None
     except tf.errors.OpError as error:
       self._raise_collective_error(program, error, watch)
       raise
