@@ -25,6 +25,7 @@ LAYERS = (
     ('runtime',),                   # TF backend: collectives on TF devices, the launcher
     ('xla_bridge',),                # XLA backend: XLA collectives, export, PJRT
     ('build_progress',),            # what a long first call is doing, shown as it runs
+    ('pictures',),                  # layouts drawn: text grids, the HTML report page
     ('partitioned',),               # partition(): capture -> propagate -> rewrite -> backend
     ('checkpoint', 'saved_model', 'serve', 'planning'),  # save/restore/export/serve/plan a partitioned program
     ('keras_layout', 'keras_fit', 'keras'),  # Keras on top of partition()

@@ -23,6 +23,7 @@ from tf_gspmd.annotations import (
     assign_device, shard_variable, variable_sharding, get_sharding)
 from tf_gspmd.pipeline import bubble_fraction as pipeline_bubble_fraction, pipeline
 
+from tf_gspmd.pictures import visualize
 from tf_gspmd.partitioned import PartitionedFunction, partition
 from tf_gspmd.keras_layout import LayoutMap
 from tf_gspmd.keras_fit import partition_model, unpartition_model
@@ -44,4 +45,5 @@ __all__ = [
     'replicate', 'assign_device', 'shard_variable', 'variable_sharding', 'get_sharding',
     'save_checkpoint', 'restore_checkpoint', 'pipeline', 'pipeline_bubble_fraction',
     'from_dtensor_layout', 'from_dtensor_mesh',
+    'visualize',
 ]

@@ -341,6 +341,37 @@ class PartitionedFunction:
     if self._last is None:
       raise RuntimeError(f'{what}(): call the partitioned function (or get_program) first.')
 
+  # --- pictures ---------------------------------------------------------------------
+  def visualize(self, name: str) -> str:
+    """Print (and return) which devices hold which block of variable or tensor `name`.
+
+    `name`: a variable's name ('w1', 'w1:0') or a tensor of the main graph
+    ('MatMul:0', or 'MatMul' for output 0), laid out as propagation chose. An
+    unknown name raises a KeyError naming the nearest ones. See `tg.visualize`.
+
+    >>> step(x); step.visualize('w1')                                 # doctest: +SKIP
+    w1:0: (16, 32) P(None, 'model') on mesh data=2 x model=4; each device holds (16, 8)
+    ...
+    """
+    self._require_compiled('visualize')
+    from tf_gspmd.pictures import sources  # pylint: disable=g-import-not-at-top
+    return sources.visualize_named(self, name)
+
+  def report(self, path) -> str:
+    """Write one self-contained HTML page about the last compiled program to `path`.
+
+    The page draws every variable's layout as a device grid, the collectives
+    per step as a bar chart of bytes by kind and mesh axes, each device's
+    memory (parameters / optimizer state) and where each sharding came from.
+    No network needed to view it. Returns the path written.
+
+    >>> step(x); step.report('report.html')                           # doctest: +SKIP
+    'report.html'
+    """
+    self._require_compiled('report')
+    from tf_gspmd.pictures import sources  # pylint: disable=g-import-not-at-top
+    return sources.write_report(self, path, 'function')
+
   # --- building ---------------------------------------------------------------------
   def _compile(self, args) -> _Compiled:
     from tf_gspmd.graph.capture import capture  # pylint: disable=g-import-not-at-top

@@ -132,6 +132,16 @@ class PlanReport:
       out[name] = {'total': v.total, 'per_device': v.per_device}
     return out
 
+  def report(self, path) -> str:
+    """Write one self-contained HTML page of this plan to `path` (as
+    `PartitionedFunction.report`, plus the activation peak); returns the path.
+
+    >>> tg.plan(step, *specs, mesh=mesh).report('plan.html')          # doctest: +SKIP
+    'plan.html'
+    """
+    from tf_gspmd.pictures import sources  # pylint: disable=g-import-not-at-top
+    return sources.write_report(self, path, 'plan')
+
   def __str__(self) -> str:
     axes = ' x '.join(f'{a}={s}' for a, s in self.mesh.shape.items())
     lines = [f'plan {self.name}: {self.mesh.size} devices ({axes}); built in '
