@@ -17,6 +17,15 @@ from tf_gspmd import Mesh, NamedSharding, P, Sharding
 
 MESH = Mesh.create((2, 4), ('data', 'model'))
 LINE = Mesh.create((4,), ('x',))
+# P('data', 'model') over an (8, 8) tensor, or the first and last dim of (8, 3, 8).
+GRID_2X4 = """
+            0:2   2:4   4:6   6:8
+          ┌─────┬─────┬─────┬─────┐
+      0:4 │  0  │  1  │  2  │  3  │
+          ├─────┼─────┼─────┼─────┤
+      4:8 │  4  │  5  │  6  │  7  │
+          └─────┴─────┴─────┴─────┘
+      """
 
 
 def picture(text: str) -> str:
@@ -34,14 +43,7 @@ def test_2x4_mesh_split_both_dims(capsys):
   check(tg.visualize(NamedSharding(MESH, P('data', 'model')), (8, 8)), """
       (8, 8) P('data', 'model') on mesh data=2 x model=4; each device holds (4, 2)
       dim 0 (8): 2 blocks of 4 over 'data'
-      dim 1 (8): 4 blocks of 2 over 'model'
-            0:2   2:4   4:6   6:8
-          ┌─────┬─────┬─────┬─────┐
-      0:4 │  0  │  1  │  2  │  3  │
-          ├─────┼─────┼─────┼─────┤
-      4:8 │  4  │  5  │  6  │  7  │
-          └─────┴─────┴─────┴─────┘
-      """, capsys)
+      dim 1 (8): 4 blocks of 2 over 'model'""" + GRID_2X4, capsys)
 
 
 def test_replicated_rows_list_both_copies(capsys):
@@ -136,18 +138,11 @@ def test_tile_assignment_in_another_device_order(capsys):
 
 
 def test_rank_3_grid_over_the_split_dims(capsys):
-  check(tg.visualize(NamedSharding(MESH, P('data', None, 'model')), (4, 3, 8)), """
-      (4, 3, 8) P('data', None, 'model') on mesh data=2 x model=4; each device holds (2, 3, 2)
-      dim 0 (4): 2 blocks of 2 over 'data' -> rows
+  check(tg.visualize(NamedSharding(MESH, P('data', None, 'model')), (8, 3, 8)), """
+      (8, 3, 8) P('data', None, 'model') on mesh data=2 x model=4; each device holds (4, 3, 2)
+      dim 0 (8): 2 blocks of 4 over 'data' -> rows
       dim 1 (3): not split -> folded into each cell
-      dim 2 (8): 4 blocks of 2 over 'model' -> columns
-            0:2   2:4   4:6   6:8
-          ┌─────┬─────┬─────┬─────┐
-      0:2 │  0  │  1  │  2  │  3  │
-          ├─────┼─────┼─────┼─────┤
-      2:4 │  4  │  5  │  6  │  7  │
-          └─────┴─────┴─────┴─────┘
-      """, capsys)
+      dim 2 (8): 4 blocks of 2 over 'model' -> columns""" + GRID_2X4, capsys)
 
 
 def test_rank_3_with_three_split_dims_folds_one_into_cells(capsys):

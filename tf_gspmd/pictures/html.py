@@ -58,20 +58,19 @@ def _summary(page: Page) -> str:
 def _memory(page: Page) -> str:
   measured = {k: v for k, v in page.memory.items() if v is not None}
   total = sum(measured.values())
-  rows = ''.join(_memory_row(part, page.memory.get(part)) for part in MEMORY_PARTS)
-  rows += f'<tr class="total"><td>total</td><td class="num">{_bytes(total)}</td></tr>'
+  rows = [_memory_row(part, page.memory.get(part)) for part in MEMORY_PARTS]
+  rows.append(_row(['total', _num(total)], 'class="total"'))
   return ('<section id="memory"><h2>Memory per device</h2>'
           '<p class="note">Shards are padded to one shape, so every device holds the same bytes.</p>'
-          f'{_stacked_bar(measured, total)}<table class="memory">{rows}</table>'
+          f'{_stacked_bar(measured, total)}{_table("memory", ("part", "bytes"), rows)}'
           f'{_variable_table(page.variables)}</section>')
 
 
 def _memory_row(part: str, size: Optional[int]) -> str:
-  shown_bytes = 'not measured' if size is None else _bytes(size)
-  value = '' if size is None else str(size)
-  return (f'<tr class="mem" data-part="{_e(part)}" data-bytes="{value}"><td><span class="swatch" '
-          f'style="background:{PART_COLORS[part]}"></span>{_e(part)}</td>'
-          f'<td class="num">{shown_bytes}</td></tr>')
+  swatch = f'<span class="swatch" style="background:{PART_COLORS[part]}"></span>{_e(part)}'
+  value = '<td class="num">not measured</td>' if size is None else _num(size)
+  return _row([swatch, value],
+              f'class="mem" data-part="{_e(part)}" data-bytes="{"" if size is None else size}"')
 
 
 def _stacked_bar(parts: Dict[str, int], total: int, width: int = 760) -> str:
@@ -87,17 +86,14 @@ def _stacked_bar(parts: Dict[str, int], total: int, width: int = 760) -> str:
 
 
 def _variable_table(variables: List[VariableEntry]) -> str:
-  head = ('<tr><th>variable</th><th>shape</th><th>dtype</th><th>sharding</th><th>part</th>'
-          '<th>per device</th><th>global</th></tr>')
-  rows = ''.join(
-      f'<tr class="var" data-name="{_e(v.name)}" data-per-device="{v.per_device}" '
-      f'data-total="{v.total}" data-trainable="{int(v.trainable)}">'
-      f'<td><a href="#grid-{i}">{_e(v.name)}</a></td><td>{_e(str(v.shape))}</td>'
-      f'<td>{_e(v.dtype)}</td><td><code>{_e(str(v.sharding))}</code></td>'
-      f'<td>{"parameters" if v.trainable else "optimizer state"}</td>'
-      f'<td class="num">{_bytes(v.per_device)}</td><td class="num">{_bytes(v.total)}</td></tr>'
-      for i, v in enumerate(variables))
-  return f'<table class="variables">{head}{rows}</table>'
+  rows = [_row([f'<a href="#grid-{i}">{_e(v.name)}</a>', _e(v.shape), _e(v.dtype),
+                _code(v.sharding), 'parameters' if v.trainable else 'optimizer state',
+                _num(v.per_device), _num(v.total)],
+               f'class="var" data-name="{_e(v.name)}" data-per-device="{v.per_device}" '
+               f'data-total="{v.total}" data-trainable="{int(v.trainable)}"')
+          for i, v in enumerate(variables)]
+  return _table('variables', ('variable', 'shape', 'dtype', 'sharding', 'part', 'per device',
+                              'global'), rows)
 
 
 # --- collectives -------------------------------------------------------------------------
@@ -141,15 +137,11 @@ def _bar_chart(totals, label_width: int = 250, bar_width: int = 380) -> str:
 
 
 def _collective_table(records: Sequence[dict]) -> str:
-  head = ('<tr><th>op</th><th>op type</th><th>kind</th><th>axes</th><th>shape</th>'
-          '<th>bytes</th><th>why</th></tr>')
-  rows = ''.join(
-      f'<tr><td>{_e(r.get("op", ""))}</td><td>{_e(r.get("op_type", ""))}</td>'
-      f'<td>{_e(r["kind"])}</td><td>{_e(",".join(r["axes"]))}</td>'
-      f'<td>{_e(str(tuple(r.get("shape", ()))))}</td><td class="num">{_bytes(r["bytes"])}</td>'
-      f'<td>{_e(r.get("why", ""))}</td></tr>' for r in records)
-  return (f'<details><summary>every collective ({len(records)})</summary>'
-          f'<table class="collectives">{head}{rows}</table></details>')
+  rows = [_row([_e(r.get('op', '')), _e(r.get('op_type', '')), _e(r['kind']),
+                _e(','.join(r['axes'])), _e(tuple(r.get('shape', ()))), _num(r['bytes']),
+                _e(r.get('why', ''))]) for r in records]
+  table = _table('collectives', ('op', 'op type', 'kind', 'axes', 'shape', 'bytes', 'why'), rows)
+  return f'<details><summary>every collective ({len(records)})</summary>{table}</details>'
 
 
 # --- layouts -----------------------------------------------------------------------------
@@ -262,10 +254,8 @@ def _block(layout: Layout, row, col, x, y, w, h, ordinal: int) -> str:
 
 # --- provenance --------------------------------------------------------------------------
 def _provenance(page: Page) -> str:
-  rows = ''.join(
-      f'<tr><td>{_e(v.name)}</td><td><code>{_e(str(v.sharding))}</code></td>'
-      f'<td class="prov">{_e(v.provenance or "-")}</td></tr>' for v in page.variables)
-  table = f'<table class="provenance"><tr><th>variable</th><th>sharding</th><th>why</th></tr>{rows}</table>'
+  rows = [_row([_e(v.name), _code(v.sharding), _e(v.provenance or '-')]) for v in page.variables]
+  table = _table('provenance', ('variable', 'sharding', 'why'), rows)
   return ('<section id="provenance"><h2>Where each sharding came from</h2>'
           f'{table}{_records_table(page.records)}</section>')
 
@@ -273,17 +263,36 @@ def _provenance(page: Page) -> str:
 def _records_table(records: Sequence[dict]) -> str:
   if not records:
     return ''
-  head = '<tr><th>tensor</th><th>op</th><th>sharding</th><th>how</th></tr>'
-  rows = ''.join(
-      f'<tr><td>{_e(r["tensor"])}</td><td>{_e(r["op"])}</td><td><code>{_e(r["sharding"])}'
-      f'</code></td><td>{_e(r["detail"])}</td></tr>' for r in records)
+  rows = [_row([_e(r['tensor']), _e(r['op']), _code(r['sharding']), _e(r['detail'])])
+          for r in records]
+  table = _table('records', ('tensor', 'op', 'sharding', 'how'), rows)
   return (f'<details><summary>every tensor propagation decided ({len(records)})</summary>'
-          f'<table class="records">{head}{rows}</table></details>')
+          f'{table}</details>')
 
 
 # --- helpers -----------------------------------------------------------------------------
 def _e(value) -> str:
   return html.escape(str(value), quote=True)
+
+
+def _code(value) -> str:
+  return f'<code>{_e(value)}</code>'
+
+
+def _num(n: int) -> str:
+  """A byte count for a right-aligned cell."""
+  return f'<td class="num">{_bytes(n)}</td>'
+
+
+def _row(cells: Sequence[str], attrs: str = '') -> str:
+  """A table row of already escaped cells (a cell starting with '<td' is kept whole)."""
+  tds = ''.join(c if c.startswith('<td') else f'<td>{c}</td>' for c in cells)
+  return f'<tr {attrs}>{tds}</tr>' if attrs else f'<tr>{tds}</tr>'
+
+
+def _table(css_class: str, heads: Sequence[str], rows: Sequence[str]) -> str:
+  head = ''.join(f'<th>{_e(h)}</th>' for h in heads)
+  return f'<table class="{css_class}"><tr>{head}</tr>{"".join(rows)}</table>'
 
 
 def _bytes(n: int) -> str:
