@@ -279,6 +279,7 @@ class _Page(html.parser.HTMLParser):
   def __init__(self):
     super().__init__()
     self.grids, self.bars, self.memory, self.variables, self.urls = {}, [], {}, {}, []
+    self.provenance = {}
     self.text, self._grid = [], None
 
   def handle_starttag(self, tag, attrs):
@@ -295,6 +296,8 @@ class _Page(html.parser.HTMLParser):
       self.memory[a['data-part']] = a['data-bytes']
     elif tag == 'tr' and 'var' in classes:
       self.variables[a['data-name']] = a
+    elif tag == 'tr' and 'why' in classes:
+      self.provenance[a['data-name']] = a['data-why']
 
   def handle_data(self, data):
     self.text.append(data)
@@ -350,10 +353,10 @@ def test_pf_report_page(mlp, tmp_path):
   for name, entry in sizes.items():
     assert int(page.variables[name]['data-per-device']) == entry['per_device']
     assert int(page.variables[name]['data-total']) == entry['total']
+  assert page.provenance['w1:0'] == page.provenance['w2:0'] == 'user annotation'  # shard_variable
+  assert re.match(r'backward via \S+ \(ReadVariableOp\)', page.provenance['w1_momentum:0'])
   words = ' '.join(page.text)
-  assert 'user annotation' in words  # w1, w2: shard_variable
-  assert re.search(r'backward via \S+ \(ReadVariableOp\)', words)  # the momentum: propagated
-  assert 'not measured' in words
+  assert 'user annotation' in words and 'not measured' in words
 
 
 def test_plan_report_page(tmp_path):
@@ -387,4 +390,5 @@ def test_plan_report_page(tmp_path):
                          'optimizer state': str(report.optimizer_bytes),
                          'activations': str(report.activation_peak)}
   assert report.activation_peak > 0
-  assert 'user annotation' in ' '.join(page.text)
+  assert page.provenance['w1:0'] == page.provenance['w2:0'] == 'user annotation'
+  assert page.provenance['w1_momentum:0'].startswith('backward via')

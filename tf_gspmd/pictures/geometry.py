@@ -19,8 +19,9 @@ from tf_gspmd.mesh import Mesh
 from tf_gspmd.sharding import PARTIAL_PREFIX, NamedSharding, Sharding
 from tf_gspmd.sharding import named_for_rank, shard_bounds
 
-# A dim cut into more blocks than this shows its first and last ones around an ellipsis.
-MAX_SHOWN = 16
+# A dim cut into more blocks than this shows its first and last ones around an ellipsis:
+# a terminal line, or a card of the page, holds about eight labelled blocks.
+MAX_SHOWN = 8
 
 
 @dataclasses.dataclass(frozen=True)

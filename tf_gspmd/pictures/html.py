@@ -92,8 +92,12 @@ def _variable_table(variables: List[VariableEntry]) -> str:
                f'class="var" data-name="{_e(v.name)}" data-per-device="{v.per_device}" '
                f'data-total="{v.total}" data-trainable="{int(v.trainable)}"')
           for i, v in enumerate(variables)]
-  return _table('variables', ('variable', 'shape', 'dtype', 'sharding', 'part', 'per device',
-                              'global'), rows)
+  table = _table('variables', ('variable', 'shape', 'dtype', 'sharding', 'part', 'per device',
+                               'global'), rows)
+  # Open while short; a model's hundred variables would push the charts off the screen.
+  opened = ' open' if len(variables) <= 12 else ''
+  return (f'<details{opened}><summary>per variable ({len(variables)})</summary>{table}'
+          '</details>')
 
 
 # --- collectives -------------------------------------------------------------------------
@@ -129,8 +133,8 @@ def _bar_chart(totals, label_width: int = 250, bar_width: int = 380) -> str:
         f'data-bytes="{size}" data-count="{count}">'
         f'<text x="{label_width - 8}" y="{y + 18}" text-anchor="end">{_e(label)}</text>'
         f'<rect x="{label_width}" y="{y + 4}" width="{w:.1f}" height="20" fill="#4e79a7"/>'
-        f'<text x="{label_width + w + 6:.1f}" y="{y + 18}">{_bytes(size)} in {count} '
-        f'op{"s" if count != 1 else ""}</text></g>')
+        f'<text x="{label_width + w + 6:.1f}" y="{y + 18}">{_bytes(size, exact=False)} in '
+        f'{count} op{"s" if count != 1 else ""}<title>{size:,} B</title></text></g>')
   height = 30 * len(totals) + 4
   return (f'<svg class="chart" width="{label_width + bar_width + 170}" height="{height}">'
           f'{"".join(bars)}</svg>')
@@ -217,10 +221,10 @@ def _axis_labels(layout: Layout, rows, cols, left: float, top: float) -> str:
       continue
     for index, at, size in spans:
       label = '…' if index is None else range_text(layout.dims[dim].bounds[index])
-      if across and size >= 6 * len(label):
+      if across and size >= 6.5 * len(label) + 4:  # 10px monospace: ~6 px a character
         out.append(f'<text class="axis" x="{left + at + size / 2:.1f}" y="{top - 6}" '
                    f'text-anchor="middle">{label}</text>')
-      elif not across and size >= 11:
+      elif not across and size >= 12:
         out.append(f'<text class="axis" x="{left - 6}" y="{top + at + size / 2 + 4:.1f}" '
                    f'text-anchor="end">{label}</text>')
   return ''.join(out)
@@ -254,7 +258,9 @@ def _block(layout: Layout, row, col, x, y, w, h, ordinal: int) -> str:
 
 # --- provenance --------------------------------------------------------------------------
 def _provenance(page: Page) -> str:
-  rows = [_row([_e(v.name), _code(v.sharding), _e(v.provenance or '-')]) for v in page.variables]
+  rows = [_row([_e(v.name), _code(v.sharding), _e(v.provenance or '-')],
+               f'class="why" data-name="{_e(v.name)}" data-why="{_e(v.provenance)}"')
+          for v in page.variables]
   table = _table('provenance', ('variable', 'sharding', 'why'), rows)
   return ('<section id="provenance"><h2>Where each sharding came from</h2>'
           f'{table}{_records_table(page.records)}</section>')
@@ -295,12 +301,12 @@ def _table(css_class: str, heads: Sequence[str], rows: Sequence[str]) -> str:
   return f'<table class="{css_class}"><tr>{head}</tr>{"".join(rows)}</table>'
 
 
-def _bytes(n: int) -> str:
-  """'2,048 B', or '1.5 MiB (1,572,864 B)' from a KiB on."""
+def _bytes(n: int, exact: bool = True) -> str:
+  """'2,048 B', or '1.5 MiB (1,572,864 B)' from a KiB on ('1.5 MiB' unless `exact`)."""
   n = int(n)
   for unit, size in (('GiB', 1 << 30), ('MiB', 1 << 20), ('KiB', 1 << 10)):
     if n >= size:
-      return f'{n / size:.1f} {unit} ({n:,} B)'
+      return f'{n / size:.1f} {unit}' + (f' ({n:,} B)' if exact else '')
   return f'{n:,} B'
 
 

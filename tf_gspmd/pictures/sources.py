@@ -89,7 +89,7 @@ def plan_page(report) -> Page:
     var = by_name.get(v.name)
     entries.append(VariableEntry(key, tuple(v.shape), v.dtype, v.sharding, v.trainable,
                                  v.per_device, v.total,
-                                 _provenance(plan, tensors.get(id(var)) if var else None)))
+                                 _provenance(plan, tensors.get(id(var)) if var is not None else None)))
   notes = [f'Activation peak: a liveness pass over the per-partition program '
            f'({report.activation_tensors} tensors counted; see tf_gspmd.planning.activation_peak).']
   return Page(f'plan {report.name} on {report.mesh}', report.mesh, entries,

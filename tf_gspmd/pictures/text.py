@@ -15,7 +15,6 @@ from typing import List, Optional
 from tf_gspmd.pictures.geometry import Block, DimSplit, Layout, device_label, range_text, shown
 
 ELLIPSIS = '…'
-MAX_SHOWN = 8  # blocks a dim shows before eliding its middle ones: a terminal is narrow
 
 
 def render(layout: Layout, name: Optional[str] = None) -> str:
@@ -106,8 +105,8 @@ def cell_text(blocks: List[Block]) -> str:
 
 def grid(layout: Layout) -> List[str]:
   rows_dim, cols_dim = layout.grid_dims
-  rows = shown(layout.dims[rows_dim].blocks, MAX_SHOWN) if rows_dim is not None else [0]
-  cols = shown(layout.dims[cols_dim].blocks, MAX_SHOWN) if cols_dim is not None else [0]
+  rows = shown(layout.dims[rows_dim].blocks) if rows_dim is not None else [0]
+  cols = shown(layout.dims[cols_dim].blocks) if cols_dim is not None else [0]
   cells = [[ELLIPSIS if r is None or c is None else cell_text(layout.cell(r, c)) for c in cols]
            for r in rows]
   col_heads = [_head(layout.dims[cols_dim], c) if cols_dim is not None else '' for c in cols]
