@@ -279,7 +279,7 @@ class _Page(html.parser.HTMLParser):
   def __init__(self):
     super().__init__()
     self.grids, self.bars, self.memory, self.variables, self.urls = {}, [], {}, {}, []
-    self.provenance = {}
+    self.provenance, self.boundary = {}, {}  # the grids of arguments and outputs in `boundary`
     self.text, self._grid = [], None
 
   def handle_starttag(self, tag, attrs):
@@ -287,7 +287,8 @@ class _Page(html.parser.HTMLParser):
     classes = (a.get('class') or '').split()
     self.urls += [v for k, v in attrs if k in ('src', 'href') and not (v or '').startswith('#')]
     if tag == 'svg' and 'grid' in classes:
-      self._grid = self.grids.setdefault(a['data-name'], [])
+      variable = a['data-role'] in ('parameters', 'optimizer state')
+      self._grid = (self.grids if variable else self.boundary).setdefault(a['data-name'], [])
     elif tag == 'g' and 'block' in classes:
       self._grid.append(a)
     elif tag == 'g' and 'bar' in classes:
@@ -345,6 +346,10 @@ def test_pf_report_page(mlp, tmp_path):
       want = devices_of_block(sharded.sharding, sharded.shape, block['data-rows'],
                               block['data-cols'])
       assert block['data-devices'] == want and len(want.split(',')) == 2, (name, block)
+  # The argument: rows over 'data' (its annotation), each half on the 4 devices of its row.
+  argument = page.boundary['x:0']
+  assert [b['data-devices'] for b in argument] == ['0,1,2,3', '4,5,6,7']
+  assert [b['data-rows'] for b in argument] == ['0:4', '4:8']
   check_bars(page, mlp.collectives())
   sizes = mlp.variable_bytes()
   assert page.memory['parameters'] == str(sizes['w1:0']['per_device'] + sizes['w2:0']['per_device'])

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from tf_gspmd.pictures import text
 from tf_gspmd.pictures.geometry import Layout, device_label, layout_of, range_text, shown
-from tf_gspmd.pictures.page import MEMORY_PARTS, Page, VariableEntry
+from tf_gspmd.pictures.page import MEMORY_PARTS, Page, TensorEntry
 
 GRID_WIDTH = 400       # px of a grid's blocks
 MIN_BLOCK = 16         # px: the narrowest block drawn (an empty one gets this)
@@ -81,13 +81,16 @@ def _stacked_bar(parts: Dict[str, int], total: int, width: int = 760) -> str:
     w = width * size / total
     out.append(f'<rect x="{x:.1f}" y="0" width="{w:.1f}" height="26" fill="{PART_COLORS[part]}">'
                f'<title>{_e(part)}: {_bytes(size)}</title></rect>')
+    label = f'{part} {_bytes(size, exact=False)}'
+    if w >= 7.5 * len(label) + 8:  # named inside the bar when it fits
+      out.append(f'<text class="inbar" x="{x + 6:.1f}" y="17">{_e(label)}</text>')
     x += w
   return f'<svg class="stacked" width="{width}" height="26">{"".join(out)}</svg>'
 
 
-def _variable_table(variables: List[VariableEntry]) -> str:
+def _variable_table(variables: List[TensorEntry]) -> str:
   rows = [_row([f'<a href="#grid-{i}">{_e(v.name)}</a>', _e(v.shape), _e(v.dtype),
-                _code(v.sharding), 'parameters' if v.trainable else 'optimizer state',
+                _code(v.sharding), _e(v.role),
                 _num(v.per_device), _num(v.total)],
                f'class="var" data-name="{_e(v.name)}" data-per-device="{v.per_device}" '
                f'data-total="{v.total}" data-trainable="{int(v.trainable)}"')
@@ -150,24 +153,29 @@ def _collective_table(records: Sequence[dict]) -> str:
 
 # --- layouts -----------------------------------------------------------------------------
 def _layouts(page: Page) -> str:
-  cards = ''.join(_card(i, v, page) for i, v in enumerate(page.variables))
   legend = ('<p class="note">Each box is one block of the tensor, drawn to scale; its label '
             "lists the devices holding it (',' between copies, '+' between the parts of a "
             "pending sum, '|' between blocks of dims folded into the cell).</p>")
-  return f'<section id="layouts"><h2>Variable layouts</h2>{legend}<div class="cards">{cards}</div></section>'
+  variables = ''.join(_card(f'grid-{i}', v, page) for i, v in enumerate(page.variables))
+  boundary = ''.join(_card(f'tensor-{i}', t, page) for i, t in enumerate(page.boundary))
+  if boundary:
+    boundary = f'<h2>Arguments and outputs</h2><div class="cards">{boundary}</div>'
+  return (f'<section id="layouts"><h2>Variable layouts</h2>{legend}'
+          f'<div class="cards">{variables}</div>{boundary}</section>')
 
 
-def _card(index: int, v: VariableEntry, page: Page) -> str:
+def _card(anchor: str, v: TensorEntry, page: Page) -> str:
   layout = layout_of(v.sharding, v.shape, page.mesh)
   lines = ''.join(f'<li>{_e(l)}</li>' for l in text.header(layout)[1:])
   prov = (f'<p class="prov"><b>provenance:</b> {_e(v.provenance)}</p>' if v.provenance else '')
-  return (f'<div class="card" id="grid-{index}"><h3>{_e(v.name)}</h3>'
-          f'<p class="meta">{_e(v.dtype)} {_e(str(v.shape))} &middot; <code>{_e(str(v.sharding))}'
-          f'</code> &middot; {_bytes(v.per_device)} per device of {_bytes(v.total)}</p>'
-          f'{grid_svg(layout, v.name)}<ul class="lines">{lines}</ul>{prov}</div>')
+  return (f'<div class="card" id="{anchor}"><h3>{_e(v.name)}</h3>'
+          f'<p class="meta">{_e(v.role)} &middot; {_e(v.dtype)} {_e(v.shape)} &middot; '
+          f'{_code(v.sharding)} &middot; {_bytes(v.per_device)} per device of '
+          f'{_bytes(v.total)}</p>{grid_svg(layout, v.name, v.role)}'
+          f'<ul class="lines">{lines}</ul>{prov}</div>')
 
 
-def grid_svg(layout: Layout, name: str) -> str:
+def grid_svg(layout: Layout, name: str, role: str = '') -> str:
   """The blocks of `layout` to scale: rows down, columns across, labelled with their devices."""
   rows_dim, cols_dim = layout.grid_dims
   width, height = _grid_size(layout)
@@ -180,7 +188,8 @@ def grid_svg(layout: Layout, name: str) -> str:
   for r, (row, y, h) in enumerate(rows):
     for c, (col, x, w) in enumerate(cols):
       out.append(_block(layout, row, col, left + x, top + y, w, h, r * len(cols) + c))
-  return (f'<svg class="grid" data-name="{_e(name)}" width="{left + width + 2:.0f}" '
+  return (f'<svg class="grid" data-name="{_e(name)}" data-role="{_e(role)}" '
+          f'width="{left + width + 2:.0f}" '
           f'height="{top + height + 2:.0f}">{"".join(out)}</svg>')
 
 
@@ -328,6 +337,7 @@ tr.total td{font-weight:600}
 .prov{font-size:12px;color:#444;margin:6px 0 0}
 svg text{font-family:ui-monospace,monospace;font-size:12px;fill:#222}
 svg text.axis{font-size:10px;fill:#666}
+svg text.inbar{fill:#fff;font-size:12px}
 g.block rect{stroke:#555;stroke-width:1}
 g.block.empty rect{stroke-dasharray:4 3}
 rect.elided{fill:#eee;stroke:#bbb}
@@ -347,5 +357,11 @@ function highlight(value) {
     var devices = g.getAttribute('data-devices').split(',');
     g.classList.toggle('hit', picking && devices.indexOf(value) >= 0);
   });
+}
+// report.html#device=3 opens with device 3 picked (a link to share, or a screenshot).
+var picked = /device=(\\d+)/.exec(location.hash);
+if (picked) {
+  document.getElementById('device').value = picked[1];
+  highlight(picked[1]);
 }
 """

@@ -8,11 +8,13 @@ this package, which must not import them.
 from __future__ import annotations
 
 import difflib
-from typing import Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy as np
 
 from tf_gspmd.pictures import html, text
 from tf_gspmd.pictures.geometry import layout_of
-from tf_gspmd.pictures.page import Page, VariableEntry, memory_of
+from tf_gspmd.pictures.page import VARIABLE_ROLES, Page, TensorEntry, memory_of
 
 
 # --- pf.visualize ------------------------------------------------------------------------
@@ -66,35 +68,53 @@ def function_page(pf) -> Page:
   """The page of a partitioned function's last compiled program."""
   compiled = pf._last  # pylint: disable=protected-access
   plan = compiled.plan
-  tensors = _variable_tensors(plan)
-  entries = []
-  for (key, sizes), (original, sharded) in zip(pf.variable_bytes().items(), pf.variable_pairs()):
-    entries.append(VariableEntry(
-        key, tuple(sharded.shape), sharded.dtype.name, sharded.sharding,
-        bool(getattr(original, 'trainable', True)), sizes['per_device'], sizes['total'],
-        _provenance(plan, tensors.get(id(original)))))
+  why = _variable_provenance(plan)
+  entries = [TensorEntry(key, tuple(sharded.shape), sharded.dtype.name, sharded.sharding,
+                         _role(getattr(original, 'trainable', True)), sizes['per_device'],
+                         sizes['total'], why(original))
+             for (key, sizes), (original, sharded) in zip(pf.variable_bytes().items(),
+                                                          pf.variable_pairs())]
   notes = ['Activations: not measured for a partitioned function; '
            'tg.plan(step, *specs, mesh=...).report(path) adds the activation peak.']
   return Page(f'{_fn_name(pf)} on {compiled.mesh}', compiled.mesh, entries, pf.collectives(),
-              memory_of(entries, None), plan.records(), notes)
+              memory_of(entries, None), plan.records(), notes, _boundary(plan))
 
 
 def plan_page(report) -> Page:
   """The page of a `tg.plan` report (with its activation peak)."""
   plan = report.plan
-  tensors = _variable_tensors(plan) if plan is not None else {}
+  why = _variable_provenance(plan)
   by_name = {v.name: v for v in plan.program.variables.values()} if plan is not None else {}
-  entries = []
-  for key, v in zip(report.variable_bytes(), report.variables):
-    var = by_name.get(v.name)
-    entries.append(VariableEntry(key, tuple(v.shape), v.dtype, v.sharding, v.trainable,
-                                 v.per_device, v.total,
-                                 _provenance(plan, tensors.get(id(var)) if var is not None else None)))
+  entries = [TensorEntry(key, tuple(v.shape), v.dtype, v.sharding, _role(v.trainable),
+                         v.per_device, v.total, why(by_name.get(v.name)))
+             for key, v in zip(report.variable_bytes(), report.variables)]
   notes = [f'Activation peak: a liveness pass over the per-partition program '
            f'({report.activation_tensors} tensors counted; see tf_gspmd.planning.activation_peak).']
   return Page(f'plan {report.name} on {report.mesh}', report.mesh, entries,
               report.collectives(), memory_of(entries, report.activation_peak),
-              plan.records() if plan is not None else [], notes)
+              plan.records() if plan is not None else [], notes, _boundary(plan))
+
+
+def _role(trainable: bool) -> str:
+  return VARIABLE_ROLES[0] if trainable else VARIABLE_ROLES[1]
+
+
+def _boundary(plan) -> List[TensorEntry]:
+  """The main graph's arguments and outputs, laid out as propagation chose."""
+  if plan is None:
+    return []
+  main, out = plan.program.main, []
+  for role, names in (('argument', plan.program.arg_inputs), ('output', main.outputs)):
+    for name in names:
+      tensor = main.tensor(name)
+      if _drawable(tensor):
+        sharding = plan.target(main, name)
+        size = tensor.dtype.size
+        out.append(TensorEntry(
+            name, tuple(tensor.shape), tensor.dtype.name, sharding, role,
+            int(np.prod(sharding.shard_shape(tensor.shape), dtype=np.int64)) * size,
+            int(np.prod(tensor.shape, dtype=np.int64)) * size, _provenance(plan, name)))
+  return out
 
 
 def write_report(source, path, kind: str) -> str:
@@ -103,9 +123,10 @@ def write_report(source, path, kind: str) -> str:
   return html.write(page, path)
 
 
-def _variable_tensors(plan) -> Dict[int, str]:
-  """id(tf.Variable) -> the main-graph tensor standing for it."""
-  return {id(var): tensor for tensor, var in plan.program.variables.items()}
+def _variable_provenance(plan) -> Callable[[Any], str]:
+  """tf.Variable (or None) -> how propagation got its sharding ('' when it did not see it)."""
+  tensors = {} if plan is None else {id(v): t for t, v in plan.program.variables.items()}
+  return lambda var: '' if var is None else _provenance(plan, tensors.get(id(var)))
 
 
 def _provenance(plan, tensor: Optional[str]) -> str:
