@@ -5,6 +5,7 @@ every number on it checked against the sources it was drawn from
 (`pf.variable_bytes()`, `pf.collectives()`, the shardings' own geometry).
 """
 import html.parser
+import pathlib
 import re
 import textwrap
 
@@ -397,3 +398,13 @@ def test_plan_report_page(tmp_path):
   assert report.activation_peak > 0
   assert page.provenance['w1:0'] == page.provenance['w2:0'] == 'user annotation'
   assert page.provenance['w1_momentum:0'].startswith('backward via')
+
+
+def test_readme_pictures_are_what_visualize_prints(capsys):
+  readme = (pathlib.Path(__file__).resolve().parent.parent / 'README.md').read_text()
+  section = readme.split('### Pictures of a layout', 1)[1].split('\n## ', 1)[0]
+  fenced = re.findall(r'^```(\w*)\n(.*?)^```$', section, re.S | re.M)
+  shown_blocks = [body for language, body in fenced if not language]  # the printed text
+  assert shown_blocks[0].rstrip('\n') == tg.visualize(NamedSharding(MESH, P('data', 'model')), (8, 8))
+  assert shown_blocks[1].rstrip('\n') == tg.visualize(NamedSharding(MESH, P(None, 'model')), (4, 10))
+  capsys.readouterr()
