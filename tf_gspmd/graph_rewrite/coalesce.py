@@ -367,7 +367,9 @@ def linear_handler(p, graph, node, operands: List[Local]) -> List[Local]:
   elif node.op == 'Neg':
     y = tf.negative(first.tensor, name=name)
   elif node.op in _SCALED:
-    scalar = tf.reshape(other[0].tensor, [])
+    # The one-element factor whole on every partition: split by an axis (its element on one
+    # shard, the others empty or padding) it would scale most blocks by nothing.
+    scalar = tf.reshape(p.replicate(other[0], f'factor of pending {node.op}').tensor, [])
     y = (tf.multiply if node.op == 'Mul' else tf.math.truediv)(first.tensor, scalar, name=name)
   elif node.op in _LAYOUT_ONLY:
     y = tf.identity(first.tensor, name=name)

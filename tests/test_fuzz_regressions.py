@@ -1,0 +1,55 @@
+"""Programs the whole-program fuzzer (tf_gspmd/testing/fuzz.py) found wrong, as it shrank them.
+
+Each `build_<seed>_<index>` is the fuzzer's printed program (`python -m tf_gspmd.testing.fuzz
+--seed <seed> --start <index> --programs 1` draws the unshrunk one); its test names the bug and
+its fix. A bug whose fix is not clear yet is a strict expected failure saying why.
+"""
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_gspmd as tg
+from tf_gspmd.testing import fuzz
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+  with warnings.catch_warnings():
+    warnings.filterwarnings('ignore', message='tf_gspmd propagation: no sharding rule')
+    yield
+
+
+def build_2026_142(dtype=np.float32):
+  """[2026:142] 3 ops mesh 2x2x2"""
+  mesh = tg.Mesh(np.array([0, 1, 2, 3, 4, 5, 6, 7]).reshape((2, 2, 2)), ('a', 'b', 'c'))
+  rng = np.random.RandomState(2168)
+  v1_value = (rng.standard_normal((2, 1)) * 1.0).astype(dtype)
+  v13_value = (rng.standard_normal((1, 1)) * 1.0).astype(dtype)
+  x15 = (rng.standard_normal((1,)) * 1.0).astype(dtype)
+
+  def make():
+    v1 = tf.Variable(v1_value)
+    v13 = tf.Variable(v13_value)
+
+    @tf.function(autograph=False)
+    def program(x15):
+      x15 = tg.shard(x15, mesh, tg.P('c'))
+      t12 = tf.reduce_mean(v1, axis=[1], keepdims=True)
+      t12 = tg.shard(t12, mesh, tg.P('c', 'a'))
+      t14 = tf.matmul(t12, v13)
+      t16 = t14 * x15
+      return [t16]
+
+    return program, [v1, v13]
+
+  return mesh, make, [x15]
+
+
+def test_fuzz_2026_142_pending_sum_times_a_split_one_element_factor():
+  """A pending sum (the matmul's contraction split by 'a') times a one-element tensor split by
+  'c' (its element on one shard, the other empty): the linear path scaled each partial block
+  by its local shard of the factor, so half the result rows came out 0. Fixed in
+  graph_rewrite/coalesce.py linear_handler: the factor is replicated first."""
+  fuzz.check(build_2026_142)
