@@ -182,7 +182,8 @@ def test_rank_1_and_replicated_and_many_blocks(capsys):
       └─────┘
       """, capsys)
   wide = tg.visualize(NamedSharding(Mesh.create((32,), ('x',)), P('x')), (64,))
-  assert wide.splitlines()[-2] == '│   0   │   1   │   2   │   3   │   …   │   29  │   30  │   31  │'
+  cells = '│   0   │   1   │   2   │   3   │   …   │   29  │   30  │   31  │'
+  assert wide.splitlines()[-2] == cells
   assert '0:2' in wide and '62:64' in wide and '8:10' not in wide  # 8 blocks around an ellipsis
 
 
@@ -191,8 +192,8 @@ def test_annotated_tensors_variables_and_sharded_variables(capsys):
   tg.shard_variable(w, MESH, P(None, 'model'))
   from_variable = tg.visualize(w)
   assert from_variable.startswith("w:0: (16, 32) P(None, 'model')")
-  sharded = tg.ShardedVariable(np.zeros((16, 32), np.float32), NamedSharding(MESH, P(None, 'model')),
-                               name='w_sharded')
+  sharded = tg.ShardedVariable(np.zeros((16, 32), np.float32),
+                               NamedSharding(MESH, P(None, 'model')), name='w_sharded')
   assert tg.visualize(sharded).split('\n', 1)[1] == from_variable.split('\n', 1)[1]
   seen = []
 
@@ -327,7 +328,8 @@ def check_self_contained(source: str, page: _Page) -> None:
 def check_bars(page: _Page, records) -> None:
   want = {}
   for r in records:
-    want[(r['kind'], ','.join(r['axes']))] = want.get((r['kind'], ','.join(r['axes'])), 0) + r['bytes']
+    key = (r['kind'], ','.join(r['axes']))
+    want[key] = want.get(key, 0) + r['bytes']
   got = {(b['data-kind'], b['data-axes']): int(b['data-bytes']) for b in page.bars}
   assert got == want and want
 
@@ -405,6 +407,7 @@ def test_readme_pictures_are_what_visualize_prints(capsys):
   section = readme.split('### Pictures of a layout', 1)[1].split('\n## ', 1)[0]
   fenced = re.findall(r'^```(\w*)\n(.*?)^```$', section, re.S | re.M)
   shown_blocks = [body for language, body in fenced if not language]  # the printed text
-  assert shown_blocks[0].rstrip('\n') == tg.visualize(NamedSharding(MESH, P('data', 'model')), (8, 8))
-  assert shown_blocks[1].rstrip('\n') == tg.visualize(NamedSharding(MESH, P(None, 'model')), (4, 10))
+  printed = [tg.visualize(NamedSharding(MESH, P('data', 'model')), (8, 8)),
+             tg.visualize(NamedSharding(MESH, P(None, 'model')), (4, 10))]
+  assert [b.rstrip('\n') for b in shown_blocks[:2]] == printed
   capsys.readouterr()

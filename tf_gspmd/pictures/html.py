@@ -61,7 +61,8 @@ def _memory(page: Page) -> str:
   rows = [_memory_row(part, page.memory.get(part)) for part in MEMORY_PARTS]
   rows.append(_row(['total', _num(total)], 'class="total"'))
   return ('<section id="memory"><h2>Memory per device</h2>'
-          '<p class="note">Shards are padded to one shape, so every device holds the same bytes.</p>'
+          '<p class="note">Shards are padded to one shape, so every device holds the same '
+          'bytes.</p>'
           f'{_stacked_bar(measured, total)}{_table("memory", ("part", "bytes"), rows)}'
           f'{_variable_table(page.variables)}</section>')
 
@@ -201,7 +202,8 @@ def _grid_size(layout: Layout) -> Tuple[float, float]:
   ratio = max(layout.shape[rows_dim], 1) / max(layout.shape[cols_dim], 1)
   least = 34 * min(layout.dims[rows_dim].blocks, 8)  # room for each row's label
   height = float(min(300, max(least, GRID_WIDTH * ratio, 60)))
-  width = float(min(GRID_WIDTH, max(height / ratio, 40 * min(layout.dims[cols_dim].blocks, 8), 120)))
+  widest = max(height / ratio, 40 * min(layout.dims[cols_dim].blocks, 8), 120)
+  width = float(min(GRID_WIDTH, widest))
   return width, height
 
 
@@ -249,7 +251,8 @@ def _block(layout: Layout, row, col, x, y, w, h, ordinal: int) -> str:
   devices = sorted({d for b in blocks for d in b.devices})
   where = [f'dim {d} {range_text(blocks[0].bounds[d])}' for d in (rows_dim, cols_dim)
            if d is not None]
-  tip = f'{", ".join(where) or "whole tensor"}: devices {" | ".join(device_label(b.parts) for b in blocks)}'
+  holders = ' | '.join(device_label(b.parts) for b in blocks)
+  tip = f'{", ".join(where) or "whole tensor"}: devices {holders}'
   empty = all(b.empty for b in blocks)
   fill = '#ffffff' if empty else f'hsl({ordinal * 137.508 % 360:.0f},55%,80%)'
   size = min(13.0, h * 0.5, 1.7 * w / max(len(label), 1))
@@ -333,7 +336,8 @@ tr.total td{font-weight:600}
 .cards{display:flex;flex-wrap:wrap;gap:14px}
 .card{border:1px solid #ddd;border-radius:6px;padding:10px 12px;background:#fcfcfc;flex:0 1 520px}
 .meta{margin:0 0 6px;color:#444;font-size:12.5px}
-.lines{margin:6px 0 0;padding-left:18px;font-size:12px;color:#444;font-family:ui-monospace,monospace}
+.lines{margin:6px 0 0;padding-left:18px;font-size:12px;color:#444;
+ font-family:ui-monospace,monospace}
 .prov{font-size:12px;color:#444;margin:6px 0 0}
 svg text{font-family:ui-monospace,monospace;font-size:12px;fill:#222}
 svg text.axis{font-size:10px;fill:#666}

@@ -52,8 +52,7 @@ def dim_line(dim: int, split: DimSplit, role: str = '') -> str:
     line += f'{split.blocks} blocks of {sizes[0]}'
   else:
     line += f'{split.blocks} blocks of ' + ', '.join(str(s) for s in sizes)
-  if split.axes:
-    line += ' over ' + ','.join(repr(a) for a in split.axes)
+  line += _over(split.axes)
   empty = [i for i, s in enumerate(sizes) if s == 0]
   if empty:
     line += f'; {_plural(len(empty), "block")} ' + ', '.join(str(i) for i in empty) + ' empty'
@@ -70,11 +69,10 @@ def state_lines(layout: Layout) -> List[str]:
   if layout.kind == 'replicated':
     lines.append('replicated: every device holds the whole tensor')
   elif layout.copies > 1:
-    where = (' over ' + ','.join(repr(a) for a in layout.replica_axes)) if layout.replica_axes else ''
-    lines.append(f'each block on {layout.copies} devices: replicated{where}')
+    lines.append(f'each block on {layout.copies} devices: replicated{_over(layout.replica_axes)}')
   if layout.partial:
-    where = (' over ' + ','.join(repr(a) for a in layout.partial_axes)) if layout.partial_axes else ''
-    lines.append(f'pending {layout.partial}{where}: a block is the {layout.partial} of the '
+    lines.append(f'pending {layout.partial}{_over(layout.partial_axes)}: a block is the '
+                 f'{layout.partial} of the '
                  "values its '+'-joined devices hold")
   if 'manual' in layout.sharding.subgroups:
     lines.append('manual subgroup: the devices of a block hold values of their own')
@@ -91,6 +89,11 @@ def _roles(layout: Layout) -> dict:
     split = layout.dims[d].blocks > 1
     roles[d] = 'folded into each cell' + (", '|' between its blocks" if split else '')
   return roles
+
+
+def _over(axes) -> str:
+  """" over 'x','y'" for mesh axes (major first), '' for none."""
+  return ' over ' + ','.join(repr(a) for a in axes) if axes else ''
 
 
 def _plural(n: int, word: str) -> str:
