@@ -138,6 +138,15 @@ def test_tile_assignment_in_another_device_order(capsys):
       dim 1 (6): 2 blocks of 3 over 'a'""" + grid, capsys)
 
 
+def test_a_hand_ordered_mesh_names_its_device_order(capsys):
+  tiled = Sharding.tiled(np.array([[0, 2, 1, 3], [4, 6, 5, 7]]))
+  lines = tg.visualize(tiled, (4, 8), mesh=MESH).splitlines()
+  assert lines[0] == ("(4, 8) P('data', 'model') on mesh data=2 x model=4 (devices in order "
+                      '0,2,1,3,4,6,5,7); each device holds (2, 2)')
+  assert lines[-4] == '0:2 │  0  │  2  │  1  │  3  │'
+  capsys.readouterr()
+
+
 def test_rank_3_grid_over_the_split_dims(capsys):
   check(tg.visualize(NamedSharding(MESH, P('data', None, 'model')), (8, 3, 8)), """
       (8, 3, 8) P('data', None, 'model') on mesh data=2 x model=4; each device holds (4, 3, 2)

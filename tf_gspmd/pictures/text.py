@@ -39,7 +39,11 @@ def describe(layout: Layout) -> str:
   if mesh is None:
     return str(layout.sharding)
   axes = ' x '.join(f'{a}={n}' for a, n in mesh.shape.items())
-  return f'{layout.sharding} on mesh {axes}'
+  order = ''
+  if list(mesh.devices) != sorted(mesh.devices):  # a hand-ordered mesh: the order is the layout
+    order = (f' (devices in order {",".join(str(d) for d in mesh.devices)})' if mesh.size <= 16
+             else ' (devices in another order)')
+  return f'{layout.sharding} on mesh {axes}{order}'
 
 
 def dim_line(dim: int, split: DimSplit, role: str = '') -> str:
@@ -71,9 +75,9 @@ def state_lines(layout: Layout) -> List[str]:
   elif layout.copies > 1:
     lines.append(f'each block on {layout.copies} devices: replicated{_over(layout.replica_axes)}')
   if layout.partial:
-    lines.append(f'pending {layout.partial}{_over(layout.partial_axes)}: a block is the '
-                 f'{layout.partial} of the '
-                 "values its '+'-joined devices hold")
+    reduction = layout.partial
+    lines.append(f'pending {reduction}{_over(layout.partial_axes)}: a block is the {reduction} '
+                 "of the values its '+'-joined devices hold")
   if 'manual' in layout.sharding.subgroups:
     lines.append('manual subgroup: the devices of a block hold values of their own')
   return lines
@@ -92,7 +96,7 @@ def _roles(layout: Layout) -> dict:
 
 
 def _over(axes) -> str:
-  """" over 'x','y'" for mesh axes (major first), '' for none."""
+  """The words naming mesh axes, as " over 'x','y'" (major first); '' for none."""
   return ' over ' + ','.join(repr(a) for a in axes) if axes else ''
 
 
