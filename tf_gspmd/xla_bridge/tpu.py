@@ -53,15 +53,16 @@ lowers: the all-reduce family).
 from __future__ import annotations
 
 import itertools
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
 from tf_gspmd.mesh import Mesh
+from tf_gspmd.runtime import collectives as tf_collectives
 from tf_gspmd.runtime import sharded as sharded_lib
-from tf_gspmd.runtime.launcher import PartitionContext
+from tf_gspmd.runtime.launcher import PartitionContext, trace_per_partition, without_grappler
 from tf_gspmd.xla_bridge import call_module as call_module_lib
 from tf_gspmd.xla_bridge.collectives import XlaCollectives
 
@@ -132,48 +133,180 @@ def xla_replica_id() -> tf.Tensor:
   return gen_xla_ops.xla_replica_id()
 
 
+# --- the shard variables ------------------------------------------------------------------------
+class ReplicaVariable:
+  """One variable's shards under a strategy: a sync-on-read tf.Variable whose component on
+  replica r holds partition r's shard.
+
+  It has the surface of a sharded variable that `partitioned.VariableStore` users read:
+  `sharding`, `shape`, `local_shape`, `dtype`, `label`, `assemble()`, `scatter(value)`.
+  """
+
+  # The components may live on TPU cores, which a host tf.function does not read: assembled
+  # eagerly (keras_fit's mirror then assigns the assembled values in one compiled call).
+  assembles_in_graph = False
+
+  def __init__(self, strategy, original, sharding):
+    self.strategy = strategy
+    self.sharding = sharding
+    self.shape = tuple(int(d) for d in original.shape)
+    self.dtype = original.dtype
+    self.label = original.name.split(':')[0]
+    self.local_shape = tuple(sharding.shard_shape(self.shape))
+    with strategy.scope():
+      # One component per replica, each free to hold its own shard (sync-on-read with no
+      # aggregation: TF never averages or copies the components onto each other).
+      self.variable = tf.Variable(tf.zeros(self.local_shape, self.dtype), trainable=False,
+                                  synchronization=tf.VariableSynchronization.ON_READ,
+                                  aggregation=tf.VariableAggregation.NONE,
+                                  name=f'{self.label.replace("/", "_")}_shard')
+    self.scatter(original.read_value())
+
+  def components(self) -> list:
+    """The per-replica variables, replica r's at index r."""
+    return list(self.strategy.experimental_local_results(self.variable))
+
+  def assemble(self) -> tf.Tensor:
+    """The global value, from every replica's shard (padding dropped)."""
+    shards = [tf.convert_to_tensor(c) for c in self.components()]
+    return sharded_lib.assemble(shards, self.sharding, self.shape, self.label)
+
+  def scatter(self, value) -> None:
+    """Each replica's component := its shard of the global `value`."""
+    components = self.components()
+    shards = sharded_lib.split(tf.convert_to_tensor(value, self.dtype), self.sharding,
+                               [None] * len(components), self.label)
+    for component, shard in zip(components, shards):
+      component.assign(shard)
+
+  def __repr__(self):
+    return (f'ReplicaVariable({self.label!r}, {self.dtype.name}{list(self.shape)}, '
+            f'{self.sharding}, {len(self.components())} replicas of {list(self.local_shape)})')
+
+
+class ReplicaVariables:
+  """The `ReplicaVariable` of every original tf.Variable under one strategy, keyed by it.
+
+  Steps over the same variables (train, test, predict) given one store read and
+  write the same shards. `sharded` / `originals` may be a `VariableStore`'s dicts
+  (id(original) -> sharded variable / original): each variable made here is then
+  registered there too, where the store's other users (keras_fit's mirror) find it.
+  """
+
+  def __init__(self, strategy, sharded: Optional[Dict[int, object]] = None,
+               originals: Optional[Dict[int, object]] = None):
+    self.strategy = strategy
+    self.sharded = {} if sharded is None else sharded
+    self.originals = {} if originals is None else originals
+
+  def get(self, original, sharding) -> ReplicaVariable:
+    """`original`'s shard variable: made (from its value) on first use, the same after."""
+    held = self.sharded.get(id(original))
+    if held is None:
+      held = self.sharded[id(original)] = ReplicaVariable(self.strategy, original, sharding)
+      self.originals[id(original)] = original
+    elif not isinstance(held, ReplicaVariable) or held.strategy is not self.strategy:
+      raise ValueError(f'ReplicaVariables: variable {original.name} is held by {held!r}, not by '
+                       'this strategy; steps under another strategy or backend need their own store.')
+    elif held.sharding != sharding:
+      raise ValueError(f'ReplicaVariables: variable {original.name} is sharded {held.sharding} by '
+                       f'an earlier step but {sharding} by this one; annotate it with '
+                       'shard_variable to fix its layout.')
+    return held
+
+  def sync(self, originals) -> None:
+    """Assign each original its global value, assembled from the replicas' shards."""
+    for original in originals:
+      original.assign(self.sharded[id(original)].assemble())
+
+  def scatter(self, originals) -> None:
+    """Send each original's current value out to the replicas' shards."""
+    for original in originals:
+      self.sharded[id(original)].scatter(original.read_value())
+
+
+def _check_options(strategy, mesh: Mesh, collectives: str, exported: Optional[bool],
+                   variables: Optional[ReplicaVariables]) -> bool:
+  """Refuse what cannot run, by name; returns whether the replica runs the exported module."""
+  if strategy.num_replicas_in_sync != mesh.size:
+    raise ValueError(f'TPUStrategyStep: the strategy runs {strategy.num_replicas_in_sync} '
+                     f'replicas but the mesh {mesh} has {mesh.size} devices.')
+  if collectives not in ('xla', 'tf'):
+    raise ValueError(f"TPUStrategyStep: collectives must be 'xla' or 'tf', got {collectives!r}.")
+  if variables is not None and variables.strategy is not strategy:
+    raise ValueError('TPUStrategyStep: the ReplicaVariables given belong to another strategy.')
+  exported = collectives == 'xla' if exported is None else bool(exported)
+  if exported and collectives == 'tf':
+    raise ValueError("TPUStrategyStep: the exported module's collectives are XLA's; "
+                     "collectives='tf' runs the traced program (exported=False).")
+  return exported
+
+
 class TPUStrategyStep:
   """A partitioned function's per-partition program run by `strategy.run`, one replica per device.
 
   `partitioned`: a `tf_gspmd.PartitionedFunction` (its layouts and program);
-  `example_args`: arguments of the shapes it will be called with.
+  `example_args`: arguments of the shapes it will be called with;
+  `variables`: the `ReplicaVariables` holding the shards (default: a store of its own;
+  steps over the same variables share one);
+  `collectives`: 'xla' (TPU: XLA's collectives; by default the exported module) or
+  'tf' (TF collective ops between the replicas' devices, for a MirroredStrategy of
+  CPUs or GPUs standing in for the TPU; runs the traced program).
   """
 
   def __init__(self, partitioned, strategy, *example_args,
-               replica_id: Callable[[], tf.Tensor] = _tpu_replica_id, exported: bool = True):
+               replica_id: Callable[[], tf.Tensor] = _tpu_replica_id,
+               exported: Optional[bool] = None, collectives: str = 'xla',
+               variables: Optional[ReplicaVariables] = None):
     self.mesh: Mesh = partitioned.mesh
-    if strategy.num_replicas_in_sync != self.mesh.size:
-      raise ValueError(f'TPUStrategyStep: the strategy runs {strategy.num_replicas_in_sync} '
-                       f'replicas but the mesh {self.mesh} has {self.mesh.size} devices.')
+    exported = _check_options(strategy, self.mesh, collectives, exported, variables)
     self.strategy = strategy
+    self.collectives = collectives
     self._replica_id = replica_id
     compiled = partitioned.get_program(*example_args)
     self._compiled = compiled
     self.arg_shardings = list(compiled.arg_shardings)
-    n_args = len(compiled.program.arg_inputs)
     self.capture_shardings = [
         compiled.plan.target(compiled.program.main, n) for n in compiled.program.captures]
     self.local_specs = list(compiled.local_specs)
-    self._n_args = n_args
-    self.variable_layouts = [(v.name, partitioned.store.sharded[id(v)].sharding, tuple(v.shape))
-                             for v in compiled.variables]
-    self._originals = list(compiled.variables)
-    with strategy.scope():
-      # One component per replica, each free to hold its own shard (sync-on-read with no
-      # aggregation: TF never averages or copies the components onto each other).
-      self.shard_variables = [
-          tf.Variable(tf.zeros(sharding.shard_shape(shape), v.dtype), trainable=False,
-                      synchronization=tf.VariableSynchronization.ON_READ,
-                      aggregation=tf.VariableAggregation.NONE,
-                      name=f'{name.split(":")[0].replace("/", "_")}_shard')
-          for (name, sharding, shape), v in zip(self.variable_layouts, compiled.variables)]
-    self.scatter_variables()
+    self._n_args = len(compiled.program.arg_inputs)
+    self._take_variables(partitioned, compiled, variables)
     # exported: the replica runs `partitioned.export_xla`'s StableHLO module (native
     # collectives, partition id = XLA replica id) through one XlaCallModule op; otherwise the
-    # per-partition TF program traced with XlaCollectives (partition id = `replica_id()`).
+    # per-partition TF program traced with XlaCollectives (partition id = `replica_id()`) or,
+    # with collectives='tf', with TF collective ops.
     self.export = partitioned.export_xla(*example_args) if exported else None
     self._module = call_module_lib.serialized_module(self.export) if exported else None
+    self._tf_program = self._trace_tf_program() if collectives == 'tf' else None
     self._step = tf.function(self._distributed_step)
+
+  def _take_variables(self, partitioned, compiled, variables) -> None:
+    """Each variable's shards from `variables` (made there from the original if new)."""
+    self.variables = ReplicaVariables(self.strategy) if variables is None else variables
+    shardings = [partitioned.store.sharded[id(v)].sharding for v in compiled.variables]
+    self.variable_layouts = [(v.name, s, tuple(v.shape))
+                             for v, s in zip(compiled.variables, shardings)]
+    self._originals = list(compiled.variables)
+    self.replica_variables = [self.variables.get(v, s)
+                              for v, s in zip(compiled.variables, shardings)]
+    self.shard_variables = [r.variable for r in self.replica_variables]
+
+  def _trace_tf_program(self):
+    """collectives='tf': the per-partition program traced once, with TF collective ops.
+
+    Once, not per replica: a TF collective's keys are fixed when it is traced, and
+    strategy.run traces the replica function once per replica. Every replica calls
+    this one function on its own device with its own ordering token (what makes TF's
+    collective V2 ops run between the devices of one function).
+    """
+    devices = tuple(self.strategy.extended.worker_devices)
+    self._tokens = [tf_collectives.new_token_variable(d, f'replica_token{r}')
+                    for r, d in enumerate(devices)]
+    by_replica = [r.components() for r in self.replica_variables]
+    self._components = [list(c) for c in zip(*by_replica)] or [[] for _ in devices]
+    return trace_per_partition(self.mesh, self._compiled.per_partition,
+                               self.local_specs + self._components[0], devices=devices,
+                               progress_markers=False, name='replica_per_partition')
 
   # --- what strategy.run calls ------------------------------------------------------------------
   def replica_program(self, partition_id, *local):
@@ -201,10 +334,25 @@ class TPUStrategyStep:
         variables[layout.updates - len(local)].assign(value)
     return outputs
 
+  def tf_replica_program(self, *local):
+    """collectives='tf': the program traced once, called with this replica's components."""
+    replica = tf.get_static_value(_tpu_replica_id())
+    if replica is None:
+      raise ValueError("TPUStrategyStep: collectives='tf' needs a strategy whose replica id is "
+                       'known while tracing (MirroredStrategy); a TPU runs collectives="xla".')
+    replica = int(replica)
+    # The concrete function, not the tf.function: under a MirroredStrategy a tf.function
+    # retraces for each replica's device, and each trace would get new collective keys.
+    return self._tf_program.function(tf.constant(replica, tf.int32),
+                                     self._tokens[replica].handle, *local,
+                                     *self._components[replica])
+
   def replica_fn(self, *local):
     """The function `strategy.run` runs on every replica: partition id = replica id."""
     if self.export is not None:
       return self.exported_program(local, self.shard_variables)
+    if self._tf_program is not None:
+      return self.tf_replica_program(*local)
     return self.replica_program(self._replica_id(), *local, *self.shard_variables)
 
   def _distributed_step(self, *per_replica):
@@ -218,14 +366,20 @@ class TPUStrategyStep:
         lambda ctx: shards[ctx.replica_id_in_sync_group])
 
   def __call__(self, *args):
-    flat = list(tf.nest.flatten(args))
+    flat = [a for a in tf.nest.flatten(args) if a is not None]  # Keras' absent sample weights
     if len(flat) != self._n_args:
       raise ValueError(f'TPUStrategyStep: {len(flat)} tensor arguments, expected {self._n_args}.')
     inputs = [self._per_replica(a, s, f'argument {i}')
               for i, (a, s) in enumerate(zip(flat, self.arg_shardings))]
     inputs += [self._per_replica(c, s, f'capture {i}') for i, (c, s) in
                enumerate(zip(self._compiled.capture_values, self.capture_shardings))]
-    outputs = self._step(*inputs)
+    if self._tf_program is None:
+      outputs = self._step(*inputs)
+    else:
+      # TF devices run the launch itself: without Grappler specializing the program per
+      # replica (see runtime.launcher.without_grappler); a TPU compiles it with XLA anyway.
+      with without_grappler():
+        outputs = self._step(*inputs)
     structure = self._compiled.program.structured_outputs
     if structure is None:
       return None
@@ -238,20 +392,11 @@ class TPUStrategyStep:
 
   def scatter_variables(self) -> None:
     """Each replica's component of every shard variable := its shard of the original's value."""
-    values = [self._per_replica(original.read_value(), sharding, name)
-              for original, (name, sharding, _) in zip(self._originals, self.variable_layouts)]
-
-    def assign(*shards):
-      for variable, shard in zip(self.shard_variables, shards):
-        variable.assign(shard)
-    tf.function(lambda *v: self.strategy.run(assign, args=v))(*values)
+    self.variables.scatter(self._originals)
 
   def sync_variables(self) -> None:
     """Assemble each variable from its per-replica shards into the original tf.Variable."""
-    for original, variable, (name, sharding, shape) in zip(
-        self._originals, self.shard_variables, self.variable_layouts):
-      shards = [tf.convert_to_tensor(c) for c in self.strategy.experimental_local_results(variable)]
-      original.assign(sharded_lib.assemble(shards, sharding, shape, name))
+    self.variables.sync(self._originals)
 
   # --- lowering without a TPU ---------------------------------------------------------------------
   def replica_function(self, replica_id: Callable[[], tf.Tensor] = xla_replica_id):
