@@ -215,12 +215,19 @@ CASES = {
 
 @pytest.mark.parametrize('name', sorted(CASES))
 def test_bad_call_raises_a_clear_error(name):
-  call, error, words = CASES[name]
+  assert_raises_clearly(name, *CASES[name])
+
+
+def assert_raises_clearly(name, call, error, words):
+  """`call()` raises an `error` whose message holds every one of `words`."""
   with pytest.raises(Exception) as caught:
     call()
   assert isinstance(caught.value, error), (
       f'{name}: raised {type(caught.value).__name__}: {caught.value}')
-  message = str(caught.value)
+  assert_holds(name, str(caught.value), words)
+
+
+def assert_holds(name, message, words):
   missing = [w for w in words if w not in message]
   assert not missing, f'{name}: message lacks {missing}:\n{message}'
 

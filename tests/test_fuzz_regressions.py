@@ -53,3 +53,36 @@ def test_fuzz_2026_142_pending_sum_times_a_split_one_element_factor():
   by its local shard of the factor, so half the result rows came out 0. Fixed in
   graph_rewrite/coalesce.py linear_handler: the factor is replicated first."""
   fuzz.check(build_2026_142)
+
+
+def build_2026_20(dtype=np.float32):
+  """[2026:20] 1 ops mesh 8 (1 annotations, 32 input elements)"""
+  mesh = tg.Mesh(np.array([0, 1, 2, 3, 4, 5, 6, 7]).reshape((8,)), ('x',))
+  rng = np.random.RandomState(2046)
+  x18 = (rng.standard_normal((1, 3, 1, 8)) * 1.0).astype(dtype)
+  v19_value = (rng.standard_normal((1, 1, 8, 1)) * 0.1768).astype(dtype)
+
+  def make():
+    v19 = tf.Variable(v19_value)
+
+    @tf.function(autograph=False)
+    def program(x18):
+      x18 = tg.shard(x18, mesh, tg.P(None, 'x', None, None))
+      t20 = tf.nn.conv2d(x18, v19, strides=2, padding='SAME')
+      return [t20]
+
+    return program, [v19]
+
+  return mesh, make, [x18]
+
+
+@pytest.mark.parametrize('backend', ['tf', 'xla'])
+def test_fuzz_2026_20_halo_window_at_a_per_partition_offset_on_xla(backend):
+  """A strided conv over a height of 3 split 8 ways: each partition's window starts at its
+  own offset (a table entry read at run time). The slice took it with sizes of -1, which XLA
+  can only resolve from a constant begin: backend='xla' refused the program (XlaLoweringError
+  'XLA could not compile it (nodes: Slice)'). Fixed in collectives/interface.py slice_dim:
+  static sizes."""
+  if backend == 'xla':
+    pytest.importorskip('jax')
+  fuzz.check(build_2026_20, backend)

@@ -34,6 +34,7 @@ does), so the train, test and predict steps agree on every variable's layout.
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from typing import Any, Dict, List, Sequence, Union
@@ -276,6 +277,7 @@ class _Launcher:
       out = fn(batch)
     except XlaLoweringError as error:  # backend='xla': name the Keras layers, not only nodes
       raise XlaLoweringError(f'{error}{_in_layers(self.model, str(error))}') from None
+      _check_attention_heads(self.model)
     self.launches += 1
     self.mirror.note_new()
     if self.pull_every_step:
@@ -292,6 +294,29 @@ class _Launcher:
   def step_function(self, step_method):
     """Keras' `train_function` / `test_function`: up to `steps_per_execution` batches per call."""
     split = _batch_split(self.mesh, self.axes)
+  def check_batch_size(self, call: str, args, kwargs) -> None:
+    """Refuse a declared batch size (fit's `batch_size`, a dataset batched with
+    `drop_remainder=True`) that does not split evenly over the batch axes: every batch of the
+    call would be padded. An epoch's short last batch is fine (it runs unpadded)."""
+    size = self.mesh.axis_size(self.axes) if self.axes else 1
+    data = args[0] if args else kwargs.get('x')
+    rows = _rows(data)
+    if isinstance(data, tf.data.Dataset):
+      batch = tf.nest.flatten(data.element_spec)[0].shape[0] if data.element_spec else None
+      declared = f'the dataset\'s batches of {batch} rows (batched with drop_remainder=True)'
+    else:
+      batch = kwargs.get('batch_size') or (32 if call != 'predict' or rows else None)
+      declared = f'batch_size={batch}'
+      if rows is not None and batch is not None and rows < batch:
+        return  # one short batch: nothing runs padded but it
+    if batch is None or batch % size == 0:
+      return
+    raise ValueError(
+        f'{self.model.name}.{call}: {declared} do not split over the batch axis {self.axes!r} '
+        f'of {size} devices ({batch} is not a multiple of {size}), so every batch would run '
+        f'padded. Use a batch size that is a multiple of {size}; only the last batch of an '
+        'epoch may be shorter.')
+
 
     @tf.function
     def one_step(data):
@@ -355,7 +380,48 @@ class _Launcher:
     return function
 
 
-def _layer_paths(model) -> set:
+def _rows(data):
+  """The leading dim of array-like `data` (the first of a structure), else None."""
+  flat = tf.nest.flatten(data) if not isinstance(data, tf.data.Dataset) else []
+  shape = getattr(flat[0], 'shape', None) if flat else None
+  return int(shape[0]) if shape is not None and len(shape) and shape[0] is not None else None
+
+
+# Per MultiHeadAttention weight (its path inside the layer): the dim that counts heads.
+_HEAD_DIM = {'query/kernel': 1, 'key/kernel': 1, 'value/kernel': 1, 'query/bias': 0,
+             'key/bias': 0, 'value/bias': 0, 'attention_output/kernel': 0}
+
+
+def _attention_layers(layers) -> list:
+  found = []
+  for layer in layers:
+    if isinstance(layer, keras.layers.MultiHeadAttention):
+      found.append(layer)
+    found += _attention_layers(getattr(layer, 'layers', ()))
+  return found
+
+
+def _check_attention_heads(model) -> None:
+  """Refuse a head dim split over axes whose size does not divide the head count: each
+  device would hold a different number of heads and pad the rest."""
+  for layer in _attention_layers(model.layers):
+    for weight in layer.weights:
+      dim = _HEAD_DIM.get(weight.path[len(layer.path) + 1:])
+      sharding = variable_sharding(weight) if dim is not None else None
+      spec = getattr(sharding, 'spec', None)  # a NamedSharding's; other tilings are not checked
+      axes = spec[dim] if spec is not None and dim < len(spec) else None
+      if axes is None:
+        continue
+      size = sharding.mesh.axis_size(axes)
+      if layer.num_heads % size:
+        raise ValueError(
+            f'{model.name}: MultiHeadAttention layer {layer.path!r} has {layer.num_heads} heads, '
+            f'but the layout {sharding.spec} of {weight.path} splits them over {axes!r} of '
+            f'{size} devices; {layer.num_heads} is not divisible by {size}. Use a head count '
+            f'divisible by {size}, or split another dim (the model dim) of this weight.')
+
+
+def layer_paths(model) -> set:
   """Every layer path of `model` that Keras' public API shows: its layers' names and the
   layer part of each variable's path ('attention/query' of 'attention/query/kernel')."""
   paths = {layer.name for layer in model.layers}
@@ -370,7 +436,7 @@ def _in_layers(model, message: str) -> str:
 
   TF names a layer's scope by the layer's name, uniquified with a '_<n>' suffix per trace."""
   found = []
-  paths = _layer_paths(model)
+  paths = layer_paths(model)
   for node in sorted(set(re.findall(r'node ([^\s(){}]+)', message))):
     scopes = [[c, re.sub(r'_\d+$', '', c)] for c in node.split('/')[:-1]]
     best = ''
@@ -458,7 +524,7 @@ def partition_model(model, mesh: Mesh, batch_axes: Union[str, Sequence[str]] = '
   model.train_function = model.test_function = model.predict_function = None
   sync = _Sync(mirror)
 
-  def wrap(name, before=None, after=None, add_callback=False):
+  def wrap(name, before=None, after=None, add_callback=False, with_arguments=False):
     original = getattr(model, name)
     replaced[name] = model.__dict__.get(name)
 
@@ -468,7 +534,9 @@ def partition_model(model, mesh: Mesh, batch_axes: Union[str, Sequence[str]] = '
         # fit's own validation passes evaluate its CallbackList, which holds `sync` already.
         if not isinstance(given, keras.callbacks.CallbackList):
           kw['callbacks'] = [sync] + list(given or [])  # first: pull before others read
-      if before:
+      if before and with_arguments:
+        before(args, kw)
+      elif before:
         before()
       result = original(*args, **kw)
       if after:
@@ -479,7 +547,8 @@ def partition_model(model, mesh: Mesh, batch_axes: Union[str, Sequence[str]] = '
     setattr(model, name, wrapped)
 
   for name in ('fit', 'evaluate', 'predict'):
-    wrap(name, after=mirror.pull, add_callback=True)
+    wrap(name, before=functools.partial(launcher.check_batch_size, name), after=mirror.pull,
+         add_callback=True, with_arguments=True)
   for name in ('train_on_batch', 'test_on_batch', 'predict_on_batch'):
     # Keras writes no variable between the launch (which pushed every earlier write) and
     # the return of a *_on_batch call.

@@ -14,7 +14,9 @@ A TF DTensor user's Mesh and Layouts serve as they are:
 
 from __future__ import annotations
 
+import difflib
 import re
+import warnings
 from typing import Dict, List, Tuple
 
 from tf_gspmd import dtensor_compat
@@ -24,7 +26,8 @@ from tf_gspmd.sharding import NamedSharding, P
 
 
 class LayoutMap:
-  """Ordered regex -> `P` rules; the first rule whose regex matches a variable's path wins."""
+  """Regex -> `P` rules over variable paths (a whole-path match); the rules matching one
+  variable must agree on its spec."""
 
   def __init__(self, mesh: Mesh):
     self.mesh = dtensor_compat.converted(mesh)  # a DTensor Mesh too
@@ -47,23 +50,58 @@ class LayoutMap:
     return sharding.spec
 
   def __getitem__(self, path: str):
-    for pattern, spec in self._rules.items():
-      if re.fullmatch(pattern, path):
-        return spec
-    return None
+    matched = self._matching(path)
+    return matched[0][1] if matched else None
+
+  def _matching(self, path: str) -> List[Tuple[str, P]]:
+    return [(pattern, spec) for pattern, spec in self._rules.items()
+            if re.fullmatch(pattern, path)]
 
   def apply(self, model) -> List[Tuple[str, P]]:
-    """Annotate every variable of `model` that a rule matches; returns (path, spec) pairs."""
-    applied = []
+    """Annotate every variable of `model` that a rule matches; returns (path, spec) pairs.
+
+    Two rules matching one variable must agree on its spec; a rule matching no variable
+    warns, listing the paths it nearly matches (a typo would leave the layout unused).
+    """
+    applied, used = [], set()
     for variable in model.variables:
       path = getattr(variable, 'path', variable.name)
-      spec = self[path]
-      if spec is None:
+      matched = self._matching(path)
+      if not matched:
         continue
+      used.update(pattern for pattern, _ in matched)
+      spec = self._one_spec(path, matched)
       if len(spec) != len(variable.shape):
         raise ValueError(
             f'LayoutMap: rule {spec} matches {path} of shape {tuple(variable.shape)} '
             f'(rank {len(variable.shape)}); give one spec entry per dim.')
-      shard_variable(variable, self.mesh, spec)
+      try:
+        shard_variable(variable, self.mesh, spec)
+      except ValueError as error:
+        raise ValueError(f'LayoutMap: rule {matched[0][0]!r} -> {spec} for variable {path}: '
+                         f'{error}') from None
       applied.append((path, spec))
+    warn_unused([p for p in self._rules if p not in used],
+                [getattr(v, 'path', v.name) for v in model.variables], 'LayoutMap')
     return applied
+
+  @staticmethod
+  def _one_spec(path: str, matched: List[Tuple[str, P]]) -> P:
+    specs = {spec for _, spec in matched}
+    if len(specs) > 1:
+      rules = ', '.join(f'{pattern!r} -> {spec}' for pattern, spec in matched)
+      raise ValueError(
+          f'LayoutMap: variable {path} is matched by several rules that disagree: {rules}. '
+          'Make the patterns exclusive so that one key matches each variable.')
+    return matched[0][1]
+
+
+def warn_unused(patterns, paths, what: str) -> None:
+  """One warning per layout key that matched no path, with the paths it nearly matches."""
+  for pattern in patterns:
+    plain = re.sub(r'[.*+?^$()\[\]|\\]', '', pattern)  # the key's literal text, to compare
+    near = difflib.get_close_matches(plain, paths, n=3, cutoff=0.6)
+    hint = f'; did you mean {", ".join(repr(p) for p in near)}?' if near else (
+        f'; the model has {len(paths)} variables, e.g. {paths[:3]}.')
+    warnings.warn(f'{what}: key {pattern!r} matches no variable of the model, so its layout '
+                  f'is not used{hint}', UserWarning, stacklevel=3)

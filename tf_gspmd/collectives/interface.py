@@ -236,7 +236,9 @@ def slice_dim(x: tf.Tensor, dim: int, start, size: int) -> tf.Tensor:
     begin[dim] = start
   else:
     begin = tf.one_hot(dim, rank, dtype=tf.int32) * tf.cast(start, tf.int32)
-  sizes = [-1] * rank
+  # Static sizes where known, not -1: XLA lowers a slice at a run-time `begin` (a partition's
+  # table entry) only when every size is a constant it need not work out from `begin`.
+  sizes = [-1 if d is None else int(d) for d in x.shape.as_list()]
   sizes[dim] = size
   return tf.slice(x, begin, sizes)
 

@@ -23,6 +23,7 @@ provides all three, `uninstall()` puts every replaced attribute back:
 from __future__ import annotations
 
 import functools
+import re
 from typing import Dict, List, Optional, Tuple
 
 import keras
@@ -37,7 +38,8 @@ from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
 from tf_gspmd.annotations import annotate, shard_variable
 from tf_gspmd.keras import translate
-from tf_gspmd.keras_fit import partition_model
+from tf_gspmd.keras_fit import layer_paths, partition_model
+from tf_gspmd.keras_layout import warn_unused
 from tf_gspmd.sharding import NamedSharding
 
 # Attributes tf_gspmd sets: on a Keras variable, the distribution it was made
@@ -167,8 +169,12 @@ def _sharding_of(variable, distribution) -> NamedSharding:
   if isinstance(layout, NamedSharding):
     return layout
   device_mesh = layout.device_mesh if layout.device_mesh is not None else distribution.device_mesh
-  return NamedSharding(translate.to_mesh(device_mesh),
-                       translate.variable_spec(distribution, variable, layout))
+  spec = translate.variable_spec(distribution, variable, layout)
+  try:
+    return NamedSharding(translate.to_mesh(device_mesh), spec)
+  except ValueError as error:  # an axis used twice: say which variable's layout
+    raise ValueError(f'keras.distribution: layout {tuple(spec)} for variable {variable.path} of '
+                     f'shape {tuple(variable.shape)}: {error}') from None
 
 
 def annotate_variables(model, distribution) -> List[Tuple[str, object]]:
@@ -213,6 +219,8 @@ def partition_for_distribution(model) -> bool:
                      f'switch to {distribution}. Build a new model under the new distribution.')
   _give_layouts(model.variables, distribution)  # before fit builds optimizer slots from them
   mesh, devices = translate.mesh_and_devices(distribution.device_mesh)
+  _refuse_slots_made_before(model, distribution)
+  _warn_unused_keys(model, distribution)
   if backend == 'xla':
     from tf_gspmd.xla_bridge.pjrt import devices_named  # pylint: disable=g-import-not-at-top
     devices = devices_named(devices)  # the DeviceMesh's devices, in its order, as jax's
@@ -227,6 +235,39 @@ def partition_for_distribution(model) -> bool:
 def _check_backend(model, backend: str) -> None:
   """A model keeps the backend it was partitioned on: refuse a switch, saying what to do."""
   launcher = model.__dict__.get('_tf_gspmd_launcher')
+def _refuse_slots_made_before(model, distribution) -> None:
+  """A model trained before the distribution applied has optimizer slots made with no layout:
+  they would stay replicated beside a split variable. Refuse, saying how to build it."""
+  optimizer = getattr(model, 'optimizer', None)
+  slots = [v for v in getattr(optimizer, 'variables', ()) if len(v.shape) > 0]
+  if not slots or any(getattr(v, _MADE_UNDER, None) is not None for v in slots):
+    return
+  for variable in model.trainable_variables:
+    layout = _layout_of(variable, distribution)
+    spec = translate.to_spec(layout) if not isinstance(layout, NamedSharding) else layout.spec
+    if any(entry is not None for entry in spec):
+      raise ValueError(
+          f'tf_gspmd.keras: model {model.name} was trained before {type(distribution).__name__} '
+          f'applied to it: its optimizer made its slots (e.g. {slots[0].path}) with no layout, '
+          f'so the slot of {variable.path} would stay replicated while the distribution splits '
+          f'{variable.path} as {spec}. Build and compile the model inside `distribution.scope()` '
+          '(or after keras.distribution.set_distribution), or compile it again with a new '
+          'optimizer before fitting under the distribution.')
+
+
+def _warn_unused_keys(model, distribution) -> None:
+  """Warn for each layout map key that names no variable and no layer output of `model`."""
+  # Private: ModelParallel keeps its LayoutMap as `_layout_map`, with no public accessor.
+  layout_map = getattr(distribution, '_layout_map', None)
+  if layout_map is None:
+    return
+  paths = [v.path for v in all_variables(model)]
+  outputs = [f'{path}/output' for path in layer_paths(model)]
+  unused = [key for key in layout_map
+            if not any(key == p or re.fullmatch(key, p) for p in paths + outputs)]
+  warn_unused(unused, paths, 'keras.distribution.LayoutMap')
+
+
   had = launcher.kwargs.get('backend', 'tf') if launcher is not None else backend
   if had != backend:
     raise ValueError(

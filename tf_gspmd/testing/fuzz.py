@@ -361,10 +361,10 @@ def reference(build, dtype=np.float32, jit: bool = False):
 
 
 def partitioned(build, backend: str = 'tf', timeout: float = 60.0):
-  import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.partitioned import partition  # pylint: disable=g-import-not-at-top
   mesh, make, args = build(np.float32)
   fn, variables = make()
-  pf = tg.partition(fn, mesh, backend=backend, timeout=timeout, progress=False)
+  pf = partition(fn, mesh, backend=backend, timeout=timeout, progress=False)
   calls = _calls(pf, args)
   pf.sync_variables()
   return calls, [v.numpy() for v in variables]
@@ -428,9 +428,12 @@ def check(build, backend: str = 'tf') -> None:
 
 
 def classify(error: BaseException) -> str:
-  """'refusal' for a ValueError tf_gspmd raised itself (not a 'This is a bug'), else 'crash'."""
+  """'refusal' for a ValueError tf_gspmd raised itself (not a 'This is a bug', nor XLA failing
+  to compile ops the partitioner emitted), else 'crash'."""
   if 'This is a bug' in str(error) or not isinstance(error, ValueError):
     return 'crash'
+  if type(error).__name__ == 'XlaLoweringError' and 'could not compile' in str(error):
+    return 'crash'  # tf2xla failed on the partitioned program (ops the partitioner emitted)
   frames = traceback.extract_tb(error.__traceback__)
   last = frames[-1].filename if frames else ''
   in_tf_gspmd = f'{os.sep}tf_gspmd{os.sep}' in last and f'{os.sep}testing{os.sep}' not in last
