@@ -269,6 +269,7 @@ class _Launcher:
     """One partitioned call; writes to the originals since the last one are sent out first."""
     if id(fn) not in self._annotated_for:  # before its first trace makes shards
       self.annotate_unmatched()
+      _check_attention_heads(self.model)
       self._annotated_for.add(id(fn))
     start = time.perf_counter()
     self.mirror.push_changed()
@@ -277,7 +278,6 @@ class _Launcher:
       out = fn(batch)
     except XlaLoweringError as error:  # backend='xla': name the Keras layers, not only nodes
       raise XlaLoweringError(f'{error}{_in_layers(self.model, str(error))}') from None
-      _check_attention_heads(self.model)
     self.launches += 1
     self.mirror.note_new()
     if self.pull_every_step:
@@ -286,14 +286,6 @@ class _Launcher:
       self.pull_seconds.append(time.perf_counter() - start)
     return out
 
-  def pull_metrics(self) -> None:
-    """Keras reads metric results from the originals (at an epoch's or evaluation's end)."""
-    if tf.executing_eagerly():  # not while a step is traced: it calls this too
-      self.mirror.pull(self._metric_variables())
-
-  def step_function(self, step_method):
-    """Keras' `train_function` / `test_function`: up to `steps_per_execution` batches per call."""
-    split = _batch_split(self.mesh, self.axes)
   def check_batch_size(self, call: str, args, kwargs) -> None:
     """Refuse a declared batch size (fit's `batch_size`, a dataset batched with
     `drop_remainder=True`) that does not split evenly over the batch axes: every batch of the
@@ -317,6 +309,14 @@ class _Launcher:
         f'padded. Use a batch size that is a multiple of {size}; only the last batch of an '
         'epoch may be shorter.')
 
+  def pull_metrics(self) -> None:
+    """Keras reads metric results from the originals (at an epoch's or evaluation's end)."""
+    if tf.executing_eagerly():  # not while a step is traced: it calls this too
+      self.mirror.pull(self._metric_variables())
+
+  def step_function(self, step_method):
+    """Keras' `train_function` / `test_function`: up to `steps_per_execution` batches per call."""
+    split = _batch_split(self.mesh, self.axes)
 
     @tf.function
     def one_step(data):

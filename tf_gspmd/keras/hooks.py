@@ -217,10 +217,10 @@ def partition_for_distribution(model) -> bool:
   if done is not None:
     raise ValueError(f'tf_gspmd.keras: model {model.name} runs partitioned for {done}; it cannot '
                      f'switch to {distribution}. Build a new model under the new distribution.')
-  _give_layouts(model.variables, distribution)  # before fit builds optimizer slots from them
-  mesh, devices = translate.mesh_and_devices(distribution.device_mesh)
   _refuse_slots_made_before(model, distribution)
   _warn_unused_keys(model, distribution)
+  _give_layouts(model.variables, distribution)  # before fit builds optimizer slots from them
+  mesh, devices = translate.mesh_and_devices(distribution.device_mesh)
   if backend == 'xla':
     from tf_gspmd.xla_bridge.pjrt import devices_named  # pylint: disable=g-import-not-at-top
     devices = devices_named(devices)  # the DeviceMesh's devices, in its order, as jax's
@@ -232,9 +232,6 @@ def partition_for_distribution(model) -> bool:
   return True
 
 
-def _check_backend(model, backend: str) -> None:
-  """A model keeps the backend it was partitioned on: refuse a switch, saying what to do."""
-  launcher = model.__dict__.get('_tf_gspmd_launcher')
 def _refuse_slots_made_before(model, distribution) -> None:
   """A model trained before the distribution applied has optimizer slots made with no layout:
   they would stay replicated beside a split variable. Refuse, saying how to build it."""
@@ -268,6 +265,9 @@ def _warn_unused_keys(model, distribution) -> None:
   warn_unused(unused, paths, 'keras.distribution.LayoutMap')
 
 
+def _check_backend(model, backend: str) -> None:
+  """A model keeps the backend it was partitioned on: refuse a switch, saying what to do."""
+  launcher = model.__dict__.get('_tf_gspmd_launcher')
   had = launcher.kwargs.get('backend', 'tf') if launcher is not None else backend
   if had != backend:
     raise ValueError(
