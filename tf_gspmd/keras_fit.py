@@ -227,7 +227,7 @@ class _Launcher:
   """The partitioned steps of one model and the bookkeeping around each launch."""
 
   def __init__(self, model, mesh: Mesh, axes, replicate_unannotated: bool, kwargs,
-               pull_every_step: bool = False):
+               pull_every_step: bool = False, strategy=None):
     self.model = model
     self.pull_every_step = pull_every_step
     self.mesh = mesh
@@ -236,6 +236,11 @@ class _Launcher:
     self.kwargs = kwargs
     self.store = VariableStore()
     self.mirror = _Mirror(self.store)
+    self.strategy = None  # with a tf.distribute strategy: the steps run by strategy.run
+    if strategy is not None:
+      # Imported here: tf_gspmd.keras (the package) imports this module.
+      from tf_gspmd.keras.strategy import StrategySteps  # pylint: disable=g-import-not-at-top
+      self.strategy = StrategySteps(model, strategy, self.store)
     self.launches = 0  # partitioned programs run (one per step, or per chunk of steps)
     self.functions: Dict[str, PartitionedFunction] = {}  # e.g. 'train_step', 'train_step_looped'
     self.check_seconds: List[float] = []  # per launch: the write check before it
@@ -262,7 +267,10 @@ class _Launcher:
 
   # --- launching ----------------------------------------------------------------
   def partitioned(self, step) -> PartitionedFunction:
-    """`step` (a tf.function of one batch) partitioned over the mesh, on the shared store."""
+    """`step` (a tf.function of one batch) partitioned over the mesh, on the shared store
+    (with a strategy: run by `strategy.run`, see tf_gspmd/keras/strategy.py)."""
+    if self.strategy is not None:
+      return self.strategy.partitioned(step, self.mesh, **self.kwargs)
     return PartitionedFunction(step, self.mesh, store=self.store, **self.kwargs)
 
   def launch(self, fn, batch):
@@ -480,7 +488,7 @@ def _same_shape_runs(batches) -> List[list]:
 
 def partition_model(model, mesh: Mesh, batch_axes: Union[str, Sequence[str]] = 'data', *,
                     replicate_unannotated: bool = True, pull_every_step: bool = False,
-                    **kwargs):
+                    strategy=None, **kwargs):
   """Make `fit`, `evaluate`, `predict` and `*_on_batch` run partitioned over `mesh`; returns `model`.
 
   The model's variables are annotated as usual (`shard_variable`, `LayoutMap`)
@@ -492,12 +500,18 @@ def partition_model(model, mesh: Mesh, batch_axes: Union[str, Sequence[str]] = '
   program. The model's own variables get the trained values at each epoch's
   and call's end and before `get_weights`/`save` (`pull_every_step=True`:
   after every launch too, for callbacks that read raw variables mid-epoch).
+  `strategy`: a `tf.distribute.TPUStrategy` (one replica per mesh device, see
+  `xla_bridge.tpu.mesh_device_assignment`) or a stand-in such as a MirroredStrategy
+  of the mesh's CPUs: every step runs through `strategy.run`, partition id = replica
+  id (tf_gspmd/keras/strategy.py; build and compile the model outside its scope;
+  `collectives=` / `exported=` choose the replica program).
   `kwargs` go to `tf_gspmd.partition` (devices, timeout).
   """
   _refuse_keras2(model)
   unpartition_model(model)  # partitioned before: its trained values back, Keras' methods back
   axes = batch_axes if isinstance(batch_axes, str) else tuple(batch_axes)
-  launcher = _Launcher(model, mesh, axes, replicate_unannotated, kwargs, pull_every_step)
+  launcher = _Launcher(model, mesh, axes, replicate_unannotated, kwargs, pull_every_step,
+                       strategy)
   mirror = launcher.mirror
 
   def make_train_function(force=False):

@@ -38,6 +38,7 @@ from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
 from tf_gspmd.annotations import annotate, shard_variable
 from tf_gspmd.keras import translate
+from tf_gspmd.keras.strategy import strategy_of
 from tf_gspmd.keras_fit import layer_paths, partition_model
 from tf_gspmd.keras_layout import warn_unused
 from tf_gspmd.sharding import NamedSharding
@@ -224,8 +225,9 @@ def partition_for_distribution(model) -> bool:
   if backend == 'xla':
     from tf_gspmd.xla_bridge.pjrt import devices_named  # pylint: disable=g-import-not-at-top
     devices = devices_named(devices)  # the DeviceMesh's devices, in its order, as jax's
+  # strategy: a tf.distribute scope entered (a TPUStrategy's): its strategy.run runs the steps.
   partition_model(model, mesh, batch_axes=translate.batch_axes(distribution), devices=devices,
-                  backend=backend)
+                  backend=backend, strategy=strategy_of(model))
   for name in _STEP_FACTORIES:
     setattr(model, name, _annotating(model, distribution, getattr(model, name)))
   model.__dict__[_PARTITIONED_FOR] = distribution

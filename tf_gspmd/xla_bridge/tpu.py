@@ -166,6 +166,11 @@ class ReplicaVariable:
     """The per-replica variables, replica r's at index r."""
     return list(self.strategy.experimental_local_results(self.variable))
 
+  @property
+  def template(self) -> tf.Variable:
+    """A variable of one shard's shape and dtype (what a per-partition program is traced with)."""
+    return self.components()[0]
+
   def assemble(self) -> tf.Tensor:
     """The global value, from every replica's shard (padding dropped)."""
     shards = [tf.convert_to_tensor(c) for c in self.components()]
