@@ -86,3 +86,47 @@ def test_fuzz_2026_20_halo_window_at_a_per_partition_offset_on_xla(backend):
   if backend == 'xla':
     pytest.importorskip('jax')
   fuzz.check(build_2026_20, backend)
+
+
+def build_2026_195(dtype=np.float32):
+  """[2026:195] 4 ops mesh 2x4 grad"""
+  mesh = tg.Mesh(np.array([0, 1, 2, 3, 4, 5, 6, 7]).reshape((2, 4)), ('a', 'b'))
+  rng = np.random.RandomState(2221)
+  x2 = (rng.standard_normal((7, 1, 1, 1)) * 1.0).astype(dtype)
+  p7 = np.asarray(rng.choice([-1.0, 1.0]), dtype)
+  v11_value = (rng.standard_normal((2,)) * 1.0).astype(dtype)
+  i13 = rng.randint(0, 9, size=(1,)).astype(np.int32)
+  loss_weight_t14 = rng.standard_normal((1,)).astype(dtype)
+
+  def make():
+    v11 = tf.Variable(v11_value)
+
+    @tf.function(autograph=False)
+    def program(x2, p7, i13):
+      with tf.GradientTape() as tape:
+        tape.watch([x2])
+        t6 = tf.reduce_mean(x2, axis=[1, 2, 3], keepdims=False)
+        t6 = tg.shard(t6, mesh, tg.P('a'))
+        t8 = tf.cond(p7 > 0, lambda: t6 - tf.reduce_mean(t6), lambda: t6 - tf.reduce_mean(t6))
+        t12 = tf.concat([t8, v11], 0)
+        t14 = tf.gather(t12, i13, axis=0)
+        loss = tf.reduce_sum(t14 * loss_weight_t14)
+      grads = tape.gradient(loss, [x2, v11], unconnected_gradients=tf.UnconnectedGradients.ZERO)
+      grads = [tf.convert_to_tensor(g) for g in grads]
+      return [t14, grads[0], grads[1]]
+
+    return program, [v11]
+
+  return mesh, make, [x2, p7, i13]
+
+
+def test_fuzz_2026_195_gradient_of_a_gather_through_a_cond():
+  """The gradient of a gather after a cond enters the cond's gradient branches as sparse parts
+  (indices, values, dense shape); each branch sizes its dense gradient by the shape argument,
+  which it cannot fold, so its ops have run-time shapes. A rule op there of static result and
+  dynamic operand crashed laying out shapes with None (TypeError in reshard_plan), and a branch
+  result of run-time shape failed the If's local shape check ('This is a bug'). Fixed in
+  graph_rewrite/dispatch.py (such ops are replicated, as dynamic-shape ops are; handlers.
+  dynamic_handler keeps the static result shape) and control_flow._run_body (a replicated body
+  result takes the call's static shape)."""
+  fuzz.check(build_2026_195)

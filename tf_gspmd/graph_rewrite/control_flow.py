@@ -33,8 +33,20 @@ def _run_body(p: Partitioner, graph_name: str, tensors, params: List[Local], res
   if result_layouts is None:
     return [o.tensor for o in outs]
   return [o.tensor if layout.tensor is not None and layout.dtype == tf.resource
-          else p.reshard(o, layout.sharding, 'loop-carried or branch result').tensor
+          else p.reshard(_with_static_shape(o, layout), layout.sharding,
+                         'loop-carried or branch result').tensor
           for o, layout in zip(outs, result_layouts)]
+
+
+def _with_static_shape(value: Local, layout: Local) -> Local:
+  """A body result of run-time shape (replicated) given the static shape the call's result
+  has (a cond's gradient branch sizes its dense gradient by a shape passed in as an argument,
+  which the branch cannot fold): every branch then returns one static shape."""
+  known = all(d is not None for d in layout.shape)
+  if not known or all(d is not None for d in value.shape) or not value.sharding.is_replicated:
+    return value
+  tensor = tf.ensure_shape(value.tensor, layout.shape)
+  return Local(tensor, value.sharding, tuple(layout.shape))
 
 
 def _loop_layouts(p, graph, node, operands) -> List[Local]:

@@ -39,5 +39,9 @@ def lookup(p: Partitioner, node: ir.Node, graph: ir.Graph):
   if node.op in handlers.HANDLERS:
     return handlers.HANDLERS[node.op], 'hand-written'
   if factors.has_rule(node, graph):
+    if any(handlers.is_dynamic(graph.tensor(t)) for t in node.inputs):
+      # A result of static shape from an operand of run-time shape (in a cond's gradient
+      # branch, a dense gradient sized by a shape passed in): layouts need static shapes.
+      return handlers.dynamic_handler, 'replicated (operand of dynamic shape)'
     return factors.factor_handler, 'rule'
   return handlers.fallback_handler, 'replicated (no rule)'

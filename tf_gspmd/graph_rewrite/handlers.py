@@ -149,6 +149,9 @@ def dynamic_handler(p, graph, node, operands):
   inputs = [p.replicate(o, 'dynamic-shape op').tensor if o.dtype != tf.resource else o.tensor
             for o in operands]
   op = emit.emit_node(node, inputs, attrs=shared_seed_attrs(node))  # a random op of dynamic shape
+  for t, out in zip(op.outputs, node.outputs):
+    if not is_dynamic(out) and t.dtype not in (tf.resource, tf.variant):
+      t.set_shape(out.shape)  # a static result of dynamic operands: as the captured graph knew
   return [Local(t, replicated(p.mesh, 0 if out.shape is None else len(out.shape)),
                 tuple(out.shape) if out.shape is not None else ())
           for t, out in zip(op.outputs, node.outputs)]

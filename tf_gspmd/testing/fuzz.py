@@ -82,8 +82,8 @@ class Program:
 
 def xla_lowers(program: Program) -> bool:
   """Whether XLA lowers the program's ops: a while loop's gradient keeps its activations in
-  TensorLists, which tf2xla cannot size."""
-  return not (program.grad and any(op.kind == 'while' for op in program.ops))
+  TensorLists, which tf2xla cannot size, and a cond's passes them as Optionals (no lowering)."""
+  return not (program.grad and any(op.kind in ('while', 'cond') for op in program.ops))
 
 
 # --- drawing programs ------------------------------------------------------------------------
@@ -441,7 +441,9 @@ def classify(error: BaseException) -> str:
 
 
 def _error_text(error: BaseException, limit: int = 600) -> str:
-  text = ' '.join(str(error).split())
+  """The error itself: its last paragraph, without TF's 'in user code' traceback."""
+  paragraphs = [p for p in str(error).split('\n\n') if p.strip()] or ['']
+  text = ' '.join(paragraphs[-1].split())
   return f'{type(error).__name__}: {text[:limit]}'
 
 
