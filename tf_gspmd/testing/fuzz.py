@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -455,15 +456,16 @@ def _is_poison(error: BaseException) -> bool:
 
 # --- shrinking -------------------------------------------------------------------------------
 def shrink(program: Program, fails: Callable[[Program], bool], budget: int = 150,
-           log: Callable[[str], None] = lambda _: None) -> Program:
+           log: Callable[[str], None] = lambda _: None, seconds: float = math.inf) -> Program:
   """The smallest program found (greedily) that still `fails`: each accepted change restarts
-  the candidate list; at most `budget` candidates are run."""
+  the candidate list; at most `budget` candidates are run, for at most `seconds`."""
   best, tried = program, 0
+  deadline = time.time() + seconds
   progress = True
   while progress and tried < budget:
     progress = False
     for candidate in candidates(best):
-      if tried >= budget:
+      if tried >= budget or time.time() > deadline:
         break
       if candidate == best or not is_valid(candidate):
         continue
@@ -563,7 +565,8 @@ class Tally:
 
 
 def campaign(seed: int, programs: int, start: int = 0, xla_every: int = 0, out: str = '',
-             max_ops: int = 30, shrink_budget: int = 150, echo=print) -> Tally:
+             max_ops: int = 30, shrink_budget: int = 150, echo=print,
+             shrink_seconds: float = 300) -> Tally:
   """Run programs start..start+programs-1 of `seed`; shrink and write each failure."""
   tally = Tally()
   began = time.time()
@@ -579,7 +582,7 @@ def campaign(seed: int, programs: int, start: int = 0, xla_every: int = 0, out: 
         echo(f'POISONED: a collective failed; resume with --start {index + 1}')
         return tally
       if outcome.status in ('mismatch', 'crash', 'invalid') and shrink_budget:
-        _shrink_and_write(program, outcome, backend, out, shrink_budget, echo)
+        _shrink_and_write(program, outcome, backend, out, (shrink_budget, shrink_seconds), echo)
     tally.programs += 1
   echo(tally.line(time.time() - began))
   for reason, n in tally.refusals.most_common():
@@ -599,11 +602,12 @@ def _record(tally, program, backend, outcome, echo):
   echo(f'{program.label()} {backend}: {outcome.status}{note} {outcome.seconds:.2f}s{detail}')
 
 
-def _shrink_and_write(program, outcome, backend, out, budget, echo):
+def _shrink_and_write(program, outcome, backend, out, limits, echo):
+  """`limits`: (candidates, seconds) the shrinker may spend."""
   if outcome.status == 'invalid':
     small = program  # the reference itself failed: a fuzzer bug, shown as drawn
   else:
-    small = shrink(program, failing_like(outcome, backend), budget, echo)
+    small = shrink(program, failing_like(outcome, backend), limits[0], echo, limits[1])
   text = test_case(small, outcome, backend)
   echo(text)
   if out:
@@ -622,13 +626,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument('--xla-every', type=int, default=0, help='also backend=xla every K-th')
   parser.add_argument('--out', default='', help='directory for shrunk test cases')
   parser.add_argument('--max-ops', type=int, default=30)
-  parser.add_argument('--shrink-budget', type=int, default=150)
+  parser.add_argument('--shrink-budget', type=int, default=150, help='candidates per failure')
+  parser.add_argument('--shrink-seconds', type=float, default=300, help='time per failure')
   args = parser.parse_args(argv)
   warnings.filterwarnings('ignore', message='tf_gspmd propagation: no sharding rule')
   from tf_gspmd.testing.op_sweep import configure_devices  # pylint: disable=g-import-not-at-top
   configure_devices(8)
   tally = campaign(args.seed, args.programs, args.start, args.xla_every, args.out,
-                   args.max_ops, args.shrink_budget, echo=lambda s: print(s, flush=True))
+                   args.max_ops, args.shrink_budget, echo=lambda s: print(s, flush=True),
+                   shrink_seconds=args.shrink_seconds)
   return 1 if tally.counts['mismatch'] or tally.counts['crash'] else 0
 
 

@@ -77,15 +77,18 @@ def draw_unary(g, x):
 
 def draw_binary(g, x):
   shape = g.shapes[x]
+  fn = g.choice(sorted(BINARY))
   same = [n for n in g.float_values() if n != x and _broadcasts_to(g.shapes[n], shape)]
-  if same and g.rng.rand() < 0.5:
+  # A difference of two values of the program may cancel (x + y - x): float32 then keeps
+  # little of the result, the gradients above all. Differences take a fresh operand.
+  if same and fn != 'sub' and g.rng.rand() < 0.5:
     other = g.choice(same)
   else:  # a new operand: a suffix of x's shape, some dims 1 (broadcast)
     rank = g.rng.randint(0, len(shape) + 1)
     dims = tuple(1 if g.rng.rand() < 0.3 else d for d in shape[len(shape) - rank:])
     other = g.new_input('var' if g.rng.rand() < 0.4 else 'arg', dims)
   pair = [x, other] if g.rng.rand() < 0.7 else [other, x]
-  return _op(g, 'binary', pair, fn=g.choice(sorted(BINARY)))
+  return _op(g, 'binary', pair, fn=fn)
 
 
 def _broadcasts_to(small, big) -> bool:
@@ -310,7 +313,7 @@ def draw_gather(g, x):
   return _op(g, 'gather', [x, g.new_input('index', dims, bound=shape[axis])], axis=axis)
 
 
-def shape_gather(op, shapes, bounds=None):
+def shape_gather(op, shapes):
   x, idx = (shapes[n] for n in op.inputs)
   axis = op.param('axis')
   _need(axis < len(x) and x[axis] >= 1, f'gather axis {axis} of {x}')
