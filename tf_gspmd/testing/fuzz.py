@@ -322,7 +322,8 @@ HEADER = ('import numpy as np\nimport tensorflow as tf\n\nimport tf_gspmd as tg\
 def load(source: str, name: str = 'build') -> Callable:
   """The `build` function a rendered program defines."""
   namespace: Dict[str, Any] = {}
-  exec(compile(HEADER + source, f'<fuzz program {name}>', 'exec'), namespace)  # pylint: disable=exec-used
+  code = compile(HEADER + source, f'<fuzz program {name}>', 'exec')
+  exec(code, namespace)  # pylint: disable=exec-used
   return namespace[name]
 
 

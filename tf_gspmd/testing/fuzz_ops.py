@@ -57,6 +57,15 @@ def _need(ok: bool, what: str) -> None:
     raise Invalid(what)
 
 
+def _needs_rank(least: int):
+  """A draw for values of rank `least` or more: None for the others."""
+  def wrap(draw):
+    def checked(g, x):
+      return draw(g, x) if len(g.shapes[x]) >= least else None
+    return checked
+  return wrap
+
+
 def _window_out(size: int, window: int, stride: int, padding: str) -> int:
   if padding == 'SAME':
     return -(-size // stride)
@@ -113,10 +122,9 @@ def code_binary(op, names, shapes):
 
 
 # --- matmul and einsum ---------------------------------------------------------------------
+@_needs_rank(2)
 def draw_matmul(g, x):
   shape = g.shapes[x]
-  if len(shape) < 2:
-    return None
   k, n = shape[-1], g.dim()
   form = g.choice(['matmul', 'einsum', 'batch', 'transpose_b'] if len(shape) == 3 else
                   ['matmul', 'transpose_b'] if len(shape) == 2 else ['einsum'])
@@ -157,10 +165,9 @@ def code_matmul(op, names, shapes):
 REDUCE = {'sum': 'tf.reduce_sum', 'mean': 'tf.reduce_mean', 'max': 'tf.reduce_max'}
 
 
+@_needs_rank(1)
 def draw_reduce(g, x):
   rank = len(g.shapes[x])
-  if rank == 0:
-    return None
   axes = tuple(sorted(g.rng.choice(rank, g.rng.randint(1, rank + 1), replace=False).tolist()))
   keep = bool(g.rng.rand() < 0.4) or len(axes) == rank
   return _op(g, 'reduce', [x], fn=g.choice(['sum', 'mean', 'mean', 'max']), axes=axes, keep=keep)
@@ -205,10 +212,9 @@ def code_reshape(op, names, shapes):
   return f'tf.reshape({names[0]}, {list(shape_reshape(op, shapes))})'
 
 
+@_needs_rank(2)
 def draw_transpose(g, x):
   rank = len(g.shapes[x])
-  if rank < 2:
-    return None
   return _op(g, 'transpose', [x], perm=tuple(g.rng.permutation(rank).tolist()))
 
 
@@ -224,10 +230,9 @@ def code_transpose(op, names, shapes):
 
 
 # --- slices, pads, concat, gather ----------------------------------------------------------
+@_needs_rank(1)
 def draw_slice(g, x):
   shape = g.shapes[x]
-  if not shape:
-    return None
   cut = []
   for d in shape:
     if g.rng.rand() < 0.5 or d == 1:
@@ -255,10 +260,9 @@ def code_slice(op, names, shapes):
   return f"{names[0]}[{', '.join(parts)}]"
 
 
+@_needs_rank(1)
 def draw_pad(g, x):
   shape = g.shapes[x]
-  if not shape:
-    return None
   pads = tuple((g.rng.randint(0, 3), g.rng.randint(0, 3)) if g.rng.rand() < 0.6 else (0, 0)
                for _ in shape)
   mode = g.choice(['CONSTANT', 'CONSTANT', 'REFLECT', 'SYMMETRIC'])
@@ -277,10 +281,9 @@ def code_pad(op, names, shapes):
   return f"tf.pad({names[0]}, {[list(p) for p in op.param('pads')]}, mode='{op.param('mode')}')"
 
 
+@_needs_rank(1)
 def draw_concat(g, x):
   shape = g.shapes[x]
-  if not shape:
-    return None
   axis = g.rng.randint(len(shape))
   fits = [n for n in g.float_values() if n != x and len(g.shapes[n]) == len(shape) and
           all(a == b for i, (a, b) in enumerate(zip(g.shapes[n], shape)) if i != axis)]
@@ -304,13 +307,12 @@ def code_concat(op, names, shapes):
   return f"tf.concat([{names[0]}, {names[1]}], {op.param('axis')})"
 
 
+@_needs_rank(1)
 def draw_gather(g, x):
-  shape = g.shapes[x]
-  if not shape:
-    return None
-  axis = g.rng.randint(len(shape))
-  dims = (g.dim(),) if g.rng.rand() < 0.7 else (g.dim(), g.dim())
-  return _op(g, 'gather', [x, g.new_input('index', dims, bound=shape[axis])], axis=axis)
+  axis = g.rng.randint(len(g.shapes[x]))
+  dims = (g.dim(),) if g.rng.rand() < 0.7 else (g.dim(), g.dim())  # indices of rank 1 or 2
+  indices = g.new_input('index', dims, bound=g.shapes[x][axis])
+  return _op(g, 'gather', [x, indices], axis=axis)
 
 
 def shape_gather(op, shapes):
@@ -368,9 +370,9 @@ def code_pool(op, names, shapes):
           f"{op.param('stride')}, '{op.param('padding')}')")
 
 
+@_needs_rank(1)
 def draw_softmax(g, x):
-  rank = len(g.shapes[x])
-  return None if rank == 0 else _op(g, 'softmax', [x], axis=g.rng.randint(rank))
+  return _op(g, 'softmax', [x], axis=g.rng.randint(len(g.shapes[x])))
 
 
 def shape_softmax(op, shapes):
@@ -383,10 +385,9 @@ def code_softmax(op, names, shapes):
   return f"tf.nn.softmax({names[0]}, axis={op.param('axis')})"
 
 
+@_needs_rank(2)
 def draw_batch_norm(g, x):
   shape = g.shapes[x]
-  if len(shape) < 2:
-    return None
   c = shape[-1]
   scale, offset = g.new_input('var', (c,), scale=0.5, shift=1.0), g.new_input('var', (c,))
   fused = len(shape) == 4 and g.rng.rand() < 0.5
@@ -419,9 +420,8 @@ LOOP_BODIES = {'contract': 'tf.tanh(y) * 0.9 + 0.1',
                'matmul': 'tf.tanh(tf.matmul(y, w))'}
 
 
+@_needs_rank(1)
 def draw_cond(g, x):
-  if not g.shapes[x]:
-    return None
   pred = g.pred()
   true_fn, false_fn = g.choice(sorted(BRANCHES)), g.choice(sorted(BRANCHES))
   return _op(g, 'cond', [x, pred], true_fn=true_fn, false_fn=false_fn)
@@ -445,10 +445,9 @@ def _bind(template: str, **names) -> str:
   return template
 
 
+@_needs_rank(1)
 def draw_while(g, x):
   shape = g.shapes[x]
-  if not shape:
-    return None
   body = g.choice(sorted(LOOP_BODIES) if len(shape) == 2 else ['contract', 'mix'])
   inputs = [x]
   if body == 'matmul':
