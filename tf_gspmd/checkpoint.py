@@ -230,6 +230,13 @@ def _entries(obj, what: str) -> List[_Entry]:
   return entries
 
 
+def values_by_name(source) -> Dict[str, np.ndarray]:
+  """Checkpoint name -> the global value `save_checkpoint(source, ...)` would write now (a
+  sharded variable assembled from its shards): what a restore must reproduce bitwise."""
+  return {e.name: (e.sharded.assemble() if e.sharded is not None else e.plain).numpy()
+          for e in _entries(source, 'values_by_name')}
+
+
 def _entry_of(name: str, variable) -> _Entry:
   plain = _backing(variable)
   if not isinstance(plain, tf.Variable):
