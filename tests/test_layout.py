@@ -29,6 +29,7 @@ LAYERS = (
     ('partitioned',),               # partition(): capture -> propagate -> rewrite -> backend
     ('checkpoint', 'saved_model', 'serve', 'planning'),  # save/restore/export/serve/plan a partitioned program
     ('keras_layout', 'keras_fit', 'keras'),  # Keras on top of partition()
+    ('auto_shard',),                # layouts chosen by planning candidates (tg.plan, LayoutMap)
     ('testing',),                   # the op sweep harness
     ('__init__',),                  # the public API
 )

@@ -27,6 +27,7 @@ from tf_gspmd.pictures import visualize
 from tf_gspmd.partitioned import PartitionedFunction, partition
 from tf_gspmd.keras_layout import LayoutMap
 from tf_gspmd.keras_fit import partition_model, unpartition_model
+from tf_gspmd.auto_shard import auto_shard
 from tf_gspmd import keras  # keras.distribution on TF: changes nothing until keras.enable()
 from tf_gspmd.propagation.api import Plan, propagate
 from tf_gspmd.planning import PlanReport, abstract_variable, plan
@@ -45,5 +46,6 @@ __all__ = [
     'replicate', 'assign_device', 'shard_variable', 'variable_sharding', 'get_sharding',
     'save_checkpoint', 'restore_checkpoint', 'pipeline', 'pipeline_bubble_fraction',
     'from_dtensor_layout', 'from_dtensor_mesh',
+    'auto_shard',
     'visualize',
 ]
