@@ -57,6 +57,10 @@ class Input:
   scale: float = 1.0
   shift: float = 0.0
   bound: int = 0
+  # Broadcast into a binary op: its gradient is a sum over the broadcast dims, and the ops
+  # after it may not depend on it (a scale before a BatchNorm, a shift before a softmax):
+  # that sum is then all cancellation, so it is no gradient target.
+  broadcast: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,11 +119,12 @@ class _Drawer:
   def spec(self, rank: int) -> Optional[tuple]:
     return _draw_spec(self.rng, self.axes, rank)
 
-  def new_input(self, kind, shape, scale=1.0, shift=0.0, bound=0) -> str:
+  def new_input(self, kind, shape, scale=1.0, shift=0.0, bound=0, broadcast=False) -> str:
     name = self.fresh({'arg': 'x', 'var': 'v', 'index': 'i', 'pred': 'p'}[kind])
     annotate = kind in ('arg', 'var', 'index') and shape and self.rng.rand() < 0.6
     spec = self.spec(len(shape)) if annotate else None
-    self.inputs.append(Input(name, kind, tuple(shape), spec, round(scale, 4), shift, bound))
+    self.inputs.append(Input(name, kind, tuple(shape), spec, round(scale, 4), shift, bound,
+                             broadcast))
     self.shapes[name] = tuple(shape)
     return name
 
@@ -289,18 +294,18 @@ def _body(program, shapes, outputs, args, variables) -> List[str]:
     if op.spec is not None:
       body.append(f'{pad}{op.name} = tg.shard({op.name}, mesh, {_spec_code(op.spec)})')
   results = list(outputs)
+  targets = [i.name for i in args + variables if i.kind in ('arg', 'var') and not i.broadcast]
   if program.grad:
-    targets = float_args + [v.name for v in variables]
     loss = ' + '.join(f'tf.reduce_sum({n} * loss_weight_{n})' for n in outputs)
     body = ['      with tf.GradientTape() as tape:'] + body + [f'{pad}loss = {loss}']
     body += [f"      grads = tape.gradient(loss, [{', '.join(targets)}], "
              'unconnected_gradients=tf.UnconnectedGradients.ZERO)',
              '      grads = [tf.convert_to_tensor(g) for g in grads]']
     results += [f'grads[{k}]' for k in range(len(targets))]
-    step = f'grads[{targets.index(program.assign)}]' if program.assign else ''
-  else:
-    step = f'tf.tanh({program.assign})' if program.assign else ''
   if program.assign:
+    # A gradient step where there is one, else a step of the variable's own values.
+    step = (f'grads[{targets.index(program.assign)}]'
+            if program.grad and program.assign in targets else f'tf.tanh({program.assign})')
     body.append(f'      {program.assign}.assign_add({LEARNING_RATE} * {step})')
   return body + [f"      return [{', '.join(results)}]"]
 

@@ -95,7 +95,7 @@ def draw_binary(g, x):
   else:  # a new operand: a suffix of x's shape, some dims 1 (broadcast)
     rank = g.rng.randint(0, len(shape) + 1)
     dims = tuple(1 if g.rng.rand() < 0.3 else d for d in shape[len(shape) - rank:])
-    other = g.new_input('var' if g.rng.rand() < 0.4 else 'arg', dims)
+    other = g.new_input('var' if g.rng.rand() < 0.4 else 'arg', dims, broadcast=dims != shape)
   pair = [x, other] if g.rng.rand() < 0.7 else [other, x]
   return _op(g, 'binary', pair, fn=fn)
 
@@ -388,6 +388,8 @@ def code_softmax(op, names, shapes):
 @_needs_rank(2)
 def draw_batch_norm(g, x):
   shape = g.shapes[x]
+  if math.prod(shape[:-1]) < 4:
+    return None  # statistics of 2 or 3 values: the centred values may be all cancellation
   c = shape[-1]
   scale, offset = g.new_input('var', (c,), scale=0.5, shift=1.0), g.new_input('var', (c,))
   fused = len(shape) == 4 and g.rng.rand() < 0.5
