@@ -152,3 +152,124 @@ def test_keras_train_step_trains_on_pjrt_replicas_like_plain_keras(replica_step)
                                  for c in hlo_collectives(executable.compiled_hlo()))
   assert set(compiled) <= {('all-reduce', MODEL_GROUPS), ('all-reduce', DATA_GROUPS)}, compiled
 
+
+
+# --- the MirroredStrategy stand-in, end to end ---------------------------------------------------
+def step_functions(model):
+  return model._tf_gspmd_launcher.functions  # pylint: disable=protected-access
+
+
+def test_fit_evaluate_predict_run_by_strategy_run_equal_plain_keras():
+  """partition_model(strategy=): every step through strategy.run, TF collectives between the
+  replicas' devices (what runs on CPUs), the shards per-replica components."""
+  mesh = tg.Mesh.create((2, 4), ('data', 'model'))
+  strategy = mirrored()
+  twin = guide_model()
+  model = tg.partition_model(guide_layouts(guide_model(), mesh), mesh, strategy=strategy)
+  assert_close(as_float32(model.fit(X, Y, **FIT).history), as_float32(twin.fit(X, Y, **FIT).history),
+               'history')
+  assert_close(model.evaluate(X, Y, batch_size=16, verbose=0),
+               twin.evaluate(X, Y, batch_size=16, verbose=0), 'evaluate')
+  assert_close(model.predict(X, batch_size=16, verbose=0),
+               twin.predict(X, batch_size=16, verbose=0), 'predict')
+  # A write to the model's own variable wins over its shards (keras_fit's mirror scatters it).
+  for m in (model, twin):
+    m.optimizer.learning_rate.assign(3e-3)
+  assert_close(as_float32(model.train_on_batch(X[:16], Y[:16], return_dict=True)),
+               as_float32(twin.train_on_batch(X[:16], Y[:16], return_dict=True)), 'train_on_batch')
+  assert_close(model.weights, twin.weights, 'weights')
+
+  functions = step_functions(model)
+  train = functions['train_step']
+  assert isinstance(train, StrategyFunction) and train.replica_collectives == 'tf'
+  # One runner per signature: fit's batches (x, y) and train_on_batch's (x, y, None).
+  runners = list(train._runners.values())  # pylint: disable=protected-access
+  assert len(runners) == 2
+  assert all(r.strategy is strategy and r.collectives == 'tf' for r in runners)
+  # train, test and predict steps share one store: one ReplicaVariable per variable.
+  store = model._tf_gspmd_store  # pylint: disable=protected-access
+  assert all(isinstance(s, tpu.ReplicaVariable) for _, s in store.pairs())
+  d1 = next(s for o, s in store.pairs() if o.name.startswith('d1/kernel'))
+  components = d1.components()
+  assert len(components) == 8 and tuple(components[0].shape) == (16, 8)
+  for replica, component in enumerate(components):  # replica r holds model column block r % 4
+    column = replica % 4
+    assert_close(component, model.get_layer('d1').kernel.numpy()[:, 8 * column:8 * column + 8],
+                 f'd1 kernel on replica {replica}')
+  kinds = collections.Counter((c['kind'], c['axes']) for c in train.collectives())
+  assert kinds == {('all_reduce', ('model',)): 1, ('all_reduce', ('data',)): 3}, kinds
+
+
+@pytest.fixture
+def keras_distribution():
+  """tf_gspmd.keras enabled and the guide's ModelParallel distribution set (both undone after)."""
+  tg.keras.enable()
+  mesh = keras.distribution.DeviceMesh((2, 4), ['data', 'model'])
+  layout_map = keras.distribution.LayoutMap(mesh)
+  layout_map['d1/kernel'] = (None, 'model')
+  layout_map['d1/bias'] = ('model',)
+  layout_map['e1/kernel'] = ('model', None)
+  keras.distribution.set_distribution(
+      keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name='data'))
+  yield
+  keras.distribution.set_distribution(None)
+  tg.keras.disable()
+
+
+def test_keras_distribution_fit_inside_the_strategy_scope_runs_by_strategy_run(keras_distribution):
+  """Built outside the scope, fit inside it: the strategy is picked up. Keras splits fit's
+  batches over the replicas itself in the scope (its dataset distributed): they are put back
+  together, then split by the step's layout. (Keras' distributed iterators are slow to tear down
+  on 8 CPU devices, plain Keras too: one short fit, then the *_on_batch calls.)"""
+  del keras_distribution
+  strategy = mirrored()
+  model = guide_model()
+  fit = dict(FIT, epochs=1, validation_data=None)
+  with strategy.scope():
+    history = model.fit(X, Y, **fit).history
+    evaluated = model.test_on_batch(X[:32], Y[:32], return_dict=True)
+    predicted = model.predict_on_batch(X[:32])
+  train = step_functions(model)['train_step']
+  assert isinstance(train, StrategyFunction) and train.strategy is strategy
+  keras.distribution.set_distribution(None)
+  twin = guide_model()
+  assert_close(as_float32(history), as_float32(twin.fit(X, Y, **fit).history), 'history')
+  assert_close(as_float32(evaluated),
+               as_float32(twin.test_on_batch(X[:32], Y[:32], return_dict=True)), 'evaluate')
+  assert_close(predicted, twin.predict_on_batch(X[:32]), 'predict')
+  assert_close(model.weights, twin.weights, 'weights')
+  assert tg.keras.shard_layouts(model)['d1/kernel'] == (tg.P(None, 'model'), (16, 8))
+
+
+def test_xla_replica_programs_under_the_stand_in():
+  """What of the TPU's own replica programs runs on CPUs: a data-parallel predict (no
+  collectives), exported module and traced program alike. With collectives (fit), the traced
+  program's XLA ops have no TF kernel; the exported module would run each replica's
+  collectives alone (one XLA program per replica): refused, not run wrong."""
+  mesh = tg.Mesh.create((8,), ('batch',))
+  twin = guide_model()
+  want = twin.predict(X[:32], batch_size=16, verbose=0)
+  for exported in (True, False):
+    model = tg.partition_model(guide_model(), mesh, 'batch', strategy=mirrored(),
+                               collectives='xla', exported=exported)
+    assert_close(model.predict(X[:32], batch_size=16, verbose=0), want, f'exported={exported}')
+    if exported:
+      with pytest.raises(ValueError, match=r'exported module runs collectives \(all-reduce\)'):
+        model.train_on_batch(X[:16], Y[:16])
+    else:
+      with pytest.raises(tf.errors.InvalidArgumentError, match="'XlaAllReduce'"):
+        model.train_on_batch(X[:16], Y[:16])
+
+
+def test_a_model_built_inside_the_scope_is_refused_with_what_to_do():
+  mesh = tg.Mesh.create((8,), ('batch',))
+  strategy = mirrored()
+  with strategy.scope():
+    model = guide_model()
+  with pytest.raises(ValueError, match=r'built or compiled inside a tf.distribute strategy scope'
+                                       r'.*build and compile the model outside'):
+    tg.partition_model(model, mesh, 'batch', strategy=strategy)
+  model = guide_model()
+  with pytest.raises(ValueError, match="backend='xla' is another way to run them"):
+    tg.partition_model(model, mesh, 'batch', strategy=strategy, backend='xla').predict(
+        X[:16], verbose=0)

@@ -56,12 +56,10 @@ from tf_gspmd.mesh import Mesh
 from tf_gspmd.partitioned import PartitionedFunction
 from tf_gspmd.xla_bridge import tpu
 
-_TPU_STRATEGIES = (tf.distribute.TPUStrategy, tf.distribute.experimental.TPUStrategy)
-
 
 def default_collectives(strategy) -> str:
   """'xla' on a TPU; 'tf' (TF collective ops between TF devices) under any other strategy."""
-  return 'xla' if isinstance(strategy, _TPU_STRATEGIES) else 'tf'
+  return 'xla' if tpu.is_tpu_strategy(strategy) else 'tf'
 
 
 def strategy_of(model):

@@ -65,8 +65,14 @@ from tf_gspmd.runtime import sharded as sharded_lib
 from tf_gspmd.runtime.launcher import PartitionContext, trace_per_partition, without_grappler
 from tf_gspmd.xla_bridge import call_module as call_module_lib
 from tf_gspmd.xla_bridge.collectives import XlaCollectives
+from tf_gspmd.xla_bridge.hlo import stablehlo_collectives
 
 TOPOLOGY_AXES = ('x', 'y', 'z', 'core')
+TPU_STRATEGIES = (tf.distribute.TPUStrategy, tf.distribute.experimental.TPUStrategy)
+
+
+def is_tpu_strategy(strategy) -> bool:
+  return isinstance(strategy, TPU_STRATEGIES)
 
 
 # --- topology and device assignment -------------------------------------------------------------
@@ -370,7 +376,22 @@ class TPUStrategyStep:
     return self.strategy.experimental_distribute_values_from_function(
         lambda ctx: shards[ctx.replica_id_in_sync_group])
 
+  def _refuse_unlinked_collectives(self) -> None:
+    """Outside a TPU, each replica's XlaCallModule is compiled on its own (CPU XLA has a
+    kernel for it): the module's collectives would join no other replica and give wrong
+    numbers silently. Refused; the traced program's XLA collective ops TF refuses itself."""
+    if self.export is None or is_tpu_strategy(self.strategy):
+      return
+    found = sorted(set(stablehlo_collectives(self.export.module)))
+    if found:
+      raise ValueError(
+          f'TPUStrategyStep: the exported module runs collectives ({", ".join(found)}), which '
+          f'join the replicas only in one XLA program over them (a TPU\'s); under '
+          f'{type(self.strategy).__name__} each replica would run them alone. Run it under a '
+          "TPUStrategy, or use collectives='tf' (TF collective ops between the replicas).")
+
   def __call__(self, *args):
+    self._refuse_unlinked_collectives()
     flat = [a for a in tf.nest.flatten(args) if a is not None]  # Keras' absent sample weights
     if len(flat) != self._n_args:
       raise ValueError(f'TPUStrategyStep: {len(flat)} tensor arguments, expected {self._n_args}.')
