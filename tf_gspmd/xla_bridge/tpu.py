@@ -14,13 +14,22 @@ whose replica groups are the mesh's groups written in partition ids) with
   tensor arguments split on the host into per-replica shards
   (`experimental_distribute_values_from_function`), outputs assembled from
   `experimental_local_results`, and each sharded variable kept as one
-  sync-on-read variable whose per-replica component is that replica's shard.
+  sync-on-read variable whose per-replica component is that replica's shard
+  (`ReplicaVariable`, held in a `ReplicaVariables` store keyed by the original
+  tf.Variable: steps over the same variables, e.g. Keras' train, test and
+  predict steps in `tf_gspmd.keras.strategy`, share one).
 
 By default (`exported=True`) the replica does not run that traced program but
 the exported per-replica module (`partitioned.export_xla`: native collectives,
 partition id = XLA's replica id) through one `XlaCallModule` op
 (`call_module.py`), reading the shard variables into its parameters and
 assigning its variable results back (`XlaExport.results[j].updates`).
+That module's collectives join the replicas only when one XLA program runs
+over all of them (a TPU's); outside a TPUStrategy, CPU XLA compiles each
+replica's XlaCallModule on its own, so a module with collectives is refused
+there. `collectives='tf'` runs the per-partition program traced once with TF
+collective ops between the replicas' devices instead: a MirroredStrategy of CPUs
+or GPUs then runs any program, as a stand-in for the TPU.
 
 All of it uses TF's public TPU API: `tf.tpu.experimental.Topology`,
 `tf.tpu.experimental.DeviceAssignment`, `tf.distribute.TPUStrategy(resolver,
@@ -41,8 +50,9 @@ tested without a TPU (tests/test_tpu_strategy.py): the topology read from a
 serialized TopologyProto the way TF reads the one TPU initialization returns,
 the device assignment derived from it, `TPUStrategyStep` called end to end
 under a MirroredStrategy of 8 CPUs (same replica API) on a program without
-collectives (XLA collective ops run only inside a compiled program), the very
-replica function
+collectives (XLA collective ops run only inside a compiled program) and, with
+`collectives='tf'`, Keras programs with collectives (tests/test_keras_tpu_strategy.py),
+the very replica function
 `strategy.run` calls -- lowered by tf2xla (the compiler TPUStrategy uses) with
 its replica groups read from the HLO -- and that function run on 8 PJRT CPU
 replicas with XLA's replica id standing in for `replica_id_in_sync_group`,
