@@ -9,11 +9,14 @@ as it runs without a TPU.
 * the MirroredStrategy stand-in end to end: `fit` / `evaluate` / `predict` through
   `strategy.run`, the shards per-replica components, with TF collective ops between the
   replicas (XLA's have no kernel outside a compiled program); with `tf_gspmd.keras.enable()`,
-  a keras.distribution and `fit` inside `strategy.scope()` too; XLA's traced program runs
-  `predict` of a data-parallel model (no collectives) and is refused by TF in `fit`.
+  a keras.distribution and `fit` inside `strategy.scope()` too; the TPU's own replica
+  programs run `predict` of a data-parallel model (no collectives); in `fit` TF has no kernel
+  for the traced program's XLA collectives, and the exported module is refused.
 Results are checked by the oracle (tf_gspmd.testing: normwise relative error per tensor).
 """
 import collections
+import os
+import sys
 
 import keras
 import numpy as np
@@ -27,7 +30,8 @@ from tf_gspmd.testing import as_float32, assert_close
 from tf_gspmd.xla_bridge import tpu
 from tf_gspmd.xla_bridge.hlo import hlo_collectives
 
-from test_keras_distribution import X, Y, guide_model
+sys.path.insert(0, os.path.dirname(__file__))
+from test_keras_distribution import X, Y, guide_model  # noqa: E402
 
 MODEL_GROUPS = ((0, 1, 2, 3), (4, 5, 6, 7))
 DATA_GROUPS = ((0, 4), (1, 5), (2, 6), (3, 7))
@@ -108,7 +112,8 @@ def test_keras_train_step_trains_on_pjrt_replicas_like_plain_keras(replica_step)
   module = hlo_pb2.HloModuleProto.FromString(_lowered(runner)(stage='hlo_serialized'))
   updates = {e.output_shape_index[0]: e.parameter_number for e in module.input_output_alias.entries}
   module.ClearField('input_output_alias')  # no donation: the state buffers are reused
-  stablehlo = xla_client._xla.mlir.hlo_to_stablehlo(module.SerializeToString())  # pylint: disable=protected-access
+  to_stablehlo = xla_client._xla.mlir.hlo_to_stablehlo  # pylint: disable=protected-access
+  stablehlo = to_stablehlo(module.SerializeToString())
   args = list(runner.export.args)           # x, y, captures, then every variable's shard
   outputs = [r for r in runner.export.results if r.updates is None]
   updated = [updates[j] for j in range(len(outputs), len(outputs) + len(updates))]
@@ -166,8 +171,8 @@ def test_fit_evaluate_predict_run_by_strategy_run_equal_plain_keras():
   strategy = mirrored()
   twin = guide_model()
   model = tg.partition_model(guide_layouts(guide_model(), mesh), mesh, strategy=strategy)
-  assert_close(as_float32(model.fit(X, Y, **FIT).history), as_float32(twin.fit(X, Y, **FIT).history),
-               'history')
+  assert_close(as_float32(model.fit(X, Y, **FIT).history),
+               as_float32(twin.fit(X, Y, **FIT).history), 'history')
   assert_close(model.evaluate(X, Y, batch_size=16, verbose=0),
                twin.evaluate(X, Y, batch_size=16, verbose=0), 'evaluate')
   assert_close(model.predict(X, batch_size=16, verbose=0),

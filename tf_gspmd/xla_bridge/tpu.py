@@ -227,8 +227,9 @@ class ReplicaVariables:
       held = self.sharded[id(original)] = ReplicaVariable(self.strategy, original, sharding)
       self.originals[id(original)] = original
     elif not isinstance(held, ReplicaVariable) or held.strategy is not self.strategy:
-      raise ValueError(f'ReplicaVariables: variable {original.name} is held by {held!r}, not by '
-                       'this strategy; steps under another strategy or backend need their own store.')
+      raise ValueError(f'ReplicaVariables: variable {original.name} is held by {held!r}, not '
+                       'by this strategy; steps under another strategy or backend need their '
+                       'own store.')
     elif held.sharding != sharding:
       raise ValueError(f'ReplicaVariables: variable {original.name} is sharded {held.sharding} by '
                        f'an earlier step but {sharding} by this one; annotate it with '
