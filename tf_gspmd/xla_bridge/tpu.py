@@ -300,6 +300,7 @@ class TPUStrategyStep:
     self.export = partitioned.export_xla(*example_args) if exported else None
     self._module = call_module_lib.serialized_module(self.export) if exported else None
     self._tf_program = self._trace_tf_program() if collectives == 'tf' else None
+    self._collectives_checked = False
     self._step = tf.function(self._distributed_step)
 
   def _take_variables(self, partitioned, compiled, variables) -> None:
@@ -390,10 +391,12 @@ class TPUStrategyStep:
   def _refuse_unlinked_collectives(self) -> None:
     """Outside a TPU, each replica's XlaCallModule is compiled on its own (CPU XLA has a
     kernel for it): the module's collectives would join no other replica and give wrong
-    numbers silently. Refused; the traced program's XLA collective ops TF refuses itself."""
-    if self.export is None or is_tpu_strategy(self.strategy):
+    numbers silently. Refused; the traced program's XLA collective ops TF refuses itself.
+    Checked at the first call (building the step under a stand-in, to lower it, is fine)."""
+    if self._collectives_checked or self.export is None or is_tpu_strategy(self.strategy):
       return
     found = sorted(set(stablehlo_collectives(self.export.module)))
+    self._collectives_checked = not found
     if found:
       raise ValueError(
           f'TPUStrategyStep: the exported module runs collectives ({", ".join(found)}), which '
