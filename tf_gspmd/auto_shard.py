@@ -24,15 +24,21 @@ and so are scalars. Annotations the user wrote (`fixed`, `shard_variable`,
 
 How. Coordinate descent over the groups (largest first, then the inputs):
 each group tries all its candidates with the others held, and keeps the
-best; sweeps repeat until none changes. It starts from data parallelism and
-from the batch on the first mesh axis alone (from data parallelism one move
-cannot take the batch off the model axes and split weights over them). First
-the cheapest layout is sought ignoring the budget; when it does not fit,
-descents under the budget follow (while over it, the move paying the least
-cost per byte saved; once within it, the cheapest move that stays within),
-and candidates whose variables alone exceed what they must beat are not
-planned. `search='exhaustive'` plans the product of all candidates instead
-(small cases: it confirms the descent's optimum). Every plan is memoized.
+best; sweeps repeat until one changes nothing or, within the budget, gains
+less than 1% (a move gaining less than 0.1% is no move). After the first
+sweep a group tries only the `SHORTLIST` options that were best in its last
+try (the others lost by a wide margin there; this keeps the plans per sweep
+near the group count).
+Best, while over the budget: a layout that fits (the cheapest), else the one
+paying the least cost per byte saved (the one saving the most bytes at any
+price strands the walk far from the cheap layouts); once within it, the
+cheapest that stays within. Candidates whose variables alone exceed what
+they must beat are not planned. Two starts, the better end wins: data
+parallelism, and the batch on the first mesh axis alone (from data
+parallelism one move cannot take the batch off the model axes and split
+weights over them). `search='exhaustive'` plans the product of all
+candidates instead (small cases: it confirms the descent's optimum). Every
+plan is memoized.
 
 The cost model (seconds per step, one device's view)::
 
@@ -79,6 +85,9 @@ from tf_gspmd.planning import PlanReport, plan
 from tf_gspmd.sharding import NamedSharding, P, Sharding, named_for_rank
 
 AUTO = 'auto'  # a group left to propagation
+TIE = 1e-3     # relative cost difference below which the descent does not move
+SWEEP_GAIN = 0.01  # a sweep (within the budget) gaining less than this is the last one
+SHORTLIST = 4  # after the first sweep a group tries only its best options of the last one
 KINDS = ('all_reduce', 'all_gather', 'reduce_scatter', 'all_to_all')
 DEFAULT_CONSTANTS_FILE = os.path.join(os.path.dirname(__file__), 'auto_shard_constants.json')
 
@@ -298,12 +307,14 @@ def _owner_of(var: _Var, leaders: List[_Var]) -> Optional[_Var]:
 
 
 def _role(var: _Var) -> str:
-  """What the variable is, whatever its layer: digit runs stripped, and in a sub-layer's
-  variable (`attn_0/query/kernel`) the sub-layer's name too, so the same-shaped
-  projections of one kind of layer (query, key, value) decide together."""
+  """What the variable is, whatever its layer: digit runs stripped, and the name of its
+  sub-layer (`attn_0/query/kernel`, `layer0_wq`) too, so the same-shaped projections of
+  one kind of layer (query, key, value) decide together."""
   parts = re.sub(r'[0-9]+', '#', var.name).split('/')
   if len(parts) >= 3:
     parts[-2] = '*'
+  elif len(parts) == 1 and '_' in parts[0]:
+    parts[0] = parts[0].rsplit('_', 1)[0] + '_*'
   return f'{"/".join(parts)} {list(var.shape)} {var.dtype}'
 
 
@@ -552,46 +563,46 @@ class _Search:
 
   # --- the two searches ------------------------------------------------------------------------
   def descend(self, starts: List[tuple]) -> Evaluation:
-    """The cheapest layout by descent ignoring the budget, from each start; when none fits,
-    descents under the budget from those and from the starts, the best one."""
-    frees = [self._descend(start, within_budget=False) for start in starts]
-    fitting = [e for e in frees if e.memory <= self.budget]
-    if fitting:
-      return min(fitting, key=lambda e: e.cost)
-    again = dict.fromkeys([e.choice for e in frees] + list(starts))
-    ends = [self._descend(c, within_budget=True) for c in again]
+    """The best of the descents from `starts`."""
+    ends = [self._descend(start) for start in starts]
     return min(ends, key=lambda e: e.key(self.budget))
 
-  def _descend(self, start: tuple, within_budget: bool, max_sweeps: int = 4) -> Evaluation:
+  def _descend(self, start: tuple, max_sweeps: int = 4) -> Evaluation:
     """Coordinate descent: each group (then the inputs) takes its best candidate, others held.
 
-    Without the budget, best is cheapest. Within it, while the layout is over the
-    budget: one that fits (the cheapest), else the one paying the least cost per byte
-    saved (a move saving the most bytes at any price strands the walk far from the
-    cheap layouts); once it fits, the cheapest that still fits. Candidates whose
-    variables alone rule them out are not planned.
+    Best, while the layout is over the budget: one that fits (the cheapest), else the
+    one paying the least cost per byte saved (a move saving the most bytes at any
+    price strands the walk far from the cheap layouts); once it fits, the cheapest
+    that still fits. Candidates whose variables alone rule them out are not planned.
     """
     best = self.evaluate(start)
     order = list(range(len(self.groups))) + [len(self.groups)]
+    shortlist = {i: list(self.spaces[i]) for i in order}
     for _ in range(max_sweeps):
-      changed = False
+      before = best
       for i in order:
-        choices = [best.choice[:i] + (option,) + best.choice[i + 1:] for option in self.spaces[i]]
-        choices = [c for c in choices if c != best.choice and
-                   not (within_budget and self.cannot_beat(c, best))]
-        trials = [self.evaluate(c) for c in choices]
-        chosen = (self._pick(best, trials) if within_budget else
-                  min(trials + [best], key=lambda e: e.cost))
-        changed |= chosen is not best
-        best = chosen
-      if not changed:
+        choices = [best.choice[:i] + (option,) + best.choice[i + 1:] for option in shortlist[i]]
+        trials = [self.evaluate(c) for c in choices
+                  if c != best.choice and not self.cannot_beat(c, best)]
+        shortlist[i] = self._shortlist(best, i, trials)
+        best = self._pick(best, trials)
+      settled = before.memory <= self.budget and best.cost > before.cost * (1 - SWEEP_GAIN)
+      if best is before or settled:
         break
     return best
+
+  def _shortlist(self, best: Evaluation, i: int, trials: List[Evaluation]) -> list:
+    """Group `i`'s options the next sweeps try: its SHORTLIST best ones in this sweep."""
+    ranked = sorted(trials + [best], key=lambda e: e.key(self.budget))
+    return list(dict.fromkeys(e.choice[i] for e in ranked))[:SHORTLIST]
 
   def _pick(self, best: Evaluation, trials: List[Evaluation]) -> Evaluation:
     fitting = [t for t in trials if t.memory <= self.budget]
     if best.memory <= self.budget or fitting:
-      return min(fitting + [best], key=lambda e: e.key(self.budget))
+      cheapest = min(fitting + [best], key=lambda e: e.key(self.budget))
+      # A near tie (within TIE of the cost) is no move: it would only add sweeps.
+      keep = best.memory <= self.budget and cheapest.cost > best.cost * (1 - TIE)
+      return best if keep else cheapest
     saving = [t for t in trials if t.memory < best.memory]
     if not saving:
       return best

@@ -1,0 +1,206 @@
+"""Does auto_shard's cost model order layouts as the clock does? Spearman over measured steps.
+
+For each layout of two models on a (data=2, model=4) mesh of 8 logical CPUs:
+  predicted  `tf_gspmd.auto_shard.estimate` of the step planned with `tg.plan` (collectives
+             priced by the calibrated constants, plus each device's compute at the
+             calibrated matmul rate, repeated work included);
+  measured   the same Keras training step under `tg.partition` on fresh weights: the
+             median of --steps steps after --warmup, every layout built first and the
+             steps then taken round-robin (load from other processes hits all alike).
+Models (bench/models.py): the transformer (examples/keras/transformer.py, Adam) and the
+CNN (Conv2D/BatchNorm/ReLU/MaxPool blocks, GAP, Dense; Adam). Layouts: data parallel
+over 8 or over 'data' alone, Megatron with and without the batch split, 2-D and ZeRO-like
+weight splits, replicated steps, and for the CNN output- or input-channel splits.
+
+Prints one row per layout (predicted ms, measured ms, the rank of each), the predicted
+order against the measured order, and Spearman's rank correlation per model and over all
+layouts (numpy: Pearson of the ranks, ties averaged). The timings share the machine with
+whatever else runs on it: say so when quoting them.
+
+  .venv/bin/python bench/auto_shard_rank.py [--steps 9] [--warmup 2] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [ROOT, HERE, os.path.join(ROOT, 'examples', 'keras')]
+
+import numpy as np  # noqa: E402
+
+from first_step import configure_logical_cpus  # noqa: E402
+
+TRANSFORMER = dict(layers=2, vocab=128, seq=16, d_model=64, heads=4, ff=256)
+TRANSFORMER_BATCH = 32
+CNN = dict(image=16, channels=3, filters=[16, 32], classes=10)
+CNN_BATCH = 32
+DM = ('data', 'model')
+
+# name -> (input batch axes, {variable regex: spec}); specs are tuples of axes per dim.
+TRANSFORMER_LAYOUTS = {
+    'dp8': (DM, {}),
+    'dp2': ('data', {}),
+    'replicated': (None, {}),
+    'megatron+data': ('data', 'megatron'),
+    'megatron': (None, 'megatron'),
+    'megatron ffn+data': ('data', {r'.*ffn_in_\d+/kernel': (None, 'model'),
+                                   r'.*ffn_out_\d+/kernel': ('model', None)}),
+    'ffn over 8': (None, {r'.*ffn_in_\d+/kernel': (None, DM), r'.*ffn_out_\d+/kernel': (DM, None)}),
+    'zero8': (DM, {r'.*(ffn_in_\d+|head)/kernel': (DM, None), r'.*ffn_out_\d+/kernel': (DM, None),
+                   r'.*(query|key|value)/kernel': (DM, None, None), r'.*embed.*': (DM, None)}),
+    '2d': ('data', {r'.*ffn_in_\d+/kernel': ('data', 'model'),
+                    r'.*ffn_out_\d+/kernel': ('model', 'data'),
+                    r'.*(query|key|value)/kernel': ('data', 'model', None),
+                    r'.*attention_output/kernel': ('model', None, 'data')}),
+    'megatron+data, vocab split': ('data', 'megatron+embed'),
+}
+CNN_LAYOUTS = {
+    'dp8': (DM, {}),
+    'dp2': ('data', {}),
+    'replicated': (None, {}),
+    'channels out+data': ('data', {r'.*conv_\d+/kernel': (None, None, None, 'model'),
+                                   r'.*head/kernel': ('model', None)}),
+    'channels in+data': ('data', {r'.*conv_1/kernel': (None, None, 'model', None)}),
+    'channels out': (None, {r'.*conv_\d+/kernel': (None, None, None, 'model')}),
+}
+QUICK = {'transformer': ['dp8', 'megatron+data'], 'cnn': ['dp8', 'replicated']}
+
+
+def spearman(a, b) -> float:
+  """Spearman's rank correlation: Pearson's correlation of the ranks (ties get mean ranks)."""
+  ra, rb = _ranks(np.asarray(a, float)), _ranks(np.asarray(b, float))
+  ra, rb = ra - ra.mean(), rb - rb.mean()
+  return float((ra * rb).sum() / np.sqrt((ra * ra).sum() * (rb * rb).sum()))
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+  order = np.argsort(x, kind='stable')
+  ranks = np.empty(len(x))
+  ranks[order] = np.arange(1, len(x) + 1)
+  for value in np.unique(x):
+    tied = x == value
+    ranks[tied] = ranks[tied].mean()
+  return ranks
+
+
+# --- models and their steps ----------------------------------------------------------------------
+def _transformer(mesh, rules, seed=0):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import transformer  # pylint: disable=g-import-not-at-top
+  import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
+  model, optimizer = transformer.build(seed=seed, **TRANSFORMER)
+  layout = transformer.layout(mesh) if rules in ('megatron', 'megatron+embed') else tg.LayoutMap(mesh)
+  if rules == 'megatron+embed':
+    layout[r'.*embed/embeddings'] = tg.P('model', None)
+  for pattern, spec in ({} if isinstance(rules, str) else rules).items():
+    layout[pattern] = tg.P(*spec)
+  layout.apply(model)
+  step = transformer.train_step(model, optimizer)
+  rng = np.random.RandomState(0)
+  tokens = rng.randint(0, TRANSFORMER['vocab'], (TRANSFORMER_BATCH, TRANSFORMER['seq']))
+  labels = rng.randint(0, TRANSFORMER['vocab'], (TRANSFORMER_BATCH,))
+  data = (tokens.astype(np.int32), labels.astype(np.int32))
+  return step, data, [tf.TensorSpec(d.shape, tf.int32) for d in data]
+
+
+def _cnn(mesh, rules, seed=0):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import models  # pylint: disable=g-import-not-at-top
+  import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
+  model, optimizer = models.keras_cnn(seed, CNN['image'], CNN['channels'], CNN['filters'],
+                                      CNN['classes'])
+  layout = tg.LayoutMap(mesh)
+  for pattern, spec in rules.items():
+    layout[pattern] = tg.P(*spec)
+  layout.apply(model)
+  step = models.keras_train_step(model, optimizer)
+  rng = np.random.RandomState(0)
+  images = rng.randn(CNN_BATCH, CNN['image'], CNN['image'], CNN['channels']).astype(np.float32)
+  labels = rng.randint(0, CNN['classes'], (CNN_BATCH,)).astype(np.int32)
+  return step, (images, labels), [tf.TensorSpec(images.shape), tf.TensorSpec(labels.shape,
+                                                                                tf.int32)]
+
+
+def _input_shardings(mesh, axes, specs):
+  import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
+  return [tg.NamedSharding(mesh, tg.P(axes, *([None] * (len(s.shape) - 1)))) for s in specs]
+
+
+def prepare(build, mesh, axes, rules, warmup: int) -> tuple:
+  """(predicted seconds, a callable running one step) of one layout, built and warmed up."""
+  import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
+  auto = importlib.import_module('tf_gspmd.auto_shard')
+  step, data, specs = build(mesh, rules)
+  shardings = _input_shardings(mesh, axes, specs)
+  predicted = auto.estimate(tg.plan(step, *specs, mesh=mesh, in_shardings=shardings)).cost
+  step, data, specs = build(mesh, rules)  # fresh weights for the run
+  partitioned = tg.partition(step, mesh, in_shardings=shardings, progress=False)
+  run = lambda: float(partitioned(*data))  # noqa: E731
+  for _ in range(1 + warmup):
+    run()
+  return predicted, run
+
+
+def measure_round_robin(runs, steps: int) -> list:
+  """Median seconds of each run's step, the steps taken in turn so that load from other
+  processes falls on every layout alike."""
+  times = [[] for _ in runs]
+  for _ in range(steps):
+    for i, run in enumerate(runs):
+      start = time.perf_counter()
+      run()
+      times[i].append(time.perf_counter() - start)
+  return [float(np.median(t)) for t in times]
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--steps', type=int, default=9)
+  parser.add_argument('--warmup', type=int, default=2)
+  parser.add_argument('--quick', action='store_true', help='two layouts per model, 2 steps')
+  args = parser.parse_args(argv)
+  if args.quick:
+    args.steps, args.warmup = 2, 1
+  configure_logical_cpus(8)
+  import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
+  mesh = tg.Mesh.create((2, 4), DM)
+  labels, predicted, runs = [], [], []
+  for model, build, layouts in (('transformer', _transformer, TRANSFORMER_LAYOUTS),
+                                ('cnn', _cnn, CNN_LAYOUTS)):
+    for name in (QUICK[model] if args.quick else list(layouts)):
+      axes, rules = layouts[name]
+      cost, run = prepare(build, mesh, axes, rules, args.warmup)
+      labels.append((model, name))
+      predicted.append(cost)
+      runs.append(run)
+  rows = []
+  for (model, name), cost, measured in zip(labels, predicted,
+                                           measure_round_robin(runs, args.steps)):
+    rows.append((model, name, cost, measured))
+    print(f'{model:<12}{name:<28}predicted {cost * 1e3:8.2f} ms   measured '
+          f'{measured * 1e3:8.2f} ms', flush=True)
+  _print_orders(rows)
+  return 0
+
+
+def _print_orders(rows) -> None:
+  for model in ('transformer', 'cnn', 'all'):
+    mine = [r for r in rows if model in ('all', r[0])]
+    label = lambda r: r[1] if model != 'all' else f'{r[0]}:{r[1]}'  # noqa: E731
+    by_predicted = [label(r) for r in sorted(mine, key=lambda r: r[2])]
+    by_measured = [label(r) for r in sorted(mine, key=lambda r: r[3])]
+    rho = spearman([r[2] for r in mine], [r[3] for r in mine])
+    print(f'{model}: predicted order: {" < ".join(by_predicted)}')
+    print(f'{model}: measured order:  {" < ".join(by_measured)}')
+    print(f'{model}: Spearman rank correlation {rho:.3f} over {len(mine)} layouts')
+
+
+if __name__ == '__main__':
+  sys.exit(main())
