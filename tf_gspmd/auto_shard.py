@@ -36,7 +36,7 @@ cheapest that stays within. Candidates whose variables alone exceed what
 they must beat are not planned. Two starts, the better end wins: data
 parallelism, and the batch on the first mesh axis alone (from data
 parallelism one move cannot take the batch off the model axes and split
-weights over them). `search='exhaustive'` plans the product of all
+weights over them); small searches also start from the batch unsplit. `search='exhaustive'` plans the product of all
 candidates instead (small cases: it confirms the descent's optimum). Every
 plan is memoized.
 
@@ -88,6 +88,7 @@ AUTO = 'auto'  # a group left to propagation
 TIE = 1e-3     # relative cost difference below which the descent does not move
 SWEEP_GAIN = 0.01  # a sweep (within the budget) gaining less than this is the last one
 SHORTLIST = 4  # after the first sweep a group tries only its best options of the last one
+SMALL_SEARCH = 32  # candidates a sweep up to which a third start (batch unsplit) is cheap
 KINDS = ('all_reduce', 'all_gather', 'reduce_scatter', 'all_to_all')
 DEFAULT_CONSTANTS_FILE = os.path.join(os.path.dirname(__file__), 'auto_shard_constants.json')
 
@@ -592,8 +593,14 @@ class _Search:
     return best
 
   def _shortlist(self, best: Evaluation, i: int, trials: List[Evaluation]) -> list:
-    """Group `i`'s options the next sweeps try: its SHORTLIST best ones in this sweep."""
-    ranked = sorted(trials + [best], key=lambda e: e.key(self.budget))
+    """Group `i`'s options the next sweeps try: the best ones of this sweep by the budget
+    and by cost alone, SHORTLIST in all (while over the budget the cheap options rank
+    last by the budget, yet one of them is often best once the rest fits)."""
+    tried = trials + [best]
+    by_budget = sorted(tried, key=lambda e: e.key(self.budget))
+    by_cost = sorted(tried, key=lambda e: e.cost)
+    half = SHORTLIST // 2
+    ranked = by_budget[:half] + by_cost[:half] + by_budget[half:]
     return list(dict.fromkeys(e.choice[i] for e in ranked))[:SHORTLIST]
 
   def _pick(self, best: Evaluation, trials: List[Evaluation]) -> Evaluation:
@@ -733,11 +740,14 @@ def _starts(groups: List[Group], inputs: list) -> List[tuple]:
   """Variables replicated, the batch split over the most devices (data parallelism) or over
   the first axis group only (a batch axis beside model axes): a descent moves one group at
   a time, and from data parallelism alone it cannot take the batch off the model axes and
-  split the weights over them in one move."""
+  split the weights over them in one move. A small search (at most SMALL_SEARCH
+  candidates a sweep) also starts from the batch unsplit."""
   replicated = tuple(g.candidates[0] for g in groups)
   split = inputs[1:] or [None]
   most = max(split, key=lambda axes: len(axes or ()))
-  return [replicated + (axes,) for axes in dict.fromkeys([most, split[0]])]
+  small = sum(len(g.candidates) for g in groups) + len(inputs) <= SMALL_SEARCH
+  batches = [most, split[0]] + ([None] if small else [])
+  return [replicated + (axes,) for axes in dict.fromkeys(batches)]
 
 
 def _give_candidates(groups: List[Group], mesh: Mesh, min_fraction: float) -> None:
