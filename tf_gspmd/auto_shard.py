@@ -787,10 +787,17 @@ class AutoShardResult:
     return len(self._searcher.seen)
 
   @property
+  def model_shardings(self) -> Dict[str, NamedSharding]:
+    """`shardings` without optimizer state: slots follow their variable by propagation."""
+    model = {v.name for g in self.groups for v in g.members}
+    model |= {v.name for g in self.groups for v, rank in g.followers if rank is not None}
+    return {n: s for n, s in self.shardings.items() if n in model}
+
+  @property
   def layout_map(self) -> LayoutMap:
-    """One rule per variable (its exact name): `.apply(model)` annotates a Keras model."""
+    """One rule per model variable (its exact name): `.apply(model)` annotates a Keras model."""
     layout = LayoutMap(self.mesh)
-    for name, sharding in self.shardings.items():
+    for name, sharding in self.model_shardings.items():
       layout[re.escape(name)] = sharding.spec
     return layout
 
@@ -807,7 +814,7 @@ class AutoShardResult:
         tuple(self.mesh.shape.values()), list(self.mesh.axis_names),
         [f'cpu:{d}' for d in np.ravel(self.mesh.device_ids)])
     layout = keras.distribution.LayoutMap(device_mesh)
-    for name, sharding in self.shardings.items():
+    for name, sharding in self.model_shardings.items():
       layout[name] = tuple(sharding.spec) + (None,) * (sharding.rank - len(sharding.spec))
     return layout
 
