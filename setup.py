@@ -14,6 +14,8 @@ setup(
     version='0.1.0',
     description='GSPMD for TensorFlow: sharding annotations, propagation and SPMD partitioning.',
     packages=find_packages(include=['tf_gspmd', 'tf_gspmd.*']),
+    # auto_shard's cost constants as measured here, used until calibrate() measures the machine.
+    package_data={'tf_gspmd': ['auto_shard_constants.json']},
     python_requires='>=3.10',
     install_requires=['numpy', 'protobuf', 'absl-py'],
     extras_require={
