@@ -39,9 +39,12 @@ def lookup(p: Partitioner, node: ir.Node, graph: ir.Graph):
   if node.op in handlers.HANDLERS:
     return handlers.HANDLERS[node.op], 'hand-written'
   if factors.has_rule(node, graph):
-    if any(handlers.is_dynamic(graph.tensor(t)) for t in node.inputs):
-      # A result of static shape from an operand of run-time shape (in a cond's gradient
-      # branch, a dense gradient sized by a shape passed in): layouts need static shapes.
+    if graph is not p.program.main and any(handlers.is_dynamic(graph.tensor(t))
+                                            for t in node.inputs):
+      # In a branch body, a result of static shape from an operand of run-time shape (a cond's
+      # gradient branch sizes a dense gradient by a shape passed in): layouts need static
+      # shapes. The main graph's such ops (an embedding's UnsortedSegmentSum) have rules that
+      # keep their pending sums, bucketed with the other gradients.
       return handlers.dynamic_handler, 'replicated (operand of dynamic shape)'
     return factors.factor_handler, 'rule'
   return handlers.fallback_handler, 'replicated (no rule)'
