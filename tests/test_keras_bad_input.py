@@ -243,3 +243,18 @@ def test_keras_mistake_gets_a_clear_message(name, tmp_path):
 
 def test_the_table_holds_at_least_fifteen_mistakes():
   assert len(CASES) >= 15
+
+
+def test_batch_size_is_read_where_keras_reads_it():
+  """Given positionally it counts; a generator's own batches are not held to Keras' default."""
+  model = mlp()
+  tg.partition_model(model, tg.Mesh.create((8,), ('data',)))
+  with pytest.raises(ValueError, match=r'batch_size=12 do not split'):
+    model.fit(X, Y, 12, **FIT)
+  model = mlp()
+  tg.partition_model(model, tg.Mesh.create((2, 3), ('data', 'model')), batch_axes='model')
+
+  def batches():
+    for start in range(0, 24, 6):
+      yield X[start:start + 6], Y[start:start + 6]
+  model.fit(batches(), **FIT)  # 6 rows over 3 devices: no default of 32 assumed

@@ -305,7 +305,11 @@ class _Launcher:
       batch = tf.nest.flatten(data.element_spec)[0].shape[0] if data.element_spec else None
       declared = f'the dataset\'s batches of {batch} rows (batched with drop_remainder=True)'
     else:
-      batch = kwargs.get('batch_size') or (32 if call != 'predict' or rows else None)
+      # Keras' own default of 32 applies to array inputs only; a generator makes its batches.
+      given = kwargs.get('batch_size')
+      if given is None and len(args) > _BATCH_SIZE_POSITION[call]:
+        given = args[_BATCH_SIZE_POSITION[call]]
+      batch = given or (32 if rows is not None else None)
       declared = f'batch_size={batch}'
       if rows is not None and batch is not None and rows < batch:
         return  # one short batch: nothing runs padded but it
@@ -386,6 +390,10 @@ class _Launcher:
       outputs = [self.launch(fn, batch) for batch in data]
       return tf.nest.map_structure(lambda *ts: tf.concat(ts, 0), *outputs)
     return function
+
+
+# Where fit / evaluate / predict take batch_size positionally (after x, y; predict: after x).
+_BATCH_SIZE_POSITION = {'fit': 2, 'evaluate': 2, 'predict': 1}
 
 
 def _rows(data):
