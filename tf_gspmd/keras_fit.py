@@ -52,7 +52,7 @@ from tf_gspmd.sharding import P
 from tf_gspmd.xla_bridge.export import XlaLoweringError
 
 
-def _backing(variable):
+def backing(variable):
   """The tf.Variable behind a Keras variable (the object a captured graph refers to)."""
   return getattr(variable, '_value', variable)
 
@@ -255,15 +255,14 @@ class _Launcher:
     done = []
     variables = list(self.model.variables) + [v for m in self.model.metrics for v in m.variables]
     for var in variables:
-      backing = _backing(var)
-      if id(backing) in self.store.sharded or variable_sharding(var) is not None:
+      if id(backing(var)) in self.store.sharded or variable_sharding(var) is not None:
         continue
       shard_variable(var, self.mesh, P(*([None] * len(var.shape))))
       done.append(getattr(var, 'path', var.name))
     return done
 
   def _metric_variables(self) -> list:
-    return [_backing(v) for m in self.model.metrics for v in m.variables]
+    return [backing(v) for m in self.model.metrics for v in m.variables]
 
   # --- launching ----------------------------------------------------------------
   def partitioned(self, step) -> PartitionedFunction:
@@ -579,7 +578,7 @@ def partition_model(model, mesh: Mesh, batch_axes: Union[str, Sequence[str]] = '
     wrap(name, before=mirror.pull)
   wrap('get_metrics_result', before=launcher.pull_metrics)
   for name in ('set_weights', 'load_weights'):  # an explicit write of every weight: push it
-    wrap(name, after=lambda: mirror.push([_backing(v) for v in model.weights]))
+    wrap(name, after=lambda: mirror.push([backing(v) for v in model.weights]))
   launcher.replaced = replaced
   model._tf_gspmd_store = launcher.store  # pylint: disable=protected-access
   model._tf_gspmd_launcher = launcher  # pylint: disable=protected-access

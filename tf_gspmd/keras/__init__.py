@@ -36,6 +36,7 @@ undoes it.
 from __future__ import annotations
 
 from tf_gspmd.keras import hooks, translate
+from tf_gspmd.keras_fit import backing
 from tf_gspmd.keras.translate import mesh_and_devices, to_mesh, to_sharding, to_spec
 
 __all__ = ['enable', 'disable', 'is_enabled', 'backend', 'annotate_variables', 'distribution_of', 'shard_layouts',
@@ -99,7 +100,7 @@ def shard_layouts(model) -> dict:
     return {}
   # Keyed by the Keras path: the TF names of nested layers' variables repeat ('attention/kernel'
   # for each of query, key and value).
-  paths = {id(getattr(v, '_value', v)): v.path for v in hooks.all_variables(model)}
+  paths = {id(backing(v)): v.path for v in hooks.all_variables(model)}
   return {paths.get(id(original), original.name.split(':')[0]):
           (sharded.sharding.spec, tuple(sharded.local_shape))
           for original, sharded in store.pairs()}
