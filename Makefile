@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast lint bench clean
 
 # jax (XLA's own GSPMD, to compare against) lives in its own venv for the reference
 # tests. backend='xla' needs jax/jaxlib in .venv itself (the tf_gspmd[xla] extra,
@@ -47,7 +47,15 @@ SECOND_PASS_TESTS := tests/test_keras_distribution.py tests/test_keras_fit.py \
 	tests/test_keras_workflow.py tests/test_architectures.py tests/test_xla_backend.py \
 	tests/test_one_device.py tests/test_keras_xla.py
 
-test: $(STAMP) $(XLASTAMP) $(JAXSTAMP)
+# Lint and import order (ruff), the format check (ruff format) and types on the pure
+# modules (mypy, files listed in pyproject.toml). Configured in pyproject.toml.
+LINTED := tf_gspmd tests bench examples setup.py
+lint: $(STAMP)
+	$(PY) -m ruff check $(LINTED)
+	$(PY) -m ruff format --check $(LINTED)
+	$(PY) -m mypy
+
+test: $(STAMP) $(XLASTAMP) $(JAXSTAMP) lint
 	TF_GSPMD_JAX_PYTHON=$(JAXENV)/bin/python $(PY) -m pytest -q tests
 	TF_ENABLE_ONEDNN_OPTS=0 TF_GSPMD_JAX_PYTHON=$(JAXENV)/bin/python $(PY) -m pytest -q \
 	  $(SECOND_PASS_TESTS)

@@ -34,7 +34,6 @@ ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE, os.path.join(ROOT, 'examples', 'keras')]
 
 import numpy as np  # noqa: E402
-
 from first_step import configure_logical_cpus  # noqa: E402
 
 TRANSFORMER = dict(layers=2, vocab=128, seq=16, d_model=64, heads=4, ff=256)
@@ -45,30 +44,46 @@ DM = ('data', 'model')
 
 # name -> (input batch axes, {variable regex: spec}); specs are tuples of axes per dim.
 TRANSFORMER_LAYOUTS = {
-    'dp8': (DM, {}),
-    'dp2': ('data', {}),
-    'replicated': (None, {}),
-    'megatron+data': ('data', 'megatron'),
-    'megatron': (None, 'megatron'),
-    'megatron ffn+data': ('data', {r'.*ffn_in_\d+/kernel': (None, 'model'),
-                                   r'.*ffn_out_\d+/kernel': ('model', None)}),
-    'ffn over 8': (None, {r'.*ffn_in_\d+/kernel': (None, DM), r'.*ffn_out_\d+/kernel': (DM, None)}),
-    'zero8': (DM, {r'.*(ffn_in_\d+|head)/kernel': (DM, None), r'.*ffn_out_\d+/kernel': (DM, None),
-                   r'.*(query|key|value)/kernel': (DM, None, None), r'.*embed.*': (DM, None)}),
-    '2d': ('data', {r'.*ffn_in_\d+/kernel': ('data', 'model'),
-                    r'.*ffn_out_\d+/kernel': ('model', 'data'),
-                    r'.*(query|key|value)/kernel': ('data', 'model', None),
-                    r'.*attention_output/kernel': ('model', None, 'data')}),
-    'megatron+data, vocab split': ('data', 'megatron+embed'),
+  'dp8': (DM, {}),
+  'dp2': ('data', {}),
+  'replicated': (None, {}),
+  'megatron+data': ('data', 'megatron'),
+  'megatron': (None, 'megatron'),
+  'megatron ffn+data': (
+    'data',
+    {r'.*ffn_in_\d+/kernel': (None, 'model'), r'.*ffn_out_\d+/kernel': ('model', None)},
+  ),
+  'ffn over 8': (None, {r'.*ffn_in_\d+/kernel': (None, DM), r'.*ffn_out_\d+/kernel': (DM, None)}),
+  'zero8': (
+    DM,
+    {
+      r'.*(ffn_in_\d+|head)/kernel': (DM, None),
+      r'.*ffn_out_\d+/kernel': (DM, None),
+      r'.*(query|key|value)/kernel': (DM, None, None),
+      r'.*embed.*': (DM, None),
+    },
+  ),
+  '2d': (
+    'data',
+    {
+      r'.*ffn_in_\d+/kernel': ('data', 'model'),
+      r'.*ffn_out_\d+/kernel': ('model', 'data'),
+      r'.*(query|key|value)/kernel': ('data', 'model', None),
+      r'.*attention_output/kernel': ('model', None, 'data'),
+    },
+  ),
+  'megatron+data, vocab split': ('data', 'megatron+embed'),
 }
 CNN_LAYOUTS = {
-    'dp8': (DM, {}),
-    'dp2': ('data', {}),
-    'replicated': (None, {}),
-    'channels out+data': ('data', {r'.*conv_\d+/kernel': (None, None, None, 'model'),
-                                   r'.*head/kernel': ('model', None)}),
-    'channels in+data': ('data', {r'.*conv_1/kernel': (None, None, 'model', None)}),
-    'channels out': (None, {r'.*conv_\d+/kernel': (None, None, None, 'model')}),
+  'dp8': (DM, {}),
+  'dp2': ('data', {}),
+  'replicated': (None, {}),
+  'channels out+data': (
+    'data',
+    {r'.*conv_\d+/kernel': (None, None, None, 'model'), r'.*head/kernel': ('model', None)},
+  ),
+  'channels in+data': ('data', {r'.*conv_1/kernel': (None, None, 'model', None)}),
+  'channels out': (None, {r'.*conv_\d+/kernel': (None, None, None, 'model')}),
 }
 QUICK = {'transformer': ['dp8', 'megatron+data'], 'cnn': ['dp8', 'replicated']}
 
@@ -92,11 +107,15 @@ def _ranks(x: np.ndarray) -> np.ndarray:
 
 # --- models and their steps ----------------------------------------------------------------------
 def _transformer(mesh, rules, seed=0):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  import transformer  # pylint: disable=g-import-not-at-top
-  import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+  import transformer
+
+  import tf_gspmd as tg
+
   model, optimizer = transformer.build(seed=seed, **TRANSFORMER)
-  layout = transformer.layout(mesh) if rules in ('megatron', 'megatron+embed') else tg.LayoutMap(mesh)
+  layout = (
+    transformer.layout(mesh) if rules in ('megatron', 'megatron+embed') else tg.LayoutMap(mesh)
+  )
   if rules == 'megatron+embed':
     layout[r'.*embed/embeddings'] = tg.P('model', None)
   for pattern, spec in ({} if isinstance(rules, str) else rules).items():
@@ -111,11 +130,14 @@ def _transformer(mesh, rules, seed=0):
 
 
 def _cnn(mesh, rules, seed=0):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  import models  # pylint: disable=g-import-not-at-top
-  import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
-  model, optimizer = models.keras_cnn(seed, CNN['image'], CNN['channels'], CNN['filters'],
-                                      CNN['classes'])
+  import models
+  import tensorflow as tf
+
+  import tf_gspmd as tg
+
+  model, optimizer = models.keras_cnn(
+    seed, CNN['image'], CNN['channels'], CNN['filters'], CNN['classes']
+  )
   layout = tg.LayoutMap(mesh)
   for pattern, spec in rules.items():
     layout[pattern] = tg.P(*spec)
@@ -124,18 +146,23 @@ def _cnn(mesh, rules, seed=0):
   rng = np.random.RandomState(0)
   images = rng.randn(CNN_BATCH, CNN['image'], CNN['image'], CNN['channels']).astype(np.float32)
   labels = rng.randint(0, CNN['classes'], (CNN_BATCH,)).astype(np.int32)
-  return step, (images, labels), [tf.TensorSpec(images.shape), tf.TensorSpec(labels.shape,
-                                                                                tf.int32)]
+  return (
+    step,
+    (images, labels),
+    [tf.TensorSpec(images.shape), tf.TensorSpec(labels.shape, tf.int32)],
+  )
 
 
 def _input_shardings(mesh, axes, specs):
-  import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
+  import tf_gspmd as tg
+
   return [tg.NamedSharding(mesh, tg.P(axes, *([None] * (len(s.shape) - 1)))) for s in specs]
 
 
 def prepare(build, mesh, axes, rules, warmup: int) -> tuple:
   """(predicted seconds, a callable running one step) of one layout, built and warmed up."""
-  import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
+  import tf_gspmd as tg
+
   auto = importlib.import_module('tf_gspmd.auto_shard')
   step, data, specs = build(mesh, rules)
   shardings = _input_shardings(mesh, axes, specs)
@@ -169,23 +196,29 @@ def main(argv=None) -> int:
   if args.quick:
     args.steps, args.warmup = 2, 1
   configure_logical_cpus(8)
-  import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
+  import tf_gspmd as tg
+
   mesh = tg.Mesh.create((2, 4), DM)
   labels, predicted, runs = [], [], []
-  for model, build, layouts in (('transformer', _transformer, TRANSFORMER_LAYOUTS),
-                                ('cnn', _cnn, CNN_LAYOUTS)):
-    for name in (QUICK[model] if args.quick else list(layouts)):
+  for model, build, layouts in (
+    ('transformer', _transformer, TRANSFORMER_LAYOUTS),
+    ('cnn', _cnn, CNN_LAYOUTS),
+  ):
+    for name in QUICK[model] if args.quick else list(layouts):
       axes, rules = layouts[name]
       cost, run = prepare(build, mesh, axes, rules, args.warmup)
       labels.append((model, name))
       predicted.append(cost)
       runs.append(run)
   rows = []
-  for (model, name), cost, measured in zip(labels, predicted,
-                                           measure_round_robin(runs, args.steps)):
+  for (model, name), cost, measured in zip(
+    labels, predicted, measure_round_robin(runs, args.steps)
+  ):
     rows.append((model, name, cost, measured))
-    print(f'{model:<12}{name:<28}predicted {cost * 1e3:8.2f} ms   measured '
-          f'{measured * 1e3:8.2f} ms', flush=True)
+    print(
+      f'{model:<12}{name:<28}predicted {cost * 1e3:8.2f} ms   measured {measured * 1e3:8.2f} ms',
+      flush=True,
+    )
   _print_orders(rows)
   return 0
 

@@ -55,16 +55,17 @@ JAX_PYTHON = os.path.join(ROOT, '.jaxenv', 'bin', 'python')
 RESULT_PREFIX = 'FIRST_STEP_RESULT '
 PHASES = ('capture', 'propagate', 'build', 'partition', 'trace', 'launch trace', 'instantiate')
 CONFIGS = {
-    'resnet': dict(batch=32, image=64, channels=3, filters=16, blocks=24, classes=10),
-    'transformer': dict(batch=32, vocab=256, seq=64, d_model=128, heads=4, ff=512, layers=2),
+  'resnet': dict(batch=32, image=64, channels=3, filters=16, blocks=24, classes=10),
+  'transformer': dict(batch=32, vocab=256, seq=64, d_model=128, heads=4, ff=512, layers=2),
 }
 
 
 # ---------------------------------------------------------------- models (any Keras backend)
 def build_model(name: str, cfg: dict, seed: int = 0):
   """The compiled Keras model and one batch (x, y) for it."""
-  import keras  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import keras
+  import numpy as np
+
   keras.utils.set_random_seed(seed)
   rng = np.random.RandomState(1)
   if name == 'resnet':
@@ -75,13 +76,16 @@ def build_model(name: str, cfg: dict, seed: int = 0):
     model = transformer_classifier(cfg)
     x = rng.randint(0, cfg['vocab'], (cfg['batch'], cfg['seq'])).astype(np.int32)
     y = rng.randint(0, cfg['vocab'], cfg['batch']).astype(np.int32)
-  model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  model.compile(
+    optimizer=keras.optimizers.Adam(1e-3),
+    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+  )
   return model, x, y
 
 
 def residual_cnn(cfg: dict):
-  import keras  # pylint: disable=g-import-not-at-top
+  import keras
+
   layers = keras.layers
   inputs = keras.Input((cfg['image'], cfg['image'], cfg['channels']))
   f = cfg['filters']
@@ -97,17 +101,20 @@ def residual_cnn(cfg: dict):
 
 
 def transformer_classifier(cfg: dict):
-  import keras  # pylint: disable=g-import-not-at-top
+  import keras
+
   layers = keras.layers
   tokens = keras.Input((cfg['seq'],), dtype='int32')
   x = layers.Embedding(cfg['vocab'], cfg['d_model'], name='embed')(tokens)
   for i in range(cfg['layers']):
-    attn = layers.MultiHeadAttention(cfg['heads'], cfg['d_model'] // cfg['heads'],
-                                     name=f'attn_{i}')(x, x)
+    attn = layers.MultiHeadAttention(
+      cfg['heads'], cfg['d_model'] // cfg['heads'], name=f'attn_{i}'
+    )(x, x)
     x = layers.LayerNormalization(name=f'norm_attn_{i}')(x + attn)
     hidden = layers.Dense(cfg['ff'], activation='relu', name=f'ffn_in_{i}')(x)
     x = layers.LayerNormalization(name=f'norm_ffn_{i}')(
-        x + layers.Dense(cfg['d_model'], name=f'ffn_out_{i}')(hidden))
+      x + layers.Dense(cfg['d_model'], name=f'ffn_out_{i}')(hidden)
+    )
   logits = layers.Dense(cfg['vocab'], name='head')(layers.GlobalAveragePooling1D()(x))
   return keras.Model(tokens, logits)
 
@@ -136,16 +143,18 @@ class PhaseTimer:
         if timer._depth[phase] == 0:  # outermost only (the partitioner recurses)
           timer.seconds[phase] += time.perf_counter() - start
           timer.cpu[phase] += time.process_time() - start_cpu
+
     setattr(owner, attr, timed)
     self._undo.append((owner, attr, original))
 
   @contextlib.contextmanager
   def installed(self):
-    from tf_gspmd import partitioned  # pylint: disable=g-import-not-at-top
-    from tf_gspmd.graph import capture  # pylint: disable=g-import-not-at-top
-    from tf_gspmd.graph_rewrite import partitioner  # pylint: disable=g-import-not-at-top
-    from tf_gspmd.propagation import api  # pylint: disable=g-import-not-at-top
-    from tf_gspmd.runtime import launcher  # pylint: disable=g-import-not-at-top
+    from tf_gspmd import partitioned
+    from tf_gspmd.graph import capture
+    from tf_gspmd.graph_rewrite import partitioner
+    from tf_gspmd.propagation import api
+    from tf_gspmd.runtime import launcher
+
     self._wrap(capture, 'capture', 'capture')
     self._wrap(api, 'propagate_captured', 'propagate')
     self._wrap(partitioned.PartitionedFunction, '_build', 'build')
@@ -161,13 +170,14 @@ class PhaseTimer:
 
   def _wrap_outer(self, spmd_cls):
     """The outer launch function: its tracing, then its first call (instantiate + run)."""
-    original = spmd_cls._outer_function  # pylint: disable=protected-access
+    original = spmd_cls._outer_function  # noqa: SLF001
     timer = self
 
     def outer_function(program_self, *args, **kwargs):
       outer = original(program_self, *args, **kwargs)
       return _FirstCallTimer.wrap(outer, timer)
-    spmd_cls._outer_function = outer_function  # pylint: disable=protected-access
+
+    spmd_cls._outer_function = outer_function  # noqa: SLF001
     self._undo.append((spmd_cls, '_outer_function', original))
 
   def phases(self, steady: float, cpu: bool = False) -> dict:
@@ -183,6 +193,7 @@ class PhaseTimer:
 
 class _FirstCallTimer:
   """A tf.function stand-in timing its first call as tracing + (instantiation and one run)."""
+
   _seen = set()
 
   def __init__(self, outer, timer):
@@ -215,16 +226,19 @@ class _FirstCallTimer:
 
 
 def _flat(out):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+
   return [t for t in tf.nest.flatten(out) if hasattr(t, 'numpy')]
 
 
 # ---------------------------------------------------------------- one run (a child process)
 def configure_logical_cpus(n: int) -> None:
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+
   try:
     tf.config.set_logical_device_configuration(
-        tf.config.list_physical_devices('CPU')[0], [tf.config.LogicalDeviceConfiguration()] * n)
+      tf.config.list_physical_devices('CPU')[0], [tf.config.LogicalDeviceConfiguration()] * n
+    )
   except RuntimeError:
     pass  # already initialized (pytest's conftest did it)
 
@@ -255,7 +269,8 @@ def run_tf(name: str, cfg: dict, steps: int = 3) -> dict:
 def run_tf_gspmd(name: str, cfg: dict, steps: int = 3) -> dict:
   """tf_gspmd (partition_model over data=8): first step, its phases, a steady step."""
   sys.path.insert(0, ROOT)
-  import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
+  import tf_gspmd as tg
+
   model, x, y = build_model(name, cfg)
   tg.partition_model(model, tg.Mesh.create((NUM_DEVICES,), ('data',)))
   timer = PhaseTimer()
@@ -269,8 +284,14 @@ def run_tf_gspmd(name: str, cfg: dict, steps: int = 3) -> dict:
   phases['other'] = max(0.0, first - sum(phases.values()))
   phases_cpu = timer.phases(steady_cpu, cpu=True)
   phases_cpu['other'] = max(0.0, first_cpu - sum(phases_cpu.values()))
-  return {'first_s': first, 'step_s': steady, 'phases': phases, 'first_cpu_s': first_cpu,
-          'step_cpu_s': steady_cpu, 'phases_cpu': phases_cpu}
+  return {
+    'first_s': first,
+    'step_s': steady,
+    'phases': phases,
+    'first_cpu_s': first_cpu,
+    'step_cpu_s': steady_cpu,
+    'phases_cpu': phases_cpu,
+  }
 
 
 def run_jax(name: str, cfg: dict, steps: int = 3) -> dict:
@@ -292,23 +313,35 @@ def jax_keras_missing() -> str:
   """Why Keras on JAX cannot run here ('' when it can)."""
   if not os.path.exists(JAX_PYTHON):
     return f'{JAX_PYTHON} does not exist'
-  probe = subprocess.run([JAX_PYTHON, '-c', 'import keras, jax'], capture_output=True, text=True,
-                         check=False, env=dict(os.environ, KERAS_BACKEND='jax'))
+  probe = subprocess.run(
+    [JAX_PYTHON, '-c', 'import keras, jax'],
+    capture_output=True,
+    text=True,
+    check=False,
+    env=dict(os.environ, KERAS_BACKEND='jax'),
+  )
   if probe.returncode != 0:
-    return ('.jaxenv has jax but no keras (not installed, to keep tests/test_xla_reference.py\'s '
-            'environment as it is)')
+    return (
+      ".jaxenv has jax but no keras (not installed, to keep tests/test_xla_reference.py's "
+      'environment as it is)'
+    )
   return ''
 
 
 def spawn(system: str, name: str, cfg: dict, timeout: float = 1800) -> dict:
   python = JAX_PYTHON if system == 'jax' else sys.executable
   env = dict(os.environ, KERAS_BACKEND='jax' if system == 'jax' else 'tensorflow')
-  proc = subprocess.run([python, os.path.abspath(__file__), '--child', system, name,
-                         json.dumps(cfg)], capture_output=True, text=True, timeout=timeout,
-                        env=env, check=False)
+  proc = subprocess.run(
+    [python, os.path.abspath(__file__), '--child', system, name, json.dumps(cfg)],
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    env=env,
+    check=False,
+  )
   for line in proc.stdout.splitlines():
     if line.startswith(RESULT_PREFIX):
-      return json.loads(line[len(RESULT_PREFIX):])
+      return json.loads(line[len(RESULT_PREFIX) :])
   return {'error': (proc.stderr.strip().splitlines() or ['no output'])[-1]}
 
 
@@ -327,13 +360,14 @@ def measure(models, repeats: int, cfg_overrides: dict) -> dict:
       if not ok:
         results[name][system] = {'error': rs[0]['error']}
         continue
-      summary = {k: statistics.median(r[k] for r in ok)
-                 for k in ('first_s', 'step_s', 'first_cpu_s', 'step_cpu_s')}
+      summary = {
+        k: statistics.median(r[k] for r in ok)
+        for k in ('first_s', 'step_s', 'first_cpu_s', 'step_cpu_s')
+      }
       summary['runs'] = len(ok)
       for phases in ('phases', 'phases_cpu'):
         if phases in ok[0]:
-          summary[phases] = {p: statistics.median(r[phases][p] for r in ok)
-                             for p in ok[0][phases]}
+          summary[phases] = {p: statistics.median(r[phases][p] for r in ok) for p in ok[0][phases]}
       results[name][system] = summary
   return results
 
@@ -349,21 +383,28 @@ def report(results: dict) -> None:
       if 'error' in s:
         print(f'  {system:<9} error: {s["error"]}')
         continue
-      print(f'  {system:<9} first step {s["first_s"]:7.2f} s ({s["first_cpu_s"]:6.2f} CPU s)   '
-            f'steady step {1e3 * s["step_s"]:8.1f} ms ({1e3 * s["step_cpu_s"]:7.1f} CPU ms)   '
-            f'(median of {s["runs"]})')
+      print(
+        f'  {system:<9} first step {s["first_s"]:7.2f} s ({s["first_cpu_s"]:6.2f} CPU s)   '
+        f'steady step {1e3 * s["step_s"]:8.1f} ms ({1e3 * s["step_cpu_s"]:7.1f} CPU ms)   '
+        f'(median of {s["runs"]})'
+      )
     for phases, unit in (('phases', 's'), ('phases_cpu', 'CPU s')):
       if phases in g:
-        print(f'  tf_gspmd phases ({unit}): ' +
-              ', '.join(f'{p} {v:.2f}' for p, v in g[phases].items()))
+        print(
+          f'  tf_gspmd phases ({unit}): ' + ', '.join(f'{p} {v:.2f}' for p, v in g[phases].items())
+        )
     if 'first_s' in g and 'first_s' in t:
-      print(f'  first step tf_gspmd / tf: {g["first_s"] / t["first_s"]:.1f}x wall, '
-            f'{g["first_cpu_s"] / t["first_cpu_s"]:.1f}x CPU (goal <= 3x)')
+      print(
+        f'  first step tf_gspmd / tf: {g["first_s"] / t["first_s"]:.1f}x wall, '
+        f'{g["first_cpu_s"] / t["first_cpu_s"]:.1f}x CPU (goal <= 3x)'
+      )
     if r.get('jax_skipped'):
       print(f'  Keras on JAX skipped: {r["jax_skipped"]}')
     elif 'first_s' in g and 'first_s' in r.get('jax', {}):
-      print(f'  first step tf_gspmd / Keras-on-JAX: {g["first_s"] / r["jax"]["first_s"]:.1f}x '
-            '(goal <= 1.5x)')
+      print(
+        f'  first step tf_gspmd / Keras-on-JAX: {g["first_s"] / r["jax"]["first_s"]:.1f}x '
+        '(goal <= 1.5x)'
+      )
   print(f'\n(shared machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; medians)')
 
 
@@ -379,8 +420,9 @@ def main(argv=None):
   parser.add_argument('--repeats', type=int, default=3)
   parser.add_argument('--json', default=None)
   flags = parser.parse_args(argv)
-  overrides = {k: v for k, v in (('blocks', flags.blocks), ('layers', flags.layers))
-               if v is not None}
+  overrides = {
+    k: v for k, v in (('blocks', flags.blocks), ('layers', flags.layers)) if v is not None
+  }
   results = measure(flags.models.split(','), flags.repeats, overrides)
   report(results)
   if flags.json:

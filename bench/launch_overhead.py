@@ -37,14 +37,16 @@ NUM_DEVICES = 8
 def configure_logical_cpus(n: int) -> None:
   """first_step's set-up (its module imports only the standard library), checked."""
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  import first_step  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import first_step
+  import tensorflow as tf
+
   first_step.configure_logical_cpus(n)
   assert len(tf.config.list_logical_devices('CPU')) >= n
 
 
 def _fetch(out):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+
   for t in tf.nest.flatten(out):
     if hasattr(t, 'numpy'):
       t.numpy()
@@ -52,9 +54,10 @@ def _fetch(out):
 
 def empty_step(mesh, variables: int = 0):
   """(partitioned, unpartitioned, args): `x + 1`, optionally touching `variables` variables."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
+  import numpy as np
+  import tensorflow as tf
+
+  import tf_gspmd as tg
 
   def make():
     vs = [tf.Variable(tf.zeros([4]), name=f'v{i}') for i in range(variables)]
@@ -64,7 +67,9 @@ def empty_step(mesh, variables: int = 0):
       for v in vs:
         v.assign_add(tf.ones([4]))
       return x + 1.0
+
     return step
+
   x = np.ones((8, 4), np.float32)
   partitioned = tg.partition(make(), mesh, in_shardings=tg.P('data', None))
   return partitioned, make(), (x,)
@@ -73,8 +78,10 @@ def empty_step(mesh, variables: int = 0):
 def transformer_step(mesh):
   """(partitioned, unpartitioned, args): the demo's training step (examples/keras/demo.py)."""
   sys.path.insert(0, os.path.join(ROOT, 'examples', 'keras'))
-  import transformer  # pylint: disable=g-import-not-at-top
-  import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
+  import transformer
+
+  import tf_gspmd as tg
+
   model, optimizer = transformer.build(seed=0)
   ref_model, ref_optimizer = transformer.build(seed=0)
   transformer.layout(mesh).apply(model)
@@ -100,15 +107,22 @@ def time_side_by_side(fns: dict, args, steps: int, warmup: int = 3) -> dict:
       _fetch(fn(*args))
       times[name].append(time.perf_counter() - start)
       cpu[name].append(time.process_time() - start_cpu)
-  return {name: {'median_ms': 1e3 * statistics.median(t), 'min_ms': 1e3 * min(t),
-                 'cpu_ms': 1e3 * statistics.median(cpu[name]), 'first_s': first[name]}
-          for name, t in times.items()}
+  return {
+    name: {
+      'median_ms': 1e3 * statistics.median(t),
+      'min_ms': 1e3 * min(t),
+      'cpu_ms': 1e3 * statistics.median(cpu[name]),
+      'first_s': first[name],
+    }
+    for name, t in times.items()
+  }
 
 
 def measure(steps: int = 50, which=('empty', 'empty_vars', 'transformer')) -> dict:
   configure_logical_cpus(NUM_DEVICES)
   sys.path.insert(0, ROOT)
-  import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
+  import tf_gspmd as tg
+
   results = {}
   for name in which:
     if name == 'transformer':
@@ -131,15 +145,21 @@ def main(argv=None):
   parser.add_argument('--json', default=None)
   flags = parser.parse_args(argv)
   results = measure(flags.steps, flags.only.split(','))
-  print(f'{"program":<13}{"partitioned ms":>16}{"unpartitioned ms":>18}{"ratio":>8}'
-        f'{"CPU ms (p / u)":>20}{"CPU ratio":>10}{"first call s (p / u)":>24}')
+  print(
+    f'{"program":<13}{"partitioned ms":>16}{"unpartitioned ms":>18}{"ratio":>8}'
+    f'{"CPU ms (p / u)":>20}{"CPU ratio":>10}{"first call s (p / u)":>24}'
+  )
   for name, r in results.items():
     p, u = r['partitioned'], r['unpartitioned']
-    print(f'{name:<13}{p["median_ms"]:>16.2f}{u["median_ms"]:>18.2f}{r["ratio"]:>8.1f}'
-          f'{p["cpu_ms"]:>11.2f} / {u["cpu_ms"]:<6.2f}{r["cpu_ratio"]:>10.1f}'
-          f'{p["first_s"]:>14.2f} / {u["first_s"]:.2f}')
-  print(f'(medians of {flags.steps} calls, taken round-robin on a shared machine: '
-        f'{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f})')
+    print(
+      f'{name:<13}{p["median_ms"]:>16.2f}{u["median_ms"]:>18.2f}{r["ratio"]:>8.1f}'
+      f'{p["cpu_ms"]:>11.2f} / {u["cpu_ms"]:<6.2f}{r["cpu_ratio"]:>10.1f}'
+      f'{p["first_s"]:>14.2f} / {u["first_s"]:.2f}'
+    )
+  print(
+    f'(medians of {flags.steps} calls, taken round-robin on a shared machine: '
+    f'{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f})'
+  )
   if flags.json:
     with open(flags.json, 'w') as f:
       json.dump(results, f, indent=1)

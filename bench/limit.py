@@ -54,8 +54,8 @@ N = 8
 PROFILE = os.environ.get('LIMIT_PROFILE') == '1'  # set by --profile for the children
 RESULT = 'LIMIT_RESULT '
 CONFIGS = {
-    'resnet50': dict(batch=32, image=64, classes=10),
-    'transformer': dict(batch=32, vocab=256, seq=64, d_model=128, heads=8, ff=512, layers=2),
+  'resnet50': dict(batch=32, image=64, classes=10),
+  'transformer': dict(batch=32, vocab=256, seq=64, d_model=128, heads=8, ff=512, layers=2),
 }
 QUICK = {'transformer': dict(batch=16, vocab=32, seq=8, d_model=16, heads=2, ff=32, layers=1)}
 
@@ -63,25 +63,31 @@ QUICK = {'transformer': dict(batch=16, vocab=32, seq=8, d_model=16, heads=2, ff=
 def build(name: str, cfg: dict, batch: int, seed: int = 0, jit_compile='auto'):
   """The compiled Keras model and a batch of `batch` examples (the first `batch` of the
   full batch, so the per-device batch is the same data a partition sees)."""
-  import keras  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import keras
+  import numpy as np
+
   keras.utils.set_random_seed(seed)
   rng = np.random.RandomState(1)
   if name == 'resnet50':
-    model = keras.applications.ResNet50(weights=None, input_shape=(cfg['image'],) * 2 + (3,),
-                                        classes=cfg['classes'])
+    model = keras.applications.ResNet50(
+      weights=None, input_shape=(cfg['image'],) * 2 + (3,), classes=cfg['classes']
+    )
     x = rng.randn(cfg['batch'], cfg['image'], cfg['image'], 3).astype(np.float32)
     y = rng.randint(0, cfg['classes'], cfg['batch']).astype(np.int32)
     optimizer = keras.optimizers.SGD(0.01)
   else:
     sys.path.insert(0, HERE)
-    import first_step  # pylint: disable=g-import-not-at-top
+    import first_step
+
     model = first_step.transformer_classifier(cfg)
     x = rng.randint(0, cfg['vocab'], (cfg['batch'], cfg['seq'])).astype(np.int32)
     y = rng.randint(0, cfg['vocab'], cfg['batch']).astype(np.int32)
     optimizer = keras.optimizers.Adam(1e-3)
-  model.compile(optimizer=optimizer, jit_compile=jit_compile,
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  model.compile(
+    optimizer=optimizer,
+    jit_compile=jit_compile,
+    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+  )
   return model, x[:batch], y[:batch]
 
 
@@ -114,15 +120,19 @@ def round_robin(calls: dict, steps: int) -> dict:
 
 # ---------------------------------------------------------------- children
 def configure_logical_cpus(n: int) -> None:
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  tf.config.set_logical_device_configuration(tf.config.list_physical_devices('CPU')[0],
-                                             [tf.config.LogicalDeviceConfiguration()] * n)
+  import tensorflow as tf
+
+  tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices('CPU')[0], [tf.config.LogicalDeviceConfiguration()] * n
+  )
 
 
 def all_reduce_program(mesh, count: int):
   """A partitioned program whose only work is one all-reduce of `count` f32 per device."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+
+  import tf_gspmd as tg
+
   grads = tf.Variable(tf.ones([N, count]), name='stacked_gradients')
   tg.shard_variable(grads, mesh, tg.P('data', None))
 
@@ -130,6 +140,7 @@ def all_reduce_program(mesh, count: int):
   def reduce():
     # max of the sum: not linear, so the whole summed vector must be all-reduced first.
     return tf.reduce_max(tf.reduce_sum(grads, 0))
+
   program = tg.partition(reduce, mesh)
   return lambda: program().numpy(), program
 
@@ -138,9 +149,11 @@ def child_tf_gspmd(name: str, cfg: dict, steps: int) -> dict:
   configure_logical_cpus(N)
   sys.path.insert(0, ROOT)
   sys.path.insert(0, HERE)
-  import first_step  # pylint: disable=g-import-not-at-top
-  import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.testing import oracle  # pylint: disable=g-import-not-at-top
+  import first_step
+
+  import tf_gspmd as tg
+  from tf_gspmd.testing import oracle
+
   mesh = tg.Mesh.create((N,), ('data',))
   model, x, y = build(name, cfg, cfg['batch'])
   tg.partition_model(model, mesh)
@@ -154,20 +167,32 @@ def child_tf_gspmd(name: str, cfg: dict, steps: int) -> dict:
   part, xs, ys = build(name, cfg, cfg['batch'] // N)
   count = parameter_count(model)
   reduce, reduce_program = all_reduce_program(mesh, count)
-  medians = round_robin({'partitioned': lambda: model.train_on_batch(x, y),
-                         'unpartitioned': lambda: whole.train_on_batch(x, y),
-                         'per_device_batch': lambda: part.train_on_batch(xs, ys),
-                         'all_reduce': reduce}, steps)
+  medians = round_robin(
+    {
+      'partitioned': lambda: model.train_on_batch(x, y),
+      'unpartitioned': lambda: whole.train_on_batch(x, y),
+      'per_device_batch': lambda: part.train_on_batch(xs, ys),
+      'all_reduce': reduce,
+    },
+    steps,
+  )
   kinds = [r['kind'] for r in reduce_program.collectives()]
-  verdict = oracle.check(oracle.as_float32(first_loss), oracle.as_float32(whole_loss),
-                         name='first loss')
+  verdict = oracle.check(
+    oracle.as_float32(first_loss), oracle.as_float32(whole_loss), name='first loss'
+  )
   phases = timer.phases(medians['partitioned'])
   phases['other'] = max(0.0, first - sum(phases.values()))
   profile = profile_step(lambda: model.train_on_batch(x, y)) if PROFILE else None
-  return {'first_s': first, 'phases': phases, 'parameters': count,
-          'all_reduce_collectives': kinds, 'first_loss_error': verdict.error,
-          'first_loss_ok': verdict.ok, 'profile': profile,
-          **{f'{k}_s': v for k, v in medians.items()}}
+  return {
+    'first_s': first,
+    'phases': phases,
+    'parameters': count,
+    'all_reduce_collectives': kinds,
+    'first_loss_error': verdict.error,
+    'first_loss_ok': verdict.ok,
+    'profile': profile,
+    **{f'{k}_s': v for k, v in medians.items()},
+  }
 
 
 def child_tf_gspmd_xla(name: str, cfg: dict, steps: int) -> dict:
@@ -176,18 +201,23 @@ def child_tf_gspmd_xla(name: str, cfg: dict, steps: int) -> dict:
   jit_compile=True) and TF unpartitioned, round-robin."""
   configure_logical_cpus(N)
   sys.path.insert(0, ROOT)
-  import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
+  import tf_gspmd as tg
+
   model, x, y = build(name, cfg, cfg['batch'])
   tg.partition_model(model, tg.Mesh.create((N,), ('data',)), backend='xla', progress=False)
   first = timed(lambda: model.train_on_batch(x, y))
   xla, _, _ = build(name, cfg, cfg['batch'], jit_compile=True)
   xla_first = timed(lambda: xla.train_on_batch(x, y))
   whole, _, _ = build(name, cfg, cfg['batch'])
-  medians = round_robin({'partitioned': lambda: model.train_on_batch(x, y),
-                         'xla_unpartitioned': lambda: xla.train_on_batch(x, y),
-                         'unpartitioned': lambda: whole.train_on_batch(x, y)}, steps)
-  return {'first_s': first, 'xla_first_s': xla_first,
-          **{f'{k}_s': v for k, v in medians.items()}}
+  medians = round_robin(
+    {
+      'partitioned': lambda: model.train_on_batch(x, y),
+      'xla_unpartitioned': lambda: xla.train_on_batch(x, y),
+      'unpartitioned': lambda: whole.train_on_batch(x, y),
+    },
+    steps,
+  )
+  return {'first_s': first, 'xla_first_s': xla_first, **{f'{k}_s': v for k, v in medians.items()}}
 
 
 def child_tf(name: str, cfg: dict, steps: int) -> dict:
@@ -199,7 +229,8 @@ def child_tf(name: str, cfg: dict, steps: int) -> dict:
 
 
 def child_keras_jax(name: str, cfg: dict, steps: int) -> dict:
-  import keras  # pylint: disable=g-import-not-at-top
+  import keras
+
   devices = keras.distribution.list_devices()[:N]
   distribution = keras.distribution.DataParallel(devices=devices)
   with distribution.scope():
@@ -208,30 +239,51 @@ def child_keras_jax(name: str, cfg: dict, steps: int) -> dict:
     def step():
       with distribution.scope():
         return model.train_on_batch(x, y)
+
     first = timed(step)
   whole, _, _ = build(name, cfg, cfg['batch'])
-  medians = round_robin({'partitioned': step,
-                         'unpartitioned': lambda: whole.train_on_batch(x, y)}, steps)
+  medians = round_robin(
+    {'partitioned': step, 'unpartitioned': lambda: whole.train_on_batch(x, y)}, steps
+  )
   return {'first_s': first, **{f'{k}_s': v for k, v in medians.items()}}
 
 
 # Events of TF's executor and eager runtime, not ops: left out of the per-kind times.
-_RUNTIME_EVENTS = {'Process', 'Run', 'Start', 'Done', 'RunClosure', 'ExecuteAsync', 'Loop',
-                   'CompleteParams', 'ParallelFor', 'FunctionRun', 'ExecutorDoneCallback'}
-_COLLECTIVE_OPS = ('CollectiveReduceV2', 'CollectiveGatherV2', 'CollectiveBcastSendV2',
-                   'CollectiveBcastRecvV2', 'CollectiveAllToAllV2')
+_RUNTIME_EVENTS = {
+  'Process',
+  'Run',
+  'Start',
+  'Done',
+  'RunClosure',
+  'ExecuteAsync',
+  'Loop',
+  'CompleteParams',
+  'ParallelFor',
+  'FunctionRun',
+  'ExecutorDoneCallback',
+}
+_COLLECTIVE_OPS = (
+  'CollectiveReduceV2',
+  'CollectiveGatherV2',
+  'CollectiveBcastSendV2',
+  'CollectiveBcastRecvV2',
+  'CollectiveAllToAllV2',
+)
 
 
 def profile_step(step, steps: int = 2) -> dict:
   """Where a step's time goes, from TF's profiler: per op kind (summed over devices and
   threads, per step), the collectives (their time includes the wait for the slowest peer:
   idle at the barrier), and the wall time."""
-  import glob  # pylint: disable=g-import-not-at-top
-  import shutil  # pylint: disable=g-import-not-at-top
-  import tempfile  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import glob
+  import shutil
+  import tempfile
+
+  import tensorflow as tf
+
   # TF's own profile format; the module path is TF's (tsl), read here only, in a bench.
-  from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=g-import-not-at-top
+  from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
   where = tempfile.mkdtemp(prefix='limit_profile_')
   tf.profiler.experimental.start(where)
   start = time.perf_counter()
@@ -256,18 +308,28 @@ def profile_step(step, steps: int = 2) -> dict:
         kinds[kind] = kinds.get(kind, 0.0) + event.duration_ps / 1e9 / steps
   collectives = sum(kinds.pop(k, 0.0) for k in _COLLECTIVE_OPS)
   top = sorted(kinds.items(), key=lambda kv: -kv[1])
-  return {'wall_ms': 1e3 * wall, 'collectives_ms': collectives,
-          'ops_ms': sum(kinds.values()), 'top_kinds_ms': top[:12]}
+  return {
+    'wall_ms': 1e3 * wall,
+    'collectives_ms': collectives,
+    'ops_ms': sum(kinds.values()),
+    'top_kinds_ms': top[:12],
+  }
 
 
-CHILDREN = {'tf_gspmd': child_tf_gspmd, 'tf': child_tf, 'keras_jax': child_keras_jax,
-            'tf_gspmd_xla': child_tf_gspmd_xla}
+CHILDREN = {
+  'tf_gspmd': child_tf_gspmd,
+  'tf': child_tf,
+  'keras_jax': child_keras_jax,
+  'tf_gspmd_xla': child_tf_gspmd_xla,
+}
 
 
 # ---------------------------------------------------------------- parent
 def jax_python():
-  for candidate in (os.environ.get('TF_GSPMD_JAX_PYTHON'), os.path.join(ROOT, '.jaxenv', 'bin',
-                                                                        'python')):
+  for candidate in (
+    os.environ.get('TF_GSPMD_JAX_PYTHON'),
+    os.path.join(ROOT, '.jaxenv', 'bin', 'python'),
+  ):
     if candidate and os.path.exists(candidate):
       return candidate
   return None
@@ -279,19 +341,21 @@ def spawn(system: str, name: str, cfg: dict, steps: int, timeout: float) -> dict
     python = jax_python()
     if python is None:
       return {'error': 'no JAX venv (.jaxenv or $TF_GSPMD_JAX_PYTHON)'}
-    env = dict(os.environ, KERAS_BACKEND='jax',
-               XLA_FLAGS=f'--xla_force_host_platform_device_count={N}')
+    env = dict(
+      os.environ, KERAS_BACKEND='jax', XLA_FLAGS=f'--xla_force_host_platform_device_count={N}'
+    )
   cmd = [python, os.path.abspath(__file__), '--child', system, name, json.dumps(cfg), str(steps)]
   start = time.perf_counter()
   try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=ROOT, check=False)
+    proc = subprocess.run(
+      cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT, check=False
+    )
   except subprocess.TimeoutExpired:
     return {'error': f'timed out after {timeout:.0f} s'}
   print(f'  {name} / {system}: {time.perf_counter() - start:.0f} s', file=sys.stderr)
   for line in proc.stdout.splitlines():
     if line.startswith(RESULT):
-      return json.loads(line[len(RESULT):])
+      return json.loads(line[len(RESULT) :])
   sys.stderr.write(proc.stderr[-3000:])
   tail = [l for l in proc.stderr.splitlines() if l.strip()][-1:] or ['no output']
   return {'error': f'exit {proc.returncode}: {tail[0][:120]}'}
@@ -322,56 +386,71 @@ def report(name: str, cfg: dict, r: dict) -> list:
   if ran(g):
     limit = N * g['per_device_batch_s'] + g['all_reduce_s']
     lines += [
-        f'  tf_gspmd step                    {ms(g["partitioned_s"])}',
-        f'  TF unpartitioned step            {ms(g["unpartitioned_s"])}',
-        f'  limit = {N} x {ms(g["per_device_batch_s"])} (TF at batch {cfg["batch"] // N}) '
-        f'+ {ms(g["all_reduce_s"])} (all-reduce of {g["parameters"] * 4 / 1e6:.1f} MB, '
-        f'{len(g["all_reduce_collectives"])} collective) = {ms(limit)}',
-        f'  step / limit                     {g["partitioned_s"] / limit:.2f} (goal <= 1.2)'
-        if name == 'resnet50' else
-        f'  step / limit                     {g["partitioned_s"] / limit:.2f}',
-        f'  CPU: the step uses {ms(g["partitioned_cpu_s"])}; {N} x {ms(g["per_device_batch_cpu_s"])}'
-        f' (TF at batch {cfg["batch"] // N}) = {ms(N * g["per_device_batch_cpu_s"])} over '
-        f'{os.cpu_count()} cores: no step below '
-        f'{ms(N * g["per_device_batch_cpu_s"] / os.cpu_count())} on TF kernels (TF '
-        f'unpartitioned: {ms(g["unpartitioned_s"])})',
-        f'  step / TF unpartitioned step     {g["partitioned_s"] / g["unpartitioned_s"]:.2f}' +
-        (' (goal <= 1.0)' if name == 'transformer' else ''),
-        f'  first loss vs unpartitioned: normwise error {g["first_loss_error"]:.1e} '
-        f'({"ok" if g["first_loss_ok"] else "MISMATCH"})',
-        '  phases of the first step (s): ' + ', '.join(f'{k} {v:.2f}'
-                                                      for k, v in g['phases'].items())]
+      f'  tf_gspmd step                    {ms(g["partitioned_s"])}',
+      f'  TF unpartitioned step            {ms(g["unpartitioned_s"])}',
+      f'  limit = {N} x {ms(g["per_device_batch_s"])} (TF at batch {cfg["batch"] // N}) '
+      f'+ {ms(g["all_reduce_s"])} (all-reduce of {g["parameters"] * 4 / 1e6:.1f} MB, '
+      f'{len(g["all_reduce_collectives"])} collective) = {ms(limit)}',
+      f'  step / limit                     {g["partitioned_s"] / limit:.2f} (goal <= 1.2)'
+      if name == 'resnet50'
+      else f'  step / limit                     {g["partitioned_s"] / limit:.2f}',
+      f'  CPU: the step uses {ms(g["partitioned_cpu_s"])}; {N} x {ms(g["per_device_batch_cpu_s"])}'
+      f' (TF at batch {cfg["batch"] // N}) = {ms(N * g["per_device_batch_cpu_s"])} over '
+      f'{os.cpu_count()} cores: no step below '
+      f'{ms(N * g["per_device_batch_cpu_s"] / os.cpu_count())} on TF kernels (TF '
+      f'unpartitioned: {ms(g["unpartitioned_s"])})',
+      f'  step / TF unpartitioned step     {g["partitioned_s"] / g["unpartitioned_s"]:.2f}'
+      + (' (goal <= 1.0)' if name == 'transformer' else ''),
+      f'  first loss vs unpartitioned: normwise error {g["first_loss_error"]:.1e} '
+      f'({"ok" if g["first_loss_ok"] else "MISMATCH"})',
+      '  phases of the first step (s): '
+      + ', '.join(f'{k} {v:.2f}' for k, v in g['phases'].items()),
+    ]
     if g.get('profile'):
       prof = g['profile']
-      lines.append(f'  profile of one step ({prof["wall_ms"]:.0f} ms wall x {os.cpu_count()} '
-                   f'cores): ops {prof["ops_ms"]:.0f} ms summed over devices, collectives '
-                   f'{prof["collectives_ms"]:.0f} ms (with the wait at each barrier); by kind: ' +
-                   ', '.join(f'{k} {v:.0f}' for k, v in prof['top_kinds_ms']))
+      lines.append(
+        f'  profile of one step ({prof["wall_ms"]:.0f} ms wall x {os.cpu_count()} '
+        f'cores): ops {prof["ops_ms"]:.0f} ms summed over devices, collectives '
+        f'{prof["collectives_ms"]:.0f} ms (with the wait at each barrier); by kind: '
+        + ', '.join(f'{k} {v:.0f}' for k, v in prof['top_kinds_ms'])
+      )
   if ran(j):
-    lines.append(f'  Keras-on-JAX step {ms(j["partitioned_s"])}, unpartitioned '
-                 f'{ms(j["unpartitioned_s"])}: its own ratio '
-                 f'{j["partitioned_s"] / j["unpartitioned_s"]:.2f}')
+    lines.append(
+      f'  Keras-on-JAX step {ms(j["partitioned_s"])}, unpartitioned '
+      f'{ms(j["unpartitioned_s"])}: its own ratio '
+      f'{j["partitioned_s"] / j["unpartitioned_s"]:.2f}'
+    )
     if ran(g):
-      lines.append(f'  tf_gspmd step / Keras-on-JAX step  '
-                   f'{g["partitioned_s"] / j["partitioned_s"]:.2f} (goal < 1.0)')
+      lines.append(
+        f'  tf_gspmd step / Keras-on-JAX step  '
+        f'{g["partitioned_s"] / j["partitioned_s"]:.2f} (goal < 1.0)'
+      )
   x = r.get('tf_gspmd_xla', {})
   if 'error' in x:
     lines.append(f'  tf_gspmd_xla: error: {x["error"]}')
   elif ran(x):
     lines += [
-        f'  XLA backend step {ms(x["partitioned_s"])} (first step {x["first_s"]:.2f} s); XLA:CPU '
-        f'unpartitioned {ms(x["xla_unpartitioned_s"])} (first {x["xla_first_s"]:.2f} s); TF '
-        f'unpartitioned {ms(x["unpartitioned_s"])}',
-        f'  XLA:CPU / TF kernels, unpartitioned: '
-        f'{x["xla_unpartitioned_s"] / x["unpartitioned_s"]:.2f}' + (
-            f'; XLA backend / TF backend, partitioned: '
-            f'{x["partitioned_s"] / g["partitioned_s"]:.2f}' if ran(g) else '')]
+      f'  XLA backend step {ms(x["partitioned_s"])} (first step {x["first_s"]:.2f} s); XLA:CPU '
+      f'unpartitioned {ms(x["xla_unpartitioned_s"])} (first {x["xla_first_s"]:.2f} s); TF '
+      f'unpartitioned {ms(x["unpartitioned_s"])}',
+      f'  XLA:CPU / TF kernels, unpartitioned: '
+      f'{x["xla_unpartitioned_s"] / x["unpartitioned_s"]:.2f}'
+      + (
+        f'; XLA backend / TF backend, partitioned: {x["partitioned_s"] / g["partitioned_s"]:.2f}'
+        if ran(g)
+        else ''
+      ),
+    ]
   if ran(g) and ran(t):
-    lines.append(f'  first step: tf_gspmd {g["first_s"]:.2f} s, TF unpartitioned '
-                 f'{t["first_s"]:.2f} s: {g["first_s"] / t["first_s"]:.1f}x (goal <= 3x)')
+    lines.append(
+      f'  first step: tf_gspmd {g["first_s"]:.2f} s, TF unpartitioned '
+      f'{t["first_s"]:.2f} s: {g["first_s"] / t["first_s"]:.1f}x (goal <= 3x)'
+    )
   if ran(g) and ran(j):
-    lines.append(f'  first step: Keras-on-JAX {j["first_s"]:.2f} s: tf_gspmd / JAX '
-                 f'{g["first_s"] / j["first_s"]:.2f}x (goal <= 1.5x)')
+    lines.append(
+      f'  first step: Keras-on-JAX {j["first_s"]:.2f} s: tf_gspmd / JAX '
+      f'{g["first_s"] / j["first_s"]:.2f}x (goal <= 1.5x)'
+    )
   return lines
 
 
@@ -383,15 +462,24 @@ def main(argv=None) -> int:
     return 0
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--models', default='resnet50,transformer')
-  parser.add_argument('--systems', default='tf_gspmd,tf,keras_jax,tf_gspmd_xla',
-                      help='tf_gspmd, tf, keras_jax, tf_gspmd_xla (the XLA backend)')
+  parser.add_argument(
+    '--systems',
+    default='tf_gspmd,tf,keras_jax,tf_gspmd_xla',
+    help='tf_gspmd, tf, keras_jax, tf_gspmd_xla (the XLA backend)',
+  )
   parser.add_argument('--steps', type=int, default=5)
   parser.add_argument('--timeout', type=float, default=1800)
   parser.add_argument('--json')
-  parser.add_argument('--quick', action='store_true',
-                      help='a tiny transformer only, 2 steps: checks the bench runs, not speed')
-  parser.add_argument('--profile', action='store_true',
-                      help="also profile one partitioned step (TF's profiler): time by op kind")
+  parser.add_argument(
+    '--quick',
+    action='store_true',
+    help='a tiny transformer only, 2 steps: checks the bench runs, not speed',
+  )
+  parser.add_argument(
+    '--profile',
+    action='store_true',
+    help="also profile one partitioned step (TF's profiler): time by op kind",
+  )
   flags = parser.parse_args(argv)
   if flags.profile:
     os.environ['LIMIT_PROFILE'] = '1'
@@ -401,8 +489,7 @@ def main(argv=None) -> int:
   steps = 2 if flags.quick else flags.steps
   for name in models:
     cfg = configs[name]
-    results[name] = {s: spawn(s, name, cfg, steps, flags.timeout)
-                     for s in flags.systems.split(',')}
+    results[name] = {s: spawn(s, name, cfg, steps, flags.timeout) for s in flags.systems.split(',')}
     lines += report(name, cfg, results[name])
   print('\n'.join(lines))
   if flags.json:

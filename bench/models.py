@@ -25,9 +25,9 @@ import numpy as np
 import tensorflow as tf
 
 LEARNING_RATE = 1e-3
-BN_MOMENTUM, BN_EPSILON = 0.99, 1e-3      # Keras 3 BatchNormalization defaults
-LN_EPSILON = 1e-3                         # Keras 3 LayerNormalization default
-ADAM_BETA_1, ADAM_BETA_2, ADAM_EPSILON = 0.9, 0.999, 1e-7   # Keras 3 Adam defaults
+BN_MOMENTUM, BN_EPSILON = 0.99, 1e-3  # Keras 3 BatchNormalization defaults
+LN_EPSILON = 1e-3  # Keras 3 LayerNormalization default
+ADAM_BETA_1, ADAM_BETA_2, ADAM_EPSILON = 0.9, 0.999, 1e-7  # Keras 3 Adam defaults
 
 
 # --- Keras 3 models -----------------------------------------------------------------------------
@@ -45,11 +45,16 @@ def keras_cnn(seed: int, image: int, channels: int, filters: List[int], classes:
   keras.utils.set_random_seed(seed)
   layers = [keras.Input((image, image, channels))]
   for i, f in enumerate(filters):
-    layers += [keras.layers.Conv2D(f, 3, padding='same', name=f'conv_{i}'),
-               keras.layers.BatchNormalization(name=f'bn_{i}'),
-               keras.layers.ReLU(name=f'relu_{i}'),
-               keras.layers.MaxPooling2D(2, name=f'pool_{i}')]
-  layers += [keras.layers.GlobalAveragePooling2D(name='gap'), keras.layers.Dense(classes, name='head')]
+    layers += [
+      keras.layers.Conv2D(f, 3, padding='same', name=f'conv_{i}'),
+      keras.layers.BatchNormalization(name=f'bn_{i}'),
+      keras.layers.ReLU(name=f'relu_{i}'),
+      keras.layers.MaxPooling2D(2, name=f'pool_{i}'),
+    ]
+  layers += [
+    keras.layers.GlobalAveragePooling2D(name='gap'),
+    keras.layers.Dense(classes, name='head'),
+  ]
   return _with_adam(keras.Sequential(layers))
 
 
@@ -72,6 +77,7 @@ def keras_train_step(model, optimizer, annotate: Optional[Callable] = None):
     grads = tape.gradient(loss, model.trainable_variables)
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
     return loss
+
   return step
 
 
@@ -79,7 +85,7 @@ def variable_key(model, variable) -> str:
   """A variable's Keras path without the model's own name (Sequential models prefix it)."""
   path = variable.path
   prefix = model.name + '/'
-  return path[len(prefix):] if path.startswith(prefix) else path
+  return path[len(prefix) :] if path.startswith(prefix) else path
 
 
 def initial_weights(model) -> Dict[str, np.ndarray]:
@@ -102,8 +108,13 @@ class PlainModel:
   (BatchNorm moving statistics).
   """
 
-  def __init__(self, weights: Dict[str, np.ndarray], trainable: List[str], forward,
-               make_variable: MakeVariable = make_tf_variable):
+  def __init__(
+    self,
+    weights: Dict[str, np.ndarray],
+    trainable: List[str],
+    forward,
+    make_variable: MakeVariable = make_tf_variable,
+  ):
     self.variables = {name: make_variable(name, value) for name, value in weights.items()}
     self.trainable_names = list(trainable)
     self._forward = forward
@@ -126,6 +137,7 @@ def plain_mlp(weights, depth: int, make_variable: MakeVariable = make_tf_variabl
     for i in range(depth):
       x = _dense(v, f'hidden_{i}', x, tf.nn.relu)
     return _dense(v, 'logits', x)
+
   return PlainModel(weights, list(weights), forward, make_variable)
 
 
@@ -136,19 +148,25 @@ def _layer_norm(v, name, x):
 
 def _attention(v, name, x):
   """keras.layers.MultiHeadAttention(x, x) without masks or dropout, einsum for einsum."""
+
   def project(part):
     return tf.einsum('abc,cde->abde', x, v[f'{name}/{part}/kernel']) + v[f'{name}/{part}/bias']
+
   query, key, value = project('query'), project('key'), project('value')
   query = query * (1.0 / math.sqrt(float(query.shape[-1])))
   scores = tf.nn.softmax(tf.einsum('aecd,abcd->acbe', key, query), axis=-1)
   heads = tf.einsum('acbe,aecd->abcd', scores, value)
-  return (tf.einsum('abcd,cde->abe', heads, v[f'{name}/attention_output/kernel'])
-          + v[f'{name}/attention_output/bias'])
+  return (
+    tf.einsum('abcd,cde->abe', heads, v[f'{name}/attention_output/kernel'])
+    + v[f'{name}/attention_output/bias']
+  )
 
 
-def plain_transformer(weights, layers: int, make_variable: MakeVariable = make_tf_variable
-                      ) -> PlainModel:
+def plain_transformer(
+  weights, layers: int, make_variable: MakeVariable = make_tf_variable
+) -> PlainModel:
   """The twin of examples/keras/transformer.build(): embedding, encoder layers, pooled head."""
+
   def forward(v, tokens):
     x = tf.gather(v['embed/embeddings'], tokens)
     for i in range(layers):
@@ -156,11 +174,13 @@ def plain_transformer(weights, layers: int, make_variable: MakeVariable = make_t
       hidden = _dense(v, f'ffn_in_{i}', x, tf.nn.relu)
       x = _layer_norm(v, f'norm_ffn_{i}', x + _dense(v, f'ffn_out_{i}', hidden))
     return _dense(v, 'head', tf.reduce_mean(x, axis=1))
+
   return PlainModel(weights, list(weights), forward, make_variable)
 
 
 def plain_cnn(weights, blocks: int, make_variable: MakeVariable = make_tf_variable) -> PlainModel:
   """The twin of keras_cnn: BatchNorm in training mode (batch moments, moving statistics)."""
+
   def forward(v, x):
     for i in range(blocks):
       x = tf.nn.conv2d(x, v[f'conv_{i}/kernel'], 1, 'SAME') + v[f'conv_{i}/bias']
@@ -168,10 +188,12 @@ def plain_cnn(weights, blocks: int, make_variable: MakeVariable = make_tf_variab
       for stat, batch_value in (('moving_mean', mean), ('moving_variance', variance)):
         moving = v[f'bn_{i}/{stat}']
         moving.assign(moving * BN_MOMENTUM + batch_value * (1.0 - BN_MOMENTUM))
-      x = tf.nn.batch_normalization(x, mean, variance, v[f'bn_{i}/beta'], v[f'bn_{i}/gamma'],
-                                    BN_EPSILON)
+      x = tf.nn.batch_normalization(
+        x, mean, variance, v[f'bn_{i}/beta'], v[f'bn_{i}/gamma'], BN_EPSILON
+      )
       x = tf.nn.max_pool2d(tf.nn.relu(x), 2, 2, 'VALID')
     return _dense(v, 'head', tf.reduce_mean(x, axis=[1, 2]))
+
   trainable = [n for n in weights if 'moving_' not in n]
   return PlainModel(weights, trainable, forward, make_variable)
 
@@ -179,17 +201,26 @@ def plain_cnn(weights, blocks: int, make_variable: MakeVariable = make_tf_variab
 class PlainAdam:
   """Adam exactly as Keras 3 updates: slots laid out like their variables (via make_variable)."""
 
-  def __init__(self, model: PlainModel, make_variable: MakeVariable = make_tf_variable,
-               scalar_variable: MakeVariable = make_tf_variable):
+  def __init__(
+    self,
+    model: PlainModel,
+    make_variable: MakeVariable = make_tf_variable,
+    scalar_variable: MakeVariable = make_tf_variable,
+  ):
     self.iterations = scalar_variable('adam/iteration', np.zeros((), np.float32))
-    self.slots = [(make_variable(name, np.zeros(model.variables[name].shape, np.float32)),
-                   make_variable(name, np.zeros(model.variables[name].shape, np.float32)))
-                  for name in model.trainable_names]
+    self.slots = [
+      (
+        make_variable(name, np.zeros(model.variables[name].shape, np.float32)),
+        make_variable(name, np.zeros(model.variables[name].shape, np.float32)),
+      )
+      for name in model.trainable_names
+    ]
 
   def apply(self, grads, variables) -> None:
     step = self.iterations + 1.0
-    alpha = (LEARNING_RATE * tf.sqrt(1.0 - tf.pow(ADAM_BETA_2, step))
-             / (1.0 - tf.pow(ADAM_BETA_1, step)))
+    alpha = (
+      LEARNING_RATE * tf.sqrt(1.0 - tf.pow(ADAM_BETA_2, step)) / (1.0 - tf.pow(ADAM_BETA_1, step))
+    )
     for grad, var, (m, v) in zip(grads, variables, self.slots):
       # New slot values flow by data into the update, not through a second read of the slot:
       # under DTensor (TF 2.21, CPU) a read after an assign in the same function can see the
@@ -213,20 +244,25 @@ def _dense_and_square(grad):
   """
   if isinstance(grad, tf.IndexedSlices):
     rows = grad.dense_shape[0]
-    return (tf.math.unsorted_segment_sum(grad.values, grad.indices, rows),
-            tf.math.unsorted_segment_sum(tf.square(grad.values), grad.indices, rows))
+    return (
+      tf.math.unsorted_segment_sum(grad.values, grad.indices, rows),
+      tf.math.unsorted_segment_sum(tf.square(grad.values), grad.indices, rows),
+    )
   return grad, tf.square(grad)
 
 
 def plain_train_step(model: PlainModel, optimizer: PlainAdam):
   """The plain-TF training step: mean sparse softmax cross-entropy, GradientTape, Adam."""
+
   @tf.function
   def step(x, labels):
     with tf.GradientTape() as tape:
       logits = model(x)
       loss = tf.reduce_mean(
-          tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
+        tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+      )
     grads = tape.gradient(loss, model.trainable)
     optimizer.apply(grads, model.trainable)
     return loss
+
   return step

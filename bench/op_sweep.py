@@ -43,7 +43,8 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
 
 def _cases(sweep, names, meshes, sample, budget, slice_text=''):
-  from tf_gspmd.testing import op_sweep  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.testing import op_sweep
+
   if sample:
     out = [c for name in names for m in meshes for c in sweep.sample(name, m, sample)]
   else:
@@ -55,10 +56,12 @@ def _cases(sweep, names, meshes, sample, budget, slice_text=''):
 
 def worker(args) -> int:
   """Run this worker's share of the cases from position `start` on; one JSON line per result."""
-  from tf_gspmd.testing import op_sweep  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.testing import op_sweep
+
   op_sweep.configure_devices(8)
   op_sweep.fast_first_runs()
-  import logging  # pylint: disable=g-import-not-at-top
+  import logging
+
   logging.getLogger('tf_gspmd').setLevel(logging.ERROR)
   sweep = op_sweep.Sweep(timeout=args.timeout)
   names = _select(sweep.specs, args.ops)
@@ -72,11 +75,21 @@ def worker(args) -> int:
         result = sweep.run(case)
       except op_sweep.Poisoned as poisoned:
         result = op_sweep.CaseResult.from_json(str(poisoned))
-        print(json.dumps({'index': mine[position], 'position': position,
-                          'result': json.loads(result.to_json())}), file=f, flush=True)
+        print(
+          json.dumps(
+            {'index': mine[position], 'position': position, 'result': json.loads(result.to_json())}
+          ),
+          file=f,
+          flush=True,
+        )
         return 3
-      print(json.dumps({'index': mine[position], 'position': position,
-                        'result': json.loads(result.to_json())}), file=f, flush=True)
+      print(
+        json.dumps(
+          {'index': mine[position], 'position': position, 'result': json.loads(result.to_json())}
+        ),
+        file=f,
+        flush=True,
+      )
   return 0
 
 
@@ -99,10 +112,27 @@ class _Shard:
 
   def start(self):
     a = self.args
-    cmd = [sys.executable, os.path.abspath(__file__), '--worker', '--results', self.path,
-           '--start', str(self.done), '--meshes', a.meshes, '--sample', str(a.sample),
-           '--budget', str(a.budget), '--timeout', str(a.timeout), '--jobs', str(a.jobs),
-           '--shard', str(self.index)]
+    cmd = [
+      sys.executable,
+      os.path.abspath(__file__),
+      '--worker',
+      '--results',
+      self.path,
+      '--start',
+      str(self.done),
+      '--meshes',
+      a.meshes,
+      '--sample',
+      str(a.sample),
+      '--budget',
+      str(a.budget),
+      '--timeout',
+      str(a.timeout),
+      '--jobs',
+      str(a.jobs),
+      '--shard',
+      str(self.index),
+    ]
     if a.ops:
       cmd += ['--ops', a.ops]
     if a.slice:
@@ -130,8 +160,10 @@ class _Shard:
     if code == 0 or self.total is None or self.done >= self.total:
       return True
     if code != 3:
-      print(f'op sweep: worker {self.index} exited with {code} at case {self.done}; '
-            'stopping it.', file=sys.stderr)
+      print(
+        f'op sweep: worker {self.index} exited with {code} at case {self.done}; stopping it.',
+        file=sys.stderr,
+      )
       return True
     self.restarts += 1
     self.start()
@@ -139,7 +171,8 @@ class _Shard:
 
 
 def parent(args) -> int:
-  from tf_gspmd.testing.op_sweep import CaseResult, format_table  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.testing.op_sweep import CaseResult, format_table
+
   directory = tempfile.mkdtemp(prefix='op_sweep_')
   began = time.time()
   shards = [_Shard(i, args, directory) for i in range(args.jobs)]
@@ -159,8 +192,10 @@ def parent(args) -> int:
         print(r.to_json(), file=f)
   print(format_table(ordered, args.meshes.split(',')))
   total = sum(s.total or 0 for s in shards)
-  print(f'{time.time() - began:.0f} s wall on {args.jobs} worker(s), '
-        f'{sum(s.restarts for s in shards)} restart(s) after poisoned collectives')
+  print(
+    f'{time.time() - began:.0f} s wall on {args.jobs} worker(s), '
+    f'{sum(s.restarts for s in shards)} restart(s) after poisoned collectives'
+  )
   complete = all(s.total is not None for s in shards) and len(ordered) == total
   if not complete:
     print(f'op sweep: only {len(ordered)} of {total} cases ran.', file=sys.stderr)
@@ -171,11 +206,19 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument('--ops', default='', help='regex on program names / op types')
   p.add_argument('--meshes', default='1d,2d')
-  p.add_argument('--sample', type=int, default=0,
-                 help='cases per program and mesh (0: every combination up to --budget)')
+  p.add_argument(
+    '--sample',
+    type=int,
+    default=0,
+    help='cases per program and mesh (0: every combination up to --budget)',
+  )
   p.add_argument('--slice', default='', help='k/K: every K-th case of the sweep from case k on')
-  p.add_argument('--budget', type=int, default=64,
-                 help='operand-sharding combinations per program and mesh before subsetting')
+  p.add_argument(
+    '--budget',
+    type=int,
+    default=64,
+    help='operand-sharding combinations per program and mesh before subsetting',
+  )
   p.add_argument('--timeout', type=float, default=60.0, help='seconds a collective may wait')
   p.add_argument('--jsonl', default='', help='keep per-case results in this file')
   p.add_argument('--jobs', type=int, default=2, help='worker processes (each 8 logical CPUs)')

@@ -4,13 +4,15 @@
 from its file: bench/step_time.py's parent process runs without TensorFlow, and
 bench/xla_reference.py runs in the JAX venv, where tf_gspmd cannot be imported.
 """
+
 import importlib.util
 import os
 import sys
 
 _NAME = 'tf_gspmd_testing_oracle'
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                     'tf_gspmd', 'testing', 'oracle.py')
+_PATH = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'tf_gspmd', 'testing', 'oracle.py'
+)
 
 
 def load():

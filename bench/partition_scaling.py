@@ -32,7 +32,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 tf.config.set_logical_device_configuration(
-    tf.config.list_physical_devices('CPU')[0], [tf.config.LogicalDeviceConfiguration()] * 8)
+  tf.config.list_physical_devices('CPU')[0], [tf.config.LogicalDeviceConfiguration()] * 8
+)
 
 from tf_gspmd import Mesh, NamedSharding, P  # noqa: E402
 from tf_gspmd.collectives import tables  # noqa: E402
@@ -54,20 +55,23 @@ def mlp_blocks(ctx, x, w1, w2):
   c = ctx.collectives
   for layer in range(LAYERS):
     with tf.name_scope(f'block{layer}'):
-      h = tf.nn.relu(x @ w1)                           # column-parallel: h sharded on 'model'
-      y = c.all_reduce(h @ w2, 'model')                # row-parallel: partial sums over 'model'
-      halo = c.shift(y[-1:], 'data', 1)                # previous data shard's last row
+      h = tf.nn.relu(x @ w1)  # column-parallel: h sharded on 'model'
+      y = c.all_reduce(h @ w2, 'model')  # row-parallel: partial sums over 'model'
+      halo = c.shift(y[-1:], 'data', 1)  # previous data shard's last row
       y = y + 0.1 * tf.concat([halo, y[:-1]], axis=0)
-      wide = c.all_gather(h, 'model', 1)               # [BATCH, FFN]
-      swapped = c.all_to_all(wide, 'model', 0, 1)      # rows split, columns gathered
+      wide = c.all_gather(h, 'model', 1)  # [BATCH, FFN]
+      swapped = c.all_to_all(wide, 'model', 0, 1)  # rows split, columns gathered
       scattered = c.reduce_scatter(swapped, 'model', 1)
       x = y + 0.01 * tf.reduce_mean(scattered)
   return c.all_reduce(tf.reduce_sum(x * x), 'data') / 1e3, x
 
 
 def local_specs():
-  return [tf.TensorSpec([BATCH, HIDDEN], tf.float32), tf.TensorSpec([HIDDEN, FFN // MODEL]),
-          tf.TensorSpec([FFN // MODEL, HIDDEN])]
+  return [
+    tf.TensorSpec([BATCH, HIDDEN], tf.float32),
+    tf.TensorSpec([HIDDEN, FFN // MODEL]),
+    tf.TensorSpec([FFN // MODEL, HIDDEN]),
+  ]
 
 
 def time_per_partition(n):
@@ -84,18 +88,28 @@ def time_per_partition(n):
 
 def global_args(n):
   mesh = mesh_for(n)
-  shardings = [NamedSharding(mesh, P('data', None)), NamedSharding(mesh, P(None, 'model')),
-               NamedSharding(mesh, P('model', None))]
-  specs = [tf.TensorSpec([BATCH * n // MODEL, HIDDEN]), tf.TensorSpec([HIDDEN, FFN]),
-           tf.TensorSpec([FFN, HIDDEN])]
+  shardings = [
+    NamedSharding(mesh, P('data', None)),
+    NamedSharding(mesh, P(None, 'model')),
+    NamedSharding(mesh, P('model', None)),
+  ]
+  specs = [
+    tf.TensorSpec([BATCH * n // MODEL, HIDDEN]),
+    tf.TensorSpec([HIDDEN, FFN]),
+    tf.TensorSpec([FFN, HIDDEN]),
+  ]
   return mesh, shardings, specs
 
 
 def time_outer(n):
   mesh, shardings, specs = global_args(n)
-  program = SpmdProgram(mesh, mlp_blocks, shardings, [NamedSharding(mesh, P()),
-                                                      NamedSharding(mesh, P('data', None))],
-                        autograph=False)
+  program = SpmdProgram(
+    mesh,
+    mlp_blocks,
+    shardings,
+    [NamedSharding(mesh, P()), NamedSharding(mesh, P('data', None))],
+    autograph=False,
+  )
   program.build_per_partition(*specs)
   start = time.perf_counter()
   outer = program.trace(*specs)
@@ -122,7 +136,7 @@ def reference(x, w1, w2, data_shards):
     y = y + 0.1 * shifted
     # all_gather -> all_to_all -> reduce_scatter -> mean: per data shard, mean of its h rows
     # summed in chunks of rows/MODEL, i.e. sum(h_shard) / (rows/MODEL * FFN).
-    means = [h[d * rows:(d + 1) * rows].sum() / (rows // MODEL * FFN) for d in range(data_shards)]
+    means = [h[d * rows : (d + 1) * rows].sum() / (rows // MODEL * FFN) for d in range(data_shards)]
     x = y + 0.01 * np.repeat(means, rows)[:, None]
   return (x * x).sum() / 1e3, x
 
@@ -134,14 +148,20 @@ def run_small():
   x = rng.normal(size=(BATCH * 2, HIDDEN)).astype(np.float32)
   w1 = (rng.normal(size=(HIDDEN, FFN)) / 8).astype(np.float32)
   w2 = (rng.normal(size=(FFN, HIDDEN)) / 16).astype(np.float32)
-  program = SpmdProgram(mesh, mlp_blocks, shardings,
-                        [NamedSharding(mesh, P()), NamedSharding(mesh, P('data', None))],
-                        autograph=False)
+  program = SpmdProgram(
+    mesh,
+    mlp_blocks,
+    shardings,
+    [NamedSharding(mesh, P()), NamedSharding(mesh, P('data', None))],
+    autograph=False,
+  )
   loss, y = program(x, w1, w2)
   want_loss, want_y = reference(x, w1, w2, data_shards=2)
   # The oracle's normwise relative error of each result against numpy's float64 values.
-  error = max(relative_error(np.float64(float(loss)), want_loss),
-              relative_error(np.float64(y.numpy()), want_y))
+  error = max(
+    relative_error(np.float64(float(loss)), want_loss),
+    relative_error(np.float64(y.numpy()), want_y),
+  )
   start = time.perf_counter()
   for _ in range(10):
     program(x, w1, w2)
@@ -159,7 +179,7 @@ def main():
   inner_wall = {n: [] for n in SIZES}
   stats = {}
   for rep in range(args.reps):
-    order = SIZES[rep % len(SIZES):] + SIZES[:rep % len(SIZES)]  # rotate to spread drift
+    order = SIZES[rep % len(SIZES) :] + SIZES[: rep % len(SIZES)]  # rotate to spread drift
     for n in order:
       cpu, wall, program = time_per_partition(n)
       inner[n].append(cpu)
@@ -170,28 +190,40 @@ def main():
     for n in SIZES:
       outer[n].append(time_outer(n)[0])
 
-  print(f'Per-partition program: {LAYERS} MLP blocks, {stats[8][4]} collectives, '
-        f'local x [{BATCH},{HIDDEN}], mesh data=N/{MODEL} x model={MODEL}; median of {args.reps}.')
-  print(f'{"N":>6} {"trace cpu ms":>12} {"(wall ms)":>10} {"ops":>6} {"const elems":>12} '
-        f'{"largest const":>14} {"graph bytes":>12} {"outer launch ms":>16}')
+  print(
+    f'Per-partition program: {LAYERS} MLP blocks, {stats[8][4]} collectives, '
+    f'local x [{BATCH},{HIDDEN}], mesh data=N/{MODEL} x model={MODEL}; median of {args.reps}.'
+  )
+  print(
+    f'{"N":>6} {"trace cpu ms":>12} {"(wall ms)":>10} {"ops":>6} {"const elems":>12} '
+    f'{"largest const":>14} {"graph bytes":>12} {"outer launch ms":>16}'
+  )
   for n in SIZES:
     ops, const_elems, largest, gbytes, _ = stats[n]
-    print(f'{n:>6} {1e3 * statistics.median(inner[n]):>12.1f} '
-          f'{1e3 * statistics.median(inner_wall[n]):>10.1f} {ops:>6} {const_elems:>12} '
-          f'{largest:>14} {gbytes:>12} {1e3 * statistics.median(outer[n]):>16.1f}')
+    print(
+      f'{n:>6} {1e3 * statistics.median(inner[n]):>12.1f} '
+      f'{1e3 * statistics.median(inner_wall[n]):>10.1f} {ops:>6} {const_elems:>12} '
+      f'{largest:>14} {gbytes:>12} {1e3 * statistics.median(outer[n]):>16.1f}'
+    )
   ratio = statistics.median(inner[2048]) / statistics.median(inner[8])
   wall_ratio = statistics.median(inner_wall[2048]) / statistics.median(inner_wall[8])
   outer_ratio = statistics.median(outer[2048]) / statistics.median(outer[8])
-  print(f'per-partition trace ratio N=2048 / N=8: {ratio:.3f} CPU time (must be <= 1.1), '
-        f'{wall_ratio:.3f} wall time')
+  print(
+    f'per-partition trace ratio N=2048 / N=8: {ratio:.3f} CPU time (must be <= 1.1), '
+    f'{wall_ratio:.3f} wall time'
+  )
   print(f'outer launch trace ratio N=2048 / N=8: {outer_ratio:.1f} (grows with N, as expected)')
   same_ops = len({stats[n][0] for n in SIZES}) == 1
-  print(f'same op count for every N: {same_ops}; O(N) content: constant tables only '
-        f'({stats[2048][1] - stats[8][1]} more const elements at N=2048 than at N=8)')
+  print(
+    f'same op count for every N: {same_ops}; O(N) content: constant tables only '
+    f'({stats[2048][1] - stats[8][1]} more const elements at N=2048 than at N=8)'
+  )
   loss, shape, step, error = run_small()
-  print(f'N=8 executed on 8 logical CPUs: loss {loss:.4f}, output {list(shape)}, normwise '
-        f'relative error vs numpy float64 {error:.1e} (bound {bound(np.float32):g}), '
-        f'{1e3 * step:.1f} ms per call')
+  print(
+    f'N=8 executed on 8 logical CPUs: loss {loss:.4f}, output {list(shape)}, normwise '
+    f'relative error vs numpy float64 {error:.1e} (bound {bound(np.float32):g}), '
+    f'{1e3 * step:.1f} ms per call'
+  )
   if ratio > 1.1 or not same_ops:
     print('FAILED: per-partition compile time depends on N')
     return 1

@@ -70,22 +70,26 @@ def _extra(name, mesh, src_spec, dst_spec, shape, src_partial=(), reduction='sum
 
 # Planner-specific cases (not in the XLA reference list: names start with 'plan_').
 EXTRA_CASES = [
-    _extra('plan_2x4_xy_to_yx_uneven', _MESH_2X4, ('x', 'y'), ('y', 'x'), (1000, 1000)),
-    _extra('plan_2x4_y_to_x_uneven', _MESH_2X4, ('y', None), ('x', None), (1000, 1024)),
-    _extra('plan_2x4_xy_minor_to_x_uneven', _MESH_2X4, (('x', 'y'), None), ('x', None),
-           (1000, 512)),
-    _extra('plan_2x4_batch_to_model_3d', _MESH_2X4, ('x', None, None), (None, None, 'y'),
-           (64, 128, 256)),
-    _extra('plan_2x4_partial_max_uneven', _MESH_2X4, (None, 'y'), ('x', 'y'), (999, 1000),
-           ('x',), 'max'),
-    _extra('plan_3d_uneven_swap', _MESH_2X2X2, ('a', ('b', 'c')), (('c', 'b'), 'a'), (1001, 999)),
+  _extra('plan_2x4_xy_to_yx_uneven', _MESH_2X4, ('x', 'y'), ('y', 'x'), (1000, 1000)),
+  _extra('plan_2x4_y_to_x_uneven', _MESH_2X4, ('y', None), ('x', None), (1000, 1024)),
+  _extra('plan_2x4_xy_minor_to_x_uneven', _MESH_2X4, (('x', 'y'), None), ('x', None), (1000, 512)),
+  _extra(
+    'plan_2x4_batch_to_model_3d', _MESH_2X4, ('x', None, None), (None, None, 'y'), (64, 128, 256)
+  ),
+  _extra(
+    'plan_2x4_partial_max_uneven', _MESH_2X4, (None, 'y'), ('x', 'y'), (999, 1000), ('x',), 'max'
+  ),
+  _extra('plan_3d_uneven_swap', _MESH_2X2X2, ('a', ('b', 'c')), (('c', 'b'), 'a'), (1001, 999)),
 ]
 
 CASES = list(reshard_cases.CASES) + EXTRA_CASES
 
 # name -> fn(case, plan, naive) -> number or None; None: not measured in this run.
-EXTRA_COLUMNS: Dict[str, Optional[Callable]] = {'wall_ms': None, 'naive_ms': None,
-                                                'launch_ms': None}
+EXTRA_COLUMNS: Dict[str, Optional[Callable]] = {
+  'wall_ms': None,
+  'naive_ms': None,
+  'launch_ms': None,
+}
 
 
 def register_column(name: str, fn: Callable) -> None:
@@ -97,8 +101,10 @@ def shardings(case: dict):
   """(source, target) NamedShardings of a case dict in the reshard_cases form."""
   mesh = Mesh.create(case['mesh_shape'], case['axis_names'])
   reduction = case.get('reduction', 'sum')
-  return (NamedSharding(mesh, P(*case['src_spec']), case['src_partial'], reduction=reduction),
-          NamedSharding(mesh, P(*case['dst_spec'])))
+  return (
+    NamedSharding(mesh, P(*case['src_spec']), case['src_partial'], reduction=reduction),
+    NamedSharding(mesh, P(*case['dst_spec'])),
+  )
 
 
 def check_plan(case: dict, plan: ReshardPlan, seed: int = 0) -> None:
@@ -124,23 +130,23 @@ def run(cases=CASES, check: bool = True, xla: Optional[dict] = None):
       check_plan(case, naive)
     ref = (xla or {}).get(case['name'], {})
     row = {
-        'case': case['name'],
-        'mesh': str(src.mesh),
-        'shape': list(case['shape']),
-        'src': str(src),
-        'dst': str(dst),
-        'steps': [s.kind for s in plan.steps],
-        'bytes': plan.bytes_moved,
-        'naive_bytes': naive.bytes_moved,
-        'xla_bytes': ref.get('xla_bytes'),
-        'peak': plan.peak_bytes,
-        'naive_peak': naive.peak_bytes,
-        'xla_peak': ref.get('xla_peak'),
-        'bound': plan.bound_bytes,
-        'src_shard': plan.src_shard_bytes,
-        'dst_shard': plan.dst_shard_bytes,
-        'plan_ms': round(plan_ms, 2),
-        'checked': check,
+      'case': case['name'],
+      'mesh': str(src.mesh),
+      'shape': list(case['shape']),
+      'src': str(src),
+      'dst': str(dst),
+      'steps': [s.kind for s in plan.steps],
+      'bytes': plan.bytes_moved,
+      'naive_bytes': naive.bytes_moved,
+      'xla_bytes': ref.get('xla_bytes'),
+      'peak': plan.peak_bytes,
+      'naive_peak': naive.peak_bytes,
+      'xla_peak': ref.get('xla_peak'),
+      'bound': plan.bound_bytes,
+      'src_shard': plan.src_shard_bytes,
+      'dst_shard': plan.dst_shard_bytes,
+      'plan_ms': round(plan_ms, 2),
+      'checked': check,
     }
     for name, fn in EXTRA_COLUMNS.items():
       row[name] = fn(case, plan, naive) if fn else None
@@ -154,11 +160,13 @@ NUM_DEVICES = 8
 
 def configure_devices(count: int = NUM_DEVICES) -> None:
   """`count` logical CPU devices; must run before TensorFlow initializes its devices."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+
   cpus = tf.config.list_physical_devices('CPU')
   try:
     tf.config.set_logical_device_configuration(
-        cpus[0], [tf.config.LogicalDeviceConfiguration()] * count)
+      cpus[0], [tf.config.LogicalDeviceConfiguration()] * count
+    )
   except RuntimeError:
     pass  # already initialized; checked below
   have = len(tf.config.list_logical_devices('CPU'))
@@ -178,7 +186,8 @@ class _Partitioner:
 
 def _source_shards(case: dict, src: NamedSharding, seed: int = 0):
   """(global array, per-device input shards placed on their devices) for a case."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+
   rng = np.random.default_rng(seed)
   x = rng.integers(1, 100, size=case['shape']).astype(np.float64)
   shards = sim.make_shards(x, src, rng)
@@ -195,9 +204,10 @@ def lowered_program(case: dict, plan: Optional[ReshardPlan], check: bool = True)
   Builds the per-partition program, makes the first call (trace and collective
   set-up) and, with `check`, compares its output with numpy.
   """
-  from tf_gspmd.graph_rewrite import lower_reshard  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.graph_rewrite.partitioner import Local  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.runtime import ShardedValue, SpmdProgram  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.graph_rewrite import lower_reshard
+  from tf_gspmd.graph_rewrite.partitioner import Local
+  from tf_gspmd.runtime import ShardedValue, SpmdProgram
+
   src, dst = shardings(case)
   shape = tuple(case['shape'])
   target = dst if plan is not None else src.without_partial()
@@ -208,8 +218,15 @@ def lowered_program(case: dict, plan: Optional[ReshardPlan], check: bool = True)
     stub = _Partitioner(src.mesh, ctx.collectives)
     return lower_reshard.apply_plan(stub, Local(local, src, shape), plan, case['name']).tensor
 
-  program = SpmdProgram(src.mesh, per_partition, out_shardings=[target], out_shapes=[shape],
-                        keep_sharded=True, autograph=False, name='bench_reshard')
+  program = SpmdProgram(
+    src.mesh,
+    per_partition,
+    out_shardings=[target],
+    out_shapes=[shape],
+    keep_sharded=True,
+    autograph=False,
+    name='bench_reshard',
+  )
   x, shards = _source_shards(case, src)
   value = ShardedValue(shards, src, shape)
   out = program(value)
@@ -219,11 +236,13 @@ def lowered_program(case: dict, plan: Optional[ReshardPlan], check: bool = True)
 
   def call():
     program(value).shards[-1].numpy()  # the call has finished once its last output is readable
+
   return call
 
 
-def time_lowered(case: dict, plans: Dict[str, Optional[ReshardPlan]], reps: int = 10,
-                 check: bool = True) -> Dict[str, float]:
+def time_lowered(
+  case: dict, plans: Dict[str, Optional[ReshardPlan]], reps: int = 10, check: bool = True
+) -> Dict[str, float]:
   """Median ms per call of each plan, timed in interleaved rounds (load drifts hit all alike)."""
   calls = {name: lowered_program(case, plan, check) for name, plan in plans.items()}
   times = {name: [] for name in plans}
@@ -244,8 +263,10 @@ def register_wall_columns(reps: int = 10, check: bool = True) -> None:
     def fn(case, plan, naive):
       if case['name'] not in measured:
         measured[case['name']] = time_lowered(
-            case, {'wall_ms': plan, 'naive_ms': naive, 'launch_ms': None}, reps, check)
+          case, {'wall_ms': plan, 'naive_ms': naive, 'launch_ms': None}, reps, check
+        )
       return measured[case['name']][which]
+
     return fn
 
   for which in ('wall_ms', 'naive_ms', 'launch_ms'):
@@ -258,8 +279,15 @@ def load_xla(path: str) -> dict:
     return {r['name']: r for r in json.load(f)}
 
 
-_ABBREV = {'slice': 'slice', 'all_gather': 'AG', 'all_to_all': 'A2A', 'reduce_scatter': 'RS',
-           'all_reduce': 'AR', 'permute': 'perm', 'repad': 'repad'}
+_ABBREV = {
+  'slice': 'slice',
+  'all_gather': 'AG',
+  'all_to_all': 'A2A',
+  'reduce_scatter': 'RS',
+  'all_reduce': 'AR',
+  'permute': 'perm',
+  'repad': 'repad',
+}
 
 
 def _size(b) -> str:
@@ -281,37 +309,46 @@ def _geomean(pairs) -> Optional[float]:
 
 def format_table(rows) -> str:
   extra = list(EXTRA_COLUMNS)
-  head = (f'{"case":<32} {"steps":<22} {"bytes":>7} {"naive":>7} {"xla":>7} {"peak":>7} '
-          f'{"naive":>7} {"xla":>7} {"bound":>7}' + ''.join(f' {n:>8}' for n in extra))
+  head = (
+    f'{"case":<32} {"steps":<22} {"bytes":>7} {"naive":>7} {"xla":>7} {"peak":>7} '
+    f'{"naive":>7} {"xla":>7} {"bound":>7}' + ''.join(f' {n:>8}' for n in extra)
+  )
   lines = [head, '-' * len(head)]
   for r in rows:
     steps = ','.join(_ABBREV.get(k, k) for k in r['steps']) or '-'
-    line = (f'{r["case"]:<32} {steps:<22} {_size(r["bytes"]):>7} {_size(r["naive_bytes"]):>7} '
-            f'{_size(r["xla_bytes"]):>7} {_size(r["peak"]):>7} {_size(r["naive_peak"]):>7} '
-            f'{_size(r["xla_peak"]):>7} {_size(r["bound"]):>7}')
+    line = (
+      f'{r["case"]:<32} {steps:<22} {_size(r["bytes"]):>7} {_size(r["naive_bytes"]):>7} '
+      f'{_size(r["xla_bytes"]):>7} {_size(r["peak"]):>7} {_size(r["naive_peak"]):>7} '
+      f'{_size(r["xla_peak"]):>7} {_size(r["bound"]):>7}'
+    )
     line += ''.join(f' {"-" if r[n] is None else r[n]:>8}' for n in extra)
     lines.append(line)
-  lines.append(f'{len(rows)} cases (bytes received / peak buffer, per device); '
-               f'every peak within its bound: {all(r["peak"] <= r["bound"] for r in rows)}; '
-               f'bytes <= naive in {sum(r["bytes"] <= r["naive_bytes"] for r in rows)}/{len(rows)}')
+  lines.append(
+    f'{len(rows)} cases (bytes received / peak buffer, per device); '
+    f'every peak within its bound: {all(r["peak"] <= r["bound"] for r in rows)}; '
+    f'bytes <= naive in {sum(r["bytes"] <= r["naive_bytes"] for r in rows)}/{len(rows)}'
+  )
   for other in ('naive', 'xla'):
     key = f'{other}_bytes'
     both = [r for r in rows if r[key] is not None]
     moved = _geomean([(r['bytes'], r[key]) for r in both])
     peak = _geomean([(r['peak'], r[f'{other}_peak']) for r in both])
     if both:
-      lines.append(f'  vs {other} on {len(both)} cases: bytes {other}/ours geometric mean '
-                   f'{moved:.2f}x (cases that move data), peak {other}/ours {peak:.2f}x; ours '
-                   f'moves no more in {sum(r["bytes"] <= r[key] for r in both)}, peaks no '
-                   f'higher in {sum(r["peak"] <= r[f"{other}_peak"] for r in both)}')
+      lines.append(
+        f'  vs {other} on {len(both)} cases: bytes {other}/ours geometric mean '
+        f'{moved:.2f}x (cases that move data), peak {other}/ours {peak:.2f}x; ours '
+        f'moves no more in {sum(r["bytes"] <= r[key] for r in both)}, peaks no '
+        f'higher in {sum(r["peak"] <= r[f"{other}_peak"] for r in both)}'
+      )
   timed = [r for r in rows if r.get('wall_ms') and r.get('naive_ms')]
   if timed:
     launch = [r['launch_ms'] for r in timed if r.get('launch_ms')]
     speedup = _geomean([(r['wall_ms'], r['naive_ms']) for r in timed])
-    lines.append(f'  wall time on {len(timed)} cases: naive/ours geometric mean {speedup:.2f}x; '
-                 f'ours no slower in {sum(r["wall_ms"] <= r["naive_ms"] for r in timed)}'
-                 + (f'; launch without reshard median {float(np.median(launch)):.2f} ms'
-                    if launch else ''))
+    lines.append(
+      f'  wall time on {len(timed)} cases: naive/ours geometric mean {speedup:.2f}x; '
+      f'ours no slower in {sum(r["wall_ms"] <= r["naive_ms"] for r in timed)}'
+      + (f'; launch without reshard median {float(np.median(launch)):.2f} ms' if launch else '')
+    )
   missing = [n for n, fn in EXTRA_COLUMNS.items() if fn is None]
   if not any(r['xla_bytes'] is not None for r in rows):
     missing.insert(0, 'xla (pass --xla with the output of bench/xla_reference.py)')
@@ -322,11 +359,14 @@ def format_table(rows) -> str:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--xla', help="JSON printed by bench/xla_reference.py (joins by case name)")
+  parser.add_argument('--xla', help='JSON printed by bench/xla_reference.py (joins by case name)')
   parser.add_argument('--json', help='also write the rows as JSON to this path')
   parser.add_argument('--no-check', action='store_true', help='skip the numpy simulation check')
-  parser.add_argument('--no-wall', action='store_true',
-                      help='skip running the lowered plans on 8 logical CPUs (wall_ms)')
+  parser.add_argument(
+    '--no-wall',
+    action='store_true',
+    help='skip running the lowered plans on 8 logical CPUs (wall_ms)',
+  )
   parser.add_argument('--reps', type=int, default=15, help='timed calls per plan (median)')
   parser.add_argument('--case', default='', help='only cases whose name contains this')
   args = parser.parse_args(argv)

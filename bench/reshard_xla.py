@@ -77,9 +77,8 @@ ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE]
 
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
 import reshard_cases  # noqa: E402  (sibling: the shared case list)
+import tensorflow as tf  # noqa: E402
 
 NUM_DEVICES = 8
 GOAL_RATIO = 1.22
@@ -93,8 +92,10 @@ QUICK_DIM = 128
 def shard_counts(case: dict, spec) -> List[int]:
   """How many shards each dim of a case's tensor is split into under `spec`."""
   sizes = dict(zip(case['axis_names'], case['mesh_shape']))
-  return [1 if e is None else math.prod(sizes[a] for a in ((e,) if isinstance(e, str) else e))
-          for e in spec]
+  return [
+    1 if e is None else math.prod(sizes[a] for a in ((e,) if isinstance(e, str) else e))
+    for e in spec
+  ]
 
 
 def padded(shape, counts) -> tuple:
@@ -105,7 +106,8 @@ class ReshardProgram:
   """One case as a TF program: its argument, function, shardings and expected result."""
 
   def __init__(self, case: dict, seed: int = 0):
-    import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
+    import tf_gspmd as tg
+
     self.case = case
     self.mesh = tg.Mesh.create(tuple(case['mesh_shape']), tuple(case['axis_names']))
     shape = tuple(case['shape'])
@@ -132,7 +134,7 @@ class ReshardProgram:
     def reshard(x):
       x = tg.shard(x, mesh, src)
       if partial:
-        x = tf.reduce_sum(x, axis=0)          # one summand per device: the pending sum
+        x = tf.reduce_sum(x, axis=0)  # one summand per device: the pending sum
       if src_shape != shape:
         x = x[tuple(slice(0, n) for n in shape)]
       y = tg.shard(x, mesh, dst)
@@ -151,17 +153,27 @@ def _shard_bytes(shape, sharding) -> int:
 # ================================ measuring ================================
 def build(program: ReshardProgram):
   """(ours, xla, seconds to build each): both compiled for the same 8 PJRT devices."""
-  import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.xla_bridge import xla_partitioner  # pylint: disable=g-import-not-at-top
+  import tf_gspmd as tg
+  from tf_gspmd.xla_bridge import xla_partitioner
+
   start = time.perf_counter()
-  ours = tg.partition(program.fn, program.mesh, in_shardings=program.in_sharding,
-                      out_shardings=program.out_sharding, backend='xla')
+  ours = tg.partition(
+    program.fn,
+    program.mesh,
+    in_shardings=program.in_sharding,
+    out_shardings=program.out_sharding,
+    backend='xla',
+  )
   ours.xla_executable(program.x)
   ours_seconds = time.perf_counter() - start
   start = time.perf_counter()
-  xla = xla_partitioner.XlaPartitionedStep(program.fn, (program.x,), NUM_DEVICES,
-                                           arg_shardings=[program.in_sharding],
-                                           out_shardings=[program.out_sharding])
+  xla = xla_partitioner.XlaPartitionedStep(
+    program.fn,
+    (program.x,),
+    NUM_DEVICES,
+    arg_shardings=[program.in_sharding],
+    out_shardings=[program.out_sharding],
+  )
   return ours, xla, ours_seconds, time.perf_counter() - start
 
 
@@ -172,32 +184,37 @@ def largest_buffer(hlo_text: str) -> int:
   own result, which the entry computation lists).
   """
   # The HLO text reader of xla_partitioner (shapes to bytes); private there, used as is.
-  from tf_gspmd.xla_bridge import xla_partitioner as xp  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.xla_bridge import xla_partitioner as xp
+
   entry = re.search(r'^ENTRY[^\n]*\{\n(.*?)^\}', hlo_text, re.M | re.S)
   if entry is None:
     raise ValueError('no ENTRY computation in the compiled HLO')
   largest = 0
   for line in entry.group(1).splitlines():
-    parsed = xp._split_instruction(line)  # pylint: disable=protected-access
+    parsed = xp._split_instruction(line)  # noqa: SLF001
     if parsed is None:
       continue
-    for dtype, dims in xp._arrays(parsed[1]):  # pylint: disable=protected-access
-      largest = max(largest, xp._DTYPE_BYTES[dtype] * math.prod(dims))  # pylint: disable=protected-access
+    for dtype, dims in xp._arrays(parsed[1]):  # noqa: SLF001
+      largest = max(largest, xp._DTYPE_BYTES[dtype] * math.prod(dims))  # noqa: SLF001
   return largest
 
 
 def memory_bound(case: dict) -> int:
   """max(source shard, target shard) bytes, each dim first rounded up to a multiple of its
   shard counts (the reshard planner's `bound_bytes`: exact for even sizes)."""
-  import reshard  # pylint: disable=g-import-not-at-top  (sibling: the case's NamedShardings)
-  from tf_gspmd.graph_rewrite.reshard_plan import plan_reshard  # pylint: disable=g-import-not-at-top
+  import reshard  # (sibling: the case's NamedShardings)
+
+  from tf_gspmd.graph_rewrite.reshard_plan import plan_reshard
+
   src, dst = reshard.shardings(case)
   return plan_reshard(src, dst, case['shape'], 4).bound_bytes
 
 
 def measure(case: dict, reps: int) -> dict:
-  import vs_xla  # pylint: disable=g-import-not-at-top  (sibling: the timing loop and inputs)
-  from tf_gspmd.xla_bridge import xla_partitioner  # pylint: disable=g-import-not-at-top
+  import vs_xla  # (sibling: the timing loop and inputs)
+
+  from tf_gspmd.xla_bridge import xla_partitioner
+
   program = ReshardProgram(case)
   ours, xla, ours_build, xla_build = build(program)
   executable = ours.xla_executable(program.x)
@@ -205,26 +222,50 @@ def measure(case: dict, reps: int) -> dict:
   got_ours = np.asarray(ours(program.x))
   got_xla = np.asarray(xla(program.x))
   times = vs_xla.time_both(ours, xla, (program.x,), reps)
-  memory = {'ours': xla_partitioner.compiled_memory(executable.executable),
-            'xla': xla.memory()}
-  collectives = {'ours': xla_partitioner.partitioned_collectives(ours_hlo, NUM_DEVICES),
-                 'xla': xla.collectives()}
+  memory = {'ours': xla_partitioner.compiled_memory(executable.executable), 'xla': xla.memory()}
+  collectives = {
+    'ours': xla_partitioner.partitioned_collectives(ours_hlo, NUM_DEVICES),
+    'xla': xla.collectives(),
+  }
   bound = memory_bound(case)
-  out = dict(name=case['name'], src_bytes=program.src_bytes, dst_bytes=program.dst_bytes,
-             bound=bound, build_s=dict(ours=ours_build, xla=xla_build), step_ms=times,
-             ratio=times['xla'] / times['ours'], reps=reps)
+  out = dict(
+    name=case['name'],
+    src_bytes=program.src_bytes,
+    dst_bytes=program.dst_bytes,
+    bound=bound,
+    build_s=dict(ours=ours_build, xla=xla_build),
+    step_ms=times,
+    ratio=times['xla'] / times['ours'],
+    reps=reps,
+  )
   for side, got, hlo in (('ours', got_ours, ours_hlo), ('xla', got_xla, xla_hlo)):
     out[side] = dict(
-        exact=bool(got.shape == program.want.shape and np.array_equal(got, program.want)),
-        peak=memory[side]['peak'], temp=memory[side]['temps'], max_buffer=largest_buffer(hlo),
-        collectives=vs_xla.collective_summary(collectives[side]))
+      exact=bool(got.shape == program.want.shape and np.array_equal(got, program.want)),
+      peak=memory[side]['peak'],
+      temp=memory[side]['temps'],
+      max_buffer=largest_buffer(hlo),
+      collectives=vs_xla.collective_summary(collectives[side]),
+    )
   return out
 
 
 # ================================ printing ================================
-HEADER = ['case', 'ours ms', 'xla ms', 'ratio xla/ours', 'ours coll', 'xla coll',
-          'ours bytes', 'xla bytes', 'bound KiB', 'ours peak/temp/max buf KiB',
-          'xla peak/temp/max buf KiB', 'mem ok', 'temp ok', 'exact']
+HEADER = [
+  'case',
+  'ours ms',
+  'xla ms',
+  'ratio xla/ours',
+  'ours coll',
+  'xla coll',
+  'ours bytes',
+  'xla bytes',
+  'bound KiB',
+  'ours peak/temp/max buf KiB',
+  'xla peak/temp/max buf KiB',
+  'mem ok',
+  'temp ok',
+  'exact',
+]
 
 
 def _kib(n: int) -> str:
@@ -241,13 +282,22 @@ def row(r: dict) -> List[str]:
     return ' '.join(f'{k}x{n}' for k, n in sorted(c['kinds'].items())) or '-'
 
   ok = lambda side, key: 'ok' if r[side][key] <= r['bound'] else 'OVER'
-  return [r['name'], f'{r["step_ms"]["ours"]:.3f}', f'{r["step_ms"]["xla"]:.3f}',
-          f'{r["ratio"]:.2f}', kinds('ours'), kinds('xla'),
-          f'{r["ours"]["collectives"]["bytes"]:,}', f'{r["xla"]["collectives"]["bytes"]:,}',
-          _kib(r['bound']), mem('ours'), mem('xla'),
-          f'{ok("ours", "max_buffer")}/{ok("xla", "max_buffer")}',
-          f'{ok("ours", "temp")}/{ok("xla", "temp")}',
-          f'{"yes" if r["ours"]["exact"] else "NO"}/{"yes" if r["xla"]["exact"] else "NO"}']
+  return [
+    r['name'],
+    f'{r["step_ms"]["ours"]:.3f}',
+    f'{r["step_ms"]["xla"]:.3f}',
+    f'{r["ratio"]:.2f}',
+    kinds('ours'),
+    kinds('xla'),
+    f'{r["ours"]["collectives"]["bytes"]:,}',
+    f'{r["xla"]["collectives"]["bytes"]:,}',
+    _kib(r['bound']),
+    mem('ours'),
+    mem('xla'),
+    f'{ok("ours", "max_buffer")}/{ok("xla", "max_buffer")}',
+    f'{ok("ours", "temp")}/{ok("xla", "temp")}',
+    f'{"yes" if r["ours"]["exact"] else "NO"}/{"yes" if r["xla"]["exact"] else "NO"}',
+  ]
 
 
 def geometric_mean(values) -> float:
@@ -261,14 +311,14 @@ def summary(results: List[dict]) -> List[str]:
   over = [r['name'] for r in results if r['ours']['max_buffer'] > r['bound']]
   temp_over = [r['name'] for r in results if r['ours']['temp'] > r['bound']]
   return [
-      f'geometric mean of xla/ours over {len(results)} cases: {mean:.3f} (goal >= {GOAL_RATIO}: '
-      f'{"met" if mean >= GOAL_RATIO else "NOT met"}); range {min(ratios):.2f} .. {max(ratios):.2f}, '
-      f'ours faster on {sum(x > 1 for x in ratios)} of {len(ratios)}',
-      f'ours: largest buffer <= max(source, target) on '
-      f'{len(results) - len(over)} of {len(results)} cases' + (f' (over: {", ".join(over)})'
-                                                                if over else ''),
-      f'ours: temporaries <= max(source, target) on {len(results) - len(temp_over)} of '
-      f'{len(results)} cases' + (f' (over: {", ".join(temp_over)})' if temp_over else ''),
+    f'geometric mean of xla/ours over {len(results)} cases: {mean:.3f} (goal >= {GOAL_RATIO}: '
+    f'{"met" if mean >= GOAL_RATIO else "NOT met"}); range {min(ratios):.2f} .. {max(ratios):.2f}, '
+    f'ours faster on {sum(x > 1 for x in ratios)} of {len(ratios)}',
+    f'ours: largest buffer <= max(source, target) on '
+    f'{len(results) - len(over)} of {len(results)} cases'
+    + (f' (over: {", ".join(over)})' if over else ''),
+    f'ours: temporaries <= max(source, target) on {len(results) - len(temp_over)} of '
+    f'{len(results)} cases' + (f' (over: {", ".join(temp_over)})' if temp_over else ''),
   ]
 
 
@@ -284,8 +334,7 @@ def quick_case(case: dict) -> dict:
 
 def select(names: Optional[str], quick: bool) -> List[dict]:
   chosen = names.split(',') if names else (QUICK_CASES if quick else None)
-  cases = ([reshard_cases.case_by_name(n) for n in chosen] if chosen
-           else list(reshard_cases.CASES))
+  cases = [reshard_cases.case_by_name(n) for n in chosen] if chosen else list(reshard_cases.CASES)
   return [quick_case(c) for c in cases] if quick else cases
 
 
@@ -293,20 +342,24 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--cases', help='comma list of case names (default: all)')
   parser.add_argument('--reps', type=int, default=None, help='timed calls (default 15; quick 5)')
-  parser.add_argument('--quick', action='store_true',
-                      help=f'{len(QUICK_CASES)} cases, dims cut to {QUICK_DIM}')
+  parser.add_argument(
+    '--quick', action='store_true', help=f'{len(QUICK_CASES)} cases, dims cut to {QUICK_DIM}'
+  )
   parser.add_argument('--json', help='also write the raw results here')
   args = parser.parse_args(argv)
   reps = args.reps or (5 if args.quick else 15)
   cases = select(args.cases, args.quick)
-  print(f'reshard_xla: {len(cases)} cases on {NUM_DEVICES} PJRT CPU devices, {os.cpu_count()} '
-        f'cores; median of {reps} interleaved calls each', file=sys.stderr)
+  print(
+    f'reshard_xla: {len(cases)} cases on {NUM_DEVICES} PJRT CPU devices, {os.cpu_count()} '
+    f'cores; median of {reps} interleaved calls each',
+    file=sys.stderr,
+  )
   results, failures = [], []
   for case in cases:
     start = time.perf_counter()
     try:
       result = measure(case, reps)
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:  # noqa: BLE001
       failures.append(f'{case["name"]}: {type(e).__name__}: {str(e).splitlines()[0][:200]}')
       print(f'  {case["name"]}: FAILED {failures[-1]}', file=sys.stderr)
       continue
@@ -315,8 +368,9 @@ def main(argv=None) -> int:
   if results:
     print(table([row(r) for r in results], HEADER))
     print('\n'.join(summary(results)))
-  wrong = [f'{r["name"]} ({side})' for r in results for side in ('ours', 'xla')
-           if not r[side]['exact']]
+  wrong = [
+    f'{r["name"]} ({side})' for r in results for side in ('ours', 'xla') if not r[side]['exact']
+  ]
   if wrong:
     print('MISMATCH: ' + ', '.join(wrong))
   if failures:

@@ -90,25 +90,34 @@ RESULT_PREFIX = 'STEP_TIME_RESULT '
 
 MODELS = {'a': 'mlp', 'b': 'transformer', 'c': 'cnn'}
 CONFIGS = {
-    'full': {
-        'mlp': dict(batch=1024, features=256, width=512, depth=2, classes=10),
-        'transformer': dict(batch=64, vocab=256, seq=32, d_model=128, heads=8, ff=512, layers=2),
-        'cnn': dict(batch=64, image=64, channels=3, filters=[32, 64], classes=10),
-    },
-    'quick': {
-        'mlp': dict(batch=64, features=32, width=64, depth=2, classes=10),
-        'transformer': dict(batch=8, vocab=64, seq=8, d_model=32, heads=4, ff=64, layers=1),
-        'cnn': dict(batch=8, image=16, channels=3, filters=[8], classes=10),
-    },
+  'full': {
+    'mlp': dict(batch=1024, features=256, width=512, depth=2, classes=10),
+    'transformer': dict(batch=64, vocab=256, seq=32, d_model=128, heads=8, ff=512, layers=2),
+    'cnn': dict(batch=64, image=64, channels=3, filters=[32, 64], classes=10),
+  },
+  'quick': {
+    'mlp': dict(batch=64, features=32, width=64, depth=2, classes=10),
+    'transformer': dict(batch=8, vocab=64, seq=8, d_model=32, heads=4, ff=64, layers=1),
+    'cnn': dict(batch=8, image=16, channels=3, filters=[8], classes=10),
+  },
 }
-MESHES = {'mlp': ((8,), ('data',)), 'transformer': ((2, 4), ('data', 'model')),
-          'cnn': ((2, 4), ('data', 'h'))}
-INPUT_SPECS = {'mlp': ('data', None), 'transformer': ('data', None),
-               'cnn': ('data', 'h', None, None)}
+MESHES = {
+  'mlp': ((8,), ('data',)),
+  'transformer': ((2, 4), ('data', 'model')),
+  'cnn': ((2, 4), ('data', 'h')),
+}
+INPUT_SPECS = {
+  'mlp': ('data', None),
+  'transformer': ('data', None),
+  'cnn': ('data', 'h', None, None),
+}
 SYSTEMS = ('tf_gspmd', 'dtensor', 'xla', 'keras_jax')
-RUNNERS = {'tf_gspmd': ('unpartitioned', 'tf_gspmd'), 'dtensor': ('plain', 'dtensor'),
-           'xla': ('xla_unpartitioned', 'tf_gspmd_xla'),
-           'keras_jax': ('keras_jax_unpartitioned', 'keras_jax')}
+RUNNERS = {
+  'tf_gspmd': ('unpartitioned', 'tf_gspmd'),
+  'dtensor': ('plain', 'dtensor'),
+  'xla': ('xla_unpartitioned', 'tf_gspmd_xla'),
+  'keras_jax': ('keras_jax_unpartitioned', 'keras_jax'),
+}
 # The CNN under keras.distribution: its activations laid out like its input (Keras matches
 # `<layer path>/output` against the LayoutMap); the height split tf_gspmd propagates from
 # the input annotation, written out per layer since Keras propagates no input layout.
@@ -134,9 +143,11 @@ def configure_logical_cpus(n: int) -> None:
   busy with inter-op parallelism, and an op that also splits itself over the intra-op
   pool oversubscribes them.
   """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+
   tf.config.set_logical_device_configuration(
-      tf.config.list_physical_devices('CPU')[0], [tf.config.LogicalDeviceConfiguration()] * n)
+    tf.config.list_physical_devices('CPU')[0], [tf.config.LogicalDeviceConfiguration()] * n
+  )
   threads = os.environ.get(INTRA_OP_ENV)
   if threads:
     tf.config.threading.set_intra_op_parallelism_threads(int(threads))
@@ -146,19 +157,22 @@ class ModelSpec:
   """Everything the two systems need about one model at one size."""
 
   def __init__(self, name: str, cfg: dict):
-    import numpy as np  # pylint: disable=g-import-not-at-top
+    import numpy as np
+
     sys.path.insert(0, ROOT)
     sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.join(ROOT, 'examples', 'keras'))
-    import models  # pylint: disable=g-import-not-at-top
-    import transformer  # pylint: disable=g-import-not-at-top
+    import models
+    import transformer
+
     self.name, self.cfg = name, cfg
     self.mesh_shape, self.mesh_axes = MESHES[name]
     self.input_spec = INPUT_SPECS[name]
     rng = np.random.RandomState(1)
     if name == 'mlp':
-      self.keras = lambda: models.keras_mlp(0, cfg['features'], cfg['width'], cfg['depth'],
-                                            cfg['classes'])
+      self.keras = lambda: models.keras_mlp(
+        0, cfg['features'], cfg['width'], cfg['depth'], cfg['classes']
+      )
       self.plain = lambda w, make: models.plain_mlp(w, cfg['depth'], make)
       self.x = rng.randn(cfg['batch'], cfg['features']).astype(np.float32)
       self.y = rng.randint(0, cfg['classes'], cfg['batch']).astype(np.int32)
@@ -170,11 +184,13 @@ class ModelSpec:
       self.x, self.y = transformer.batch(1, cfg['batch'], vocab=cfg['vocab'], seq=cfg['seq'])
       self.layout = transformer.layout
     elif name == 'cnn':
-      self.keras = lambda: models.keras_cnn(0, cfg['image'], cfg['channels'], cfg['filters'],
-                                            cfg['classes'])
+      self.keras = lambda: models.keras_cnn(
+        0, cfg['image'], cfg['channels'], cfg['filters'], cfg['classes']
+      )
       self.plain = lambda w, make: models.plain_cnn(w, len(cfg['filters']), make)
       self.x = rng.randn(cfg['batch'], cfg['image'], cfg['image'], cfg['channels']).astype(
-          np.float32)
+        np.float32
+      )
       self.y = rng.randint(0, cfg['classes'], cfg['batch']).astype(np.int32)
       self.layout = None
     else:
@@ -182,19 +198,22 @@ class ModelSpec:
 
   def train_step(self, model, optimizer, mesh=None):
     """The Keras step; with `mesh`, the input annotated with the model's input layout."""
-    import models  # pylint: disable=g-import-not-at-top
-    import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
+    import models
+
+    import tf_gspmd as tg
+
     if self.name == 'transformer':  # the example's own step, as the demo and tests use it
-      import transformer  # pylint: disable=g-import-not-at-top
+      import transformer
+
       return transformer.train_step(model, optimizer, mesh)
-    annotate = None if mesh is None else (
-        lambda x: tg.shard(x, mesh, tg.P(*self.input_spec)))
+    annotate = None if mesh is None else (lambda x: tg.shard(x, mesh, tg.P(*self.input_spec)))
     return models.keras_train_step(model, optimizer, annotate)
 
   def partitioned_step(self, **partition_kwargs):
     """(the Keras step on the model laid out and partitioned, a twin model, its optimizer):
     both models start from the same weights; the twin is the unpartitioned reference."""
-    import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
+    import tf_gspmd as tg
+
     mesh = self.tg_mesh()
     model, optimizer = self.keras()
     ref_model, ref_optimizer = self.keras()
@@ -204,7 +223,8 @@ class ModelSpec:
     return partitioned, ref_model, ref_optimizer
 
   def tg_mesh(self):
-    import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
+    import tf_gspmd as tg
+
     return tg.Mesh.create(self.mesh_shape, self.mesh_axes)
 
 
@@ -218,13 +238,17 @@ class Run:
     self.error: Optional[str] = None
 
   def as_dict(self) -> dict:
-    return {'build_s': self.build_s,
-            'step_ms': 1e3 * statistics.median(self.step_s) if self.step_s else None,
-            'losses': self.losses, 'error': self.error}
+    return {
+      'build_s': self.build_s,
+      'step_ms': 1e3 * statistics.median(self.step_s) if self.step_s else None,
+      'losses': self.losses,
+      'error': self.error,
+    }
 
 
-def measure(runners: Dict[str, Callable], steps: int, warmup: int,
-            failure: Callable[[Exception], str]) -> Dict[str, Run]:
+def measure(
+  runners: Dict[str, Callable], steps: int, warmup: int, failure: Callable[[Exception], str]
+) -> Dict[str, Run]:
   """Build call, warm-up calls, then `steps` timed calls of every runner, round-robin."""
   runs = {name: Run() for name in runners}
 
@@ -232,7 +256,7 @@ def measure(runners: Dict[str, Callable], steps: int, warmup: int,
     start = time.perf_counter()
     try:
       loss = float(runners[name]())
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:  # noqa: BLE001
       runs[name].error = failure(e)
       print(f'[{name}] failed: {e}', file=sys.stderr)
       return
@@ -264,10 +288,17 @@ def gist(error: Exception) -> str:
     if what:
       return what[:90]
   for line in lines:
-    for code in ('INVALID_ARGUMENT', 'UNIMPLEMENTED', 'INTERNAL', 'FAILED_PRECONDITION',
-                 'DEADLINE_EXCEEDED', 'ABORTED', 'UNKNOWN'):
+    for code in (
+      'INVALID_ARGUMENT',
+      'UNIMPLEMENTED',
+      'INTERNAL',
+      'FAILED_PRECONDITION',
+      'DEADLINE_EXCEEDED',
+      'ABORTED',
+      'UNKNOWN',
+    ):
       if code in line:
-        return line[line.index(code):][:90]
+        return line[line.index(code) :][:90]
   return f'{type(error).__name__}: {lines[0] if lines else ""}'[:90]
 
 
@@ -277,19 +308,33 @@ def tf_gspmd_failure(error: Exception) -> str:
 
 def dtensor_failure(error: Exception) -> str:
   text = str(error)
-  unsupported = any(s in text for s in ('only supported', 'not supported', 'Unimplemented',
-                                        'UNIMPLEMENTED', 'unsupported', 'Unsupported'))
+  unsupported = any(
+    s in text
+    for s in (
+      'only supported',
+      'not supported',
+      'Unimplemented',
+      'UNIMPLEMENTED',
+      'unsupported',
+      'Unsupported',
+    )
+  )
   return ('unsupported: ' if unsupported else 'error: ') + gist(error)
 
 
 def child_tf_gspmd(spec: ModelSpec, steps: int, warmup: int) -> dict:
   """The Keras step partitioned by tf_gspmd, beside the same step unpartitioned."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+
   partitioned, ref_model, ref_optimizer = spec.partitioned_step()
   reference = spec.train_step(ref_model, ref_optimizer)
   x, y = tf.constant(spec.x), tf.constant(spec.y)
-  runs = measure({'unpartitioned': lambda: reference(x, y), 'tf_gspmd': lambda: partitioned(x, y)},
-                 steps, warmup, tf_gspmd_failure)
+  runs = measure(
+    {'unpartitioned': lambda: reference(x, y), 'tf_gspmd': lambda: partitioned(x, y)},
+    steps,
+    warmup,
+    tf_gspmd_failure,
+  )
   out = {name: run.as_dict() for name, run in runs.items()}
   out['float64'] = float64_losses(spec, len(runs['unpartitioned'].losses))
   if runs['tf_gspmd'].error is None:
@@ -299,8 +344,12 @@ def child_tf_gspmd(spec: ModelSpec, steps: int, warmup: int) -> dict:
     sums = collections.Counter()
     for r in records:
       sums[f'{r["kind"]}({",".join(r["axes"])})'] += int(r.get('fused', 1))
-    out['collectives'] = {'count': len(records), 'bytes': sum(int(r['bytes']) for r in records),
-                          'kinds': dict(kinds), 'sums': dict(sums)}
+    out['collectives'] = {
+      'count': len(records),
+      'bytes': sum(int(r['bytes']) for r in records),
+      'kinds': dict(kinds),
+      'sums': dict(sums),
+    }
   return out
 
 
@@ -310,9 +359,11 @@ def float64_losses(spec: ModelSpec, calls: int) -> dict:
   measures each pair of float32 runs against. Over 17 Adam steps float32 is ill-conditioned
   (the CNN's BatchNorm, conv biases with a zero gradient): two correct float32 runs drift
   apart by about the bound (measured, full sizes: XLA unpartitioned vs Keras 6.4e-6)."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.testing.float64 import float64_policy, float64_twin  # pylint: disable=g-import-not-at-top
+  import numpy as np
+  import tensorflow as tf
+
+  from tf_gspmd.testing.float64 import float64_policy, float64_twin
+
   try:
     model, optimizer = float64_twin(spec.keras)
     with float64_policy():
@@ -320,7 +371,7 @@ def float64_losses(spec: ModelSpec, calls: int) -> dict:
     x = tf.constant(spec.x.astype(np.float64) if spec.x.dtype == np.float32 else spec.x)
     y = tf.constant(spec.y)
     return {'losses': [float(step(x, y)) for _ in range(calls)], 'error': None}
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:  # noqa: BLE001
     print(f'[float64] failed: {e}', file=sys.stderr)
     return {'losses': None, 'error': f'error: {gist(e)}'}
 
@@ -337,18 +388,19 @@ def dtensor_layout(dtensor, mesh, spec, shape, what: str):
       sharding.append(dtensor.UNSHARDED)
       continue
     if size % mesh.dim_size(axis):
-      raise ValueError(f'unsupported: uneven shards ({what} dim {dim} of {size} over '
-                       f'{axis}={mesh.dim_size(axis)})')
+      raise ValueError(
+        f'unsupported: uneven shards ({what} dim {dim} of {size} over {axis}={mesh.dim_size(axis)})'
+      )
     sharding.append(axis)
   return dtensor.Layout(sharding, mesh)
 
 
 def child_dtensor(spec: ModelSpec, steps: int, warmup: int) -> dict:
   """The plain-TF twin under DTensor, beside the same plain-TF step unpartitioned."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tensorflow.experimental import dtensor  # pylint: disable=g-import-not-at-top
-  import models  # pylint: disable=g-import-not-at-top
+  import models
+  import numpy as np
+  import tensorflow as tf
+  from tensorflow.experimental import dtensor
 
   keras_model, _ = spec.keras()
   weights = models.initial_weights(keras_model)
@@ -357,14 +409,16 @@ def child_dtensor(spec: ModelSpec, steps: int, warmup: int) -> dict:
   x, y = tf.constant(spec.x), tf.constant(spec.y)
   runners = {'plain': lambda: plain_step(x, y)}
 
-  mesh = dtensor.create_mesh(list(zip(spec.mesh_axes, spec.mesh_shape)),
-                             devices=[f'CPU:{i}' for i in range(NUM_DEVICES)])
+  mesh = dtensor.create_mesh(
+    list(zip(spec.mesh_axes, spec.mesh_shape)), devices=[f'CPU:{i}' for i in range(NUM_DEVICES)]
+  )
   layout_map = spec.layout(spec.tg_mesh()) if spec.layout is not None else None
 
   def put(value, tf_spec, what):
     layout = dtensor_layout(dtensor, mesh, tf_spec, np.shape(value), what)
-    replicated = dtensor.copy_to_mesh(tf.constant(value),
-                                      dtensor.Layout.replicated(mesh, np.ndim(value)))
+    replicated = dtensor.copy_to_mesh(
+      tf.constant(value), dtensor.Layout.replicated(mesh, np.ndim(value))
+    )
     return dtensor.relayout(replicated, layout)
 
   def variable_for(name, value):
@@ -374,13 +428,14 @@ def child_dtensor(spec: ModelSpec, steps: int, warmup: int) -> dict:
   setup_error = None
   try:
     dmodel = spec.plain(weights, variable_for)
-    optimizer = models.PlainAdam(dmodel, variable_for,
-                                 lambda n, v: dtensor.DVariable(put(v, (), n)))
+    optimizer = models.PlainAdam(
+      dmodel, variable_for, lambda n, v: dtensor.DVariable(put(v, (), n))
+    )
     dstep = models.plain_train_step(dmodel, optimizer)
     xd = put(spec.x, spec.input_spec, 'input')
     yd = put(spec.y, spec.input_spec[:1], 'labels')
     runners['dtensor'] = lambda: dstep(xd, yd)
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:  # noqa: BLE001
     setup_error = dtensor_failure(e) if not str(e).startswith('unsupported') else str(e)
   runs = measure(runners, steps, warmup, dtensor_failure)
   out = {name: run.as_dict() for name, run in runs.items()}
@@ -391,24 +446,32 @@ def child_dtensor(spec: ModelSpec, steps: int, warmup: int) -> dict:
 
 def child_xla_backend(spec: ModelSpec, steps: int, warmup: int) -> dict:
   """The Keras step partitioned with backend='xla', beside it unpartitioned under XLA."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+
   partitioned, ref_model, ref_optimizer = spec.partitioned_step(backend='xla')
-  reference = tf.function(spec.train_step(ref_model, ref_optimizer).python_function,
-                          jit_compile=True)
+  reference = tf.function(
+    spec.train_step(ref_model, ref_optimizer).python_function, jit_compile=True
+  )
   x, y = tf.constant(spec.x), tf.constant(spec.y)
-  runs = measure({'xla_unpartitioned': lambda: reference(x, y),
-                  'tf_gspmd_xla': lambda: partitioned(x, y)}, steps, warmup, tf_gspmd_failure)
+  runs = measure(
+    {'xla_unpartitioned': lambda: reference(x, y), 'tf_gspmd_xla': lambda: partitioned(x, y)},
+    steps,
+    warmup,
+    tf_gspmd_failure,
+  )
   return {name: run.as_dict() for name, run in runs.items()}
 
 
 def save_inputs(spec: ModelSpec, path: str) -> None:
   """The Keras model's initial weights (by path) and the batch, for the Keras-JAX child."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import models  # pylint: disable=g-import-not-at-top
+  import models
+  import numpy as np
+
   model, _ = spec.keras()  # seed 0: the initial weights every run starts from
   arrays = {'w:' + k.replace('/', '|'): v for k, v in models.initial_weights(model).items()}
-  np.savez(path, x=spec.x, y=spec.y, rules=np.array(json.dumps(keras_jax_layout_rules(spec))),
-           **arrays)
+  np.savez(
+    path, x=spec.x, y=spec.y, rules=np.array(json.dumps(keras_jax_layout_rules(spec))), **arrays
+  )
 
 
 def keras_jax_layout_rules(spec: ModelSpec) -> list:
@@ -420,67 +483,85 @@ def keras_jax_layout_rules(spec: ModelSpec) -> list:
     return [[pattern, list(rule)]]
   if spec.layout is None:
     return []
-  rules = spec.layout(spec.tg_mesh())._rules  # pylint: disable=protected-access
+  rules = spec.layout(spec.tg_mesh())._rules  # noqa: SLF001
   # tf_gspmd's LayoutMap uses re.fullmatch; Keras' uses re.search: anchor the patterns.
-  return [[f'^(?:{pattern})$', [None if a is None else a for a in rule]]
-          for pattern, rule in rules.items()]
+  return [
+    [f'^(?:{pattern})$', [None if a is None else a for a in rule]]
+    for pattern, rule in rules.items()
+  ]
 
 
 def keras_model(name: str, cfg: dict):
   """bench/models.py's and examples/keras/transformer.py's Keras models, without TF imports
   (the JAX venv has no TensorFlow); the weights come from the TF run, by variable path, and a
   missing or extra path fails the run, so the two definitions cannot drift apart."""
-  import keras  # pylint: disable=g-import-not-at-top
+  import keras
+
   if name == 'mlp':
     layers = [keras.Input((cfg['features'],))]
-    layers += [keras.layers.Dense(cfg['width'], activation='relu', name=f'hidden_{i}')
-               for i in range(cfg['depth'])]
+    layers += [
+      keras.layers.Dense(cfg['width'], activation='relu', name=f'hidden_{i}')
+      for i in range(cfg['depth'])
+    ]
     return keras.Sequential(layers + [keras.layers.Dense(cfg['classes'], name='logits')])
   if name == 'cnn':
     layers = [keras.Input((cfg['image'], cfg['image'], cfg['channels']))]
     for i, f in enumerate(cfg['filters']):
-      layers += [keras.layers.Conv2D(f, 3, padding='same', name=f'conv_{i}'),
-                 keras.layers.BatchNormalization(name=f'bn_{i}'),
-                 keras.layers.ReLU(name=f'relu_{i}'), keras.layers.MaxPooling2D(2, name=f'pool_{i}')]
-    layers += [keras.layers.GlobalAveragePooling2D(name='gap'),
-               keras.layers.Dense(cfg['classes'], name='head')]
+      layers += [
+        keras.layers.Conv2D(f, 3, padding='same', name=f'conv_{i}'),
+        keras.layers.BatchNormalization(name=f'bn_{i}'),
+        keras.layers.ReLU(name=f'relu_{i}'),
+        keras.layers.MaxPooling2D(2, name=f'pool_{i}'),
+      ]
+    layers += [
+      keras.layers.GlobalAveragePooling2D(name='gap'),
+      keras.layers.Dense(cfg['classes'], name='head'),
+    ]
     return keras.Sequential(layers)
   tokens = keras.Input((cfg['seq'],), dtype='int32')
   x = keras.layers.Embedding(cfg['vocab'], cfg['d_model'], name='embed')(tokens)
   for i in range(cfg['layers']):
-    attn = keras.layers.MultiHeadAttention(cfg['heads'], cfg['d_model'] // cfg['heads'],
-                                           name=f'attn_{i}')(x, x)
+    attn = keras.layers.MultiHeadAttention(
+      cfg['heads'], cfg['d_model'] // cfg['heads'], name=f'attn_{i}'
+    )(x, x)
     x = keras.layers.LayerNormalization(name=f'norm_attn_{i}')(x + attn)
     hidden = keras.layers.Dense(cfg['ff'], activation='relu', name=f'ffn_in_{i}')(x)
     hidden = keras.layers.Dropout(0.0, name=f'drop_{i}')(hidden)
     x = keras.layers.LayerNormalization(name=f'norm_ffn_{i}')(
-        x + keras.layers.Dense(cfg['d_model'], name=f'ffn_out_{i}')(hidden))
-  logits = keras.layers.Dense(cfg['vocab'], name='head')(
-      keras.layers.GlobalAveragePooling1D()(x))
+      x + keras.layers.Dense(cfg['d_model'], name=f'ffn_out_{i}')(hidden)
+    )
+  logits = keras.layers.Dense(cfg['vocab'], name='head')(keras.layers.GlobalAveragePooling1D()(x))
   return keras.Model(tokens, logits)
 
 
 def _compiled_keras_model(name: str, cfg: dict, weights: dict):
-  import keras  # pylint: disable=g-import-not-at-top
+  import keras
+
   model = keras_model(name, cfg)
   by_path = {}
   for v in model.variables:  # Sequential paths start with the model's name: drop it
-    path = v.path[len(model.name) + 1:] if v.path.startswith(model.name + '/') else v.path
+    path = v.path[len(model.name) + 1 :] if v.path.startswith(model.name + '/') else v.path
     by_path[path] = v
   if sorted(by_path) != sorted(weights):
-    raise ValueError(f'Keras-JAX {name}: variable paths {sorted(by_path)} differ from the TF '
-                     f'model\'s {sorted(weights)}')
+    raise ValueError(
+      f'Keras-JAX {name}: variable paths {sorted(by_path)} differ from the TF '
+      f"model's {sorted(weights)}"
+    )
   for path, v in by_path.items():
     v.assign(weights[path])
-  model.compile(optimizer=keras.optimizers.Adam(1e-3), jit_compile=True,
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  model.compile(
+    optimizer=keras.optimizers.Adam(1e-3),
+    jit_compile=True,
+    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+  )
   return model
 
 
 def child_keras_jax(name: str, cfg: dict, inputs_path: str, steps: int, warmup: int) -> dict:
   """Keras 3 on JAX with keras.distribution, beside the same model on one device."""
-  import keras  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import keras
+  import numpy as np
+
   data = np.load(inputs_path)
   weights = {k[2:].replace('|', '/'): data[k] for k in data.files if k.startswith('w:')}
   x, y, rules = data['x'], data['y'], json.loads(str(data['rules']))
@@ -502,23 +583,32 @@ def child_keras_jax(name: str, cfg: dict, inputs_path: str, steps: int, warmup: 
     with distribution.scope():
       return distributed.train_on_batch(x, y)
 
-  runs = measure({'keras_jax_unpartitioned': lambda: reference.train_on_batch(x, y),
-                  'keras_jax': distributed_step}, steps, warmup, tf_gspmd_failure)
+  runs = measure(
+    {
+      'keras_jax_unpartitioned': lambda: reference.train_on_batch(x, y),
+      'keras_jax': distributed_step,
+    },
+    steps,
+    warmup,
+    tf_gspmd_failure,
+  )
   return {name: run.as_dict() for name, run in runs.items()}
 
 
 def run_child(args) -> None:
   if args.child_system == 'keras_jax':  # in the JAX venv: no TensorFlow here
-    result = child_keras_jax(args.child_model, json.loads(args.child_config), args.inputs,
-                             args.steps, args.warmup)
+    result = child_keras_jax(
+      args.child_model, json.loads(args.child_config), args.inputs, args.steps, args.warmup
+    )
     print(RESULT_PREFIX + json.dumps(result), flush=True)
     return
   configure_logical_cpus(NUM_DEVICES)
   spec = ModelSpec(args.child_model, json.loads(args.child_config))
   if args.inputs:
     save_inputs(spec, args.inputs)
-  body = {'tf_gspmd': child_tf_gspmd, 'dtensor': child_dtensor,
-          'xla': child_xla_backend}[args.child_system]
+  body = {'tf_gspmd': child_tf_gspmd, 'dtensor': child_dtensor, 'xla': child_xla_backend}[
+    args.child_system
+  ]
   result = body(spec, args.steps, args.warmup)
   print(RESULT_PREFIX + json.dumps(result), flush=True)
 
@@ -527,8 +617,10 @@ def run_child(args) -> None:
 def jax_python() -> Optional[str]:
   """The Python of the JAX venv (jax + Keras, no TensorFlow), as tests/test_xla_reference.py
   finds it: $TF_GSPMD_JAX_PYTHON, else the repository's .jaxenv (`make test` makes it)."""
-  for candidate in (os.environ.get('TF_GSPMD_JAX_PYTHON'),
-                    os.path.join(ROOT, '.jaxenv', 'bin', 'python')):
+  for candidate in (
+    os.environ.get('TF_GSPMD_JAX_PYTHON'),
+    os.path.join(ROOT, '.jaxenv', 'bin', 'python'),
+  ):
     if candidate and os.path.exists(candidate):
       return candidate
   return None
@@ -541,38 +633,58 @@ def spawn(model: str, system: str, cfg: dict, args, inputs: Optional[str] = None
   if system == 'keras_jax':
     python = jax_python()
     if python is None or inputs is None or not os.path.exists(inputs):
-      why = ('no JAX venv (.jaxenv or $TF_GSPMD_JAX_PYTHON)' if python is None
-             else 'no weights from the tf_gspmd run')
+      why = (
+        'no JAX venv (.jaxenv or $TF_GSPMD_JAX_PYTHON)'
+        if python is None
+        else 'no weights from the tf_gspmd run'
+      )
       return {n: {'error': f'error: {why}'} for n in names}
-    env = dict(os.environ, KERAS_BACKEND='jax',
-               XLA_FLAGS=f'--xla_force_host_platform_device_count={NUM_DEVICES}')
-  cmd = [python, os.path.abspath(__file__), '--child-model', model, '--child-system',
-         system, '--child-config', json.dumps(cfg), '--steps', str(args.steps),
-         '--warmup', str(args.warmup)] + (['--inputs', inputs] if inputs else [])
+    env = dict(
+      os.environ,
+      KERAS_BACKEND='jax',
+      XLA_FLAGS=f'--xla_force_host_platform_device_count={NUM_DEVICES}',
+    )
+  cmd = [
+    python,
+    os.path.abspath(__file__),
+    '--child-model',
+    model,
+    '--child-system',
+    system,
+    '--child-config',
+    json.dumps(cfg),
+    '--steps',
+    str(args.steps),
+    '--warmup',
+    str(args.warmup),
+  ] + (['--inputs', inputs] if inputs else [])
   start = time.perf_counter()
   try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT,
-                          env=env)
+    proc = subprocess.run(
+      cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT, env=env
+    )
   except subprocess.TimeoutExpired:
     return {n: {'error': f'error: timed out after {args.timeout:.0f} s'} for n in names}
   print(f'  {model} / {system}: {time.perf_counter() - start:.0f} s', file=sys.stderr)
   for line in proc.stdout.splitlines():
     if line.startswith(RESULT_PREFIX):
-      return json.loads(line[len(RESULT_PREFIX):])
+      return json.loads(line[len(RESULT_PREFIX) :])
   tail = [l for l in proc.stderr.strip().splitlines() if l.strip()][-1:] or ['no output']
   sys.stderr.write(proc.stderr[-3000:])
   return {n: {'error': f'error: exit {proc.returncode}: {tail[0][:80]}'} for n in names}
 
 
-def loss_verdict(what: str, got: List[float], want: List[float],
-                 exact: Optional[List[float]] = None) -> Optional[tuple]:
+def loss_verdict(
+  what: str, got: List[float], want: List[float], exact: Optional[List[float]] = None
+) -> Optional[tuple]:
   """(ok, error, note): the oracle on two loss sequences (their common prefix, as float32:
   the losses are float32 values carried as Python floats), or None if one is empty.
 
   With `exact` (the same steps in float64), by the oracle's float64 rule: `got` no further
   from float64 than twice `want`, plus the float32 bound; error is still got against want.
   """
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import numpy as np
+
   n = min(len(got), len(want), len(exact) if exact else len(got))
   if n == 0:
     return None
@@ -583,8 +695,10 @@ def loss_verdict(what: str, got: List[float], want: List[float],
     verdict = check.check(g, w, what)
     return verdict.ok, error, '' if verdict.ok else str(verdict)
   e = np.float64(exact[:n])
-  note = (f'to float64 {check.relative_error(np.float64(g), e):.1e} vs '
-          f'{check.relative_error(np.float64(w), e):.1e}')
+  note = (
+    f'to float64 {check.relative_error(np.float64(g), e):.1e} vs '
+    f'{check.relative_error(np.float64(w), e):.1e}'
+  )
   try:
     check.assert_close_to_float64(g, w, e, what)
   except AssertionError as failure:
@@ -615,25 +729,50 @@ def table(rows: List[List[str]], header: List[str]) -> str:
   return '\n'.join([line(header), '-+-'.join('-' * w for w in widths)] + [line(r) for r in rows])
 
 
-HEADER = ['model', 'mesh', 'build s', 'step ms unpartitioned', 'step ms tf_gspmd', 'ratio',
-          'step ms plain-TF unpart.', 'step ms DTensor', 'ratio', 'collectives/step',
-          'bytes/step', 'step ms XLA unpart.', 'step ms tf_gspmd xla', 'ratio',
-          'step ms Keras-JAX unpart.', 'step ms Keras-JAX', 'ratio']
+HEADER = [
+  'model',
+  'mesh',
+  'build s',
+  'step ms unpartitioned',
+  'step ms tf_gspmd',
+  'ratio',
+  'step ms plain-TF unpart.',
+  'step ms DTensor',
+  'ratio',
+  'collectives/step',
+  'bytes/step',
+  'step ms XLA unpart.',
+  'step ms tf_gspmd xla',
+  'ratio',
+  'step ms Keras-JAX unpart.',
+  'step ms Keras-JAX',
+  'ratio',
+]
 # Issue #15's step-time goals (checked, never tuned for): partitioned / unpartitioned of the
 # transformer with each backend, and tf_gspmd against its peers (all models).
-GOALS = {'transformer ratio, TF backend': 1.3, 'transformer ratio, XLA backend': 1.0,
-         'tf_gspmd / DTensor': 0.7, 'tf_gspmd / Keras-JAX': 1.0}
+GOALS = {
+  'transformer ratio, TF backend': 1.3,
+  'transformer ratio, XLA backend': 1.0,
+  'tf_gspmd / DTensor': 0.7,
+  'tf_gspmd / Keras-JAX': 1.0,
+}
 
 
 def describe(name: str, cfg: dict) -> str:
   if name == 'mlp':
-    return (f'batch {cfg["batch"]}, {cfg["features"]} -> {cfg["width"]} x{cfg["depth"]} -> '
-            f'{cfg["classes"]}, Adam')
+    return (
+      f'batch {cfg["batch"]}, {cfg["features"]} -> {cfg["width"]} x{cfg["depth"]} -> '
+      f'{cfg["classes"]}, Adam'
+    )
   if name == 'transformer':
-    return (f'batch {cfg["batch"]}, seq {cfg["seq"]}, vocab {cfg["vocab"]}, d_model '
-            f'{cfg["d_model"]}, heads {cfg["heads"]}, ff {cfg["ff"]}, layers {cfg["layers"]}, Adam')
-  return (f'batch {cfg["batch"]}, {cfg["image"]}x{cfg["image"]}x{cfg["channels"]}, filters '
-          f'{cfg["filters"]}, BatchNorm, MaxPool, Adam')
+    return (
+      f'batch {cfg["batch"]}, seq {cfg["seq"]}, vocab {cfg["vocab"]}, d_model '
+      f'{cfg["d_model"]}, heads {cfg["heads"]}, ff {cfg["ff"]}, layers {cfg["layers"]}, Adam'
+    )
+  return (
+    f'batch {cfg["batch"]}, {cfg["image"]}x{cfg["image"]}x{cfg["channels"]}, filters '
+    f'{cfg["filters"]}, BatchNorm, MaxPool, Adam'
+  )
 
 
 def merge_repeats(runs: List[dict]) -> dict:
@@ -647,8 +786,11 @@ def merge_repeats(runs: List[dict]) -> dict:
     if timed:
       first.update(step_ms=statistics.median(timed), step_ms_runs=timed, error=None)
       if first.get('losses') is None:
-        first.update(next(r[runner] for r in runs if r[runner].get('step_ms') is not None),
-                     step_ms=statistics.median(timed), step_ms_runs=timed)
+        first.update(
+          next(r[runner] for r in runs if r[runner].get('step_ms') is not None),
+          step_ms=statistics.median(timed),
+          step_ms_runs=timed,
+        )
   return merged
 
 
@@ -666,19 +808,37 @@ def goal_lines(letter: str, name: str, result: dict) -> List[str]:
       lines.append(f'  ({letter}) {name}: {what}: not measured')
       return
     goal = GOALS[goal_key]
-    lines.append(f'  ({letter}) {name}: {what} = {a:.1f} / {b:.1f} ms = {a / b:.2f} '
-                 f'(goal <= {goal}: {"met" if a / b <= goal else "NOT met"})')
+    lines.append(
+      f'  ({letter}) {name}: {what} = {a:.1f} / {b:.1f} ms = {a / b:.2f} '
+      f'(goal <= {goal}: {"met" if a / b <= goal else "NOT met"})'
+    )
 
   if name == 'transformer':
-    check('tf_gspmd / unpartitioned, TF backend', result['tf_gspmd'], result['unpartitioned'],
-          'transformer ratio, TF backend')
-    check('tf_gspmd / unpartitioned, XLA backend', result['tf_gspmd_xla'],
-          result['xla_unpartitioned'], 'transformer ratio, XLA backend')
+    check(
+      'tf_gspmd / unpartitioned, TF backend',
+      result['tf_gspmd'],
+      result['unpartitioned'],
+      'transformer ratio, TF backend',
+    )
+    check(
+      'tf_gspmd / unpartitioned, XLA backend',
+      result['tf_gspmd_xla'],
+      result['xla_unpartitioned'],
+      'transformer ratio, XLA backend',
+    )
   check('tf_gspmd / DTensor', result['tf_gspmd'], result['dtensor'], 'tf_gspmd / DTensor')
-  check('tf_gspmd (TF backend) / Keras-JAX', result['tf_gspmd'], result['keras_jax'],
-        'tf_gspmd / Keras-JAX')
-  check('tf_gspmd (XLA backend) / Keras-JAX', result['tf_gspmd_xla'], result['keras_jax'],
-        'tf_gspmd / Keras-JAX')
+  check(
+    'tf_gspmd (TF backend) / Keras-JAX',
+    result['tf_gspmd'],
+    result['keras_jax'],
+    'tf_gspmd / Keras-JAX',
+  )
+  check(
+    'tf_gspmd (XLA backend) / Keras-JAX',
+    result['tf_gspmd_xla'],
+    result['keras_jax'],
+    'tf_gspmd / Keras-JAX',
+  )
   return lines
 
 
@@ -690,14 +850,25 @@ def main(argv=None) -> int:
   parser.add_argument('--quick', action='store_true', help='tiny sizes, 2 steps, model (a) only')
   parser.add_argument('--timeout', type=float, default=420, help='seconds per subprocess')
   parser.add_argument('--json', help='also write the raw results here')
-  parser.add_argument('--systems', default=','.join(SYSTEMS),
-                      help=f'comma list of {", ".join(SYSTEMS)} (tf_gspmd always runs)')
-  parser.add_argument('--repeat', type=int, default=1,
-                      help='run every child this many times, systems in turn; each step time is '
-                           'the median over the runs of their medians')
-  parser.add_argument('--intra-op-threads', type=int, default=None,
-                      help="TF's intra-op threads in every TF child, partitioned and "
-                           'unpartitioned alike (default: TF picks, one per core)')
+  parser.add_argument(
+    '--systems',
+    default=','.join(SYSTEMS),
+    help=f'comma list of {", ".join(SYSTEMS)} (tf_gspmd always runs)',
+  )
+  parser.add_argument(
+    '--repeat',
+    type=int,
+    default=1,
+    help='run every child this many times, systems in turn; each step time is '
+    'the median over the runs of their medians',
+  )
+  parser.add_argument(
+    '--intra-op-threads',
+    type=int,
+    default=None,
+    help="TF's intra-op threads in every TF child, partitioned and "
+    'unpartitioned alike (default: TF picks, one per core)',
+  )
   parser.add_argument('--inputs', help=argparse.SUPPRESS)
   parser.add_argument('--child-model', help=argparse.SUPPRESS)
   parser.add_argument('--child-system', help=argparse.SUPPRESS)
@@ -722,19 +893,27 @@ def main(argv=None) -> int:
   if unknown:
     parser.error(f'unknown systems {unknown}; choose from {list(SYSTEMS)}')
   sizes = CONFIGS['quick' if args.quick else 'full']
-  print(f'step_time: {NUM_DEVICES} logical CPUs on {os.cpu_count()} cores; {args.steps} timed '
-        f'steps after {args.warmup} warm-up calls; {args.repeat} run(s) per system',
-        file=sys.stderr)
+  print(
+    f'step_time: {NUM_DEVICES} logical CPUs on {os.cpu_count()} cores; {args.steps} timed '
+    f'steps after {args.warmup} warm-up calls; {args.repeat} run(s) per system',
+    file=sys.stderr,
+  )
   results, rows, notes, mismatches, goals = {}, [], [], [], []
   for letter in letters:
     name = MODELS[letter]
     cfg = sizes[name]
     with tempfile.TemporaryDirectory() as tmp:
-      inputs = os.path.join(tmp, 'inputs.npz')   # written by the tf_gspmd child
-      runs = [{k: v for system in systems
-               for k, v in spawn(name, system, cfg, args,
-                                 inputs if system in ('tf_gspmd', 'keras_jax') else None).items()}
-              for _ in range(args.repeat)]
+      inputs = os.path.join(tmp, 'inputs.npz')  # written by the tf_gspmd child
+      runs = [
+        {
+          k: v
+          for system in systems
+          for k, v in spawn(
+            name, system, cfg, args, inputs if system in ('tf_gspmd', 'keras_jax') else None
+          ).items()
+        }
+        for _ in range(args.repeat)
+      ]
     result = merge_repeats(runs)
     for system in SYSTEMS:
       for runner in RUNNERS[system]:
@@ -745,60 +924,103 @@ def main(argv=None) -> int:
     xla_unpart, gspmd_xla = result['xla_unpartitioned'], result['tf_gspmd_xla']
     kj_unpart, kj = result['keras_jax_unpartitioned'], result['keras_jax']
     coll = result.get('collectives')
-    rows.append([f'({letter}) {name}', mesh_label(name),
-                 f'{gspmd["build_s"]:.1f}' if gspmd.get('build_s') else '-',
-                 fmt_ms(unpart), fmt_ms(gspmd), fmt_ratio(gspmd, unpart),
-                 fmt_ms(plain), fmt_ms(dt), fmt_ratio(dt, plain),
-                 str(coll['count']) if coll else '-', f'{coll["bytes"]:,}' if coll else '-',
-                 fmt_ms(xla_unpart), fmt_ms(gspmd_xla), fmt_ratio(gspmd_xla, xla_unpart),
-                 fmt_ms(kj_unpart), fmt_ms(kj), fmt_ratio(kj, kj_unpart)])
+    rows.append(
+      [
+        f'({letter}) {name}',
+        mesh_label(name),
+        f'{gspmd["build_s"]:.1f}' if gspmd.get('build_s') else '-',
+        fmt_ms(unpart),
+        fmt_ms(gspmd),
+        fmt_ratio(gspmd, unpart),
+        fmt_ms(plain),
+        fmt_ms(dt),
+        fmt_ratio(dt, plain),
+        str(coll['count']) if coll else '-',
+        f'{coll["bytes"]:,}' if coll else '-',
+        fmt_ms(xla_unpart),
+        fmt_ms(gspmd_xla),
+        fmt_ratio(gspmd_xla, xla_unpart),
+        fmt_ms(kj_unpart),
+        fmt_ms(kj),
+        fmt_ratio(kj, kj_unpart),
+      ]
+    )
     goals += goal_lines(letter, name, result)
     checks = []
-    for what, got, want in (('tf_gspmd vs Keras unpartitioned', gspmd, unpart),
-                            ('DTensor vs plain-TF unpartitioned', dt, plain),
-                            ('plain-TF twin vs Keras unpartitioned', plain, unpart),
-                            ('tf_gspmd xla vs Keras unpartitioned', gspmd_xla, unpart),
-                            ('XLA unpartitioned vs Keras unpartitioned', xla_unpart, unpart),
-                            ('Keras-JAX vs Keras-JAX unpartitioned', kj, kj_unpart),
-                            ('Keras-JAX unpartitioned vs Keras unpartitioned'
-                             + (', first step' if name in SPARSE_GRADIENT_MODELS else ''),
-                             kj_unpart, unpart)):
+    for what, got, want in (
+      ('tf_gspmd vs Keras unpartitioned', gspmd, unpart),
+      ('DTensor vs plain-TF unpartitioned', dt, plain),
+      ('plain-TF twin vs Keras unpartitioned', plain, unpart),
+      ('tf_gspmd xla vs Keras unpartitioned', gspmd_xla, unpart),
+      ('XLA unpartitioned vs Keras unpartitioned', xla_unpart, unpart),
+      ('Keras-JAX vs Keras-JAX unpartitioned', kj, kj_unpart),
+      (
+        'Keras-JAX unpartitioned vs Keras unpartitioned'
+        + (', first step' if name in SPARSE_GRADIENT_MODELS else ''),
+        kj_unpart,
+        unpart,
+      ),
+    ):
       got_losses, want_losses = got.get('losses') or [], want.get('losses') or []
       if what.endswith('first step'):
         got_losses, want_losses = got_losses[:1], want_losses[:1]
       # The float64 run is Keras-TF's step; Keras-JAX's differs where its gradient is sparse.
-      exact = None if ('Keras-JAX' in what and name in SPARSE_GRADIENT_MODELS) else (
-          result.get('float64', {}).get('losses'))
+      exact = (
+        None
+        if ('Keras-JAX' in what and name in SPARSE_GRADIENT_MODELS)
+        else (result.get('float64', {}).get('losses'))
+      )
       verdict = loss_verdict(what, got_losses, want_losses, exact)
       if verdict is None:
         continue
       ok, error, note = verdict
-      checks.append(f'{what} {error:.1e}' + (f' ({note})' if ok and note else '')
-                    + ('' if ok else ' MISMATCH'))
+      checks.append(
+        f'{what} {error:.1e}' + (f' ({note})' if ok and note else '') + ('' if ok else ' MISMATCH')
+      )
       if not ok:
         mismatches.append(f'({letter}) {note}')
-    build = ', '.join(f'{label} {r["build_s"]:.1f} s' for label, r in
-                      (('tf_gspmd', gspmd), ('unpartitioned', unpart), ('DTensor', dt),
-                       ('plain-TF', plain), ('tf_gspmd xla', gspmd_xla),
-                       ('XLA unpartitioned', xla_unpart), ('Keras-JAX', kj),
-                       ('Keras-JAX unpartitioned', kj_unpart)) if r.get('build_s'))
+    build = ', '.join(
+      f'{label} {r["build_s"]:.1f} s'
+      for label, r in (
+        ('tf_gspmd', gspmd),
+        ('unpartitioned', unpart),
+        ('DTensor', dt),
+        ('plain-TF', plain),
+        ('tf_gspmd xla', gspmd_xla),
+        ('XLA unpartitioned', xla_unpart),
+        ('Keras-JAX', kj),
+        ('Keras-JAX unpartitioned', kj_unpart),
+      )
+      if r.get('build_s')
+    )
     notes.append(f'({letter}) {name}: {describe(name, cfg)}')
     notes.append(f'    build (first call): {build}')
     if coll:
       fused = coll.get('sums', {})
-      notes.append('    collectives: ' + ', '.join(
+      notes.append(
+        '    collectives: '
+        + ', '.join(
           f'{k} x{v}' + (f' ({fused[k]} sums)' if fused.get(k, v) != v else '')
-          for k, v in sorted(coll['kinds'].items())))
-    rule = ('float64 rule: within 2 x the second run\'s distance to float64 + the bound'
-            if result.get('float64', {}).get('losses') else
-            f'float64 run {result.get("float64", {}).get("error") or "missing"}: bound alone')
-    notes.append(f'    losses over {len(unpart.get("losses") or [])} steps, normwise relative '
-                 f'error (oracle, bound {oracle_file.load().bound("float32"):g}; {rule}): '
-                 + ('; '.join(checks) or 'nothing to compare'))
+          for k, v in sorted(coll['kinds'].items())
+        )
+      )
+    rule = (
+      "float64 rule: within 2 x the second run's distance to float64 + the bound"
+      if result.get('float64', {}).get('losses')
+      else f'float64 run {result.get("float64", {}).get("error") or "missing"}: bound alone'
+    )
+    notes.append(
+      f'    losses over {len(unpart.get("losses") or [])} steps, normwise relative '
+      f'error (oracle, bound {oracle_file.load().bound("float32"):g}; {rule}): '
+      + ('; '.join(checks) or 'nothing to compare')
+    )
   print(table(rows, HEADER))
   print('\n'.join(notes))
-  print('vs peers and goals (issue #15; step medians'
-        + (f', median of {args.repeat} runs' if args.repeat > 1 else '') + '):')
+  print(
+    'vs peers and goals (issue #15; step medians'
+    + (f', median of {args.repeat} runs' if args.repeat > 1 else '')
+    + '):'
+  )
   print('\n'.join(goals))
   if args.json:
     with open(args.json, 'w') as f:

@@ -96,9 +96,8 @@ ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE, os.path.join(ROOT, 'examples'), os.path.join(ROOT, 'examples', 'keras')]
 
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
 import step_time  # noqa: E402  (sibling: model sizes and builders)
+import tensorflow as tf  # noqa: E402
 
 NUM_DEVICES = 8
 MODELS = ('mlp', 'transformer', 'cnn', 'moe')
@@ -109,10 +108,12 @@ class Case:
   """One model: the annotated step (shared by both sides), a reference step, a batch."""
 
   def __init__(self, name: str, quick: bool):
-    import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
+    import tf_gspmd as tg
+
     self.name = name
     if name == 'moe':
-      import moe  # pylint: disable=g-import-not-at-top
+      import moe
+
       self.mesh = tg.Mesh.create(*MOE_MESH)
       self.weights, ref_weights = moe.weights(0), moe.weights(0)
       moe.annotate(self.weights, self.mesh)
@@ -140,7 +141,8 @@ class Case:
 def _float64_step(spec):
   """(step, variables, batch): the unpartitioned step in float64, from the float32 models'
   initial weights: the exact answer the oracle's float64 rule measures both runs against."""
-  from tf_gspmd.testing.float64 import float64_policy, float64_twin  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.testing.float64 import float64_policy, float64_twin
+
   model, optimizer = float64_twin(spec.keras)
   with float64_policy():
     step = spec.train_step(model, optimizer)  # its Keras loss takes the policy: float64
@@ -163,8 +165,9 @@ def _tf_variable(v):
 
 def build_both(case: Case):
   """(ours, xla, build seconds of each): both start from the variables' current values."""
-  import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.xla_bridge import xla_partitioner  # pylint: disable=g-import-not-at-top
+  import tf_gspmd as tg
+  from tf_gspmd.xla_bridge import xla_partitioner
+
   start = time.perf_counter()
   ours = tg.partition(case.step, case.mesh, backend='xla')
   program = ours.get_program(*case.batch)
@@ -173,15 +176,20 @@ def build_both(case: Case):
   layouts = {id(v): ours.store.sharded[id(v)].sharding for v in program.variables}
   start = time.perf_counter()
   xla = xla_partitioner.XlaPartitionedStep(
-      case.step, case.batch, NUM_DEVICES, arg_shardings=program.arg_shardings,
-      variable_sharding=lambda v: layouts.get(id(v)))
+    case.step,
+    case.batch,
+    NUM_DEVICES,
+    arg_shardings=program.arg_shardings,
+    variable_sharding=lambda v: layouts.get(id(v)),
+  )
   return ours, xla, ours_seconds, time.perf_counter() - start
 
 
 def check(case: Case, ours, xla, steps: int) -> dict:
   """Train `steps` steps three ways (and in float64 where the case has it); the oracle's
   normwise errors of ours and XLA's against the reference, and its verdicts."""
-  from tf_gspmd.testing import oracle  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.testing import oracle
+
   ours_losses, xla_losses, ref_losses = [], [], []
   for _ in range(steps):
     if case.exact is not None:
@@ -193,11 +201,15 @@ def check(case: Case, ours, xla, steps: int) -> dict:
   names = [_tf_variable(v).name for v in case.variables]
   want = {n: np.asarray(r.numpy()) for n, r in zip(names, case.ref_variables)}
   # Every variable of the step is held by both sides (a KeyError here is a bench bug).
-  got = {'ours': {n: ours.store.sharded[id(_tf_variable(v))].numpy()
-                  for n, v in zip(names, case.variables)},
-         'xla': {n: np.asarray(xla_values[n]) for n in names}}
-  exact = None if case.exact is None else {
-      n: np.asarray(e.numpy()) for n, e in zip(names, case.exact[1])}
+  got = {
+    'ours': {
+      n: ours.store.sharded[id(_tf_variable(v))].numpy() for n, v in zip(names, case.variables)
+    },
+    'xla': {n: np.asarray(xla_values[n]) for n in names},
+  }
+  exact = (
+    None if case.exact is None else {n: np.asarray(e.numpy()) for n, e in zip(names, case.exact[1])}
+  )
   losses = {'ours': np.stack(ours_losses), 'xla': np.stack(xla_losses)}
   want_losses = np.stack(ref_losses)
 
@@ -222,42 +234,55 @@ def check(case: Case, ours, xla, steps: int) -> dict:
   # others hold round-off alone (a zero gradient in exact arithmetic: a convolution bias
   # before BatchNorm, an attention key bias, their Adam slots, BatchNorm's moving mean
   # carrying that bias); the float64 rule above judged them.
-  resolved = [n for n in floating
-              if exact is None or oracle.relative_error(want[n], exact[n]) <= bound]
+  resolved = [
+    n for n in floating if exact is None or oracle.relative_error(want[n], exact[n]) <= bound
+  ]
   if os.environ.get('VS_XLA_DEBUG'):
     for n in floating:
-      print(n, *(oracle.relative_error(got[side][n], want[n]) for side in ('ours', 'xla')),
-            '' if exact is None else oracle.relative_error(want[n], exact[n]), file=sys.stderr)
-  return dict(ours_loss=oracle.relative_error(losses['ours'], want_losses),
-              xla_loss=oracle.relative_error(losses['xla'], want_losses),
-              ours_vars=largest((got['ours'][n], want[n]) for n in resolved),
-              xla_vars=largest((got['xla'][n], want[n]) for n in resolved),
-              floor=None if exact is None else largest((want[n], exact[n]) for n in resolved),
-              round_off_only=len(floating) - len(resolved),
-              ours_vs_xla=largest((got['ours'][n], got['xla'][n]) for n in resolved),
-              bound=bound, failures=failures)
+      print(
+        n,
+        *(oracle.relative_error(got[side][n], want[n]) for side in ('ours', 'xla')),
+        '' if exact is None else oracle.relative_error(want[n], exact[n]),
+        file=sys.stderr,
+      )
+  return dict(
+    ours_loss=oracle.relative_error(losses['ours'], want_losses),
+    xla_loss=oracle.relative_error(losses['xla'], want_losses),
+    ours_vars=largest((got['ours'][n], want[n]) for n in resolved),
+    xla_vars=largest((got['xla'][n], want[n]) for n in resolved),
+    floor=None if exact is None else largest((want[n], exact[n]) for n in resolved),
+    round_off_only=len(floating) - len(resolved),
+    ours_vs_xla=largest((got['ours'][n], got['xla'][n]) for n in resolved),
+    bound=bound,
+    failures=failures,
+  )
 
 
 def _ours_arrays(ours, batch):
   """ours' executable inputs as jax arrays (placed once): what one timed execute consumes."""
-  from tf_gspmd.xla_bridge import pjrt  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.xla_bridge import pjrt
+
   compiled = ours.get_program(*batch)
-  run = ours._xla_run(compiled)  # pylint: disable=protected-access
+  run = ours._xla_run(compiled)  # noqa: SLF001
   devices = run.executable.devices
   inputs = [pjrt.put_global(v, layout, devices) for v, layout in zip(batch, run.export.args)]
   inputs += run.capture_buffers
   inputs += [ours.store.sharded[id(v)].shards for v in compiled.variables]
-  jax = run.executable._jax  # pylint: disable=protected-access
+  jax = run.executable._jax  # noqa: SLF001
   with jax.enable_x64(True):
     return run.executable.executable, [
-        jax.make_array_from_single_device_arrays(tuple(layout.local_shape),
-                                                 run.executable._replicated, list(buffers))  # pylint: disable=protected-access
-        for layout, buffers in zip(run.export.args, inputs)]
+      jax.make_array_from_single_device_arrays(
+        tuple(layout.local_shape), run.executable._replicated, list(buffers)
+      )  # noqa: SLF001
+      for layout, buffers in zip(run.export.args, inputs)
+    ]
 
 
 def _xla_arrays(xla, batch):
-  inputs = [xla._put(p, batch[p.number]) if p.kind == 'argument' else xla._state[p.number]  # pylint: disable=protected-access
-            for p in xla.parameters]
+  inputs = [
+    xla._put(p, batch[p.number]) if p.kind == 'argument' else xla._state[p.number]  # noqa: SLF001
+    for p in xla.parameters
+  ]
   return xla.executable, inputs
 
 
@@ -289,19 +314,25 @@ def collective_summary(collectives) -> dict:
 
 
 def measure(name: str, quick: bool, steps: int, check_steps: int) -> dict:
-  from tf_gspmd.xla_bridge import xla_partitioner  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.xla_bridge import xla_partitioner
+
   case = Case(name, quick)
   ours, xla, ours_build, xla_build = build_both(case)
   executable = ours.xla_executable(*case.batch)
-  ours_collectives = xla_partitioner.partitioned_collectives(executable.compiled_hlo(),
-                                                             NUM_DEVICES)
-  result = dict(model=name, mesh=f'{case.mesh.shape}', build_s=dict(ours=ours_build, xla=xla_build),
-                collectives=dict(ours=collective_summary(ours_collectives),
-                                 xla=collective_summary(xla.collectives())),
-                peak_bytes=dict(ours=xla_partitioner.compiled_memory(executable.executable)['peak'],
-                                xla=xla.memory()['peak']),
-                step_ms=time_both(ours, xla, case.batch, steps),
-                errors=check(case, ours, xla, check_steps))
+  ours_collectives = xla_partitioner.partitioned_collectives(executable.compiled_hlo(), NUM_DEVICES)
+  result = dict(
+    model=name,
+    mesh=f'{case.mesh.shape}',
+    build_s=dict(ours=ours_build, xla=xla_build),
+    collectives=dict(
+      ours=collective_summary(ours_collectives), xla=collective_summary(xla.collectives())
+    ),
+    peak_bytes=dict(
+      ours=xla_partitioner.compiled_memory(executable.executable)['peak'], xla=xla.memory()['peak']
+    ),
+    step_ms=time_both(ours, xla, case.batch, steps),
+    errors=check(case, ours, xla, check_steps),
+  )
   result['ours_detail'] = ours_collectives
   result['xla_detail'] = xla.collectives()
   return result
@@ -313,45 +344,81 @@ def _kinds(summary: dict) -> str:
 
 def explain_bytes(r: dict) -> str:
   """Where XLA moves fewer bytes: which collectives differ, by kind."""
+
   def by_kind(detail):
     out = {}
     for c in detail:
       out[c['kind']] = out.get(c['kind'], 0) + c['bytes']
     return out
+
   ours, xla = by_kind(r['ours_detail']), by_kind(r['xla_detail'])
-  parts = [f'{k}: ours {ours.get(k, 0)} B, XLA {xla.get(k, 0)} B'
-           for k in sorted(set(ours) | set(xla)) if ours.get(k, 0) != xla.get(k, 0)]
+  parts = [
+    f'{k}: ours {ours.get(k, 0)} B, XLA {xla.get(k, 0)} B'
+    for k in sorted(set(ours) | set(xla))
+    if ours.get(k, 0) != xla.get(k, 0)
+  ]
   return f'  {r["model"]}: XLA moves fewer bytes -- ' + '; '.join(parts)
 
 
 def print_table(results) -> None:
-  header = ['model', 'mesh', 'collectives ours', 'collectives XLA', 'bytes ours', 'bytes XLA',
-            'peak KiB ours', 'peak KiB XLA', 'step ms ours', 'step ms XLA', 'ratio',
-            'min ratio',
-            'rel err ours/XLA', 'floor', 'round-off', 'ours vs XLA', 'oracle']
+  header = [
+    'model',
+    'mesh',
+    'collectives ours',
+    'collectives XLA',
+    'bytes ours',
+    'bytes XLA',
+    'peak KiB ours',
+    'peak KiB XLA',
+    'step ms ours',
+    'step ms XLA',
+    'ratio',
+    'min ratio',
+    'rel err ours/XLA',
+    'floor',
+    'round-off',
+    'ours vs XLA',
+    'oracle',
+  ]
   rows = []
   for r in results:
     c, e = r['collectives'], r['errors']
-    rows.append([r['model'], r['mesh'], f"{c['ours']['count']} ({_kinds(c['ours'])})",
-                 f"{c['xla']['count']} ({_kinds(c['xla'])})", str(c['ours']['bytes']),
-                 str(c['xla']['bytes']), f"{r['peak_bytes']['ours'] / 2**10:.1f}",
-                 f"{r['peak_bytes']['xla'] / 2**10:.1f}", f"{r['step_ms']['ours']:.2f}",
-                 f"{r['step_ms']['xla']:.2f}", f"{r['step_ms']['ours'] / r['step_ms']['xla']:.2f}",
-                 f"{r['step_ms']['ours_min'] / r['step_ms']['xla_min']:.2f}",
-                 f"{max(e['ours_loss'], e['ours_vars']):.1e}/{max(e['xla_loss'], e['xla_vars']):.1e}",
-                 '-' if e['floor'] is None else f"{e['floor']:.1e}", str(e['round_off_only']),
-                 f"{e['ours_vs_xla']:.1e}",
-                 'MISMATCH' if e['failures'] else 'ok'])
+    rows.append(
+      [
+        r['model'],
+        r['mesh'],
+        f'{c["ours"]["count"]} ({_kinds(c["ours"])})',
+        f'{c["xla"]["count"]} ({_kinds(c["xla"])})',
+        str(c['ours']['bytes']),
+        str(c['xla']['bytes']),
+        f'{r["peak_bytes"]["ours"] / 2**10:.1f}',
+        f'{r["peak_bytes"]["xla"] / 2**10:.1f}',
+        f'{r["step_ms"]["ours"]:.2f}',
+        f'{r["step_ms"]["xla"]:.2f}',
+        f'{r["step_ms"]["ours"] / r["step_ms"]["xla"]:.2f}',
+        f'{r["step_ms"]["ours_min"] / r["step_ms"]["xla_min"]:.2f}',
+        f'{max(e["ours_loss"], e["ours_vars"]):.1e}/{max(e["xla_loss"], e["xla_vars"]):.1e}',
+        '-' if e['floor'] is None else f'{e["floor"]:.1e}',
+        str(e['round_off_only']),
+        f'{e["ours_vs_xla"]:.1e}',
+        'MISMATCH' if e['failures'] else 'ok',
+      ]
+    )
   widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
   for row in [header] + rows:
     print(' | '.join(str(x).ljust(w) for x, w in zip(row, widths)))
   bound = results[0]['errors']['bound'] if results else 1e-5
-  print(f'\nrel err, floor, ours vs XLA: the oracle\'s normwise relative error, largest over the '
-        f'tensors float32 resolves; bound {bound:g} (float32). round-off: variables holding '
-        f'round-off alone. oracle: its verdict (the variables of the models with a float64 run '
-        f'by its float64 rule: within 2 x the unpartitioned run\'s distance + {bound:g})')
-  notes = [explain_bytes(r) for r in results
-           if r['collectives']['xla']['bytes'] < r['collectives']['ours']['bytes']]
+  print(
+    f"\nrel err, floor, ours vs XLA: the oracle's normwise relative error, largest over the "
+    f'tensors float32 resolves; bound {bound:g} (float32). round-off: variables holding '
+    f'round-off alone. oracle: its verdict (the variables of the models with a float64 run '
+    f"by its float64 rule: within 2 x the unpartitioned run's distance + {bound:g})"
+  )
+  notes = [
+    explain_bytes(r)
+    for r in results
+    if r['collectives']['xla']['bytes'] < r['collectives']['ours']['bytes']
+  ]
   if notes:
     print('\nWhere XLA moves fewer bytes per step:')
     print('\n'.join(notes))

@@ -99,7 +99,6 @@ DEFAULT_JAX_PYTHON = '/work/jaxenv/bin/python'
 _REEXEC_MARKER = 'TF_GSPMD_XLA_REFERENCE_REEXEC'
 
 
-
 def force_host_devices() -> None:
   """Ask XLA for NUM_DEVICES host CPU devices.
 
@@ -115,6 +114,7 @@ def force_host_devices() -> None:
     flag = f'--xla_force_host_platform_device_count={NUM_DEVICES}'
     os.environ['XLA_FLAGS'] = f'{flags} {flag}'.strip()
 
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import oracle_file  # noqa: E402  (sibling: the oracle without tf_gspmd)
 import reshard_cases  # noqa: E402  (sibling module, pure Python)
@@ -123,14 +123,35 @@ import reshard_cases  # noqa: E402  (sibling module, pure Python)
 # HLO text parsing (pure Python; tests can run it without JAX)
 # ---------------------------------------------------------------------------
 
-DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 's16': 2, 'u16': 2,
-               'f16': 2, 'bf16': 2, 's32': 4, 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8,
-               'c64': 8, 'c128': 16}
+DTYPE_BYTES = {
+  'pred': 1,
+  's8': 1,
+  'u8': 1,
+  'f8e4m3fn': 1,
+  'f8e5m2': 1,
+  's16': 2,
+  'u16': 2,
+  'f16': 2,
+  'bf16': 2,
+  's32': 4,
+  'u32': 4,
+  'f32': 4,
+  's64': 8,
+  'u64': 8,
+  'f64': 8,
+  'c64': 8,
+  'c128': 16,
+}
 COLLECTIVES = ('all-gather', 'all-to-all', 'collective-permute', 'all-reduce', 'reduce-scatter')
 # Ops that move data between devices but that no bytes rule here covers: met in
 # a program, they would make the count wrong, so they are an error.
-UNMEASURED_COMMUNICATION = ('send', 'recv', 'collective-broadcast', 'ragged-all-to-all',
-                            'all-reduce-scatter')
+UNMEASURED_COMMUNICATION = (
+  'send',
+  'recv',
+  'collective-broadcast',
+  'ragged-all-to-all',
+  'all-reduce-scatter',
+)
 
 _ARRAY_RE = re.compile(r'\b([a-z][a-z0-9]*)\[([0-9,]*)\]')
 _INSTR_RE = re.compile(r'^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$')
@@ -144,8 +165,9 @@ def shape_arrays(shape_text: str) -> list:
     if dtype == 'token':
       continue
     if dtype not in DTYPE_BYTES:
-      raise ValueError(f'HLO shape {shape_text!r}: unknown element type {dtype!r}; add its size '
-                       'to DTYPE_BYTES.')
+      raise ValueError(
+        f'HLO shape {shape_text!r}: unknown element type {dtype!r}; add its size to DTYPE_BYTES.'
+      )
     arrays.append((dtype, tuple(int(d) for d in dims.split(',') if d)))
   return arrays
 
@@ -171,7 +193,7 @@ def _balanced(text: str, start: int) -> int:
       stack.pop()
       if not stack:
         return i + 1
-  raise ValueError(f'unbalanced brackets in HLO text: {text[start:start + 200]!r}')
+  raise ValueError(f'unbalanced brackets in HLO text: {text[start : start + 200]!r}')
 
 
 def parse_instruction(line: str):
@@ -189,9 +211,15 @@ def parse_instruction(line: str):
   if not op:
     raise ValueError(f'cannot read the opcode of HLO instruction {line.strip()!r}')
   args_end = _balanced(rest, op.end() - 1)
-  operands = re.findall(r'%([\w.\-]+)', rest[op.end():args_end - 1])
-  return dict(name=name, shape=shape, opcode=op.group(1), operands=operands,
-              attrs=rest[args_end:], root=line.lstrip().startswith('ROOT '))
+  operands = re.findall(r'%([\w.\-]+)', rest[op.end() : args_end - 1])
+  return dict(
+    name=name,
+    shape=shape,
+    opcode=op.group(1),
+    operands=operands,
+    attrs=rest[args_end:],
+    root=line.lstrip().startswith('ROOT '),
+  )
 
 
 def parse_module(hlo_text: str) -> dict:
@@ -221,9 +249,11 @@ def parse_module(hlo_text: str) -> dict:
 
 # --- replica groups ---------------------------------------------------------
 
+
 def _iota_devices(reshape_dims, perm, out_dims):
   """Device ids 0..N-1 reshaped to `reshape_dims`, transposed by `perm`, laid out as `out_dims`."""
   import numpy as np
+
   ids = np.arange(math.prod(reshape_dims)).reshape(reshape_dims)
   if perm is not None:
     ids = ids.transpose(perm)
@@ -262,6 +292,7 @@ def _axis_factors(axis_size: int, refs: list):
 def _mesh_groups(axes_text: str, ids_text, refs_text: str) -> list:
   """Replica groups of the mesh form (see the module docstring)."""
   import numpy as np
+
   axes = [(n, int(s)) for n, s in re.findall(r"'([^']+)'=(\d+)", axes_text)]
   names = [n for n, _ in axes]
   sizes = [s for _, s in axes]
@@ -270,10 +301,13 @@ def _mesh_groups(axes_text: str, ids_text, refs_text: str) -> list:
   else:
     iota = re.fullmatch(r'\[([\d,]+)\](?:T\(([\d,]+)\))?', ids_text.strip())
     if not iota:
-      raise ValueError(f'unsupported mesh device_ids {ids_text!r} in replica groups; only the iota '
-                       'form [dims]T(perm) is read')
-    devices = _iota_devices(_ints(iota.group(1)), _ints(iota.group(2)) if iota.group(2) else None,
-                            sizes)
+      raise ValueError(
+        f'unsupported mesh device_ids {ids_text!r} in replica groups; only the iota '
+        'form [dims]T(perm) is read'
+      )
+    devices = _iota_devices(
+      _ints(iota.group(1)), _ints(iota.group(2)) if iota.group(2) else None, sizes
+    )
   refs = []  # (axis index, pre_size, size) in group order
   for ref in re.finditer(r"'([^']+)'(?::\((\d+)\)(\d+))?", refs_text):
     axis = names.index(ref.group(1))
@@ -300,8 +334,11 @@ def _mesh_groups(axes_text: str, ids_text, refs_text: str) -> list:
 
 def parse_replica_groups(attrs: str, num_devices: int) -> list:
   """The replica groups of a collective's attributes, as lists of device ids."""
-  mesh = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*(?:\([^)]*\))?)\))?"
-                   r"\s*\{([^}]*)\}", attrs)
+  mesh = re.search(
+    r'replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*(?:\([^)]*\))?)\))?'
+    r'\s*\{([^}]*)\}',
+    attrs,
+  )
   if mesh:
     return _mesh_groups(mesh.group(1), mesh.group(2), mesh.group(3))
   iota = re.search(r'replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?', attrs)
@@ -312,7 +349,7 @@ def parse_replica_groups(attrs: str, num_devices: int) -> list:
   explicit = re.search(r'replica_groups=\{', attrs)
   if explicit:
     start = explicit.end() - 1
-    body = attrs[start + 1:_balanced(attrs, start) - 1]
+    body = attrs[start + 1 : _balanced(attrs, start) - 1]
     groups = [_ints(g) for g in re.findall(r'\{([\d,\s]*)\}', body)]
     return groups or [list(range(num_devices))]
   raise ValueError(f'cannot read replica groups from collective attributes {attrs[:300]!r}')
@@ -328,11 +365,14 @@ def parse_source_target_pairs(attrs: str) -> list:
 def _check_groups(groups: list, num_devices: int, what: str) -> None:
   flat = sorted(d for g in groups for d in g)
   if flat != list(range(num_devices)) or len({len(g) for g in groups}) != 1:
-    raise ValueError(f'{what}: replica groups {groups} are not an equal-size partition of '
-                     f'devices 0..{num_devices - 1}')
+    raise ValueError(
+      f'{what}: replica groups {groups} are not an equal-size partition of '
+      f'devices 0..{num_devices - 1}'
+    )
 
 
 # --- bytes ------------------------------------------------------------------
+
 
 def received_bytes(op: str, operand_shapes: list, result_shapes: list, group_size: int) -> int:
   """Bytes one device of a replica group of `group_size` receives (see the module docstring)."""
@@ -368,18 +408,24 @@ def collectives_of(module: dict, num_devices: int) -> list:
       opcode = i['opcode']
       base = re.sub(r'-(start|done)$', '', opcode)
       if base in UNMEASURED_COMMUNICATION:
-        raise ValueError(f'{opcode} {i["name"]} in computation {comp}: no bytes rule for this '
-                         'communicating op; extend collectives_of')
+        raise ValueError(
+          f'{opcode} {i["name"]} in computation {comp}: no bytes rule for this '
+          'communicating op; extend collectives_of'
+        )
       if base not in COLLECTIVES or opcode.endswith('-done'):
         continue
       operand_shapes = [shapes[o] for o in i['operands']]
       result = done_shape[i['name']] if opcode.endswith('-start') else i['shape']
       result_shapes = [result]
-      record = dict(op=base, instruction=i['name'], computation=comp,
-                    operand_shapes=[_plain(s) for s in operand_shapes],
-                    result_shapes=[_plain(s) for s in result_shapes],
-                    operand_bytes=sum(shape_bytes(s) for s in operand_shapes),
-                    result_bytes=shape_bytes(result))
+      record = dict(
+        op=base,
+        instruction=i['name'],
+        computation=comp,
+        operand_shapes=[_plain(s) for s in operand_shapes],
+        result_shapes=[_plain(s) for s in result_shapes],
+        operand_bytes=sum(shape_bytes(s) for s in operand_shapes),
+        result_bytes=shape_bytes(result),
+      )
       per_device = [0] * num_devices
       if base == 'collective-permute':
         pairs = parse_source_target_pairs(i['attrs'])
@@ -418,18 +464,26 @@ def analyze_hlo(hlo_text: str, num_devices: int) -> dict:
   per_device = [sum(c['_per_device'][d] for c in collectives) for d in range(num_devices)]
   for c in collectives:
     del c['_per_device']
-  peak = max([param_bytes, result_bytes] +
-             [max(c['operand_bytes'], c['result_bytes']) for c in collectives])
-  max_buffer = max((array_bytes(t, d) for i in entry for t, d in shape_arrays(i['shape'])),
-                   default=0)
-  return dict(xla_bytes=max(per_device, default=0), xla_peak=peak, xla_max_buffer=max_buffer,
-              src_shard_bytes=param_bytes, dst_shard_bytes=result_bytes,
-              xla_collectives=collectives)
+  peak = max(
+    [param_bytes, result_bytes] + [max(c['operand_bytes'], c['result_bytes']) for c in collectives]
+  )
+  max_buffer = max(
+    (array_bytes(t, d) for i in entry for t, d in shape_arrays(i['shape'])), default=0
+  )
+  return dict(
+    xla_bytes=max(per_device, default=0),
+    xla_peak=peak,
+    xla_max_buffer=max_buffer,
+    src_shard_bytes=param_bytes,
+    dst_shard_bytes=result_bytes,
+    xla_collectives=collectives,
+  )
 
 
 # ---------------------------------------------------------------------------
 # Programs (needs JAX)
 # ---------------------------------------------------------------------------
+
 
 def _entry_axes(entry) -> tuple:
   return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
@@ -489,6 +543,7 @@ def build_program(case: dict, jax_mesh):
 def _check_numerics(case, fn, arg_shape, arg_sharding, expected) -> str:
   import jax
   import numpy as np
+
   rng = np.random.default_rng(len(case['name']))
   arg = rng.standard_normal(arg_shape).astype(case['dtype'])
   out = np.asarray(fn(jax.device_put(arg, arg_sharding)))
@@ -498,8 +553,10 @@ def _check_numerics(case, fn, arg_shape, arg_sharding, expected) -> str:
     oracle = oracle_file.load()
     err, bound = oracle.relative_error(got, want), oracle.bound(got.dtype)
     if not err <= bound:
-      raise AssertionError(f'case {case["name"]}: XLA result differs from numpy\'s float64 sum: '
-                           f'normwise relative error {err:.3g} > bound {bound:g}')
+      raise AssertionError(
+        f"case {case['name']}: XLA result differs from numpy's float64 sum: "
+        f'normwise relative error {err:.3g} > bound {bound:g}'
+      )
     return f'normwise<={bound:g}'
   if not np.array_equal(got, want):
     raise AssertionError(f'case {case["name"]}: XLA output differs from its input')
@@ -510,11 +567,13 @@ def jax_mesh_for(case: dict):
   import jax
   import numpy as np
   from jax.sharding import Mesh
+
   n = math.prod(case['mesh_shape'])
   if jax.device_count() < n:
     raise RuntimeError(
-        f'case {case["name"]} needs {n} devices but JAX has {jax.device_count()}; set '
-        f'XLA_FLAGS=--xla_force_host_platform_device_count={n} before importing jax')
+      f'case {case["name"]} needs {n} devices but JAX has {jax.device_count()}; set '
+      f'XLA_FLAGS=--xla_force_host_platform_device_count={n} before importing jax'
+    )
   devices = np.array(jax.devices()[:n]).reshape(case['mesh_shape'])
   return Mesh(devices, tuple(case['axis_names']))
 
@@ -526,6 +585,7 @@ def reference_for_case(case: dict, check: bool = True) -> dict:
   jax_mesh = jax_mesh_for(case)
   fn, arg_shape, arg_sharding, expected = build_program(case, jax_mesh)
   import jax
+
   compiled = fn.lower(jax.ShapeDtypeStruct(arg_shape, case['dtype'])).compile()
   record = dict(name=case['name'])
   record.update(analyze_hlo(compiled.as_text(), math.prod(case['mesh_shape'])))
@@ -546,6 +606,7 @@ def xla_reference(cases=None, check: bool = True) -> list:
 # Command line
 # ---------------------------------------------------------------------------
 
+
 def collective_summary(record: dict) -> str:
   """'all-to-all(g=2) + collective-permute' style summary of a record's collectives."""
   parts = []
@@ -556,11 +617,23 @@ def collective_summary(record: dict) -> str:
 
 def format_table(records: list) -> str:
   rows = [('case', 'xla_bytes', 'xla_peak', 'max_buffer', 'collectives')]
-  rows += [(r['name'], str(r['xla_bytes']), str(r['xla_peak']), str(r['xla_max_buffer']),
-            collective_summary(r)) for r in records]
+  rows += [
+    (
+      r['name'],
+      str(r['xla_bytes']),
+      str(r['xla_peak']),
+      str(r['xla_max_buffer']),
+      collective_summary(r),
+    )
+    for r in records
+  ]
   widths = [max(len(row[k]) for row in rows) for k in range(4)]
-  return '\n'.join('  '.join([row[k].ljust(widths[k]) if k == 0 else row[k].rjust(widths[k])
-                              for k in range(4)] + [row[4]]) for row in rows)
+  return '\n'.join(
+    '  '.join(
+      [row[k].ljust(widths[k]) if k == 0 else row[k].rjust(widths[k]) for k in range(4)] + [row[4]]
+    )
+    for row in rows
+  )
 
 
 def _jax_python():
@@ -573,8 +646,11 @@ def _jax_python():
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--cases', help='comma-separated case names (default: all)')
-  parser.add_argument('--cases-json', help='read the cases from this JSON file instead '
-                      '(a list of dicts in the form of bench/reshard_cases.py)')
+  parser.add_argument(
+    '--cases-json',
+    help='read the cases from this JSON file instead '
+    '(a list of dicts in the form of bench/reshard_cases.py)',
+  )
   parser.add_argument('--table', action='store_true', help='also print a table on stderr')
   parser.add_argument('--no-check', action='store_true', help='skip the numeric check')
   args = parser.parse_args(argv)
@@ -586,12 +662,16 @@ def main(argv=None) -> int:
     # Venv interpreters are symlinks to one base Python, so paths cannot tell
     # whether `python` is this very interpreter; a marker stops a second hop.
     if python is None or os.environ.get(_REEXEC_MARKER):
-      print(f'xla_reference: SKIPPED: {sys.executable} has no JAX; point ${JAX_PYTHON_ENV} at a '
-            f'Python with JAX (default {DEFAULT_JAX_PYTHON})', file=sys.stderr)
+      print(
+        f'xla_reference: SKIPPED: {sys.executable} has no JAX; point ${JAX_PYTHON_ENV} at a '
+        f'Python with JAX (default {DEFAULT_JAX_PYTHON})',
+        file=sys.stderr,
+      )
       return 0
-    return subprocess.call([python, os.path.abspath(__file__)] +
-                           (sys.argv[1:] if argv is None else list(argv)),
-                           env=dict(os.environ, **{_REEXEC_MARKER: '1'}))
+    return subprocess.call(
+      [python, os.path.abspath(__file__)] + (sys.argv[1:] if argv is None else list(argv)),
+      env=dict(os.environ, **{_REEXEC_MARKER: '1'}),
+    )
   cases = reshard_cases.CASES
   if args.cases_json:
     with open(args.cases_json) as f:
@@ -603,8 +683,11 @@ def main(argv=None) -> int:
   print()
   if args.table:
     import jax
-    print(f'XLA via jax {jax.__version__} on {jax.device_count()} {jax.default_backend()} devices',
-          file=sys.stderr)
+
+    print(
+      f'XLA via jax {jax.__version__} on {jax.device_count()} {jax.default_backend()} devices',
+      file=sys.stderr,
+    )
     print(format_table(records), file=sys.stderr)
   return 0
 

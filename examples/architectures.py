@@ -42,8 +42,10 @@ LEARNING_RATE, MOMENTUM = 0.05, 0.9
 def batch(seed: int, batch_size: int = BATCH):
   """Images [B, 32, 32, 3] float32 and integer labels [B]."""
   rng = np.random.RandomState(seed)
-  return (rng.randn(batch_size, IMAGE, IMAGE, CHANNELS).astype(np.float32),
-          rng.randint(0, CLASSES, batch_size).astype(np.int32))
+  return (
+    rng.randn(batch_size, IMAGE, IMAGE, CHANNELS).astype(np.float32),
+    rng.randint(0, CLASSES, batch_size).astype(np.int32),
+  )
 
 
 # --- raw TF ---------------------------------------------------------------------------
@@ -54,19 +56,27 @@ class RawNet:
   eagerly; `twin(dtype)` is the same network with the same values in another dtype.
   """
 
-  def __init__(self, arch: Callable, seed: int = 0, dtype=tf.float32,
-               values: Optional[Dict[str, np.ndarray]] = None):
+  def __init__(
+    self,
+    arch: Callable,
+    seed: int = 0,
+    dtype=tf.float32,
+    values: Optional[Dict[str, np.ndarray]] = None,
+  ):
     self.arch = arch
     self.dtype = tf.as_dtype(dtype)
-    self.fused = self.dtype == tf.float32   # FusedBatchNormV3 has float32 kernels only
+    self.fused = self.dtype == tf.float32  # FusedBatchNormV3 has float32 kernels only
     self._rng = np.random.RandomState(seed)
     self._values = values
-    self.variables: Dict[str, tf.Variable] = {}   # every variable, in creation order
+    self.variables: Dict[str, tf.Variable] = {}  # every variable, in creation order
     self.trainable: Dict[str, tf.Variable] = {}
     arch(self, tf.zeros([2, IMAGE, IMAGE, CHANNELS], self.dtype), training=False)
-    self.slots = {name: tf.Variable(tf.zeros_like(v), trainable=False,
-                                    name=name.replace('/', '_') + '_momentum')
-                  for name, v in self.trainable.items()}
+    self.slots = {
+      name: tf.Variable(
+        tf.zeros_like(v), trainable=False, name=name.replace('/', '_') + '_momentum'
+      )
+      for name, v in self.trainable.items()
+    }
 
   def __call__(self, images, training: bool):
     return self.arch(self, tf.cast(images, self.dtype), training)
@@ -89,8 +99,11 @@ class RawNet:
       value = np.ones(shape)
     else:
       value = np.zeros(shape)
-    v = tf.Variable(np.asarray(value).astype(self.dtype.as_numpy_dtype), trainable=trainable,
-                    name=name.replace('/', '_'))
+    v = tf.Variable(
+      np.asarray(value).astype(self.dtype.as_numpy_dtype),
+      trainable=trainable,
+      name=name.replace('/', '_'),
+    )
     self.variables[name] = v
     if trainable:
       self.trainable[name] = v
@@ -110,8 +123,9 @@ class RawNet:
     w = self.var(f'{name}/depthwise_kernel', [kernel, kernel, x.shape[-1], 1], 'he')
     if stride > 1:
       x = fixed_padding(x, kernel)
-    return tf.nn.depthwise_conv2d(x, w, [1, stride, stride, 1], 'VALID' if stride > 1 else 'SAME',
-                                  name=name)
+    return tf.nn.depthwise_conv2d(
+      x, w, [1, stride, stride, 1], 'VALID' if stride > 1 else 'SAME', name=name
+    )
 
   def batch_norm(self, x, name: str, training: bool):
     channels = [x.shape[-1]]
@@ -121,12 +135,14 @@ class RawNet:
     moving_var = self.var(f'{name}/moving_variance', channels, 'ones', trainable=False)
     if not training:
       if self.fused:
-        return tf.compat.v1.nn.fused_batch_norm(x, gamma, beta, moving_mean, moving_var,
-                                                epsilon=BN_EPSILON, is_training=False)[0]
+        return tf.compat.v1.nn.fused_batch_norm(
+          x, gamma, beta, moving_mean, moving_var, epsilon=BN_EPSILON, is_training=False
+        )[0]
       return tf.nn.batch_normalization(x, moving_mean, moving_var, beta, gamma, BN_EPSILON)
     if self.fused:
-      y, mean, variance = tf.compat.v1.nn.fused_batch_norm(x, gamma, beta, epsilon=BN_EPSILON,
-                                                           is_training=True)
+      y, mean, variance = tf.compat.v1.nn.fused_batch_norm(
+        x, gamma, beta, epsilon=BN_EPSILON, is_training=True
+      )
     else:
       mean, variance = tf.nn.moments(x, [0, 1, 2])
       y = tf.nn.batch_normalization(x, mean, variance, beta, gamma, BN_EPSILON)
@@ -176,11 +192,13 @@ def resnet(net: RawNet, x, training: bool):
 
 
 def _bottleneck(net, x, name, width, stride, training):
-  shortcut = net.batch_norm(net.conv(x, f'{name}/proj', 1, 4 * width, stride), f'{name}/proj_bn',
-                            training)
+  shortcut = net.batch_norm(
+    net.conv(x, f'{name}/proj', 1, 4 * width, stride), f'{name}/proj_bn', training
+  )
   y = tf.nn.relu(net.batch_norm(net.conv(x, f'{name}/a', 1, width), f'{name}/a_bn', training))
-  y = tf.nn.relu(net.batch_norm(net.conv(y, f'{name}/b', 3, width, stride), f'{name}/b_bn',
-                                training))
+  y = tf.nn.relu(
+    net.batch_norm(net.conv(y, f'{name}/b', 3, width, stride), f'{name}/b_bn', training)
+  )
   y = net.batch_norm(net.conv(y, f'{name}/c', 1, 4 * width), f'{name}/c_bn', training)
   return tf.nn.relu(y + shortcut)
 
@@ -197,10 +215,16 @@ def mobilenet_v2(net: RawNet, x, training: bool):
 def _inverted_residual(net, x, name, expand, filters, stride, training):
   y = x
   if expand != 1:
-    y = tf.nn.relu6(net.batch_norm(net.conv(y, f'{name}/expand', 1, expand * x.shape[-1]),
-                                   f'{name}/expand_bn', training))
-  y = tf.nn.relu6(net.batch_norm(net.depthwise(y, f'{name}/depthwise', 3, stride),
-                                 f'{name}/depthwise_bn', training))
+    y = tf.nn.relu6(
+      net.batch_norm(
+        net.conv(y, f'{name}/expand', 1, expand * x.shape[-1]), f'{name}/expand_bn', training
+      )
+    )
+  y = tf.nn.relu6(
+    net.batch_norm(
+      net.depthwise(y, f'{name}/depthwise', 3, stride), f'{name}/depthwise_bn', training
+    )
+  )
   y = net.batch_norm(net.conv(y, f'{name}/project', 1, filters), f'{name}/project_bn', training)
   return x + y if stride == 1 and x.shape[-1] == filters else y
 
@@ -208,8 +232,9 @@ def _inverted_residual(net, x, name, expand, filters, stride, training):
 def efficientnet(net: RawNet, x, training: bool):
   """EfficientNet MBConv blocks with squeeze-excite, swish and head dropout."""
   x = tf.nn.silu(net.batch_norm(net.conv(x, 'stem', 3, 8, 2), 'stem_bn', training))
-  for i, (expand, kernel, filters, stride) in enumerate([(1, 3, 8, 1), (4, 3, 12, 2),
-                                                         (4, 5, 12, 1)]):
+  for i, (expand, kernel, filters, stride) in enumerate(
+    [(1, 3, 8, 1), (4, 3, 12, 2), (4, 5, 12, 1)]
+  ):
     x = _mbconv(net, x, f'block{i}', expand, kernel, filters, stride, training)
   x = tf.nn.silu(net.batch_norm(net.conv(x, 'head', 1, 32), 'head_bn', training))
   x = net.dropout(global_pool(x), training)
@@ -219,10 +244,16 @@ def efficientnet(net: RawNet, x, training: bool):
 def _mbconv(net, x, name, expand, kernel, filters, stride, training):
   y = x
   if expand != 1:
-    y = tf.nn.silu(net.batch_norm(net.conv(y, f'{name}/expand', 1, expand * x.shape[-1]),
-                                  f'{name}/expand_bn', training))
-  y = tf.nn.silu(net.batch_norm(net.depthwise(y, f'{name}/depthwise', kernel, stride),
-                                f'{name}/depthwise_bn', training))
+    y = tf.nn.silu(
+      net.batch_norm(
+        net.conv(y, f'{name}/expand', 1, expand * x.shape[-1]), f'{name}/expand_bn', training
+      )
+    )
+  y = tf.nn.silu(
+    net.batch_norm(
+      net.depthwise(y, f'{name}/depthwise', kernel, stride), f'{name}/depthwise_bn', training
+    )
+  )
   squeezed = max(1, x.shape[-1] // 4)
   gate = tf.reduce_mean(y, [1, 2], keepdims=True)
   gate = tf.nn.silu(net.conv(gate, f'{name}/se_reduce', 1, squeezed, bias=True))
@@ -251,10 +282,14 @@ def raw_train_step(net: RawNet, annotate=None):
     grads = tape.gradient(loss, [net.trainable[n] for n in names])
     for name, grad in zip(names, grads):
       tf.raw_ops.ResourceApplyMomentum(
-          var=_handle(net.trainable[name]), accum=_handle(net.slots[name]),
-          lr=tf.constant(LEARNING_RATE, net.dtype), grad=grad,
-          momentum=tf.constant(MOMENTUM, net.dtype))
+        var=_handle(net.trainable[name]),
+        accum=_handle(net.slots[name]),
+        lr=tf.constant(LEARNING_RATE, net.dtype),
+        grad=grad,
+        momentum=tf.constant(MOMENTUM, net.dtype),
+      )
     return logits, loss
+
   return train_step
 
 
@@ -271,6 +306,7 @@ def raw_predict(net: RawNet, annotate=None):
     if annotate is not None:
       images = annotate(images)
     return net(images, training=False)
+
   return predict
 
 
@@ -282,16 +318,29 @@ def _k_conv(x, name, kernel, filters, stride=1, bias=False):
   if stride > 1:  # keras.applications' "correct_pad" + VALID conv
     total = kernel - 1
     x = L.ZeroPadding2D(((total // 2, total - total // 2),) * 2, name=f'{name}_pad')(x)
-  return L.Conv2D(filters, kernel, stride, 'valid' if stride > 1 else 'same', use_bias=bias,
-                  kernel_initializer='he_normal', name=name)(x)
+  return L.Conv2D(
+    filters,
+    kernel,
+    stride,
+    'valid' if stride > 1 else 'same',
+    use_bias=bias,
+    kernel_initializer='he_normal',
+    name=name,
+  )(x)
 
 
 def _k_depthwise(x, name, kernel, stride=1):
   if stride > 1:
     total = kernel - 1
     x = L.ZeroPadding2D(((total // 2, total - total // 2),) * 2, name=f'{name}_pad')(x)
-  return L.DepthwiseConv2D(kernel, stride, 'valid' if stride > 1 else 'same', use_bias=False,
-                           depthwise_initializer='he_normal', name=name)(x)
+  return L.DepthwiseConv2D(
+    kernel,
+    stride,
+    'valid' if stride > 1 else 'same',
+    use_bias=False,
+    depthwise_initializer='he_normal',
+    name=name,
+  )(x)
 
 
 def _k_bn(x, name):
@@ -323,8 +372,9 @@ def keras_mobilenet_v2(inputs):
   for i, (expand, filters, stride) in enumerate([(1, 8, 1), (4, 12, 2), (4, 12, 1)]):
     name, y = f'block{i}', x
     if expand != 1:
-      y = L.ReLU(6.0)(_k_bn(_k_conv(y, f'{name}_expand', 1, expand * x.shape[-1]),
-                            f'{name}_expand_bn'))
+      y = L.ReLU(6.0)(
+        _k_bn(_k_conv(y, f'{name}_expand', 1, expand * x.shape[-1]), f'{name}_expand_bn')
+      )
     y = L.ReLU(6.0)(_k_bn(_k_depthwise(y, f'{name}_depthwise', 3, stride), f'{name}_depthwise_bn'))
     y = _k_bn(_k_conv(y, f'{name}_project', 1, filters), f'{name}_project_bn')
     x = L.Add()([x, y]) if stride == 1 and x.shape[-1] == filters else y
@@ -335,14 +385,13 @@ def keras_mobilenet_v2(inputs):
 def keras_efficientnet(inputs):
   swish = lambda: L.Activation('swish')  # noqa: E731
   x = swish()(_k_bn(_k_conv(inputs, 'stem', 3, 8, 2), 'stem_bn'))
-  for i, (expand, kernel, filters, stride) in enumerate([(1, 3, 8, 1), (4, 3, 12, 2),
-                                                         (4, 5, 12, 1)]):
+  for i, (expand, kernel, filters, stride) in enumerate(
+    [(1, 3, 8, 1), (4, 3, 12, 2), (4, 5, 12, 1)]
+  ):
     name, y = f'block{i}', x
     if expand != 1:
-      y = swish()(_k_bn(_k_conv(y, f'{name}_expand', 1, expand * x.shape[-1]),
-                        f'{name}_expand_bn'))
-    y = swish()(_k_bn(_k_depthwise(y, f'{name}_depthwise', kernel, stride),
-                      f'{name}_depthwise_bn'))
+      y = swish()(_k_bn(_k_conv(y, f'{name}_expand', 1, expand * x.shape[-1]), f'{name}_expand_bn'))
+    y = swish()(_k_bn(_k_depthwise(y, f'{name}_depthwise', kernel, stride), f'{name}_depthwise_bn'))
     gate = L.GlobalAveragePooling2D(keepdims=True, name=f'{name}_se_squeeze')(y)
     gate = L.Conv2D(max(1, x.shape[-1] // 4), 1, activation='swish', name=f'{name}_se_reduce')(gate)
     gate = L.Conv2D(y.shape[-1], 1, activation='sigmoid', name=f'{name}_se_expand')(gate)
@@ -353,8 +402,11 @@ def keras_efficientnet(inputs):
   return _k_head(x, dropout=True)
 
 
-KERAS = {'resnet': keras_resnet, 'mobilenet_v2': keras_mobilenet_v2,
-         'efficientnet': keras_efficientnet}
+KERAS = {
+  'resnet': keras_resnet,
+  'mobilenet_v2': keras_mobilenet_v2,
+  'efficientnet': keras_efficientnet,
+}
 
 
 def keras_model(arch: str, seed: int = 0, dtype: str = 'float32', weights_from=None):
@@ -388,6 +440,7 @@ def keras_train_step(model, optimizer, annotate=None):
     grads = tape.gradient(loss, model.trainable_variables)
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
     return logits, loss
+
   return train_step
 
 
@@ -397,15 +450,16 @@ def keras_predict(model, annotate=None):
     if annotate is not None:
       images = annotate(images)
     return model(images, training=False)
+
   return predict
 
 
 # --- layouts -----------------------------------------------------------------------------
 LAYOUTS = {
-    'batch': ((8,), ('b',), ('b', None, None, None)),
-    'height': ((8,), ('h',), (None, 'h', None, None)),
-    'height_width': ((4, 2), ('h', 'w'), (None, 'h', 'w', None)),
-    'batch_height': ((2, 4), ('b', 'h'), ('b', 'h', None, None)),
+  'batch': ((8,), ('b',), ('b', None, None, None)),
+  'height': ((8,), ('h',), (None, 'h', None, None)),
+  'height_width': ((4, 2), ('h', 'w'), (None, 'h', 'w', None)),
+  'batch_height': ((2, 4), ('b', 'h'), ('b', 'h', None, None)),
 }
 
 

@@ -58,9 +58,9 @@ def weights(seed: int = 0, cfg: Config = DEFAULT):
   rng = np.random.RandomState(seed)
   m, e, h = cfg.d_model, cfg.experts, cfg.hidden
   return {
-      'gate': tf.Variable(rng.randn(m, e).astype(np.float32) * 0.3, name='gate'),
-      'w_in': tf.Variable(rng.randn(e, m, h).astype(np.float32) * 0.2, name='w_in'),
-      'w_out': tf.Variable(rng.randn(e, h, m).astype(np.float32) * 0.2, name='w_out'),
+    'gate': tf.Variable(rng.randn(m, e).astype(np.float32) * 0.3, name='gate'),
+    'w_in': tf.Variable(rng.randn(e, m, h).astype(np.float32) * 0.2, name='w_in'),
+    'w_out': tf.Variable(rng.randn(e, h, m).astype(np.float32) * 0.2, name='w_out'),
   }
 
 
@@ -74,12 +74,12 @@ def moe_layer(x, w, mesh=None, cfg: Config = DEFAULT):
   shard = (lambda t, spec: tg.shard(t, mesh, spec)) if mesh is not None else (lambda t, spec: t)
   x = shard(x, P('model', None, None))
   gates = tf.nn.softmax(tf.einsum('gsm,me->gse', x, w['gate']))
-  expert = tf.argmax(gates, axis=-1, output_type=tf.int32)                     # [G, S]
-  chosen = tf.one_hot(expert, cfg.experts, dtype=tf.float32)                   # [G, S, E]
-  position = tf.cumsum(chosen, axis=1, exclusive=True) * chosen                # slot in its expert
+  expert = tf.argmax(gates, axis=-1, output_type=tf.int32)  # [G, S]
+  chosen = tf.one_hot(expert, cfg.experts, dtype=tf.float32)  # [G, S, E]
+  position = tf.cumsum(chosen, axis=1, exclusive=True) * chosen  # slot in its expert
   kept = chosen * tf.cast(position < cfg.capacity, tf.float32)
   slot = tf.one_hot(tf.cast(tf.reduce_sum(position, -1), tf.int32), cfg.capacity)  # [G, S, C]
-  dispatch = tf.einsum('gse,gsc->gsec', kept, slot)                            # [G, S, E, C]
+  dispatch = tf.einsum('gse,gsc->gsec', kept, slot)  # [G, S, E, C]
   combine = dispatch * tf.reduce_sum(gates * kept, -1)[:, :, None, None]
   expert_in = shard(tf.einsum('gsec,gsm->egcm', dispatch, x), cfg.buffer_spec)
   hidden = tf.nn.relu(tf.einsum('egcm,emh->egch', expert_in, w['w_in']))
@@ -96,6 +96,7 @@ def train_step(w, mesh=None, lr=0.1, cfg: Config = DEFAULT):
     for var, grad in zip(w.values(), grads):
       var.assign_sub(lr * grad)
     return loss
+
   return step
 
 

@@ -31,6 +31,7 @@ arithmetic, round-off alone) are judged by the oracle's float64 rule against the
 same steps run in float64, on the lines before it (examples/keras/float64_check.py).
 The exit status is 1 when the oracle fails anything.
 """
+
 import argparse
 import collections
 import os
@@ -47,12 +48,13 @@ import tensorflow as tf  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, '..'))
 sys.path.insert(0, os.path.join(HERE, 'keras'))
+import float64_check  # noqa: E402  (examples/keras/float64_check.py: the weights' check)
+import transformer  # noqa: E402  (examples/keras/transformer.py: the demo's model and layout)
+
 import tf_gspmd as tg  # noqa: E402
 from tf_gspmd.runtime import cluster  # noqa: E402
 from tf_gspmd.testing import check  # noqa: E402
-import float64_check  # noqa: E402  (examples/keras/float64_check.py: the weights' check)
 from tf_gspmd.testing.float64 import float64_policy, float64_twin  # noqa: E402
-import transformer  # noqa: E402  (examples/keras/transformer.py: the demo's model and layout)
 
 TASKS, DEVICES_PER_TASK = 2, 4
 STEPS = 3
@@ -60,8 +62,9 @@ TIMEOUT = float(os.environ.get('TF_GSPMD_EXAMPLE_TIMEOUT', 30.0))  # a collectiv
 
 
 def partition_step(model, optimizer, mesh, devices):
-  return tg.partition(transformer.train_step(model, optimizer, mesh), mesh, devices=devices,
-                      timeout=TIMEOUT)
+  return tg.partition(
+    transformer.train_step(model, optimizer, mesh), mesh, devices=devices, timeout=TIMEOUT
+  )
 
 
 def describe_collectives(step, devices):
@@ -80,10 +83,16 @@ def describe_collectives(step, devices):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--fault', action='store_true',
-                      help='kill worker 1 before the last step, restart it, restore, continue')
-  parser.add_argument('--hang', action='store_true',
-                      help='as --fault, but stop worker 1 (SIGSTOP) instead of killing it')
+  parser.add_argument(
+    '--fault',
+    action='store_true',
+    help='kill worker 1 before the last step, restart it, restore, continue',
+  )
+  parser.add_argument(
+    '--hang',
+    action='store_true',
+    help='as --fault, but stop worker 1 (SIGSTOP) instead of killing it',
+  )
   args = parser.parse_args()
   fault = 'hang' if args.hang else 'kill' if args.fault else None
 
@@ -103,7 +112,7 @@ def main():
     devices = cluster.mesh_devices(mesh, names, inside=('model',))
     for data in range(mesh.shape['data']):
       row = [p for p in mesh.devices if mesh.coords(p)['data'] == data]
-      print(f"  data={data}: partitions {row} on {cluster.task_of(devices[row[0]])}")
+      print(f'  data={data}: partitions {row} on {cluster.task_of(devices[row[0]])}')
     step = partition_step(model, optimizer, mesh, devices)
     checkpoints = tempfile.mkdtemp(prefix='multi_worker_ckpt_')
 
@@ -111,8 +120,9 @@ def main():
     for i in range(STEPS):
       tokens, labels = transformer.batch(seed=i)
       if fault and i == STEPS - 1:
-        step = fail_and_recover(workers, step, mesh, model, optimizer, checkpoints,
-                                tokens, labels, fault)
+        step = fail_and_recover(
+          workers, step, mesh, model, optimizer, checkpoints, tokens, labels, fault
+        )
       t = time.time()
       loss = step(tokens, labels)
       seconds = time.time() - t
@@ -121,19 +131,23 @@ def main():
       verdict = check(loss, want, f'step {i + 1} loss')
       errors.append(verdict.error)
       ok = ok and verdict.ok
-      print(f'step {i + 1}: loss {float(loss):.7f} unpartitioned {float(want):.7f} '
-            f'({seconds:.2f} s){"" if verdict.ok else " MISMATCH"}')
+      print(
+        f'step {i + 1}: loss {float(loss):.7f} unpartitioned {float(want):.7f} '
+        f'({seconds:.2f} s){"" if verdict.ok else " MISMATCH"}'
+      )
       if fault and i == STEPS - 2:
         record = tg.save_checkpoint(step, checkpoints)
         writers = sorted({cluster.task_of(device) for device, *_ in record.slices})
         print(f'checkpoint {os.path.basename(record.prefix)} written by {writers}')
     describe_collectives(step, devices)
     step.sync_variables()
-    report = float64_check.compare_weights(model.trainable_variables,
-                                           ref_model.trainable_variables,
-                                           exact_model.trainable_variables)
-  print(f'weights: relative error {report.error:.3e} (normwise, the worst of {report.compared}: '
-        f'{report.worst}; bound 1e-05)')
+    report = float64_check.compare_weights(
+      model.trainable_variables, ref_model.trainable_variables, exact_model.trainable_variables
+    )
+  print(
+    f'weights: relative error {report.error:.3e} (normwise, the worst of {report.compared}: '
+    f'{report.worst}; bound 1e-05)'
+  )
   print('\n'.join(report.lines))
   print(f'max relative error vs unpartitioned: {max(errors + [report.error]):.3e}')
   return 0 if ok and report.ok else 1
@@ -159,8 +173,10 @@ def fail_and_recover(workers, step, mesh, model, optimizer, checkpoints, tokens,
         raise SystemExit('the steps ran on although task 1 is dead')
   except tg.CollectiveError as error:
     timer.join()
-    print(f'{"stopped task 1 (SIGSTOP)" if fault == "hang" else "killed task 1 (SIGKILL)"} '
-          f'while steps ran ({calls} calls had completed)')
+    print(
+      f'{"stopped task 1 (SIGSTOP)" if fault == "hang" else "killed task 1 (SIGKILL)"} '
+      f'while steps ran ({calls} calls had completed)'
+    )
     print(f'CollectiveError after {time.time() - killed_at[0]:.2f} s: {error}')
   t = time.time()
   # Every task restarts, not only the dead one: the failure aborted the collectives of the
@@ -173,8 +189,9 @@ def fail_and_recover(workers, step, mesh, model, optimizer, checkpoints, tokens,
   step = partition_step(model, optimizer, mesh, devices)
   step.get_program(tokens, labels)  # makes the sharded variables on the new devices
   tg.restore_checkpoint(checkpoints, step)
-  print(f'restarted the workers, connected again and restored the checkpoint '
-        f'in {time.time() - t:.1f} s')
+  print(
+    f'restarted the workers, connected again and restored the checkpoint in {time.time() - t:.1f} s'
+  )
   return step
 
 

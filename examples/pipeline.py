@@ -6,20 +6,22 @@ one step, the per-device bytes of weights and optimizer state, the step times si
 the largest error of the losses and trained weights by the oracle (tf_gspmd.testing: normwise
 relative error per tensor, bound 1e-5 for float32).
 """
+
 import os
 import sys
 import time
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-import collections  # pylint: disable=g-import-not-at-top,wrong-import-position
+import collections
 
-import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
-import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-position
+import numpy as np
+import tensorflow as tf
 
 tf.config.set_logical_device_configuration(
-    tf.config.list_physical_devices('CPU')[0], [tf.config.LogicalDeviceConfiguration()] * 8)
-import tf_gspmd as tg  # pylint: disable=g-import-not-at-top,wrong-import-position
-from tf_gspmd.testing.oracle import check, report  # pylint: disable=g-import-not-at-top,wrong-import-position
+  tf.config.list_physical_devices('CPU')[0], [tf.config.LogicalDeviceConfiguration()] * 8
+)
+import tf_gspmd as tg
+from tf_gspmd.testing.oracle import check, report
 
 STAGES, MICROBATCHES, BATCH, WIDTH, HIDDEN = 4, 8, 64, 64, 256
 mesh = tg.Mesh.create((STAGES, 2), ('stage', 'data'))
@@ -33,14 +35,16 @@ def stage(p, h):
 def make_step(piped: bool):
   rng = np.random.RandomState(0)
   params = {
-      'w_in': tf.Variable(rng.randn(STAGES, WIDTH, HIDDEN).astype(np.float32) * 0.05, name='w_in'),
-      'b_in': tf.Variable(np.zeros([STAGES, HIDDEN], np.float32), name='b_in'),
-      'w_out': tf.Variable(rng.randn(STAGES, HIDDEN, WIDTH).astype(np.float32) * 0.05,
-                           name='w_out')}
+    'w_in': tf.Variable(rng.randn(STAGES, WIDTH, HIDDEN).astype(np.float32) * 0.05, name='w_in'),
+    'b_in': tf.Variable(np.zeros([STAGES, HIDDEN], np.float32), name='b_in'),
+    'w_out': tf.Variable(rng.randn(STAGES, HIDDEN, WIDTH).astype(np.float32) * 0.05, name='w_out'),
+  }
   if piped:  # stage s's weights on the devices of stage s
     for name, v in params.items():
       tg.shard_variable(v, mesh, tg.P('stage', *([None] * (v.shape.rank - 1))))
-  optimizer_state = {n: tf.Variable(tf.zeros_like(v), name=f'{n}_momentum') for n, v in params.items()}
+  optimizer_state = {
+    n: tf.Variable(tf.zeros_like(v), name=f'{n}_momentum') for n, v in params.items()
+  }
 
   @tf.function
   def step(x, y):
@@ -58,6 +62,7 @@ def make_step(piped: bool):
       optimizer_state[n].assign(0.9 * optimizer_state[n] + grads[n])
       v.assign_sub(0.05 * optimizer_state[n])
     return loss
+
   return step, params, optimizer_state
 
 
@@ -81,14 +86,16 @@ def main():
     loss, ref_loss = pf(x, y), sequential_step(x, y)
     verdicts.append(check(loss, ref_loss, f'step {i + 1} loss'))
   print(f'bubble fraction (S-1)/(M+S-1): {tg.pipeline_bubble_fraction(STAGES, MICROBATCHES):.3f}')
-  kinds = collections.Counter(f"{c['kind']} over {','.join(c['axes'])}" for c in pf.collectives())
+  kinds = collections.Counter(f'{c["kind"]} over {",".join(c["axes"])}' for c in pf.collectives())
   print('collectives per step:', dict(sorted(kinds.items())))
   sizes = pf.variable_bytes()
   for v in list(params.values()) + list(slots.values()):
-    print(f"  {v.name:<14} per device {sizes[v.name]['per_device']:>7} of {sizes[v.name]['total']}")
+    print(f'  {v.name:<14} per device {sizes[v.name]["per_device"]:>7} of {sizes[v.name]["total"]}')
   piped_time, sequential_time = timed(pf, x, y), timed(sequential_step, x, y)
-  print(f'step time: pipelined on 8 devices {piped_time * 1e3:.1f} ms, sequential on one '
-        f'{sequential_time * 1e3:.1f} ms (ratio {piped_time / sequential_time:.2f})')
+  print(
+    f'step time: pipelined on 8 devices {piped_time * 1e3:.1f} ms, sequential on one '
+    f'{sequential_time * 1e3:.1f} ms (ratio {piped_time / sequential_time:.2f})'
+  )
   pf.sync_variables()
   verdicts += [check(params[n], ref_params[n], n) for n in params]
   verdicts += [check(slots[n], ref_slots[n], f'{n}_momentum') for n in slots]

@@ -31,10 +31,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+import moe  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import moe  # noqa: E402
 import tf_gspmd as tg  # noqa: E402
 from tf_gspmd import Mesh, NamedSharding, P  # noqa: E402
 
@@ -49,21 +49,30 @@ def real_variables(seed: int = 0):
   rng = np.random.RandomState(seed)
 
   def make(name, shape, sharding, trainable=True):
-    value = (rng.randn(*shape) / np.sqrt(shape[0])).astype(np.float32) if trainable else \
-        np.zeros(shape, np.float32)
+    value = (
+      (rng.randn(*shape) / np.sqrt(shape[0])).astype(np.float32)
+      if trainable
+      else np.zeros(shape, np.float32)
+    )
     return tg.shard_variable(tf.Variable(value, name=name, trainable=trainable), sharding)
+
   return make
 
 
 def with_adam_slots(make, params: dict, shardings: dict) -> dict:
   """Adam's two slots (first and second moments) per parameter, laid out like it."""
-  return {name: (make(f'{name}_m', p.shape, shardings[name], trainable=False),
-                 make(f'{name}_v', p.shape, shardings[name], trainable=False))
-          for name, p in params.items()}
+  return {
+    name: (
+      make(f'{name}_m', p.shape, shardings[name], trainable=False),
+      make(f'{name}_v', p.shape, shardings[name], trainable=False),
+    )
+    for name, p in params.items()
+  }
 
 
 def adam_step(loss_fn, params: dict, slots: dict, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8):
   """A tf.function (x, target) -> loss that applies one Adam update (no bias correction)."""
+
   @tf.function(autograph=False)
   def step(x, target):
     with tf.GradientTape() as tape:
@@ -76,12 +85,14 @@ def adam_step(loss_fn, params: dict, slots: dict, lr=1e-3, b1=0.9, b2=0.999, eps
       v.assign(b2 * v + (1 - b2) * tf.square(grad))
       params[name].assign_sub(lr * m / (tf.sqrt(v) + eps))
     return loss
+
   return step
 
 
 @dataclasses.dataclass
 class Built:
   """A training step to plan or partition: the step, its argument specs and shardings."""
+
   step: object
   arg_specs: list
   in_shardings: list
@@ -102,16 +113,30 @@ class Dense:
 
   def parameter_count(self) -> int:
     """The closed form: 4 attention projections [M, N, D] and 2 feed-forward [M, H] per layer."""
-    return self.layers * (4 * self.d_model * self.heads * self.d_head + 2 * self.d_model * self.hidden)
+    return self.layers * (
+      4 * self.d_model * self.heads * self.d_head + 2 * self.d_model * self.hidden
+    )
 
 
 def dense_transformer(mesh: Mesh, cfg: Dense, make) -> Built:
   """Mesh axes ('X', 'Y'); batch over X, every weight over X and Y."""
   m, n, d, h = cfg.d_model, cfg.heads, cfg.d_head, cfg.hidden
-  specs = {'wq': P('X', 'Y', None), 'wk': P('X', 'Y', None), 'wv': P('X', 'Y', None),
-           'wo': P('Y', None, 'X'), 'w1': P('X', 'Y'), 'w2': P('Y', 'X')}
-  shapes = {'wq': (m, n, d), 'wk': (m, n, d), 'wv': (m, n, d), 'wo': (n, d, m), 'w1': (m, h),
-            'w2': (h, m)}
+  specs = {
+    'wq': P('X', 'Y', None),
+    'wk': P('X', 'Y', None),
+    'wv': P('X', 'Y', None),
+    'wo': P('Y', None, 'X'),
+    'w1': P('X', 'Y'),
+    'w2': P('Y', 'X'),
+  }
+  shapes = {
+    'wq': (m, n, d),
+    'wk': (m, n, d),
+    'wv': (m, n, d),
+    'wo': (n, d, m),
+    'w1': (m, h),
+    'w2': (h, m),
+  }
   params, shardings = {}, {}
   for layer in range(cfg.layers):
     for key, spec in specs.items():
@@ -135,15 +160,22 @@ def dense_transformer(mesh: Mesh, cfg: Dense, make) -> Built:
     return tf.reduce_mean(tf.square(x - target))
 
   spec = tf.TensorSpec([cfg.batch, cfg.seq, m], tf.float32)
-  return Built(adam_step(loss_fn, params, slots), [spec, spec],
-               [NamedSharding(mesh, act)] * 2, params, slots)
+  return Built(
+    adam_step(loss_fn, params, slots), [spec, spec], [NamedSharding(mesh, act)] * 2, params, slots
+  )
 
 
 # --- 2. GShard MoE, experts over one axis ------------------------------------------------------
 def moe_config(devices: int) -> moe.Config:
   """GShard's layer in kind: one expert and one group of 1024 tokens per device, M=1024, H=8192."""
-  return moe.Config(groups=devices, tokens=1024, d_model=1024, experts=devices, hidden=8192,
-                    capacity=2 * 1024 // devices or 1)
+  return moe.Config(
+    groups=devices,
+    tokens=1024,
+    d_model=1024,
+    experts=devices,
+    hidden=8192,
+    capacity=2 * 1024 // devices or 1,
+  )
 
 
 def moe_parameter_count(cfg: moe.Config) -> tuple:
@@ -153,11 +185,16 @@ def moe_parameter_count(cfg: moe.Config) -> tuple:
 
 def gshard_moe(mesh: Mesh, cfg: moe.Config, make) -> Built:
   """Mesh axis ('model',): experts and groups over it; the gate replicated."""
-  shardings = {'gate': NamedSharding(mesh, P(None, None)),
-               'w_in': NamedSharding(mesh, cfg.weight_spec),
-               'w_out': NamedSharding(mesh, cfg.weight_spec)}
-  shapes = {'gate': (cfg.d_model, cfg.experts), 'w_in': (cfg.experts, cfg.d_model, cfg.hidden),
-            'w_out': (cfg.experts, cfg.hidden, cfg.d_model)}
+  shardings = {
+    'gate': NamedSharding(mesh, P(None, None)),
+    'w_in': NamedSharding(mesh, cfg.weight_spec),
+    'w_out': NamedSharding(mesh, cfg.weight_spec),
+  }
+  shapes = {
+    'gate': (cfg.d_model, cfg.experts),
+    'w_in': (cfg.experts, cfg.d_model, cfg.hidden),
+    'w_out': (cfg.experts, cfg.hidden, cfg.d_model),
+  }
   params = {name: make(name, shapes[name], shardings[name]) for name in shapes}
   slots = with_adam_slots(make, params, shardings)
 
@@ -179,16 +216,20 @@ def main():
   dense = Dense()
   report = plan(dense_transformer(dense_mesh, dense, abstract_variables), dense_mesh)
   print(report)
-  print(f'closed form: {dense.parameter_count() * 4:,} parameter bytes / 2048 = '
-        f'{dense.parameter_count() * 4 // 2048:,} per device; Adam slots twice that\n')
+  print(
+    f'closed form: {dense.parameter_count() * 4:,} parameter bytes / 2048 = '
+    f'{dense.parameter_count() * 4 // 2048:,} per device; Adam slots twice that\n'
+  )
 
   moe_mesh = Mesh.create((2048,), ('model',))
   cfg = moe_config(2048)
   report = plan(gshard_moe(moe_mesh, cfg, abstract_variables), moe_mesh)
   print(report)
   gate, experts = moe_parameter_count(cfg)
-  print(f'closed form: gate {gate * 4:,} bytes on every device + experts '
-        f'{experts * 4:,} bytes / 2048 = {(gate + experts // 2048) * 4:,} per device\n')
+  print(
+    f'closed form: gate {gate * 4:,} bytes on every device + experts '
+    f'{experts * 4:,} bytes / 2048 = {(gate + experts // 2048) * 4:,} per device\n'
+  )
   rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
   print(f'both planned in {time.perf_counter() - start:.1f} s, peak RSS {rss:.0f} MB')
 

@@ -23,6 +23,7 @@ weights; the driver compares them bitwise and by the oracle (normwise relative
 error, tf_gspmd.testing). The last line is `soak: ...` with the figures; the
 exit status is 1 when anything differs.
 """
+
 import argparse
 import os
 import random
@@ -40,13 +41,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def train(directory: str, steps: int, every: int) -> int:
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   os.environ.setdefault('KERAS_BACKEND', 'tensorflow')
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import numpy as np
+  import tensorflow as tf
+
   tf.config.set_logical_device_configuration(
-      tf.config.list_physical_devices('CPU')[0], [tf.config.LogicalDeviceConfiguration()] * 8)
+    tf.config.list_physical_devices('CPU')[0], [tf.config.LogicalDeviceConfiguration()] * 8
+  )
   sys.path[:0] = [os.path.join(HERE, '..'), os.path.join(HERE, 'keras')]
-  import tf_gspmd as tg  # pylint: disable=g-import-not-at-top
-  import transformer  # pylint: disable=g-import-not-at-top
+  import transformer
+
+  import tf_gspmd as tg
 
   os.makedirs(directory, exist_ok=True)
   mesh = tg.Mesh.create((2, 4), ('data', 'model'))
@@ -59,8 +63,11 @@ def train(directory: str, steps: int, every: int) -> int:
     record = tg.restore_checkpoint(directory, step)
     start = _iterations(step, optimizer)
     _check_bitwise(step, record.prefix, np, tf)
-    print(f'restored {os.path.basename(record.prefix)} at step {start}: every variable bitwise '
-          'as TF reads the checkpoint', flush=True)
+    print(
+      f'restored {os.path.basename(record.prefix)} at step {start}: every variable bitwise '
+      'as TF reads the checkpoint',
+      flush=True,
+    )
   else:
     print('starting at step 0: no checkpoint published', flush=True)
   for i in range(start, steps):
@@ -72,8 +79,9 @@ def train(directory: str, steps: int, every: int) -> int:
       print(f'saved at step {i + 1} in {time.time() - started:.3f} s', flush=True)
   step.sync_variables()
   np.savez(os.path.join(directory, 'weights.npz'), **{v.path: v.numpy() for v in model.variables})
-  np.savez(os.path.join(directory, 'optimizer.npz'),
-           **{v.path: v.numpy() for v in optimizer.variables})
+  np.savez(
+    os.path.join(directory, 'optimizer.npz'), **{v.path: v.numpy() for v in optimizer.variables}
+  )
   print(f'trained to step {steps}', flush=True)
   return 0
 
@@ -87,7 +95,8 @@ def _iterations(step, optimizer) -> int:
 
 def _check_bitwise(step, prefix: str, np, tf) -> None:
   """Each restored variable equals, byte for byte, what TF's checkpoint reader reads."""
-  from tf_gspmd.checkpoint import values_by_name  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.checkpoint import values_by_name
+
   reader = tf.train.load_checkpoint(prefix)
   for name, held in values_by_name(step).items():
     saved = np.asarray(reader.get_tensor(name))
@@ -97,8 +106,11 @@ def _check_bitwise(step, prefix: str, np, tf) -> None:
 
 # --- the driver ---------------------------------------------------------------------------------
 def _trainer(directory: str, steps: int, every: int) -> subprocess.Popen:
-  return subprocess.Popen([sys.executable, os.path.abspath(__file__), 'train', directory,
-                           str(steps), str(every)], stdout=subprocess.PIPE, text=True)
+  return subprocess.Popen(
+    [sys.executable, os.path.abspath(__file__), 'train', directory, str(steps), str(every)],
+    stdout=subprocess.PIPE,
+    text=True,
+  )
 
 
 def uninterrupted(directory: str, steps: int, every: int) -> float:
@@ -138,12 +150,18 @@ def killed(directory: str, steps: int, every: int, kills: int, rng: random.Rando
         in_save = int(line.split()[-1])
         chosen.discard(in_save // every)
         # Somewhere inside the save: a save takes about as long as the ones before it.
-        time.sleep(rng.uniform(0.0, 0.9 * (sorted(save_seconds)[len(save_seconds) // 2]
-                                           if save_seconds else 0.05)))
+        time.sleep(
+          rng.uniform(
+            0.0, 0.9 * (sorted(save_seconds)[len(save_seconds) // 2] if save_seconds else 0.05)
+          )
+        )
         process.send_signal(signal.SIGKILL)
         figures['kills'] += 1
-        print(f'  killed the trainer during its save at step {in_save} '
-              f'(newest completed save: step {done})', flush=True)
+        print(
+          f'  killed the trainer during its save at step {in_save} '
+          f'(newest completed save: step {done})',
+          flush=True,
+        )
         died = True
         break
     process.wait()
@@ -165,8 +183,10 @@ def _check_start(line: str, published: bool, done: int, in_save) -> int:
     raise SystemExit(f'a checkpoint was published, but the trainer said: {line}')
   step = int(line.split(' at step ')[1].split(':')[0])
   if step not in (done, in_save):
-    raise SystemExit(f'restored step {step}, but the newest published save is {done} '
-                     f'(or {in_save}, killed after publishing): {line}')
+    raise SystemExit(
+      f'restored step {step}, but the newest published save is {done} '
+      f'(or {in_save}, killed after publishing): {line}'
+    )
   return step  # the newest published checkpoint now
 
 
@@ -180,9 +200,11 @@ ROUND_OFF_ALONE = re.compile(r'.*/key/bias$')
 def compare(a: str, b: str) -> dict:
   """The killed run's final state against the uninterrupted run's: bitwise, and by the oracle
   (normwise relative error per weight, bound 1e-5 for float32)."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import numpy as np
+
   sys.path.insert(0, os.path.join(HERE, '..'))
-  from tf_gspmd.testing import check  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.testing import check
+
   out = {}
   for what in ('weights', 'optimizer'):
     with np.load(os.path.join(a, f'{what}.npz')) as x, np.load(os.path.join(b, f'{what}.npz')) as y:
@@ -199,10 +221,12 @@ def _summary(compared: dict) -> tuple:
   judged = {n: v for n, (_, v) in weights.items() if not ROUND_OFF_ALONE.match(n)}
   worst = max(judged.values(), key=lambda v: v.error)
   slots_bitwise = all(same for same, _ in compared['optimizer'].values())
-  text = (f'{len(weights)} weights {"bitwise equal" if bitwise else "not bitwise equal"} to the '
-          f'uninterrupted run (oracle: worst normwise relative error {worst.error:.1e} at '
-          f'{worst.name}, {len(judged)} judged; key biases are round-off alone), optimizer '
-          f'state {"bitwise equal" if slots_bitwise else "not bitwise equal"}')
+  text = (
+    f'{len(weights)} weights {"bitwise equal" if bitwise else "not bitwise equal"} to the '
+    f'uninterrupted run (oracle: worst normwise relative error {worst.error:.1e} at '
+    f'{worst.name}, {len(judged)} judged; key biases are round-off alone), optimizer '
+    f'state {"bitwise equal" if slots_bitwise else "not bitwise equal"}'
+  )
   return bitwise, all(v.ok for v in judged.values()), worst.error, text
 
 
@@ -216,18 +240,24 @@ def main() -> int:
   parser.add_argument('--seed', type=int, default=None)
   args = parser.parse_args()
   seed = args.seed if args.seed is not None else random.randrange(1 << 30)
-  print(f'soak: {args.steps} steps, a checkpoint every {args.every}, {args.kills} SIGKILLs '
-        f'during saves, seed {seed}', flush=True)
+  print(
+    f'soak: {args.steps} steps, a checkpoint every {args.every}, {args.kills} SIGKILLs '
+    f'during saves, seed {seed}',
+    flush=True,
+  )
   base = tempfile.mkdtemp(prefix='soak_')
   plain, interrupted = os.path.join(base, 'plain'), os.path.join(base, 'killed')
   plain_seconds = uninterrupted(plain, args.steps, args.every)
   figures = killed(interrupted, args.steps, args.every, args.kills, random.Random(seed))
   _, passed, _, text = _summary(compare(plain, interrupted))
   ok = passed and figures['restores'] + figures['fresh_starts'] == figures['kills']
-  print(f'soak: {figures["kills"]} kills during saves, {figures["restores"]} restores of the '
-        f'newest published checkpoint (each bitwise), {figures["fresh_starts"]} fresh starts '
-        f'(killed before any was published); final {text}; uninterrupted '
-        f'{plain_seconds:.0f} s, killed run {figures["seconds"]:.0f} s', flush=True)
+  print(
+    f'soak: {figures["kills"]} kills during saves, {figures["restores"]} restores of the '
+    f'newest published checkpoint (each bitwise), {figures["fresh_starts"]} fresh starts '
+    f'(killed before any was published); final {text}; uninterrupted '
+    f'{plain_seconds:.0f} s, killed run {figures["seconds"]:.0f} s',
+    flush=True,
+  )
   return 0 if ok else 1
 
 

@@ -1,4 +1,5 @@
 """Test session setup: 8 logical CPU devices, configured once before TF initializes."""
+
 import os
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
@@ -12,7 +13,8 @@ def _configure_devices():
   cpus = tf.config.list_physical_devices('CPU')
   try:
     tf.config.set_logical_device_configuration(
-        cpus[0], [tf.config.LogicalDeviceConfiguration()] * NUM_DEVICES)
+      cpus[0], [tf.config.LogicalDeviceConfiguration()] * NUM_DEVICES
+    )
   except RuntimeError:
     pass  # already initialized (e.g. by a plugin); the assertion below checks the count
 
@@ -28,7 +30,8 @@ def _configure_threads():
 _configure_devices()
 _configure_threads()
 assert len(tf.config.list_logical_devices('CPU')) == NUM_DEVICES, (
-    'tests need 8 logical CPU devices; TensorFlow was initialized before conftest ran')
+  'tests need 8 logical CPU devices; TensorFlow was initialized before conftest ran'
+)
 
 
 def _machine_lines():
@@ -46,9 +49,11 @@ def _machine_lines():
   except OSError:
     pass
   threads = os.environ.get('TF_GSPMD_TEST_INTRA_OP_THREADS', 'default')
-  return [f'cpu: {model}; {" ".join(flags) or "no avx512"}',
-          f'TF_ENABLE_ONEDNN_OPTS={os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset (on)")}; '
-          f'intra-op threads: {threads}']
+  return [
+    f'cpu: {model}; {" ".join(flags) or "no avx512"}',
+    f'TF_ENABLE_ONEDNN_OPTS={os.environ.get("TF_ENABLE_ONEDNN_OPTS", "unset (on)")}; '
+    f'intra-op threads: {threads}',
+  ]
 
 
 def pytest_sessionstart(session):

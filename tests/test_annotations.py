@@ -1,4 +1,5 @@
 """Annotations: same graphs as TF's xla_sharding, get_sharding whichever API wrote it, variables, Keras 3."""
+
 import contextlib
 
 import keras
@@ -19,28 +20,46 @@ SPEC = tf.TensorSpec([8, 6], tf.float32)
 
 # (TF's annotation with use_sharding_op=True, the same annotation made with tf_gspmd)
 SAME_ANNOTATIONS = {
-    'split': (lambda x: tfx.split(x, 1, 3, use_sharding_op=True), lambda x: tg.split(x, 1, 3)),
-    'split_negative_dim': (lambda x: tfx.split(x, -2, 4, use_sharding_op=True),
-                           lambda x: tg.split(x, -2, 4)),
-    'tile': (lambda x: tfx.tile(x, np.array([[1, 0], [3, 2]]), use_sharding_op=True),
-             lambda x: tg.tile(x, [[1, 0], [3, 2]])),
-    'tile_unspecified_dims': (
-        lambda x: tfx.tile(x, np.array([[1, 0], [3, 2]]), use_sharding_op=True, unspecified_dims=[1]),
-        lambda x: tg.tile(x, [[1, 0], [3, 2]], unspecified_dims=[1])),
-    'partial_tile': (lambda x: tfx.partial_tile(x, np.array([[[1, 0]], [[3, 2]]]), use_sharding_op=True),
-                     lambda x: tg.partial_tile(x, [[[1, 0]], [[3, 2]]])),
-    'replicate': (lambda x: tfx.replicate(x, use_sharding_op=True), tg.replicate),
-    'assign_device': (lambda x: tfx.assign_device(x, 3, use_sharding_op=True),
-                      lambda x: tg.assign_device(x, 3)),
-    'mesh_split': (lambda x: tfx.mesh_split(x, DEVICE_MESH, [1, 0], use_sharding_op=True),
-                   lambda x: tg.mesh_split(x, DEVICE_MESH, [1, 0])),
-    'mesh_split_unused_axis': (lambda x: tfx.mesh_split(x, DEVICE_MESH, [0, -1], use_sharding_op=True),
-                               lambda x: tg.shard(x, MESH, P('data', None))),
-    'mesh_split_3d': (lambda x: tfx.mesh_split(x, DEVICE_MESH_3D, [-1, 2], use_sharding_op=True),
-                      lambda x: tg.mesh_split(x, DEVICE_MESH_3D, [-1, 2])),
-    'mesh_split_manual': (
-        lambda x: tfx.mesh_split(x, DEVICE_MESH_3D, [0, -1], use_sharding_op=True, manual_mesh_dims=[2]),
-        lambda x: tg.mesh_split(x, DEVICE_MESH_3D, [0, -1], manual_mesh_dims=[2])),
+  'split': (lambda x: tfx.split(x, 1, 3, use_sharding_op=True), lambda x: tg.split(x, 1, 3)),
+  'split_negative_dim': (
+    lambda x: tfx.split(x, -2, 4, use_sharding_op=True),
+    lambda x: tg.split(x, -2, 4),
+  ),
+  'tile': (
+    lambda x: tfx.tile(x, np.array([[1, 0], [3, 2]]), use_sharding_op=True),
+    lambda x: tg.tile(x, [[1, 0], [3, 2]]),
+  ),
+  'tile_unspecified_dims': (
+    lambda x: tfx.tile(x, np.array([[1, 0], [3, 2]]), use_sharding_op=True, unspecified_dims=[1]),
+    lambda x: tg.tile(x, [[1, 0], [3, 2]], unspecified_dims=[1]),
+  ),
+  'partial_tile': (
+    lambda x: tfx.partial_tile(x, np.array([[[1, 0]], [[3, 2]]]), use_sharding_op=True),
+    lambda x: tg.partial_tile(x, [[[1, 0]], [[3, 2]]]),
+  ),
+  'replicate': (lambda x: tfx.replicate(x, use_sharding_op=True), tg.replicate),
+  'assign_device': (
+    lambda x: tfx.assign_device(x, 3, use_sharding_op=True),
+    lambda x: tg.assign_device(x, 3),
+  ),
+  'mesh_split': (
+    lambda x: tfx.mesh_split(x, DEVICE_MESH, [1, 0], use_sharding_op=True),
+    lambda x: tg.mesh_split(x, DEVICE_MESH, [1, 0]),
+  ),
+  'mesh_split_unused_axis': (
+    lambda x: tfx.mesh_split(x, DEVICE_MESH, [0, -1], use_sharding_op=True),
+    lambda x: tg.shard(x, MESH, P('data', None)),
+  ),
+  'mesh_split_3d': (
+    lambda x: tfx.mesh_split(x, DEVICE_MESH_3D, [-1, 2], use_sharding_op=True),
+    lambda x: tg.mesh_split(x, DEVICE_MESH_3D, [-1, 2]),
+  ),
+  'mesh_split_manual': (
+    lambda x: tfx.mesh_split(
+      x, DEVICE_MESH_3D, [0, -1], use_sharding_op=True, manual_mesh_dims=[2]
+    ),
+    lambda x: tg.mesh_split(x, DEVICE_MESH_3D, [0, -1], manual_mesh_dims=[2]),
+  ),
 }
 
 
@@ -48,8 +67,10 @@ def graph_nodes(annotate):
   """(op, inputs, attrs) of every node of `annotate` traced on a [8, 6] float input."""
   fn = tf.function(lambda x: annotate(x * 2.0) + 1.0)
   graph_def = fn.get_concrete_function(SPEC).graph.as_graph_def()
-  return [(n.op, list(n.input), {k: v.SerializeToString() for k, v in n.attr.items()})
-          for n in graph_def.node]
+  return [
+    (n.op, list(n.input), {k: v.SerializeToString() for k, v in n.attr.items()})
+    for n in graph_def.node
+  ]
 
 
 @pytest.mark.parametrize('name', sorted(SAME_ANNOTATIONS))
@@ -68,13 +89,14 @@ def test_tf_annotations_read_back_equal_to_ours(use_sharding_op):
   @tf.function
   def annotated_by_tf(x):
     outs = {
-        'split': tfx.split(x * 1.0, 0, 4, use_sharding_op=use_sharding_op),
-        'tile': tfx.tile(x * 2.0, np.array([[1, 0], [3, 2]]), use_sharding_op=use_sharding_op),
-        'partial_tile': tfx.partial_tile(x * 3.0, np.array([[[1, 0]], [[3, 2]]]),
-                                         use_sharding_op=use_sharding_op),
-        'mesh_split': tfx.mesh_split(x * 4.0, DEVICE_MESH, [0, -1], use_sharding_op=use_sharding_op),
-        'replicate': tfx.replicate(x * 5.0, use_sharding_op=use_sharding_op),
-        'assign_device': tfx.assign_device(x * 6.0, 2, use_sharding_op=use_sharding_op),
+      'split': tfx.split(x * 1.0, 0, 4, use_sharding_op=use_sharding_op),
+      'tile': tfx.tile(x * 2.0, np.array([[1, 0], [3, 2]]), use_sharding_op=use_sharding_op),
+      'partial_tile': tfx.partial_tile(
+        x * 3.0, np.array([[[1, 0]], [[3, 2]]]), use_sharding_op=use_sharding_op
+      ),
+      'mesh_split': tfx.mesh_split(x * 4.0, DEVICE_MESH, [0, -1], use_sharding_op=use_sharding_op),
+      'replicate': tfx.replicate(x * 5.0, use_sharding_op=use_sharding_op),
+      'assign_device': tfx.assign_device(x * 6.0, 2, use_sharding_op=use_sharding_op),
     }
     read['tf'] = {k: get_sharding(t) for k, t in outs.items()}
     return outs
@@ -82,12 +104,12 @@ def test_tf_annotations_read_back_equal_to_ours(use_sharding_op):
   @tf.function
   def annotated_by_tf_gspmd(x):
     outs = {
-        'split': tg.split(x * 1.0, 0, 4),
-        'tile': tg.tile(x * 2.0, [[1, 0], [3, 2]]),
-        'partial_tile': tg.partial_tile(x * 3.0, [[[1, 0]], [[3, 2]]]),
-        'mesh_split': tg.shard(x * 4.0, MESH, P('data', None)),
-        'replicate': tg.replicate(x * 5.0),
-        'assign_device': tg.assign_device(x * 6.0, 2),
+      'split': tg.split(x * 1.0, 0, 4),
+      'tile': tg.tile(x * 2.0, [[1, 0], [3, 2]]),
+      'partial_tile': tg.partial_tile(x * 3.0, [[[1, 0]], [[3, 2]]]),
+      'mesh_split': tg.shard(x * 4.0, MESH, P('data', None)),
+      'replicate': tg.replicate(x * 5.0),
+      'assign_device': tg.assign_device(x * 6.0, 2),
     }
     read['ours'] = {k: get_sharding(t) for k, t in outs.items()}
     return outs
@@ -114,6 +136,7 @@ def test_get_sharding_on_a_mesh_and_unannotated_tensors():
     assert type(get_sharding(c, MESH)) is Sharding  # 4 devices: not on this mesh
     assert get_sharding(x) is None and get_sharding(x * 2.0) is None
     return a
+
   f.get_concrete_function(SPEC)
 
 
@@ -125,6 +148,7 @@ def test_get_sharding_of_multi_output_op_attr_form():
     assert get_sharding(first) == Sharding.replicated()
     assert get_sharding(second) == Sharding.tiled([[0, 1]])
     return first
+
   f.get_concrete_function(SPEC)
 
 
@@ -136,10 +160,12 @@ def test_gradient_carries_the_sharding():
       y = tg.shard(x * x, MESH, P('data', None))
       loss = tf.reduce_sum(y)
     grad = tape.gradient(loss, x)
-    shardings = [get_sharding(op.outputs[0]) for op in grad.graph.get_operations()
-                 if op.type == 'XlaSharding']
+    shardings = [
+      get_sharding(op.outputs[0]) for op in grad.graph.get_operations() if op.type == 'XlaSharding'
+    ]
     assert shardings == [NamedSharding(MESH, P('data', None))] * 2  # forward and its gradient
     return grad
+
   x = np.arange(48, dtype=np.float32).reshape(8, 6)
   assert_close(f(x), 2 * x, name='grad')
 
@@ -150,16 +176,22 @@ def test_uneven_and_too_small_dims_are_accepted():
     y = tg.split(x, 1, 8)  # 6 columns over 8 devices: TF's split refuses, XLA pads
     assert get_sharding(y).shard_bounds((8, 6), 7) == ((0, 8), (6, 6))
     return y
+
   f.get_concrete_function(SPEC)
 
 
 # --- eager ----------------------------------------------------------------------------------------
 def test_eager_annotation_returns_the_tensor_unchanged():
   x = tf.constant(np.arange(48, dtype=np.float32).reshape(8, 6))
-  for annotate in [lambda t: tg.shard(t, MESH, P('data', None)), tg.replicate,
-                   lambda t: tg.split(t, 0, 4), lambda t: tg.mesh_split(t, DEVICE_MESH, [0, 1]),
-                   lambda t: tg.tile(t, [[0, 1]]), lambda t: tg.partial_tile(t, [[[0, 1]]]),
-                   lambda t: tg.assign_device(t, 1)]:
+  for annotate in [
+    lambda t: tg.shard(t, MESH, P('data', None)),
+    tg.replicate,
+    lambda t: tg.split(t, 0, 4),
+    lambda t: tg.mesh_split(t, DEVICE_MESH, [0, 1]),
+    lambda t: tg.tile(t, [[0, 1]]),
+    lambda t: tg.partial_tile(t, [[[0, 1]]]),
+    lambda t: tg.assign_device(t, 1),
+  ]:
     assert annotate(x) is x
   assert get_sharding(x) is None
   with pytest.raises(ValueError, match=r"P\('data', None, None\).*shape \(8, 6\)"):
@@ -171,6 +203,7 @@ def test_errors_name_tensor_sharding_and_fix():
   @tf.function
   def wrong_rank(x):
     return tg.shard(x, MESH, P('data'))
+
   with pytest.raises(ValueError, match=r"annotating tensor 'mul:0'.*P\('data'\).*shape \(8, 6\)"):
     tf.function(lambda x: tg.shard(x * 2.0, MESH, P('data'))).get_concrete_function(SPEC)
   with pytest.raises(ValueError, match='one spec entry per tensor dim'):
@@ -192,8 +225,13 @@ def test_errors_name_tensor_sharding_and_fix():
 
 
 def test_mesh_split_sharding_matches_tf():
-  cases = [(DEVICE_MESH, [0, -1], None), (DEVICE_MESH, [-1, -1], None), (DEVICE_MESH_3D, [2, 0], None),
-           (DEVICE_MESH_3D, [-1], [1, 2]), (np.arange(4).reshape(2, 2, 1), [1, -1], None)]
+  cases = [
+    (DEVICE_MESH, [0, -1], None),
+    (DEVICE_MESH, [-1, -1], None),
+    (DEVICE_MESH_3D, [2, 0], None),
+    (DEVICE_MESH_3D, [-1], [1, 2]),
+    (np.arange(4).reshape(2, 2, 1), [1, -1], None),
+  ]
   for device_mesh, mapping, manual in cases:
     ours = tg.to_proto(tg.mesh_split_sharding(device_mesh, mapping, manual))
     theirs = tfx.mesh_split_sharding(device_mesh, mapping, manual).proto
@@ -295,6 +333,7 @@ def test_keras_functional_model_traces_annotations():
   inputs = keras.Input(shape=(6,), batch_size=4)
   model = keras.Model(inputs, ShardedDense(8, P('data', None))(inputs))
   graph = tf.function(model).get_concrete_function(tf.TensorSpec([4, 6])).graph
-  found = [get_sharding(op.outputs[0], MESH) for op in graph.get_operations()
-           if op.type == 'XlaSharding']
+  found = [
+    get_sharding(op.outputs[0], MESH) for op in graph.get_operations() if op.type == 'XlaSharding'
+  ]
   assert found == [NamedSharding(MESH, P('data', None))]

@@ -22,6 +22,7 @@ batch, by height, by height x width and by batch x height. Each test checks:
 - that no op was replicated for lack of a rule (no warning, no 'replicated (no rule)' record);
 - the collectives the layout calls for.
 """
+
 import collections
 import logging
 import os
@@ -59,10 +60,14 @@ class _Run:
       self.n_batch_norms = sum(name.endswith('moving_mean') for name in net.variables)
     else:
       model, opt = A.keras_model(arch)
-      twins = [(model, opt), A.keras_model(arch, weights_from=model),
-               A.keras_model(arch, dtype='float64', weights_from=model)]
-      self.steps = [A.keras_train_step(m, o, annotate if i == 0 else None)
-                    for i, (m, o) in enumerate(twins)]
+      twins = [
+        (model, opt),
+        A.keras_model(arch, weights_from=model),
+        A.keras_model(arch, dtype='float64', weights_from=model),
+      ]
+      self.steps = [
+        A.keras_train_step(m, o, annotate if i == 0 else None) for i, (m, o) in enumerate(twins)
+      ]
       self.state = [list(m.variables) + list(o.variables) for m, o in twins]
       self.n_trainable = len(model.trainable_variables)
       self.n_batch_norms = sum(v.path.endswith('moving_mean') for v in model.variables)
@@ -77,35 +82,48 @@ def _train(style, arch, layout, caplog):
     for s in range(STEPS):
       images, labels = A.batch(seed=s + 1)
       (logits, loss), (ref_logits, ref_loss), (logits64, loss64) = (
-          step(images, labels), run.steps[1](images, labels), run.steps[2](images, labels))
-      got, want, exact = ({'logits': a, 'loss': b} for a, b in ((logits, loss),
-                                                                (ref_logits, ref_loss),
-                                                                (logits64, loss64)))
-      print(f'{style} {arch} {layout} step {s + 1}: logits to float64 partitioned '
-            f'{relative_error(logits, logits64):.3g}, unpartitioned '
-            f'{relative_error(ref_logits, logits64):.3g}; partitioned vs unpartitioned '
-            f'{relative_error(logits, ref_logits):.3g}')
+        step(images, labels),
+        run.steps[1](images, labels),
+        run.steps[2](images, labels),
+      )
+      got, want, exact = (
+        {'logits': a, 'loss': b}
+        for a, b in ((logits, loss), (ref_logits, ref_loss), (logits64, loss64))
+      )
+      print(
+        f'{style} {arch} {layout} step {s + 1}: logits to float64 partitioned '
+        f'{relative_error(logits, logits64):.3g}, unpartitioned '
+        f'{relative_error(ref_logits, logits64):.3g}; partitioned vs unpartitioned '
+        f'{relative_error(logits, ref_logits):.3g}'
+      )
       if s == 0:  # the same weights: the forward equals the unpartitioned one
         assert_close(got, want, 'step 1')
         # ... and the float64 twin is the same model (weights, dropout mask, BN formula).
-        assert_close(want, {k: tf.cast(v, tf.float32) for k, v in exact.items()},
-                     'step 1, float64 twin')
+        assert_close(
+          want, {k: tf.cast(v, tf.float32) for k, v in exact.items()}, 'step 1, float64 twin'
+        )
       else:  # after updates the float32 runs drift apart by their own round-off
         assert_close_to_float64(got, want, exact, f'step {s + 1}')
   step.sync_variables()
   got, ref32, ref64 = run.state
-  distances = [(relative_error(g, e), relative_error(w, e), getattr(g, 'path', g.name))
-               for g, w, e in zip(got, ref32, ref64)]
+  distances = [
+    (relative_error(g, e), relative_error(w, e), getattr(g, 'path', g.name))
+    for g, w, e in zip(got, ref32, ref64)
+  ]
   worst = max(distances)
-  print(f'{style} {arch} {layout}: variables to float64, worst partitioned {worst[0]:.3g} '
-        f'(unpartitioned {worst[1]:.3g}, {worst[2]}); worst unpartitioned '
-        f'{max(d[1] for d in distances):.3g}')
+  print(
+    f'{style} {arch} {layout}: variables to float64, worst partitioned {worst[0]:.3g} '
+    f'(unpartitioned {worst[1]:.3g}, {worst[2]}); worst unpartitioned '
+    f'{max(d[1] for d in distances):.3g}'
+  )
   # Partitioning costs no accuracy: every variable (weights, BatchNorm moving statistics,
   # momentum slots) no further from the float64 run than twice the unpartitioned float32 one.
   assert_close_to_float64(got, ref32, ref64, 'variables')
 
   no_rule = [str(w.message) for w in caught if 'no rule' in str(w.message)]
-  no_rule += [r.getMessage() for r in caplog.records if 'has no partitioning rule' in r.getMessage()]
+  no_rule += [
+    r.getMessage() for r in caplog.records if 'has no partitioning rule' in r.getMessage()
+  ]
   assert not no_rule, no_rule
   records = step.op_records()
   assert not [(r.op, r.node) for r in records if r.how == 'replicated (no rule)']
@@ -136,8 +154,11 @@ def _check_collectives(step, run, layout):
     assert kinds[('all_reduce', ('b',))] <= bound, (kinds, bound)
     return
   # Spatial splits: halos move by permutes; no activation is gathered.
-  gathered = [(r['kind'], r['op_type'], r['op'], r.get('shape')) for r in records
-              if r['kind'] in ('all_gather', 'all_to_all')]
+  gathered = [
+    (r['kind'], r['op_type'], r['op'], r.get('shape'))
+    for r in records
+    if r['kind'] in ('all_gather', 'all_to_all')
+  ]
   assert not gathered, (dict(kinds), gathered)
   assert kinds[('permute', ('h',))] > 0, kinds
   if layout == 'height_width':
@@ -156,8 +177,10 @@ def test_raw_tf_training_step(arch, layout, caplog):
 
 
 @pytest.mark.slow  # 30 s to 2 min each on 2 cores (partitioning a whole training step)
-@pytest.mark.parametrize('arch,layout', [('resnet', 'batch'), ('mobilenet_v2', 'batch_height'),
-                                         ('efficientnet', 'batch_height')])
+@pytest.mark.parametrize(
+  'arch,layout',
+  [('resnet', 'batch'), ('mobilenet_v2', 'batch_height'), ('efficientnet', 'batch_height')],
+)
 def test_keras_training_step(arch, layout, caplog):
   """Keras 3 layers: BatchNormalization as moments + arithmetic, ZeroPadding2D, Dropout."""
   step, run = _train('keras', arch, layout, caplog)
@@ -176,8 +199,11 @@ def test_raw_tf_inference_forward(arch):
   want = A.raw_predict(net.twin(tf.float32))(images)
   assert_close(got, want, 'inference logits')
   kinds = _kinds(predict)
-  gathered = [(r['kind'], r['op_type'], r['op'], r.get('shape')) for r in predict.collectives()
-              if r['kind'] in ('all_gather', 'all_to_all')]
+  gathered = [
+    (r['kind'], r['op_type'], r['op'], r.get('shape'))
+    for r in predict.collectives()
+    if r['kind'] in ('all_gather', 'all_to_all')
+  ]
   assert not gathered, (dict(kinds), gathered)
   assert kinds[('permute', ('h',))] > 0
   assert not [r.node for r in predict.op_records() if r.how.startswith('replicated')]
@@ -187,14 +213,17 @@ def test_slot_used_only_through_its_handle_is_sharded_like_a_variable():
   """A slot reached only through `.handle` (MomentumOptimizer-style, tf_keras legacy
   optimizers) is not in the function's variables: capture finds the tf.Variable owning the
   handle, so it is sharded and updated once per shard, not N times as one eager variable."""
+
   def make():
     var, slot = tf.Variable(tf.ones([8, 4])), tf.Variable(tf.zeros([8, 4]))
 
     @tf.function
     def update(grad):
-      tf.raw_ops.ResourceApplyMomentum(var=var.handle, accum=slot.handle, lr=0.1, grad=grad,
-                                       momentum=0.9)
+      tf.raw_ops.ResourceApplyMomentum(
+        var=var.handle, accum=slot.handle, lr=0.1, grad=grad, momentum=0.9
+      )
       return var.read_value()
+
     return var, slot, update
 
   mesh, _ = A.layout('batch')
@@ -213,9 +242,11 @@ def test_slot_used_only_through_its_handle_is_sharded_like_a_variable():
 def test_handle_owned_by_no_variable_is_refused():
   """A resource handle no live tf.Variable owns cannot be sharded: a clear error, never one
   eager resource updated by every partition."""
-  from tensorflow.python.ops import gen_resource_variable_ops  # pylint: disable=g-import-not-at-top
-  handle = gen_resource_variable_ops.var_handle_op(dtype=tf.float32, shape=[8, 4],
-                                                   shared_name='orphan_slot')
+  from tensorflow.python.ops import gen_resource_variable_ops
+
+  handle = gen_resource_variable_ops.var_handle_op(
+    dtype=tf.float32, shape=[8, 4], shared_name='orphan_slot'
+  )
   gen_resource_variable_ops.assign_variable_op(handle, tf.zeros([8, 4]))
 
   @tf.function
@@ -242,8 +273,11 @@ def test_fixed_padding_on_split_height_moves_halos():
       tape.watch(x)
       y = tf.nn.conv2d(A.fixed_padding(x, 3), kernel, 2, 'VALID')
       loss = tf.reduce_sum(y * y)
-    return y, tape.gradient(loss, x), tf.pad(x, [[0, 0], [2, 3], [0, 0], [0, 0]],
-                                             constant_values=1.5)
+    return (
+      y,
+      tape.gradient(loss, x),
+      tf.pad(x, [[0, 0], [2, 3], [0, 0], [0, 0]], constant_values=1.5),
+    )
 
   images = np.random.RandomState(1).randn(2, 32, 32, 4).astype(np.float32)
   step = tg.partition(padded_conv, mesh)

@@ -6,6 +6,7 @@ exhaustive search of the same candidates on small cases, give layouts that parti
 train like the unpartitioned step (by the oracle), and search a 2048-device mesh through
 tg.plan in under two minutes.
 """
+
 import importlib
 import os
 import re
@@ -49,26 +50,31 @@ def _mlp(batch, d_model, hidden, seed=0):
     grads = tape.gradient(loss, [w1, w2])
     optimizer.apply_gradients(zip(grads, [w1, w2]))
     return loss
+
   specs = [tf.TensorSpec((batch, d_model))] * 2
   return step, [w1, w2] + list(optimizer.variables), specs
 
 
 def _data(specs, seed):
   rng = np.random.RandomState(seed)
-  return [rng.randn(*s.shape).astype(np.float32) if s.dtype == tf.float32 else
-          rng.randint(0, 64, s.shape).astype(s.dtype.as_numpy_dtype) for s in specs]
+  return [
+    rng.randn(*s.shape).astype(np.float32)
+    if s.dtype == tf.float32
+    else rng.randint(0, 64, s.shape).astype(s.dtype.as_numpy_dtype)
+    for s in specs
+  ]
 
 
 def _planned(step, specs, variables, layouts, input_axes):
   """The cost model's Evaluation of `step` with `layouts` [(variable, P)], then unannotated."""
   for var, spec in layouts:
     tg.shard_variable(var, MESH, spec)
-  shardings = auto._Search(step, specs, MESH, 0, [], [], None).input_shardings(input_axes)  # pylint: disable=protected-access
+  shardings = auto._Search(step, specs, MESH, 0, [], [], None).input_shardings(input_axes)  # noqa: SLF001
   try:
     return auto.estimate(tg.plan(step, *specs, mesh=MESH, in_shardings=shardings))
   finally:
     for var in variables:
-      auto._clear_layout(_tf_variable(var))  # pylint: disable=protected-access
+      auto._clear_layout(_tf_variable(var))  # noqa: SLF001
 
 
 def _unnumbered(name):
@@ -91,10 +97,14 @@ def _train_both(build, result, steps=3, seed=0):
   # The float64 rule (tests/test_models.py): attention key biases have a zero gradient in exact
   # arithmetic (softmax cancels a bias added to every key), so they and their Adam slots hold
   # round-off alone, different in any two correct float32 runs; every other variable must agree.
-  kept = [i for i, v in enumerate(variables) if not re.search(r'key.bias', v.path if hasattr(
-      v, 'path') else v.name)]
-  assert_close([variables[i].numpy() for i in kept], [ref_variables[i].numpy() for i in kept],
-               'variables')
+  kept = [
+    i
+    for i, v in enumerate(variables)
+    if not re.search(r'key.bias', v.path if hasattr(v, 'path') else v.name)
+  ]
+  assert_close(
+    [variables[i].numpy() for i in kept], [ref_variables[i].numpy() for i in kept], 'variables'
+  )
   return partitioned
 
 
@@ -102,8 +112,13 @@ def _train_both(build, result, steps=3, seed=0):
 def test_layers_share_a_decision_slots_and_biases_follow():
   model, optimizer = transformer.build(seed=0, layers=2)
   step = transformer.train_step(model, optimizer)
-  variables = auto._variables_of(step, [tf.TensorSpec((8, 8), tf.int32),  # pylint: disable=protected-access
-                                        tf.TensorSpec((8,), tf.int32)])
+  variables = auto._variables_of(
+    step,
+    [
+      tf.TensorSpec((8, 8), tf.int32),  # noqa: SLF001
+      tf.TensorSpec((8,), tf.int32),
+    ],
+  )
   groups = {g.key: g for g in auto.group_variables(variables)}
   ffn_in = groups['ffn_in_#/kernel [32, 64] float32']
   assert [v.name for v in ffn_in.members] == ['ffn_in_0/kernel', 'ffn_in_1/kernel']
@@ -146,8 +161,9 @@ def _megatron_mlp(seed=0):
 def test_megatron_mlp_when_data_parallelism_does_not_fit():
   step, variables, specs = _megatron_mlp()
   w1, w2 = variables[:2]
-  megatron = _planned(step, specs, variables, [(w1, P(None, 'model')), (w2, P('model', None))],
-                      ('data',))
+  megatron = _planned(
+    step, specs, variables, [(w1, P(None, 'model')), (w2, P('model', None))], ('data',)
+  )
   data_parallel = _planned(step, specs, variables, [], ('data', 'model'))
   budget = int(megatron.memory * 1.05)
   assert data_parallel.memory > budget, (data_parallel.memory, budget)
@@ -172,8 +188,7 @@ def test_exhaustive_search_confirms_the_descent_on_the_mlp():
   step, _, specs = _mlp(batch=64, d_model=32, hidden=128)
   for budget in (10**9, 60_000):
     descent = tg.auto_shard(step, *specs, mesh=MESH, memory_budget=budget)
-    exhaustive = tg.auto_shard(step, *specs, mesh=MESH, memory_budget=budget,
-                               search='exhaustive')
+    exhaustive = tg.auto_shard(step, *specs, mesh=MESH, memory_budget=budget, search='exhaustive')
     print(descent.report(), exhaustive.report(), sep='\n')
     assert exhaustive.evaluations == 9 * 9 * 4  # every combination was planned
     # The descent's layout is the optimum, or within the cost it does not move for.
@@ -183,8 +198,11 @@ def test_exhaustive_search_confirms_the_descent_on_the_mlp():
 
 def test_nothing_fits_names_the_smallest_bytes():
   step, _, specs = _mlp(batch=64, d_model=32, hidden=128)
-  with pytest.raises(ValueError, match=r'fits 1,000 bytes per device; the smallest found '
-                                       r'needs [\d,]+ bytes'):
+  with pytest.raises(
+    ValueError,
+    match=r'fits 1,000 bytes per device; the smallest found '
+    r'needs [\d,]+ bytes',
+  ):
     tg.auto_shard(step, *specs, mesh=MESH, memory_budget=1000)
 
 
@@ -192,10 +210,11 @@ def test_fixed_layouts_and_annotations_are_kept():
   step, variables, specs = _mlp(batch=64, d_model=32, hidden=128)
   tg.shard_variable(variables[1], MESH, P(None, 'data'))  # the user's own annotation on w2
   try:
-    result = tg.auto_shard(step, *specs, mesh=MESH, memory_budget=10**9,
-                           fixed={'w1': P('model', None)})
+    result = tg.auto_shard(
+      step, *specs, mesh=MESH, memory_budget=10**9, fixed={'w1': P('model', None)}
+    )
   finally:
-    auto._clear_layout(variables[1])  # pylint: disable=protected-access
+    auto._clear_layout(variables[1])  # noqa: SLF001
   assert result.layout_of('w1') == P('model', None)
   assert result.layout_of('w2') == P(None, 'data')
   assert result.layout_map['w1'] == P('model', None)
@@ -215,9 +234,13 @@ def test_transformer_finds_megatron_when_data_parallelism_does_not_fit():
   step, variables, specs = _small_transformer()
   model_vars = [v for v in variables if not v.path.startswith('adam/')]
   layout = transformer.layout(MESH)
-  megatron = _planned(step, specs, variables,
-                      [(v, layout[v.path]) for v in model_vars if layout[v.path] is not None],
-                      ('data',))
+  megatron = _planned(
+    step,
+    specs,
+    variables,
+    [(v, layout[v.path]) for v in model_vars if layout[v.path] is not None],
+    ('data',),
+  )
   data_parallel = _planned(step, specs, variables, [], ('data', 'model'))
   budget = int(megatron.memory * 1.05)
   assert data_parallel.memory > budget, (data_parallel.memory, budget)
@@ -257,21 +280,24 @@ def test_dense_transformer_at_2048_searched_in_under_two_minutes():
   mesh = Mesh.create((64, 32), ('X', 'Y'))
   cfg = plan_2048.Dense(layers=1)
   paper = plan_2048.dense_transformer(mesh, cfg, plan_2048.abstract_variables)  # its 2-D layout
-  paper = auto.estimate(tg.plan(paper.step, *paper.arg_specs, mesh=mesh,
-                                in_shardings=paper.in_shardings))
+  paper = auto.estimate(
+    tg.plan(paper.step, *paper.arg_specs, mesh=mesh, in_shardings=paper.in_shardings)
+  )
 
   def unannotated(name, shape, sharding, trainable=True):
     del sharding  # auto_shard chooses
     return tg.abstract_variable(shape, tf.float32, name=name, trainable=trainable)
+
   built = plan_2048.dense_transformer(mesh, cfg, unannotated)
   params = cfg.parameter_count() * 4
   budget = int(paper.memory * 1.25)  # data parallelism needs 40x more
   start = time.perf_counter()
   result = tg.auto_shard(built.step, *built.arg_specs, mesh=mesh, memory_budget=budget)
   seconds = time.perf_counter() - start
-  print(f'2048-device search: {seconds:.1f} s, {result.evaluations} layouts planned\n'
-        f'{result.report()}')
-  print(f'the paper\'s 2-D layout: predicted {paper.cost:.1f} s, {paper.memory:,} bytes')
+  print(
+    f'2048-device search: {seconds:.1f} s, {result.evaluations} layouts planned\n{result.report()}'
+  )
+  print(f"the paper's 2-D layout: predicted {paper.cost:.1f} s, {paper.memory:,} bytes")
   assert seconds < 120
   assert result.best.memory <= budget
   assert result.best.report.parameter_bytes < params // 64  # every weight split over Y or more
@@ -281,14 +307,20 @@ def test_dense_transformer_at_2048_searched_in_under_two_minutes():
 # --- the bench -----------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_rank_bench_quick_prints_every_line():
-  proc = subprocess.run([sys.executable, os.path.join(ROOT, 'bench', 'auto_shard_rank.py'),
-                         '--quick'], capture_output=True, text=True, timeout=900, cwd=ROOT)
+  proc = subprocess.run(
+    [sys.executable, os.path.join(ROOT, 'bench', 'auto_shard_rank.py'), '--quick'],
+    capture_output=True,
+    text=True,
+    timeout=900,
+    cwd=ROOT,
+  )
   assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
   out = proc.stdout
   for model, layouts in (('transformer', ('dp8', 'megatron+data')), ('cnn', ('dp8', 'replicated'))):
     for layout in layouts:
-      assert re.search(rf'{model} +{re.escape(layout)} +predicted +[\d.]+ ms +measured +[\d.]+ ms',
-                       out), out
+      assert re.search(
+        rf'{model} +{re.escape(layout)} +predicted +[\d.]+ ms +measured +[\d.]+ ms', out
+      ), out
   for scope in ('transformer', 'cnn', 'all'):
     assert re.search(rf'{scope}: predicted order: .+ < ', out), out
     assert re.search(rf'{scope}: measured order: .+ < ', out), out
@@ -297,7 +329,8 @@ def test_rank_bench_quick_prints_every_line():
 
 def test_spearman_is_numpy_rank_correlation():
   sys.path.insert(0, os.path.join(ROOT, 'bench'))
-  import auto_shard_rank  # pylint: disable=g-import-not-at-top
+  import auto_shard_rank
+
   assert auto_shard_rank.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
   assert auto_shard_rank.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
   assert auto_shard_rank.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486833)

@@ -5,6 +5,7 @@ channel and only those per-channel vectors are all-reduced; the activations
 never move. Compared with the unpartitioned op (forward, running statistics,
 gradients), collectives counted.
 """
+
 import collections
 
 import numpy as np
@@ -29,6 +30,7 @@ def _values(shape, channels, seed=0):
 
 def _train_step(mesh, spec, data_format='NHWC', op='FusedBatchNormV3'):
   """Forward (y, batch mean, batch variance) and gradients of sum(y * dy)."""
+
   @tf.function(autograph=False)
   def f(x, scale, offset, dy):
     if spec is not None:
@@ -36,11 +38,19 @@ def _train_step(mesh, spec, data_format='NHWC', op='FusedBatchNormV3'):
     with tf.GradientTape() as tape:
       tape.watch([x, scale, offset])
       empty = tf.zeros([0], tf.float32)
-      outs = getattr(tf.raw_ops, op)(x=x, scale=scale, offset=offset, mean=empty,
-                                     variance=empty, epsilon=1e-3, is_training=True,
-                                     data_format=data_format)
+      outs = getattr(tf.raw_ops, op)(
+        x=x,
+        scale=scale,
+        offset=offset,
+        mean=empty,
+        variance=empty,
+        epsilon=1e-3,
+        is_training=True,
+        data_format=data_format,
+      )
       loss = tf.reduce_sum(outs[0] * dy)
     return tuple(outs[:3]) + tuple(tape.gradient(loss, [x, scale, offset]))
+
   return f
 
 
@@ -54,21 +64,28 @@ def _named(outputs, names=TRAIN_OUTPUTS):
 
 def _kinds(pf, op_prefix='FusedBatchNorm'):
   """Collectives emitted for the batch norm nodes, as (kind, shape)."""
-  return [(c['kind'], tuple(c['shape'])) for r in pf.op_records() if r.op.startswith(op_prefix)
-          for c in r.collectives]
+  return [
+    (c['kind'], tuple(c['shape']))
+    for r in pf.op_records()
+    if r.op.startswith(op_prefix)
+    for c in r.collectives
+  ]
 
 
 def _how(pf):
   return {r.op: r.how for r in pf.op_records() if r.op.startswith('FusedBatchNorm')}
 
 
-@pytest.mark.parametrize('mesh,spec,shape', [
-    (MESH_8, ('x', None, None, None), (16, 5, 4, 3)),     # batch split
-    (MESH_8, (None, 'x', None, None), (2, 16, 4, 3)),     # height split
-    (MESH_2x4, ('a', 'b', None, None), (4, 8, 3, 3)),     # batch x height
-    (MESH_8, ('x', None, None, None), (12, 3, 2, 5)),     # uneven: 12 rows over 8
-    (MESH_2x4, ('b', 'a', None, None), (6, 5, 3, 3)),     # uneven on both dims
-])
+@pytest.mark.parametrize(
+  'mesh,spec,shape',
+  [
+    (MESH_8, ('x', None, None, None), (16, 5, 4, 3)),  # batch split
+    (MESH_8, (None, 'x', None, None), (2, 16, 4, 3)),  # height split
+    (MESH_2x4, ('a', 'b', None, None), (4, 8, 3, 3)),  # batch x height
+    (MESH_8, ('x', None, None, None), (12, 3, 2, 5)),  # uneven: 12 rows over 8
+    (MESH_2x4, ('b', 'a', None, None), (6, 5, 3, 3)),  # uneven on both dims
+  ],
+)
 def test_training_uses_global_batch_statistics_with_vector_all_reduces_only(mesh, spec, shape):
   channels = shape[-1]
   args = _values(shape, channels)
@@ -78,7 +95,9 @@ def test_training_uses_global_batch_statistics_with_vector_all_reduces_only(mesh
   assert set(_how(pf).values()) == {'hand-written'}, _how(pf)
   # Forward: the sum, then the sum of squared deviations; gradient: both sums in one.
   assert collections.Counter(_kinds(pf)) == {
-      ('all_reduce', (channels,)): 2, ('all_reduce', (2, channels)): 1}
+    ('all_reduce', (channels,)): 2,
+    ('all_reduce', (2, channels)): 1,
+  }
 
 
 def test_nchw_with_channels_and_batch_split():
@@ -111,10 +130,18 @@ def test_running_averages_blend_the_global_statistics():
     def f(x, scale, offset, mean, var):
       if spec is not None:
         x = tg.shard(x, MESH_8, tg.P(*spec))
-      outs = tf.raw_ops.FusedBatchNormV3(x=x, scale=scale, offset=offset, mean=mean,
-                                         variance=var, epsilon=1e-3, is_training=True,
-                                         exponential_avg_factor=0.3)
+      outs = tf.raw_ops.FusedBatchNormV3(
+        x=x,
+        scale=scale,
+        offset=offset,
+        mean=mean,
+        variance=var,
+        epsilon=1e-3,
+        is_training=True,
+        exponential_avg_factor=0.3,
+      )
       return outs[0], outs[1], outs[2]
+
     return f
 
   want = step(None)(x, scale, offset, mean, var)
@@ -136,10 +163,12 @@ def test_inference_is_elementwise_and_its_gradient_sums_are_partial():
         x = tg.shard(x, MESH_2x4, tg.P(*spec))
       with tf.GradientTape() as tape:
         tape.watch([x, scale, offset])
-        y = tf.raw_ops.FusedBatchNormV3(x=x, scale=scale, offset=offset, mean=mean,
-                                        variance=var, epsilon=1e-3, is_training=False)[0]
+        y = tf.raw_ops.FusedBatchNormV3(
+          x=x, scale=scale, offset=offset, mean=mean, variance=var, epsilon=1e-3, is_training=False
+        )[0]
         loss = tf.reduce_sum(y * dy)
       return (y,) + tuple(tape.gradient(loss, [x, scale, offset]))
+
     return f
 
   want = step(None)(x, scale, offset, dy)
@@ -150,7 +179,11 @@ def test_inference_is_elementwise_and_its_gradient_sums_are_partial():
   assert [c for r in forward for c in r.collectives] == []
   # The scale and offset gradients are partial sums, resolved by all-reduces of [3] vectors
   # (at the function's end, both in one bucket: graph_rewrite/coalesce.py).
-  found = [c for r in pf.op_records() if r.op.startswith('FusedBatchNorm') or r.op == 'outputs'
-           for c in r.collectives]
+  found = [
+    c
+    for r in pf.op_records()
+    if r.op.startswith('FusedBatchNorm') or r.op == 'outputs'
+    for c in r.collectives
+  ]
   assert found and all(c['kind'] == 'all_reduce' for c in found), found
   assert sorted(b for c in found for b in c.get('member_bytes', [c['bytes']])) == [12, 12]

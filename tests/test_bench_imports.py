@@ -3,6 +3,7 @@
 A moved module broke `bench/partition_scaling.py` once without any test noticing; every
 `from tf_gspmd... import name` in bench/ and examples/ is resolved here, lazy ones included.
 """
+
 import ast
 import importlib
 import pathlib

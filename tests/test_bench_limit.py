@@ -6,6 +6,7 @@ the run exits 1 on a mismatch), the first step's phases and the profile, the XLA
 beside XLA:CPU unpartitioned, and Keras-on-JAX's lines when the JAX venv (`make test` makes
 .jaxenv) is there.
 """
+
 import os
 import re
 import subprocess
@@ -17,13 +18,21 @@ import limit  # noqa: E402
 
 
 def test_quick_run_prints_the_limit_and_the_ratios():
-  proc = subprocess.run([sys.executable, os.path.join(ROOT, 'bench', 'limit.py'), '--quick',
-                         '--profile'], capture_output=True, text=True, timeout=600, cwd=ROOT)
+  proc = subprocess.run(
+    [sys.executable, os.path.join(ROOT, 'bench', 'limit.py'), '--quick', '--profile'],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    cwd=ROOT,
+  )
   assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
   out = proc.stdout
   assert re.search(r'tf_gspmd step +\d+ ms', out), out
-  assert re.search(r'limit = 8 x \d+ ms \(TF at batch 2\) \+ \d+ ms \(all-reduce of [\d.]+ MB, '
-                   r'1 collective\) = \d+ ms', out), out
+  assert re.search(
+    r'limit = 8 x \d+ ms \(TF at batch 2\) \+ \d+ ms \(all-reduce of [\d.]+ MB, '
+    r'1 collective\) = \d+ ms',
+    out,
+  ), out
   assert re.search(r'step / limit +[\d.]+', out), out
   assert re.search(r'no step below \d+ ms on TF kernels', out), out
   assert re.search(r'first loss vs unpartitioned: normwise error \S+ \(ok\)', out), out
@@ -32,10 +41,16 @@ def test_quick_run_prints_the_limit_and_the_ratios():
     assert phase in phases, phases
   assert re.search(r'profile of one step .* by kind: \S+ \d+', out), out
   assert re.search(r'first step: tf_gspmd [\d.]+ s, TF unpartitioned [\d.]+ s', out), out
-  assert re.search(r'XLA backend step \d+ ms \(first step [\d.]+ s\); XLA:CPU unpartitioned '
-                   r'\d+ ms', out), out
-  assert re.search(r'XLA:CPU / TF kernels, unpartitioned: [\d.]+; XLA backend / TF backend, '
-                   r'partitioned: [\d.]+', out), out
+  assert re.search(
+    r'XLA backend step \d+ ms \(first step [\d.]+ s\); XLA:CPU unpartitioned '
+    r'\d+ ms',
+    out,
+  ), out
+  assert re.search(
+    r'XLA:CPU / TF kernels, unpartitioned: [\d.]+; XLA backend / TF backend, '
+    r'partitioned: [\d.]+',
+    out,
+  ), out
   if limit.jax_python() is not None:
     assert re.search(r'Keras-on-JAX step \d+ ms, unpartitioned \d+ ms', out), out
     assert re.search(r'first step: Keras-on-JAX [\d.]+ s', out), out

@@ -4,6 +4,7 @@ Three cases of different kinds (an axis swap, a pending sum, an uneven size) at
 128 rows: both programs must produce numpy's values exactly, both must have been
 compiled, run and timed, and each must hold the collectives a reshard needs.
 """
+
 import json
 import os
 import sys
@@ -46,19 +47,21 @@ def test_quick_run_checks_both_programs_exactly(quick_run):
 def test_programs_expect_what_numpy_computes():
   case = reshard_xla.quick_case(reshard_xla.reshard_cases.case_by_name('2x4_partial_y_to_y'))
   program = reshard_xla.ReshardProgram(case)
-  assert program.x.shape == (4, 128, 128)          # one summand per device of 'y' (4)
+  assert program.x.shape == (4, 128, 128)  # one summand per device of 'y' (4)
   np.testing.assert_array_equal(program.want, program.x.sum(axis=0))
-  assert program.src_bytes == 4 * 128 * 128        # one whole summand per device
-  assert program.dst_bytes == 4 * 128 * 128 // 4   # rows over y=4
+  assert program.src_bytes == 4 * 128 * 128  # one whole summand per device
+  assert program.dst_bytes == 4 * 128 * 128 // 4  # rows over y=4
   uneven = reshard_xla.ReshardProgram(
-      reshard_xla.reshard_cases.case_by_name('uneven_10_over_4_dim0_to_dim1'))
-  assert uneven.x.shape == (12, 10) and uneven.want.shape == (10, 12)   # padded to 4 shards
+    reshard_xla.reshard_cases.case_by_name('uneven_10_over_4_dim0_to_dim1')
+  )
+  assert uneven.x.shape == (12, 10) and uneven.want.shape == (10, 12)  # padded to 4 shards
   np.testing.assert_array_equal(uneven.want[:, :10], uneven.x[:10])
   assert not uneven.want[:, 10:].any()
 
 
 def test_largest_buffer_reads_the_entry_computation_only():
-  hlo = '\n'.join([
+  hlo = '\n'.join(
+    [
       'HloModule m',
       '%fused (p: f32[1024,1024]) -> f32[1024,1024] {',
       '  %p = f32[1024,1024]{1,0} parameter(0)',
@@ -69,7 +72,9 @@ def test_largest_buffer_reads_the_entry_computation_only():
       '  %g = f32[16,4]{1,0} all-gather(%a), replica_groups={{0,1}}, dimensions={0}',
       '  %i = s32[3]{0} iota(), iota_dimension=0',
       '  ROOT %t = (f32[8,4]{1,0}, s32[3]{0}) tuple(%a, %i)',
-      '}'])
+      '}',
+    ]
+  )
   assert reshard_xla.largest_buffer(hlo) == 16 * 4 * 4
   with pytest.raises(ValueError, match='no ENTRY'):
     reshard_xla.largest_buffer('HloModule m')

@@ -10,6 +10,7 @@ MISMATCH otherwise); here we also check the data-parallel MLP's collectives
 (one all-reduce per gradient and one for the loss) and that every column holds
 a number.
 """
+
 import os
 import subprocess
 import sys
@@ -24,16 +25,26 @@ import step_time  # noqa: E402
 
 
 def test_quick_run_prints_the_table():
-  proc = subprocess.run([sys.executable, os.path.join(ROOT, 'bench', 'step_time.py'), '--quick'],
-                        capture_output=True, text=True, timeout=240, cwd=ROOT)
+  proc = subprocess.run(
+    [sys.executable, os.path.join(ROOT, 'bench', 'step_time.py'), '--quick'],
+    capture_output=True,
+    text=True,
+    timeout=240,
+    cwd=ROOT,
+  )
   assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
   lines = proc.stdout.splitlines()
   header = next(i for i, line in enumerate(lines) if line.startswith('model '))
   assert [c.strip() for c in lines[header].split('|')] == step_time.HEADER
   row = dict(zip(step_time.HEADER, (c.strip() for c in lines[header + 2].split('|'))))
   assert row['model'] == '(a) mlp' and row['mesh'] == '(data=8)'
-  for column in ('build s', 'step ms unpartitioned', 'step ms tf_gspmd', 'step ms plain-TF unpart.',
-                 'step ms DTensor'):
+  for column in (
+    'build s',
+    'step ms unpartitioned',
+    'step ms tf_gspmd',
+    'step ms plain-TF unpart.',
+    'step ms DTensor',
+  ):
     assert float(row[column]) > 0, (column, row)
   # 6 gradients + the loss, all over 'data', fused into buckets (graph_rewrite/coalesce.py)
   assert row['collectives/step'] == '2', row

@@ -11,8 +11,13 @@ import tf_gspmd as tg
 from tf_gspmd import build_progress
 from tf_gspmd.testing import assert_close
 
-PHASES = ['capturing the step', 'propagating shardings', 'making the sharded variables',
-          'partitioning the program', 'instantiating on 8 devices and running the first step']
+PHASES = [
+  'capturing the step',
+  'propagating shardings',
+  'making the sharded variables',
+  'partitioning the program',
+  'instantiating on 8 devices and running the first step',
+]
 
 
 class Terminal(io.StringIO):
@@ -54,6 +59,7 @@ def _step(mesh):
     loss = tf.reduce_sum(tf.tanh(x @ w))
     w.assign_sub(0.1 * tf.ones_like(w) * loss)
     return loss
+
   return step
 
 

@@ -37,13 +37,16 @@ def _assert_static(graph, skip_ops=()):
   for t in graph.tensors():
     if graph.producer(t.name).op in skip_ops:
       continue
-    assert t.shape is not None and None not in t.shape, f'{graph.name}: {t.name} has shape {t.shape}'
+    assert t.shape is not None and None not in t.shape, (
+      f'{graph.name}: {t.name} has shape {t.shape}'
+    )
 
 
 def test_while_and_cond_bodies_are_captured_with_static_shapes():
   v = tf.Variable(tf.ones([3, 4]))
-  program = capture.capture(_while_cond_function(v), tf.TensorSpec([3, 1]),
-                            tf.TensorSpec([], tf.int32))
+  program = capture.capture(
+    _while_cond_function(v), tf.TensorSpec([3, 1]), tf.TensorSpec([], tf.int32)
+  )
   (loop,) = _nodes_by_op(program.main, 'While')
   (branch,) = _nodes_by_op(program.main, 'StatelessIf')
   calls = {**loop.called_functions(), **branch.called_functions()}
@@ -76,7 +79,9 @@ def test_top_level_graph_matches_tf_graph():
   concrete = f.get_concrete_function(tf.TensorSpec([3, 1]), tf.TensorSpec([], tf.int32))
   program = capture.capture(concrete)
   graph = concrete.graph
-  assert sorted(n.name for n in program.main.nodes) == sorted(op.name for op in graph.get_operations())
+  assert sorted(n.name for n in program.main.nodes) == sorted(
+    op.name for op in graph.get_operations()
+  )
   for op in graph.get_operations():
     node = program.main.node(op.name)
     assert node.op == op.type
@@ -141,7 +146,8 @@ def test_function_calls_are_captured_and_nested():
 
   program = capture.capture(outer, tf.TensorSpec([4, 2]))
   calls = _nodes_by_op(program.main, 'PartitionedCall') + _nodes_by_op(
-      program.main, 'StatefulPartitionedCall')
+    program.main, 'StatefulPartitionedCall'
+  )
   assert len(calls) == 2
   inner_graph = program.function(calls[0].called_functions()['f'][0])
   (inner_call,) = [n for n in inner_graph.nodes if n.called_functions()]
@@ -173,27 +179,26 @@ def test_xla_sharding_ops_and_attrs_become_annotations():
   @tf.function
   def f(x):
     a = xla_sharding.split(x * 2.0, 0, 4, use_sharding_op=True)
-    b = xla_sharding.mesh_split(a + 1.0, np.arange(8).reshape(2, 4), [0, -1],
-                                use_sharding_op=False)
+    b = xla_sharding.mesh_split(a + 1.0, np.arange(8).reshape(2, 4), [0, -1], use_sharding_op=False)
     c = xla_sharding.replicate(b - 1.0, use_sharding_op=True)
-    d = xla_sharding.tile(c * 3.0, np.array([[0, 2], [1, 3], [4, 6], [5, 7]]),
-                          use_sharding_op=True)
+    d = xla_sharding.tile(c * 3.0, np.array([[0, 2], [1, 3], [4, 6], [5, 7]]), use_sharding_op=True)
     return xla_sharding.assign_device(d, 5, use_sharding_op=True)
 
   program = capture.capture(f, tf.TensorSpec([8, 6]))
   annotated = program.main.annotated()
   expected = {
-      'XlaSharding:0': Sharding.tiled(np.arange(4).reshape(4, 1)),
-      'add:0': Sharding.tiled(np.arange(8).reshape(2, 1, 4), subgroups=('replicated',)),
-      'XlaSharding_1:0': Sharding.replicated(),
-      'XlaSharding_2:0': Sharding.tiled(np.array([[0, 2], [1, 3], [4, 6], [5, 7]])),
-      'XlaSharding_3:0': Sharding.maximal(5),
+    'XlaSharding:0': Sharding.tiled(np.arange(4).reshape(4, 1)),
+    'add:0': Sharding.tiled(np.arange(8).reshape(2, 1, 4), subgroups=('replicated',)),
+    'XlaSharding_1:0': Sharding.replicated(),
+    'XlaSharding_2:0': Sharding.tiled(np.array([[0, 2], [1, 3], [4, 6], [5, 7]])),
+    'XlaSharding_3:0': Sharding.maximal(5),
   }
   assert annotated == expected
   assert program.main.node('add').op == 'AddV2'  # the attr form annotates the producing op
   # Equality by meaning would accept a differently written tile; check the device order too.
-  assert np.array_equal(annotated['XlaSharding_2:0'].tile_assignment,
-                        [[0, 2], [1, 3], [4, 6], [5, 7]])
+  assert np.array_equal(
+    annotated['XlaSharding_2:0'].tile_assignment, [[0, 2], [1, 3], [4, 6], [5, 7]]
+  )
 
 
 def test_tuple_sharding_attr_annotates_each_output():
@@ -236,6 +241,7 @@ def test_annotations_inside_a_while_body():
   def f(x):
     def body(i, y):
       return i + 1, xla_sharding.split(y * 2.0, 1, 2, use_sharding_op=True)
+
     return tf.while_loop(lambda i, y: i < 3, body, [0, x])[1]
 
   program = capture.capture(f, tf.TensorSpec([4, 6]))
@@ -261,8 +267,8 @@ def test_variable_shardings_set_in_python_are_recorded():
   program = capture.capture(f)
   placeholder = {id(v): p for p, v in program.variables.items()}
   assert program.variable_shardings == {
-      placeholder[id(by_attr)]: tiled,
-      placeholder[id(by_proto)]: Sharding.tiled(np.arange(8)),
+    placeholder[id(by_attr)]: tiled,
+    placeholder[id(by_proto)]: Sharding.tiled(np.arange(8)),
   }
   node = program.main.producer(placeholder[id(by_attr)])
   assert node.annotations == {0: tiled}
@@ -288,8 +294,9 @@ def test_shard_variable_and_shard_annotations_are_read_back():
     return layer(x) + plain[:1]
 
   program = capture.capture(f, tf.TensorSpec([6, 4]))
-  by_variable = {id(v): s for p, v in program.variables.items()
-                 for s in [program.variable_shardings.get(p)]}
+  by_variable = {
+    id(v): s for p, v in program.variables.items() for s in [program.variable_shardings.get(p)]
+  }
   assert by_variable[id(layer.kernel.value)] == NamedSharding(mesh, P(None, 'model'))
   assert by_variable[id(plain)] == NamedSharding(mesh, P('data', None))
   assert by_variable[id(layer.bias.value)] is None
@@ -300,8 +307,14 @@ def test_shard_variable_and_shard_annotations_are_read_back():
 def test_keras_training_step_is_captured_whole():
   keras = pytest.importorskip('keras')
   keras.utils.set_random_seed(0)
-  model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
-                            keras.layers.BatchNormalization(), keras.layers.Dense(4)])
+  model = keras.Sequential(
+    [
+      keras.Input((8,)),
+      keras.layers.Dense(16),
+      keras.layers.BatchNormalization(),
+      keras.layers.Dense(4),
+    ]
+  )
   optimizer = keras.optimizers.Adam(1e-2)
   optimizer.build(model.trainable_variables)
   metric = keras.metrics.Mean()
@@ -328,10 +341,11 @@ def test_keras_training_step_is_captured_whole():
   dropped = [op for op in concrete.graph.get_operations() if op.name not in kept]
   assert len(kept) + len(dropped) == len(concrete.graph.get_operations())
   for op in dropped:
-    assert not op._is_stateful, op.name  # pylint: disable=protected-access
+    assert not op._is_stateful, op.name  # noqa: SLF001
     assert not any(c.name in kept for t in op.outputs for c in t.consumers()), op.name
-    assert not any(op in c.control_inputs for c in concrete.graph.get_operations()
-                   if c.name in kept), op.name
+    assert not any(
+      op in c.control_inputs for c in concrete.graph.get_operations() if c.name in kept
+    ), op.name
   assert set(program.main.control_outputs) == {op.name for op in concrete.graph.control_outputs}
   _assert_static(program.main, skip_ops=('NoOp',))
   # The updates (forward, backward, optimizer, metrics) are all there.

@@ -9,6 +9,7 @@ and layouts, plain variables and a Keras model, and training continues from
 there like the uninterrupted unpartitioned run. A save killed midway leaves
 the previous checkpoint restorable; mismatched targets are named.
 """
+
 import os
 import signal
 import subprocess
@@ -28,7 +29,7 @@ from tf_gspmd.testing import assert_close
 sys.path.insert(0, os.path.dirname(__file__))
 from test_models import _mlp_batches, _step  # noqa: E402
 
-SAVED_AFTER = 3   # steps trained before the save
+SAVED_AFTER = 3  # steps trained before the save
 HIDDEN = 30
 
 
@@ -36,10 +37,15 @@ def _mlp(seed, hidden=HIDDEN):
   """test_models' MLP with Adam, named explicitly: a checkpoint names variables by their Keras
   paths, which hold the model's and optimizer's names (Keras numbers default names per instance)."""
   keras.utils.set_random_seed(seed)
-  model = keras.Sequential([keras.Input((16,)),
-                            keras.layers.Dense(hidden, activation='relu', name='hidden_0'),
-                            keras.layers.Dense(hidden, activation='relu', name='hidden_1'),
-                            keras.layers.Dense(4, name='logits')], name='mlp')
+  model = keras.Sequential(
+    [
+      keras.Input((16,)),
+      keras.layers.Dense(hidden, activation='relu', name='hidden_0'),
+      keras.layers.Dense(hidden, activation='relu', name='hidden_1'),
+      keras.layers.Dense(4, name='logits'),
+    ],
+    name='mlp',
+  )
   optimizer = keras.optimizers.Adam(1e-2, name='adam')
   optimizer.build(model.trainable_variables)
   return model, optimizer
@@ -56,8 +62,9 @@ def _partitioned(seed, mesh, rules):
   model, optimizer = _mlp(seed, hidden=HIDDEN)
   assert _layout(mesh, rules).apply(model)
   data_axis = mesh.axis_names[0]
-  step = tg.partition(_step(model, optimizer, lambda x: tg.shard(x, mesh, tg.P(data_axis, None))),
-                      mesh)
+  step = tg.partition(
+    _step(model, optimizer, lambda x: tg.shard(x, mesh, tg.P(data_axis, None))), mesh
+  )
   return model, optimizer, step
 
 
@@ -65,8 +72,11 @@ def _values(variables):
   return {v.path: np.array(v.numpy()) for v in variables}
 
 
-MEGATRON = {r'.*hidden_0/kernel': tg.P(None, 'model'), r'.*hidden_0/bias': tg.P('model'),
-            r'.*hidden_1/kernel': tg.P('model', None)}
+MEGATRON = {
+  r'.*hidden_0/kernel': tg.P(None, 'model'),
+  r'.*hidden_0/bias': tg.P('model'),
+  r'.*hidden_1/kernel': tg.P('model', None),
+}
 
 
 @pytest.fixture(scope='module')
@@ -87,9 +97,16 @@ def saved(tmp_path_factory):
   ref_at_save = _values(list(ref_model.variables) + list(ref_optimizer.variables))
   # The uninterrupted unpartitioned run: two more steps.
   losses = [reference(x, y).numpy() for x, y in batches[SAVED_AFTER:]]
-  return dict(directory=directory, record=record, step=step, at_save=at_save,
-              ref_at_save=ref_at_save, batches=batches, ref_losses=losses,
-              ref_after=_values(list(ref_model.variables) + list(ref_optimizer.variables)))
+  return dict(
+    directory=directory,
+    record=record,
+    step=step,
+    at_save=at_save,
+    ref_at_save=ref_at_save,
+    batches=batches,
+    ref_losses=losses,
+    ref_after=_values(list(ref_model.variables) + list(ref_optimizer.variables)),
+  )
 
 
 def _continue(step, saved):
@@ -113,8 +130,11 @@ def _check_restored_bitwise(pairs, saved):
     assert np.array_equal(original.numpy(), want), original.name
     for p, shard in enumerate(sharded.variables):
       bounds = sharded.sharding.shard_bounds(sharded.shape, p)
-      valid = tuple(slice(0, b - a) for a, b in bounds) if bounds else tuple(slice(0, 0) for _ in
-                                                                              sharded.shape)
+      valid = (
+        tuple(slice(0, b - a) for a, b in bounds)
+        if bounds
+        else tuple(slice(0, 0) for _ in sharded.shape)
+      )
       padding = np.array(shard.numpy(), copy=True)
       padding[valid] = 0
       assert not padding.any(), (original.name, p)
@@ -146,15 +166,23 @@ def test_each_device_writes_only_its_own_slices_once(saved):
     if tiles > 1:  # a sharded variable: no device wrote all of it
       assert len(per_variable[name]) == tiles and all(n < total for _, _, n in per_variable[name])
   kernel = per_variable['mlp/hidden_0/kernel']  # [16, 30] split 8, 8, 8, 6 over 'model'
-  assert sorted(spec for _, spec, _ in kernel) == ['16 30 -:0,8', '16 30 -:16,8', '16 30 -:24,6',
-                                                   '16 30 -:8,8']
+  assert sorted(spec for _, spec, _ in kernel) == [
+    '16 30 -:0,8',
+    '16 30 -:16,8',
+    '16 30 -:24,6',
+    '16 30 -:8,8',
+  ]
   # What each device wrote is what is on disk: one data file per writing device, in order.
-  data = sorted(f for f in os.listdir(saved['directory'])
-                if f.startswith(os.path.basename(record.prefix) + '.data-'))
+  data = sorted(
+    f
+    for f in os.listdir(saved['directory'])
+    if f.startswith(os.path.basename(record.prefix) + '.data-')
+  )
   sizes = [os.path.getsize(os.path.join(saved['directory'], f)) for f in data]
   assert sizes == list(record.bytes_per_device.values())
   assert len(sizes) == 8 and sum(sizes) == sum(
-      int(np.prod(s.shape)) * s.dtype.size for s in by_name.values())
+    int(np.prod(s.shape)) * s.dtype.size for s in by_name.values()
+  )
   whole = max(int(np.prod(s.shape)) * s.dtype.size for s in by_name.values())
   assert max(sizes) < sum(sizes) / 2 and whole < sum(sizes)
 
@@ -173,9 +201,11 @@ def _restore_and_continue(saved, mesh, rules):
 
 def test_restore_into_eight_devices_one_dim_uneven(saved):
   mesh = tg.Mesh.create((8,), ('model',))
-  rules = {r'.*hidden_0/kernel': tg.P('model', None),    # 16 rows over 8
-           r'.*hidden_1/kernel': tg.P(None, 'model'),    # 30 columns over 8: 4 x 7, then 2
-           r'.*hidden_1/bias': tg.P('model')}
+  rules = {
+    r'.*hidden_0/kernel': tg.P('model', None),  # 16 rows over 8
+    r'.*hidden_1/kernel': tg.P(None, 'model'),  # 30 columns over 8: 4 x 7, then 2
+    r'.*hidden_1/bias': tg.P('model'),
+  }
   step, record = _restore_and_continue(saved, mesh, rules)
   kernel = {s for _, name, s, _ in record.slices if name == 'mlp/hidden_1/kernel'}
   assert '30 30 -:28,2' in kernel  # the last device read only its 2 columns
@@ -186,12 +216,15 @@ def test_restore_into_eight_devices_one_dim_uneven(saved):
 
 def test_restore_into_four_by_two_mesh_two_dim_slices(saved):
   mesh = tg.Mesh.create((4, 2), ('data', 'model'))
-  rules = {r'.*hidden_1/kernel': tg.P('data', 'model'),  # [30, 30]: 8, 8, 8, 6 rows x 15 cols
-           r'.*hidden_0/kernel': tg.P(None, 'model')}
+  rules = {
+    r'.*hidden_1/kernel': tg.P('data', 'model'),  # [30, 30]: 8, 8, 8, 6 rows x 15 cols
+    r'.*hidden_0/kernel': tg.P(None, 'model'),
+  }
   _, record = _restore_and_continue(saved, mesh, rules)
   kernel = {s for _, name, s, _ in record.slices if name == 'mlp/hidden_1/kernel'}
-  assert kernel == {f'30 30 {r}:{c}' for r in ('0,8', '8,8', '16,8', '24,6') for c in ('0,15',
-                                                                                      '15,15')}
+  assert kernel == {
+    f'30 30 {r}:{c}' for r in ('0,8', '8,8', '16,8', '24,6') for c in ('0,15', '15,15')
+  }
 
 
 def test_restore_into_plain_variables_and_keras_model(saved):
@@ -207,8 +240,9 @@ def test_restore_into_plain_variables_and_keras_model(saved):
   # Plain tf.Variables by name (a dict gives the names).
   plain = {'mlp/hidden_1/kernel': tf.Variable(tf.zeros([HIDDEN, HIDDEN]))}
   tg.restore_checkpoint(saved['directory'], plain)
-  assert np.array_equal(plain['mlp/hidden_1/kernel'].numpy(),
-                        saved['at_save']['mlp/hidden_1/kernel'])
+  assert np.array_equal(
+    plain['mlp/hidden_1/kernel'].numpy(), saved['at_save']['mlp/hidden_1/kernel']
+  )
 
 
 def test_restore_into_a_model_partitioned_before_its_first_call(saved):
@@ -232,16 +266,24 @@ def test_mismatched_shape_dtype_or_missing_variable_is_named(saved):
   assert 'float32[16, 30] in the checkpoint' in message
   assert 'float32[16, 31] in the target' in message
   wrong_dtype = {'mlp/hidden_0/bias': tf.Variable(tf.zeros([HIDDEN], tf.float64))}
-  with pytest.raises(ValueError, match=r"'mlp/hidden_0/bias' is float32\[30\] in the "
-                                       r'checkpoint .* but float64\[30\] in the target'):
+  with pytest.raises(
+    ValueError,
+    match=r"'mlp/hidden_0/bias' is float32\[30\] in the "
+    r'checkpoint .* but float64\[30\] in the target',
+  ):
     tg.restore_checkpoint(saved['directory'], wrong_dtype)
-  with pytest.raises(ValueError, match=r"variable 'encoder/kernel' \(float32\[16, 30\]\) is not "
-                                       'in the checkpoint'):
-    tg.restore_checkpoint(saved['directory'],
-                          [tf.Variable(tf.zeros([16, 30]), name='encoder/kernel')])
+  with pytest.raises(
+    ValueError,
+    match=r"variable 'encoder/kernel' \(float32\[16, 30\]\) is not "
+    'in the checkpoint',
+  ):
+    tg.restore_checkpoint(
+      saved['directory'], [tf.Variable(tf.zeros([16, 30]), name='encoder/kernel')]
+    )
 
 
 # --- small plain programs: empty shards, duplicate names, the kill test ----------------------
+
 
 def _plain_step(mesh, w, v, spec_w, spec_v):
   tg.shard_variable(w, mesh, spec_w)
@@ -252,6 +294,7 @@ def _plain_step(mesh, w, v, spec_w, spec_v):
     w.assign_add(tf.reduce_sum(x) * tf.ones_like(w))
     v.assign_sub(tf.cast(tf.reduce_max(x), v.dtype) * tf.ones_like(v))
     return tf.reduce_sum(w) + tf.cast(tf.reduce_sum(v), tf.float32)
+
   return tg.partition(step, mesh)
 
 
@@ -282,7 +325,7 @@ def test_empty_shards_integers_and_duplicate_names(tmp_path):
   assert_close(again(x), step(x), 'restored on (2, 4) vs saved on (4,)')
 
 
-KILLED_SAVE = textwrap.dedent('''
+KILLED_SAVE = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, {tests!r})
     import conftest  # 8 logical devices
@@ -323,7 +366,7 @@ KILLED_SAVE = textwrap.dedent('''
     setattr(ckpt, name, stall(getattr(ckpt, name)))
     tg.save_checkpoint(pf, directory)
     print('the save finished; it should have been killed', flush=True)
-''')
+""")
 
 
 @pytest.mark.parametrize('phase', ['slices', 'publish'])
@@ -331,8 +374,11 @@ def test_save_killed_midway_leaves_previous_checkpoint(tmp_path, phase):
   directory, marker = tmp_path / 'ckpt', tmp_path / 'writing'
   script = tmp_path / 'save.py'
   script.write_text(KILLED_SAVE.format(tests=os.path.dirname(os.path.abspath(__file__))))
-  child = subprocess.Popen([sys.executable, str(script), str(directory), phase, str(marker)],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  child = subprocess.Popen(
+    [sys.executable, str(script), str(directory), phase, str(marker)],
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+  )
   deadline = time.time() + 240
   while not marker.exists() and child.poll() is None and time.time() < deadline:
     time.sleep(0.1)
@@ -366,12 +412,13 @@ def test_readme_checkpoint_example_runs(tmp_path):
     section = f.read().split('### Checkpoints', 1)[1].split('\n## ', 1)[0]
   example = section.split('```python\n', 1)[1].split('```', 1)[0]
   doc = ckpt.__doc__
-  assert example.strip() == textwrap.dedent(doc[doc.index('::\n') + 3:]).strip()
+  assert example.strip() == textwrap.dedent(doc[doc.index('::\n') + 3 :]).strip()
   script = tmp_path / 'example.py'
   script.write_text(example)
   env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL='2')
-  result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                          timeout=240, check=False)
+  result = subprocess.run(
+    [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240, check=False
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   prefix_line, losses = result.stdout.splitlines()
   assert prefix_line.split()[0].endswith('ckpt-1')
@@ -401,8 +448,12 @@ def test_xla_backend_saves_and_restores_device_buffers(tmp_path):
   record = tg.save_checkpoint(xla, str(tmp_path))
   # w's 5 rows over 4 are 2, 2, 1, 0: the fourth column of the mesh (devices 3, 7) holds none.
   assert sorted(d for d, name, _, _ in record.slices if name == 'w') == ['xla:0', 'xla:1', 'xla:2']
-  assert sorted(s for _, name, s, _ in record.slices if name == 'v') == ['7 0,2', '7 2,2', '7 4,2',
-                                                                         '7 6,1']
+  assert sorted(s for _, name, s, _ in record.slices if name == 'v') == [
+    '7 0,2',
+    '7 2,2',
+    '7 4,2',
+    '7 6,1',
+  ]
   xla.sync_variables()
   reader = tf.train.load_checkpoint(str(tmp_path))
   assert np.array_equal(reader.get_tensor('w'), w.numpy())
@@ -420,11 +471,15 @@ def test_xla_backend_saves_and_restores_device_buffers(tmp_path):
 def test_keras_fit_model_saves_its_shards_and_restores_on_another_mesh(tmp_path):
   """partition_model: saved from the shards after fit on (2, 4), slice by slice; restored into a
   model fit on 8 devices: its shards and its own variables, bitwise."""
+
   def build(seed):
     model, _ = _mlp(seed)
-    model.compile(optimizer=keras.optimizers.Adam(1e-2, name='adam'),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+      optimizer=keras.optimizers.Adam(1e-2, name='adam'),
+      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     return model
+
   rng = np.random.RandomState(0)
   x, y = rng.randn(16, 16).astype(np.float32), rng.randint(0, 4, 16).astype(np.int32)
   mesh = tg.Mesh.create((2, 4), ('data', 'model'))
@@ -448,7 +503,7 @@ def test_keras_fit_model_saves_its_shards_and_restores_on_another_mesh(tmp_path)
   got = _values(list(target.variables) + list(target.optimizer.variables))
   assert all(np.array_equal(got[n], want[n]) for n in want)
   restored = 0
-  for original, sharded in target._tf_gspmd_store.pairs():  # pylint: disable=protected-access
+  for original, sharded in target._tf_gspmd_store.pairs():  # noqa: SLF001
     if ckpt._base_name(original) in want:
       assert np.array_equal(sharded.numpy(), want[ckpt._base_name(original)]), original.name
       restored += 1

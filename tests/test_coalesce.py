@@ -1,6 +1,7 @@
 """Fewer, larger collectives (graph_rewrite/coalesce.py): pending sums resolved late, kept
 partial through linear ops, and fused per group into bucketed all-reduces. Every case runs
 partitioned on 8 logical CPUs against the same function unpartitioned, collectives counted."""
+
 import collections
 
 import numpy as np
@@ -21,8 +22,9 @@ def all_reduces(pf, axes=('data',)):
 def mlp_step(rng):
   """A 2-layer MLP with SGD: 4 weight gradients and the loss, each a pending sum over 'data'."""
   shapes = {'w1': (16, 32), 'b1': (32,), 'w2': (32, 8), 'b2': (8,)}
-  params = {n: tf.Variable(rng.randn(*s).astype(np.float32) * 0.2, name=n)
-            for n, s in shapes.items()}
+  params = {
+    n: tf.Variable(rng.randn(*s).astype(np.float32) * 0.2, name=n) for n, s in shapes.items()
+  }
 
   @tf.function
   def step(x, y):
@@ -33,6 +35,7 @@ def mlp_step(rng):
     for n, v in params.items():
       v.assign_sub(0.1 * grads[n])
     return loss
+
   return step, params
 
 
@@ -41,8 +44,11 @@ def run_mlp(partitioned: bool):
   step, params = mlp_step(rng)
   x = rng.randn(64, 16).astype(np.float32)
   y = rng.randn(64, 8).astype(np.float32)
-  fn = tg.partition(step, DATA8, in_shardings=[tg.P('data', None), tg.P('data', None)]) \
-      if partitioned else step
+  fn = (
+    tg.partition(step, DATA8, in_shardings=[tg.P('data', None), tg.P('data', None)])
+    if partitioned
+    else step
+  )
   losses = np.array([fn(x, y).numpy() for _ in range(2)])  # float32, one per step
   if partitioned:
     fn.sync_variables()
@@ -80,7 +86,7 @@ def test_linear_ops_keep_sums_pending_and_products_do_not():
   x = np.random.RandomState(1).randn(64, 12).astype(np.float32)
 
   def f(x):
-    a = tf.reduce_sum(x, axis=0)             # pending sums over 'data'
+    a = tf.reduce_sum(x, axis=0)  # pending sums over 'data'
     b = tf.reduce_sum(x * 3.0, axis=0)
     c = tf.reduce_sum(x * x, axis=0)
     d = tf.reduce_sum(x + 1.0, axis=0)
@@ -90,8 +96,9 @@ def test_linear_ops_keep_sums_pending_and_products_do_not():
     return linear, product
 
   pf = tg.partition(tf.function(f), DATA8, in_shardings=[tg.P('data', None)])
-  assert_close(dict(zip(('linear', 'product'), pf(x))),
-               dict(zip(('linear', 'product'), f(tf.constant(x)))))
+  assert_close(
+    dict(zip(('linear', 'product'), pf(x))), dict(zip(('linear', 'product'), f(tf.constant(x))))
+  )
   linear_types = {r.op for r in pf.op_records() if r.how == 'linear on pending sums'}
   assert linear_types == {'Sub', 'Neg', 'Mul', 'RealDiv', 'AddN', 'AddV2', 'Reshape'}
   # The product's two factors are resolved before it (not linear in them), and the whole
@@ -105,8 +112,8 @@ def test_a_collective_that_depends_on_another_is_not_fused_with_it():
   x = np.random.RandomState(2).randn(64, 12).astype(np.float32)
 
   def f(x):
-    first = tf.reduce_sum(x, axis=0, name='first')                    # pending
-    gate = tf.nn.relu(first)                                           # needs it reduced
+    first = tf.reduce_sum(x, axis=0, name='first')  # pending
+    gate = tf.nn.relu(first)  # needs it reduced
     second = tf.reduce_sum(x * gate[tf.newaxis], axis=0, name='second')  # depends on it
     return second
 
@@ -128,9 +135,11 @@ def test_pipeline_data_all_reduces_are_reduced_once():
 
   def make(piped):
     rng = np.random.RandomState(0)
-    params = {'w_in': tf.Variable(rng.randn(stages, width, hidden).astype(np.float32) * 0.1),
-              'b_in': tf.Variable(np.zeros([stages, hidden], np.float32)),
-              'w_out': tf.Variable(rng.randn(stages, hidden, width).astype(np.float32) * 0.1)}
+    params = {
+      'w_in': tf.Variable(rng.randn(stages, width, hidden).astype(np.float32) * 0.1),
+      'b_in': tf.Variable(np.zeros([stages, hidden], np.float32)),
+      'w_out': tf.Variable(rng.randn(stages, hidden, width).astype(np.float32) * 0.1),
+    }
     if piped:
       for v in params.values():
         tg.shard_variable(v, mesh, tg.P('stage', *([None] * (v.shape.rank - 1))))
@@ -150,6 +159,7 @@ def test_pipeline_data_all_reduces_are_reduced_once():
       for n, v in params.items():
         v.assign_sub(0.1 * grads[n])
       return loss
+
     return step, params
 
   rng = np.random.RandomState(1)
@@ -160,8 +170,9 @@ def test_pipeline_data_all_reduces_are_reduced_once():
   pf = tg.partition(piped, mesh)
   assert_close(pf(x, y), sequential(x, y), name='loss')
   pf.sync_variables()
-  assert_close({n: v.numpy() for n, v in params.items()}, {n: v.numpy() for n, v in ref.items()},
-               name='params')
+  assert_close(
+    {n: v.numpy() for n, v in params.items()}, {n: v.numpy() for n, v in ref.items()}, name='params'
+  )
   kinds = collections.Counter((c['kind'], tuple(c['axes'])) for c in pf.collectives())
   # Without coalescing: one per weight per iteration (3 x 5) and the loss.
   assert kinds[('all_reduce', ('data',))] <= 4, kinds
@@ -171,10 +182,12 @@ def test_transformer_weight_gradients_share_one_bucket():
   """Weight gradients whose first use is inside the backward pass (Keras' reshape of an
   attention kernel's gradient) stay pending: the update math that reads them is emitted
   after the rest of the step, so every dense weight gradient joins one 'data' bucket."""
-  import os  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
+  import os
+  import sys
+
   sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'examples', 'keras'))
-  import transformer  # pylint: disable=g-import-not-at-top
+  import transformer
+
   mesh = tg.Mesh.create((2, 4), ('data', 'model'))
   model, optimizer = transformer.build(seed=0, layers=1)
   ref_model, ref_optimizer = transformer.build(seed=0, layers=1)
@@ -187,9 +200,11 @@ def test_transformer_weight_gradients_share_one_bucket():
   pf.sync_variables()
   # Softmax ignores key/bias: its gradient is rounding noise, which Adam scales to +-lr steps
   # in both runs alike, so its value is no comparison of the two programs.
-  pairs = [(got, want) for got, want in zip(model.trainable_variables,
-                                            ref_model.trainable_variables)
-           if 'key/bias' not in got.path]
+  pairs = [
+    (got, want)
+    for got, want in zip(model.trainable_variables, ref_model.trainable_variables)
+    if 'key/bias' not in got.path
+  ]
   assert_close([g for g, _ in pairs], [w for _, w in pairs], name='weights')
   data = all_reduces(pf)
   buckets = [r for r in data if r.get('fused', 1) > 1]
@@ -203,7 +218,7 @@ def test_a_sum_over_unsharded_dims_keeps_the_sum_pending():
   x = np.random.RandomState(3).randn(64, 4, 3).astype(np.float32)
 
   def f(x):
-    rows = tf.reduce_sum(tf.reduce_sum(x, axis=0), axis=1)    # a pending [4, 3], summed: [4]
+    rows = tf.reduce_sum(tf.reduce_sum(x, axis=0), axis=1)  # a pending [4, 3], summed: [4]
     kept = tf.reduce_sum(tf.reduce_sum(x * 2.0, axis=0), axis=[0], keepdims=True)  # [1, 3]
     return tf.nn.relu(rows), tf.nn.relu(kept)
 

@@ -4,6 +4,7 @@ on 8 logical devices, against numpy; and reductions that are undefined are refus
 
 One per-partition program per mesh holds every case (one trace, one launch).
 """
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -25,32 +26,39 @@ def _complex(dtype):
 
 
 TABLES = {
-    # Values near 2^64: sums and products wrap, and the low halves carry into the high ones.
-    'uint64': (np.uint64(2**64 - 2**40) + RNG.integers(0, 2**62, size=(N,) + LOCAL,
-                                                       dtype=np.uint64)),
-    'complex64': _complex(np.complex64),
-    'complex128': _complex(np.complex128),
-    'int8': RNG.integers(-128, 128, size=(N,) + LOCAL).astype(np.int8),  # sums wrap
-    'uint8': RNG.integers(0, 256, size=(N,) + LOCAL).astype(np.uint8),
-    'int16': RNG.integers(-2**15, 2**15, size=(N,) + LOCAL).astype(np.int16),
-    'uint32': RNG.integers(2**31, 2**32, size=(N,) + LOCAL).astype(np.uint32),
-    'bool': RNG.uniform(size=(N,) + LOCAL) < 0.4,
-    # Small integers: bfloat16 sums of up to 8 of them are exact, so the order of adding is moot.
-    'bfloat16': RNG.integers(-8, 9, size=(N,) + LOCAL).astype(ml_dtypes.bfloat16),
+  # Values near 2^64: sums and products wrap, and the low halves carry into the high ones.
+  'uint64': (np.uint64(2**64 - 2**40) + RNG.integers(0, 2**62, size=(N,) + LOCAL, dtype=np.uint64)),
+  'complex64': _complex(np.complex64),
+  'complex128': _complex(np.complex128),
+  'int8': RNG.integers(-128, 128, size=(N,) + LOCAL).astype(np.int8),  # sums wrap
+  'uint8': RNG.integers(0, 256, size=(N,) + LOCAL).astype(np.uint8),
+  'int16': RNG.integers(-(2**15), 2**15, size=(N,) + LOCAL).astype(np.int16),
+  'uint32': RNG.integers(2**31, 2**32, size=(N,) + LOCAL).astype(np.uint32),
+  'bool': RNG.uniform(size=(N,) + LOCAL) < 0.4,
+  # Small integers: bfloat16 sums of up to 8 of them are exact, so the order of adding is moot.
+  'bfloat16': RNG.integers(-8, 9, size=(N,) + LOCAL).astype(ml_dtypes.bfloat16),
 }
 REDUCTIONS = {
-    'uint64': ('sum', 'prod', 'max', 'min'), 'complex64': ('sum', 'prod'),
-    'complex128': ('sum',), 'int8': ('sum', 'prod', 'max', 'min'), 'uint8': ('sum', 'max'),
-    'int16': ('prod', 'min'), 'uint32': ('sum', 'prod', 'max'), 'bool': ('max', 'min'),
-    'bfloat16': ('sum', 'max', 'min'),
+  'uint64': ('sum', 'prod', 'max', 'min'),
+  'complex64': ('sum', 'prod'),
+  'complex128': ('sum',),
+  'int8': ('sum', 'prod', 'max', 'min'),
+  'uint8': ('sum', 'max'),
+  'int16': ('prod', 'min'),
+  'uint32': ('sum', 'prod', 'max'),
+  'bool': ('max', 'min'),
+  'bfloat16': ('sum', 'max', 'min'),
 }
 _NP_REDUCE = {'sum': np.sum, 'prod': np.prod, 'max': np.max, 'min': np.min}
 MAIN_DTYPES = ('complex64', 'uint64', 'int8', 'bool', 'bfloat16')
 MESHES = {  # name: (mesh, the axes of every collective, the dtypes sent)
-    '1d': (Mesh.create((8,), ('x',)), ('x',), tuple(TABLES)),
-    # Device ids out of row-major order, and a group of two axes in reversed order.
-    '2d_permuted': (Mesh(np.array([[3, 1, 7, 5], [0, 2, 6, 4]]), ('x', 'y')), ('y', 'x'),
-                    MAIN_DTYPES),
+  '1d': (Mesh.create((8,), ('x',)), ('x',), tuple(TABLES)),
+  # Device ids out of row-major order, and a group of two axes in reversed order.
+  '2d_permuted': (
+    Mesh(np.array([[3, 1, 7, 5], [0, 2, 6, 4]]), ('x', 'y')),
+    ('y', 'x'),
+    MAIN_DTYPES,
+  ),
 }
 PAIRS = [(0, 5), (5, 2), (2, 0), (3, 3), (6, 7)]
 
@@ -84,10 +92,10 @@ def references(mesh, axes, name, p):
   g, pos = _group(mesh, axes, p)
   k = len(g)
   refs = {
-      'all_gather': np.concatenate([table[m] for m in g], axis=1)[:, :k * LOCAL[1] - 1],
-      'all_to_all': np.concatenate([_chunk(table[m], 1, k, pos) for m in g], axis=0),
-      'broadcast': table[g[k - 1]],
-      'permute': next((table[s] for s, d in PAIRS if d == p), np.zeros_like(table[p])),
+    'all_gather': np.concatenate([table[m] for m in g], axis=1)[:, : k * LOCAL[1] - 1],
+    'all_to_all': np.concatenate([_chunk(table[m], 1, k, pos) for m in g], axis=0),
+    'broadcast': table[g[k - 1]],
+    'permute': next((table[s] for s, d in PAIRS if d == p), np.zeros_like(table[p])),
   }
   for op in REDUCTIONS[name]:
     refs[f'all_reduce_{op}'] = _reduce(table, g, op)
@@ -159,33 +167,43 @@ def test_collectives_are_counted_with_their_carriers(results):
     # product: an all-gather (of a [1, ...] operand) instead of a reduction.
     by_gather = sum(1 for op in ops if op == 'prod' and name in ('complex64', 'uint64'))
     kinds = sorted(r.kind for r in records)
-    assert kinds == sorted(['all_gather'] * (1 + 2 * by_gather) + ['all_to_all', 'broadcast', 'permute']
-                           + ['all_reduce', 'reduce_scatter'] * (len(ops) - by_gather)), name
+    assert kinds == sorted(
+      ['all_gather'] * (1 + 2 * by_gather)
+      + ['all_to_all', 'broadcast', 'permute']
+      + ['all_reduce', 'reduce_scatter'] * (len(ops) - by_gather)
+    ), name
     for r in records:
       assert r.bytes == int(np.prod(r.shape)) * r.dtype.size  # the value's bytes, not the carrier's
       assert r.name.startswith(f'{name}/gspmd/'), r.name
-  carried = {(r.dtype.name, r.kind, dict(r.params).get('op')): dict(r.params)['carried_as']
-             for r in program.records}
-  expected = {('complex64', 'all_reduce', 'sum'): 'float32',
-              ('complex128', 'permute', None): 'float64',
-              ('uint64', 'all_to_all', None): 'int64',
-              ('uint64', 'all_reduce', 'sum'): 'int64',  # low and high halves
-              ('uint64', 'all_reduce', 'max'): 'int64',  # top bit flipped: order kept
-              ('int8', 'all_reduce', 'sum'): 'int32',
-              ('bool', 'broadcast', None): 'int32',
-              ('uint32', 'reduce_scatter', 'prod'): 'int64',
-              ('bfloat16', 'all_gather', None): 'float32'}
+  carried = {
+    (r.dtype.name, r.kind, dict(r.params).get('op')): dict(r.params)['carried_as']
+    for r in program.records
+  }
+  expected = {
+    ('complex64', 'all_reduce', 'sum'): 'float32',
+    ('complex128', 'permute', None): 'float64',
+    ('uint64', 'all_to_all', None): 'int64',
+    ('uint64', 'all_reduce', 'sum'): 'int64',  # low and high halves
+    ('uint64', 'all_reduce', 'max'): 'int64',  # top bit flipped: order kept
+    ('int8', 'all_reduce', 'sum'): 'int32',
+    ('bool', 'broadcast', None): 'int32',
+    ('uint32', 'reduce_scatter', 'prod'): 'int64',
+    ('bfloat16', 'all_gather', None): 'float32',
+  }
   for key, carrier in expected.items():
     if key[0] in names:
       assert carried[key] == carrier, key
 
 
-@pytest.mark.parametrize('dtype, op, words', [
+@pytest.mark.parametrize(
+  'dtype, op, words',
+  [
     (tf.complex64, 'max', ['complex64', "'max'", 'no order', 'all_reduce', "('x',)"]),
     (tf.complex128, 'min', ['complex128', "'min'", 'no order', 'reduce_scatter']),
     (tf.bool, 'sum', ['bool', "'sum'", 'ambiguous']),
     (tf.string, None, ['string', 'cannot carry', 'all_gather']),
-])
+  ],
+)
 def test_undefined_reductions_and_uncarried_dtypes_are_refused_by_name(dtype, op, words):
   mesh = Mesh.create((8,), ('x',))
   value = tf.constant('s') if dtype == tf.string else tf.zeros((8, 2), dtype)
@@ -211,10 +229,11 @@ def _reshard_program(mesh, dtype):
   @tf.function
   def f(x):
     x = tg.shard(x, mesh, tg.P('x', None))
-    y = tg.shard(tf.identity(x), mesh, tg.P(None, 'x'))        # all-to-all
-    z = tg.shard(tf.identity(y), mesh, tg.P(None, None))       # all-gather
+    y = tg.shard(tf.identity(x), mesh, tg.P(None, 'x'))  # all-to-all
+    z = tg.shard(tf.identity(y), mesh, tg.P(None, None))  # all-gather
     total = tf.reduce_sum(x, axis=0) if dtype != tf.bool else tf.reduce_any(x, axis=0)
-    return y, z, total                                         # an all-reduce for the total
+    return y, z, total  # an all-reduce for the total
+
   return f
 
 
@@ -222,7 +241,7 @@ def _reshard_program(mesh, dtype):
 def test_partitioned_reshards_of_carried_dtypes_equal_the_unpartitioned_run(name):
   mesh = Mesh.create((8,), ('x',))
   dtype = tf.as_dtype(TABLES[name].dtype)
-  x = tf.constant(TABLES[name].reshape(-1, LOCAL[1])[:16])   # [16, 6]: even on 8 devices
+  x = tf.constant(TABLES[name].reshape(-1, LOCAL[1])[:16])  # [16, 6]: even on 8 devices
   f = _reshard_program(mesh, dtype)
   pf = partition(f, mesh)
   for got, want in zip(pf(x), f(x)):
@@ -232,5 +251,7 @@ def test_partitioned_reshards_of_carried_dtypes_equal_the_unpartitioned_run(name
   kinds = sorted(r['kind'] for r in pf.collectives())
   # Reduce-any of bool has no partial-result rule: its input is gathered instead.
   total = 'all_gather' if dtype == tf.bool else 'all_reduce'
-  assert kinds == sorted(['all_to_all', 'all_gather', total]), [(r['kind'], r['op'], r['shape'], r['dtype']) for r in pf.collectives()]
+  assert kinds == sorted(['all_to_all', 'all_gather', total]), [
+    (r['kind'], r['op'], r['shape'], r['dtype']) for r in pf.collectives()
+  ]
   assert all(r['dtype'] == dtype for r in pf.collectives()), pf.collectives()

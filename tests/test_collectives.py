@@ -4,6 +4,7 @@ Each mesh runs one per-partition program holding all cases (one trace, one
 launch). Partition p's operand is row p of a numpy table, so the reference
 needs nothing but `Mesh.groups` / `Mesh.coords`.
 """
+
 import os
 import re
 import subprocess
@@ -26,11 +27,13 @@ INTS = RNG.integers(-50, 50, size=(N,) + LOCAL).astype(np.int32)
 BOOLS = RNG.uniform(size=(N,) + LOCAL) < 0.3
 
 MESHES = {
-    '1d': (Mesh.create((8,), ('x',)), [('x',)]),
-    '2d': (Mesh.create((2, 4), ('x', 'y')), [('y',), ('x',), ('x', 'y'), ('y', 'x')]),
-    # Device ids out of row-major order: TF's member order (by device) differs from positions.
-    '2d_permuted': (Mesh(np.array([[3, 1, 7, 5], [0, 2, 6, 4]]), ('x', 'y')),
-                    [('y',), ('x',), ('x', 'y')]),
+  '1d': (Mesh.create((8,), ('x',)), [('x',)]),
+  '2d': (Mesh.create((2, 4), ('x', 'y')), [('y',), ('x',), ('x', 'y'), ('y', 'x')]),
+  # Device ids out of row-major order: TF's member order (by device) differs from positions.
+  '2d_permuted': (
+    Mesh(np.array([[3, 1, 7, 5], [0, 2, 6, 4]]), ('x', 'y')),
+    [('y',), ('x',), ('x', 'y')],
+  ),
 }
 PAIRS = [(0, 5), (5, 2), (2, 0), (3, 3), (6, 7)]  # a cycle, a self pair, a lone edge
 SHIFTS = ((1, False), (-1, False), (2, False), (1, True), (-3, True))
@@ -75,8 +78,12 @@ def ref_all_to_all(table, mesh, axes, split_dim, concat_dim, concat_size, p):
   g, pos = group_and_position(mesh, axes, p)
   k = len(g)
   chunk = -(-table.shape[1 + split_dim] // k)
-  pieces = [np.take(pad_to(table[m], split_dim, k * chunk), range(pos * chunk, (pos + 1) * chunk),
-                    axis=split_dim) for m in g]
+  pieces = [
+    np.take(
+      pad_to(table[m], split_dim, k * chunk), range(pos * chunk, (pos + 1) * chunk), axis=split_dim
+    )
+    for m in g
+  ]
   out = np.concatenate(pieces, axis=concat_dim)
   return out if concat_size is None else np.take(out, range(concat_size), axis=concat_dim)
 
@@ -114,43 +121,83 @@ def cases_for(mesh, axes_sets):
     tag = '_'.join(axes)
     k = mesh.axes_size(axes)
     for op in ('sum', 'max', 'min', 'prod'):
-      add(f'all_reduce_{op}_{tag}', lambda c, f, i, b, axes=axes, op=op: c.all_reduce(f, axes, op),
-          lambda p, axes=axes, op=op: ref_all_reduce(FLOATS, mesh, axes, op, p))
-    add(f'all_reduce_int_{tag}', lambda c, f, i, b, axes=axes: c.all_reduce(i, axes),
-        lambda p, axes=axes: ref_all_reduce(INTS, mesh, axes, 'sum', p))
-    add(f'all_reduce_bool_any_{tag}', lambda c, f, i, b, axes=axes: c.all_reduce(b, axes, 'max'),
-        lambda p, axes=axes: ref_all_reduce(BOOLS, mesh, axes, 'max', p))
+      add(
+        f'all_reduce_{op}_{tag}',
+        lambda c, f, i, b, axes=axes, op=op: c.all_reduce(f, axes, op),
+        lambda p, axes=axes, op=op: ref_all_reduce(FLOATS, mesh, axes, op, p),
+      )
+    add(
+      f'all_reduce_int_{tag}',
+      lambda c, f, i, b, axes=axes: c.all_reduce(i, axes),
+      lambda p, axes=axes: ref_all_reduce(INTS, mesh, axes, 'sum', p),
+    )
+    add(
+      f'all_reduce_bool_any_{tag}',
+      lambda c, f, i, b, axes=axes: c.all_reduce(b, axes, 'max'),
+      lambda p, axes=axes: ref_all_reduce(BOOLS, mesh, axes, 'max', p),
+    )
     size = k * LOCAL[0] - 3  # uneven global size: the last shard held 2 padded rows
-    add(f'all_gather_dim0_size_{tag}',
-        lambda c, f, i, b, axes=axes, size=size: c.all_gather(f, axes, 0, size=size),
-        lambda p, axes=axes, size=size: ref_all_gather(FLOATS, mesh, axes, 0, size, p))
-    add(f'all_gather_dim1_int_{tag}', lambda c, f, i, b, axes=axes: c.all_gather(i, axes, 1),
-        lambda p, axes=axes: ref_all_gather(INTS, mesh, axes, 1, None, p))
-    add(f'reduce_scatter_dim0_{tag}', lambda c, f, i, b, axes=axes: c.reduce_scatter(f, axes, 0),
-        lambda p, axes=axes: ref_reduce_scatter(FLOATS, mesh, axes, 0, 'sum', p))
-    add(f'reduce_scatter_dim1_max_int_{tag}',
-        lambda c, f, i, b, axes=axes: c.reduce_scatter(i, axes, 1, 'max'),
-        lambda p, axes=axes: ref_reduce_scatter(INTS, mesh, axes, 1, 'max', p))
+    add(
+      f'all_gather_dim0_size_{tag}',
+      lambda c, f, i, b, axes=axes, size=size: c.all_gather(f, axes, 0, size=size),
+      lambda p, axes=axes, size=size: ref_all_gather(FLOATS, mesh, axes, 0, size, p),
+    )
+    add(
+      f'all_gather_dim1_int_{tag}',
+      lambda c, f, i, b, axes=axes: c.all_gather(i, axes, 1),
+      lambda p, axes=axes: ref_all_gather(INTS, mesh, axes, 1, None, p),
+    )
+    add(
+      f'reduce_scatter_dim0_{tag}',
+      lambda c, f, i, b, axes=axes: c.reduce_scatter(f, axes, 0),
+      lambda p, axes=axes: ref_reduce_scatter(FLOATS, mesh, axes, 0, 'sum', p),
+    )
+    add(
+      f'reduce_scatter_dim1_max_int_{tag}',
+      lambda c, f, i, b, axes=axes: c.reduce_scatter(i, axes, 1, 'max'),
+      lambda p, axes=axes: ref_reduce_scatter(INTS, mesh, axes, 1, 'max', p),
+    )
     concat_size = k * -(-LOCAL[1] // k) - 1
-    add(f'all_to_all_1_to_0_{tag}', lambda c, f, i, b, axes=axes: c.all_to_all(f, axes, 1, 0),
-        lambda p, axes=axes: ref_all_to_all(FLOATS, mesh, axes, 1, 0, None, p))
-    add(f'all_to_all_0_to_1_trim_{tag}',
-        lambda c, f, i, b, axes=axes, n=k * LOCAL[1] - 2: c.all_to_all(i, axes, 0, 1, concat_size=n),
-        lambda p, axes=axes, n=k * LOCAL[1] - 2: ref_all_to_all(INTS, mesh, axes, 0, 1, n, p))
-    add(f'all_to_all_1_to_1_{tag}', lambda c, f, i, b, axes=axes: c.all_to_all(f, axes, 1, 1),
-        lambda p, axes=axes: ref_all_to_all(FLOATS, mesh, axes, 1, 1, None, p))
+    add(
+      f'all_to_all_1_to_0_{tag}',
+      lambda c, f, i, b, axes=axes: c.all_to_all(f, axes, 1, 0),
+      lambda p, axes=axes: ref_all_to_all(FLOATS, mesh, axes, 1, 0, None, p),
+    )
+    add(
+      f'all_to_all_0_to_1_trim_{tag}',
+      lambda c, f, i, b, axes=axes, n=k * LOCAL[1] - 2: c.all_to_all(i, axes, 0, 1, concat_size=n),
+      lambda p, axes=axes, n=k * LOCAL[1] - 2: ref_all_to_all(INTS, mesh, axes, 0, 1, n, p),
+    )
+    add(
+      f'all_to_all_1_to_1_{tag}',
+      lambda c, f, i, b, axes=axes: c.all_to_all(f, axes, 1, 1),
+      lambda p, axes=axes: ref_all_to_all(FLOATS, mesh, axes, 1, 1, None, p),
+    )
     del concat_size
-    add(f'broadcast_{tag}', lambda c, f, i, b, axes=axes, k=k: c.broadcast(f, axes, k - 1),
-        lambda p, axes=axes, k=k: ref_broadcast(FLOATS, mesh, axes, k - 1, p))
-    add(f'broadcast_bool_{tag}', lambda c, f, i, b, axes=axes: c.broadcast(b, axes, 1),
-        lambda p, axes=axes: ref_broadcast(BOOLS, mesh, axes, 1, p))
+    add(
+      f'broadcast_{tag}',
+      lambda c, f, i, b, axes=axes, k=k: c.broadcast(f, axes, k - 1),
+      lambda p, axes=axes, k=k: ref_broadcast(FLOATS, mesh, axes, k - 1, p),
+    )
+    add(
+      f'broadcast_bool_{tag}',
+      lambda c, f, i, b, axes=axes: c.broadcast(b, axes, 1),
+      lambda p, axes=axes: ref_broadcast(BOOLS, mesh, axes, 1, p),
+    )
   for axis in mesh.axis_names:
     for offset, cyclic in SHIFTS:
-      add(f'shift_{axis}_{offset}_{"cyclic" if cyclic else "open"}',
-          lambda c, f, i, b, axis=axis, offset=offset, cyclic=cyclic: c.shift(f, axis, offset, cyclic),
-          lambda p, axis=axis, offset=offset, cyclic=cyclic: ref_shift(FLOATS, mesh, axis, offset,
-                                                                      cyclic, p))
-  add('permute_pairs', lambda c, f, i, b: c.permute(i, PAIRS), lambda p: ref_permute(INTS, PAIRS, p))
+      add(
+        f'shift_{axis}_{offset}_{"cyclic" if cyclic else "open"}',
+        lambda c, f, i, b, axis=axis, offset=offset, cyclic=cyclic: c.shift(
+          f, axis, offset, cyclic
+        ),
+        lambda p, axis=axis, offset=offset, cyclic=cyclic: ref_shift(
+          FLOATS, mesh, axis, offset, cyclic, p
+        ),
+      )
+  add(
+    'permute_pairs', lambda c, f, i, b: c.permute(i, PAIRS), lambda p: ref_permute(INTS, PAIRS, p)
+  )
   return cases
 
 
@@ -190,8 +237,12 @@ def test_records_count_every_emitted_collective(mesh_results):
   mesh, axes_sets, cases, program, _ = mesh_results
   records = program.records
   # Every case emits one collective, except shifts that move nothing (off the end of the axis).
-  moving_shifts = sum(1 for axis in mesh.axis_names for offset, cyclic in SHIFTS
-                      if (offset % mesh.shape[axis] if cyclic else abs(offset) < mesh.shape[axis]))
+  moving_shifts = sum(
+    1
+    for axis in mesh.axis_names
+    for offset, cyclic in SHIFTS
+    if (offset % mesh.shape[axis] if cyclic else abs(offset) < mesh.shape[axis])
+  )
   silent = 5 * len(mesh.axis_names) - moving_shifts
   assert len(records) == len(cases) - silent
   by_kind = {}
@@ -227,9 +278,10 @@ def test_per_partition_program_is_traced_once_and_called_per_device():
   assert len(calls) == 8
   called = {c.get_attr('f').name for c in calls}
   assert {n.decode() if isinstance(n, bytes) else n for n in called} == {
-      program.per_partition.function.name.decode()
-      if isinstance(program.per_partition.function.name, bytes)
-      else program.per_partition.function.name}
+    program.per_partition.function.name.decode()
+    if isinstance(program.per_partition.function.name, bytes)
+    else program.per_partition.function.name
+  }
   assert sorted(tf.DeviceSpec.from_string(c.device).device_index for c in calls) == list(range(8))
   attrs = program.per_partition.function.function_def.attr
   assert attrs['_noinline'].b
@@ -249,8 +301,11 @@ def test_names_follow_the_enclosing_scope():
   np.testing.assert_array_equal(out.numpy(), 8 * np.tile(x, (8, 1)))
   names = [r.name for r in program.records]
   assert names == ['layer1/gspmd/all_gather_0', 'gspmd/all_reduce_0']
-  gathers = [op.name for op in program.per_partition.function.graph.get_operations()
-             if op.type == 'CollectiveGatherV2']
+  gathers = [
+    op.name
+    for op in program.per_partition.function.graph.get_operations()
+    if op.type == 'CollectiveGatherV2'
+  ]
   assert len(gathers) == 1 and gathers[0].startswith('layer1/gspmd/all_gather_0/')
 
 
@@ -266,15 +321,22 @@ def test_while_loop_with_collectives_inside():
     return acc
 
   table = FLOATS
-  program = SpmdProgram(mesh, lambda ctx: fn(ctx, tf.gather(tf.constant(table), ctx.partition_id)),
-                        keep_sharded=True, timeout=30)
+  program = SpmdProgram(
+    mesh,
+    lambda ctx: fn(ctx, tf.gather(tf.constant(table), ctx.partition_id)),
+    keep_sharded=True,
+    timeout=30,
+  )
   out = program()
   graph_ops = {op.type for op in program.per_partition.function.graph.get_operations()}
   assert graph_ops & {'While', 'StatelessWhile'}
   acc = [table[p] for p in range(8)]
   for _ in range(steps):
-    acc = [ref_all_reduce(np.stack(acc), mesh, ('y',), 'sum', p) * 0.25 +
-           ref_shift(np.stack(acc), mesh, 'x', 1, True, p) for p in range(8)]
+    acc = [
+      ref_all_reduce(np.stack(acc), mesh, ('y',), 'sum', p) * 0.25
+      + ref_shift(np.stack(acc), mesh, 'x', 1, True, p)
+      for p in range(8)
+    ]
   assert_close(list(out.shards), acc, 'partitions')
 
 
@@ -297,12 +359,12 @@ def test_repeated_calls_do_not_leak_threads():
 
 def test_axis_index_and_offsets_tables():
   from tf_gspmd.sharding import NamedSharding, P
+
   mesh = Mesh(np.array([[3, 1, 7, 5], [0, 2, 6, 4]]), ('x', 'y'))
   sharding = NamedSharding(mesh, P('y', 'x'))
 
   def fn(ctx):
-    return (ctx.axis_index(('y', 'x')), ctx.axis_index('x'),
-            ctx.shard_offsets(sharding, (10, 3)))
+    return (ctx.axis_index(('y', 'x')), ctx.axis_index('x'), ctx.shard_offsets(sharding, (10, 3)))
 
   out = SpmdProgram(mesh, fn, keep_sharded=True)()
   for p in range(8):
@@ -318,11 +380,13 @@ def test_bad_arguments_raise_clear_errors():
 
   def fn(ctx, x):
     c = ctx.collectives
-    for call, kind in ((lambda: c.all_reduce(x, 'z'), ValueError),
-                       (lambda: c.permute(x, [(0, 1), (2, 1)]), ValueError),
-                       (lambda: c.all_reduce(x > 0, 'x', 'sum'), TypeError),
-                       (lambda: c.broadcast(x, 'x', 8), ValueError),
-                       (lambda: c.all_gather(x, 'x', 2), ValueError)):
+    for call, kind in (
+      (lambda: c.all_reduce(x, 'z'), ValueError),
+      (lambda: c.permute(x, [(0, 1), (2, 1)]), ValueError),
+      (lambda: c.all_reduce(x > 0, 'x', 'sum'), TypeError),
+      (lambda: c.broadcast(x, 'x', 8), ValueError),
+      (lambda: c.all_gather(x, 'x', 2), ValueError),
+    ):
       with pytest.raises(kind) as info:
         call()
       errors.append(str(info.value))
@@ -336,7 +400,7 @@ def test_bad_arguments_raise_clear_errors():
   assert 'dim 2' in errors[4]
 
 
-_TIMEOUT_SCRIPT = textwrap.dedent('''
+_TIMEOUT_SCRIPT = textwrap.dedent("""
     import os, sys, time
     os.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'
     import numpy as np
@@ -363,7 +427,7 @@ _TIMEOUT_SCRIPT = textwrap.dedent('''
       sys.exit(0)
     print('NO ERROR')
     sys.exit(1)
-''')
+""")
 
 
 def test_timed_out_collective_raises_a_clear_error_in_a_subprocess(tmp_path):
@@ -371,8 +435,9 @@ def test_timed_out_collective_raises_a_clear_error_in_a_subprocess(tmp_path):
   script.write_text(_TIMEOUT_SCRIPT)
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, PYTHONPATH=repo)
-  run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
-                       timeout=120)
+  run = subprocess.run(
+    [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
+  )
   assert run.returncode == 0, run.stdout + run.stderr[-3000:]
   out = run.stdout
   elapsed = float(out.split('ELAPSED')[1].split()[0])

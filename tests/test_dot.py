@@ -1,4 +1,5 @@
 """Dot partitioning on 2-D and 3-D meshes: correct, and operands used as they are when they fit."""
+
 import collections
 
 import numpy as np
@@ -18,19 +19,22 @@ def run(eq, shapes, specs, mesh=MESH3, out_spec=None):
     b = tg.shard(b, mesh, tg.P(*specs[1]))
     out = tf.einsum(eq, a, b)
     return tg.shard(out, mesh, tg.P(*out_spec)) if out_spec is not None else out
+
   rng = np.random.RandomState(0)
   a, b = (rng.randn(*s).astype(np.float32) for s in shapes)
   pf = tg.partition(f, mesh)
   assert_close(pf(a, b), f(a, b), name=eq)
   # The dot's own collectives, and its pending sum when resolved at the function's end.
-  dot = [r for r in pf.op_records() if r.op == 'Einsum' or r.op.startswith('BatchMatMul')
-         or r.op in ('MatMul', 'outputs')]
+  dot = [
+    r
+    for r in pf.op_records()
+    if r.op == 'Einsum' or r.op.startswith('BatchMatMul') or r.op in ('MatMul', 'outputs')
+  ]
   return collections.Counter(c['kind'] for r in dot for c in r.collectives), pf
 
 
 def test_batch_and_both_free_dims_on_three_axes_need_no_communication():
-  kinds, _ = run('bmk,bkn->bmn', [(4, 6, 8), (4, 8, 10)],
-                 [('x', 'y', None), ('x', None, 'z')])
+  kinds, _ = run('bmk,bkn->bmn', [(4, 6, 8), (4, 8, 10)], [('x', 'y', None), ('x', None, 'z')])
   assert not kinds  # b on x, m on y, n on z: every device computes its own block
 
 
@@ -40,16 +44,18 @@ def test_contracting_dim_split_over_two_axes_gives_one_reduction():
 
 
 def test_contracting_split_resolved_by_reduce_scatter_into_a_sharded_result():
-  kinds, _ = run('mk,kn->mn', [(8, 16), (16, 12)], [('x', 'y'), ('y', None)],
-                 out_spec=('x', 'y'))
+  kinds, _ = run('mk,kn->mn', [(8, 16), (16, 12)], [('x', 'y'), ('y', None)], out_spec=('x', 'y'))
   assert kinds == {'reduce_scatter': 1}
 
 
-@pytest.mark.parametrize('specs', [
+@pytest.mark.parametrize(
+  'specs',
+  [
     [('x', ('y', 'z')), (('y', 'z'), None)],
     [(('x', 'y'), None), (None, 'z')],
     [('z', 'x'), ('y', None)],
-])
+  ],
+)
 def test_mixed_layouts_with_uneven_sizes(specs):
   run('mk,kn->mn', [(10, 12), (12, 7)], specs)
 

@@ -4,6 +4,7 @@ DTensor meshes are built here without DTensor's runtime (no
 `initialize_accelerator_system`, no DTensor device): `dtensor.create_mesh(dims,
 devices=[...])` and `dtensor.Mesh(...)` only make value types.
 """
+
 import os
 import sys
 
@@ -39,13 +40,19 @@ def kinds(pf):
 
 
 # --- conversions -----------------------------------------------------------------------------
-@pytest.mark.parametrize('mesh, want', [
+@pytest.mark.parametrize(
+  'mesh, want',
+  [
     (MESH_8, Mesh.create((8,), ('batch',))),
     (MESH_2X4, Mesh.create((2, 4), ('batch', 'model'))),
     (MESH_2X2X2, Mesh.create((2, 2, 2), ('x', 'y', 'z'))),
-    (dtensor.Mesh(['a', 'b'], np.arange(8).reshape(4, 2), list(range(8)), CPUS),
-     Mesh.create((4, 2), ('a', 'b'))),
-], ids=['8', '2x4', '2x2x2', 'Mesh(...)'])
+    (
+      dtensor.Mesh(['a', 'b'], np.arange(8).reshape(4, 2), list(range(8)), CPUS),
+      Mesh.create((4, 2), ('a', 'b')),
+    ),
+  ],
+  ids=['8', '2x4', '2x2x2', 'Mesh(...)'],
+)
 def test_mesh_converts_to_its_names_shape_and_device_order(mesh, want):
   got = tg.from_dtensor_mesh(mesh)
   assert got == want and got.shape == dict(zip(mesh.dim_names, mesh.shape()))
@@ -68,20 +75,26 @@ def test_mesh_devices_is_none_when_this_process_lacks_some():
 
 
 LAYOUTS = {
-    'batch_unsharded': (dtensor.Layout(['batch', UNSHARDED], MESH_2X4), P('batch', None)),
-    'unsharded_model': (dtensor.Layout([UNSHARDED, 'model'], MESH_2X4), P(None, 'model')),
-    'transposed_axes': (dtensor.Layout(['model', 'batch'], MESH_2X4), P('model', 'batch')),
-    'batch_sharded': (dtensor.Layout.batch_sharded(MESH_2X4, 'batch', rank=3),
-                      P('batch', None, None)),
-    'batch_sharded_axis_1': (dtensor.Layout.batch_sharded(MESH_2X4, 'model', rank=3, axis=1),
-                             P(None, 'model', None)),
-    'inner_sharded': (dtensor.Layout.inner_sharded(MESH_2X4, 'model', rank=3),
-                      P(None, None, 'model')),
-    'replicated': (dtensor.Layout.replicated(MESH_2X4, rank=2), P(None, None)),
-    'scalar': (dtensor.Layout([], MESH_2X4), P()),
-    '2x2x2': (dtensor.Layout(['z', UNSHARDED, 'x'], MESH_2X2X2), P('z', None, 'x')),
-    '2x2x2_all_axes': (dtensor.Layout(['y', 'x', 'z'], MESH_2X2X2), P('y', 'x', 'z')),
-    '1d': (dtensor.Layout.batch_sharded(MESH_8, 'batch', rank=2), P('batch', None)),
+  'batch_unsharded': (dtensor.Layout(['batch', UNSHARDED], MESH_2X4), P('batch', None)),
+  'unsharded_model': (dtensor.Layout([UNSHARDED, 'model'], MESH_2X4), P(None, 'model')),
+  'transposed_axes': (dtensor.Layout(['model', 'batch'], MESH_2X4), P('model', 'batch')),
+  'batch_sharded': (
+    dtensor.Layout.batch_sharded(MESH_2X4, 'batch', rank=3),
+    P('batch', None, None),
+  ),
+  'batch_sharded_axis_1': (
+    dtensor.Layout.batch_sharded(MESH_2X4, 'model', rank=3, axis=1),
+    P(None, 'model', None),
+  ),
+  'inner_sharded': (
+    dtensor.Layout.inner_sharded(MESH_2X4, 'model', rank=3),
+    P(None, None, 'model'),
+  ),
+  'replicated': (dtensor.Layout.replicated(MESH_2X4, rank=2), P(None, None)),
+  'scalar': (dtensor.Layout([], MESH_2X4), P()),
+  '2x2x2': (dtensor.Layout(['z', UNSHARDED, 'x'], MESH_2X2X2), P('z', None, 'x')),
+  '2x2x2_all_axes': (dtensor.Layout(['y', 'x', 'z'], MESH_2X2X2), P('y', 'x', 'z')),
+  '1d': (dtensor.Layout.batch_sharded(MESH_8, 'batch', rank=2), P('batch', None)),
 }
 
 
@@ -101,11 +114,18 @@ def test_replicated_layout_is_replicated():
   assert tg.from_dtensor_layout(dtensor.Layout.replicated(MESH_2X2X2, rank=3)).is_replicated
 
 
-@pytest.mark.parametrize('layout, device', [
+@pytest.mark.parametrize(
+  'layout, device',
+  [
     (dtensor.Layout.from_device('CPU:5'), 5),
-    (dtensor.Layout.from_single_device_mesh(
-        dtensor.Mesh.from_device('/job:localhost/replica:0/task:0/device:CPU:3')), 3),
-])
+    (
+      dtensor.Layout.from_single_device_mesh(
+        dtensor.Mesh.from_device('/job:localhost/replica:0/task:0/device:CPU:3')
+      ),
+      3,
+    ),
+  ],
+)
 def test_single_device_layout_is_maximal_on_that_device(layout, device):
   assert layout.is_single_device()
   got = tg.from_dtensor_layout(layout)
@@ -114,8 +134,11 @@ def test_single_device_layout_is_maximal_on_that_device(layout, device):
 
 def test_parted_layout_is_refused_naming_it_and_why():
   parted = dtensor.Layout(['batch', UNSHARDED], MESH_2X4).to_parted()
-  with pytest.raises(ValueError, match=r"parted layout \['batch', 'unsharded'\] on mesh "
-                                       r'\(batch=2, model=4\): .*independent'):
+  with pytest.raises(
+    ValueError,
+    match=r"parted layout \['batch', 'unsharded'\] on mesh "
+    r'\(batch=2, model=4\): .*independent',
+  ):
     tg.from_dtensor_layout(parted)
   with pytest.raises(ValueError, match='parted layout'):  # and wherever a layout is taken
     tg.shard_variable(tf.Variable(tf.zeros([4, 4])), parted)
@@ -147,25 +170,34 @@ def test_is_dtensor_helpers():
 def graph_nodes(annotate):
   fn = tf.function(lambda x: annotate(x * 2.0) + 1.0)
   graph_def = fn.get_concrete_function(tf.TensorSpec([8, 12], tf.float32)).graph.as_graph_def()
-  return [(n.op, list(n.input), {k: v.SerializeToString() for k, v in n.attr.items()})
-          for n in graph_def.node]
+  return [
+    (n.op, list(n.input), {k: v.SerializeToString() for k, v in n.attr.items()})
+    for n in graph_def.node
+  ]
 
 
-@pytest.mark.parametrize('ours', [
+@pytest.mark.parametrize(
+  'ours',
+  [
     lambda x: tg.shard(x, dtensor.Layout([UNSHARDED, 'model'], MESH_2X4)),
     lambda x: tg.shard(x, MESH_2X4, P(None, 'model')),
-], ids=['layout', 'mesh_and_spec'])
+  ],
+  ids=['layout', 'mesh_and_spec'],
+)
 def test_shard_writes_the_graph_of_the_converted_sharding(ours):
-  want = graph_nodes(lambda x: tg.shard(x, Mesh.create((2, 4), ('batch', 'model')),
-                                        P(None, 'model')))
+  want = graph_nodes(
+    lambda x: tg.shard(x, Mesh.create((2, 4), ('batch', 'model')), P(None, 'model'))
+  )
   assert graph_nodes(ours) == want
 
   @tf.function
   def f(x):
     y = ours(x)
-    assert get_sharding(y) == NamedSharding(Mesh.create((2, 4), ('batch', 'model')),
-                                            P(None, 'model'))
+    assert get_sharding(y) == NamedSharding(
+      Mesh.create((2, 4), ('batch', 'model')), P(None, 'model')
+    )
     return y
+
   f.get_concrete_function(tf.TensorSpec([8, 12], tf.float32))
 
 
@@ -174,10 +206,14 @@ def test_shard_with_a_single_device_layout_is_assign_device():
   assert graph_nodes(lambda x: tg.shard(x, single)) == graph_nodes(lambda x: tg.assign_device(x, 3))
 
 
-@pytest.mark.parametrize('args', [
+@pytest.mark.parametrize(
+  'args',
+  [
     (dtensor.Layout(['model', UNSHARDED], MESH_2X4),),
     (MESH_2X4, P('model', None)),
-], ids=['layout', 'mesh_and_spec'])
+  ],
+  ids=['layout', 'mesh_and_spec'],
+)
 def test_shard_variable_stores_the_converted_sharding(args):
   v = tf.Variable(tf.zeros([8, 6]))
   tg.shard_variable(v, *args)
@@ -187,8 +223,10 @@ def test_shard_variable_stores_the_converted_sharding(args):
 
 def _dense_model():
   keras.utils.set_random_seed(0)
-  return keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, name='h0'),
-                           keras.layers.Dense(4, name='out')], name='mlp')
+  return keras.Sequential(
+    [keras.Input((16,)), keras.layers.Dense(32, name='h0'), keras.layers.Dense(4, name='out')],
+    name='mlp',
+  )
 
 
 def test_layout_map_takes_a_dtensor_mesh_and_layouts():
@@ -199,8 +237,11 @@ def test_layout_map_takes_a_dtensor_mesh_and_layouts():
   layout[r'.*out/kernel'] = ('model', None)  # a plain spec beside them, as before
   assert layout.mesh == Mesh.create((2, 4), ('batch', 'model'))
   applied = dict(layout.apply(model))
-  assert applied == {'mlp/h0/kernel': P(None, 'model'), 'mlp/h0/bias': P('model'),
-                     'mlp/out/kernel': P('model', None)}
+  assert applied == {
+    'mlp/h0/kernel': P(None, 'model'),
+    'mlp/h0/bias': P('model'),
+    'mlp/out/kernel': P('model', None),
+  }
   kernel = next(v for v in model.variables if v.path == 'mlp/h0/kernel')
   assert variable_sharding(kernel) == NamedSharding(layout.mesh, P(None, 'model'))
 
@@ -215,8 +256,9 @@ def test_layout_map_refuses_a_layout_on_another_mesh():
 
 def test_partition_takes_a_dtensor_mesh_and_layouts_one_per_tensor():
   rows = dtensor.Layout.batch_sharded(MESH_8, 'batch', rank=2)
-  pf = tg.partition(tf.function(lambda a, b: a * 2.0 + b), MESH_8, in_shardings=[rows, rows],
-                    out_shardings=[rows])
+  pf = tg.partition(
+    tf.function(lambda a, b: a * 2.0 + b), MESH_8, in_shardings=[rows, rows], out_shardings=[rows]
+  )
   a, b = randn(0, 16, 5), randn(1, 16, 5)
   assert_close(pf(a, b), a * 2.0 + b)
   assert pf.mesh == Mesh.create((8,), ('batch',)) and pf.collectives() == []
@@ -239,8 +281,7 @@ def test_partition_refines_its_mesh_for_a_layout_on_a_finer_mesh():
   # A 2x2x2 layout on a 2x4 partition splits 'model' in two: the program needs its sub-axes,
   # which it can only see when the layout is converted before the mesh is chosen.
   layout = dtensor.Layout(['x', 'y', 'z'], MESH_2X2X2)
-  pf = tg.partition(tf.function(lambda a: tf.reduce_sum(a, axis=2)), MESH_2X4,
-                    in_shardings=layout)
+  pf = tg.partition(tf.function(lambda a: tf.reduce_sum(a, axis=2)), MESH_2X4, in_shardings=layout)
   a = randn(0, 4, 6, 8)
   assert_close(pf(a), a.sum(axis=2))
   assert [(k, axes) for k, axes, _ in kinds(pf)] == [('all_reduce', ('model#1',))]
@@ -268,10 +309,15 @@ def test_dtensor_annotated_mlp_trains_partitioned_like_unpartitioned():
   w2 = _dtensor_variable(1, (32, 4), dtensor.Layout(['model', UNSHARDED], mesh))
   w1_ref, w2_ref = tf.Variable(randn(0, 16, 32) * 0.1), tf.Variable(randn(1, 32, 4) * 0.1)
   step = tg.partition(
-      _sgd_steps(w1, w2), mesh,
-      in_shardings=[dtensor.Layout.batch_sharded(mesh, 'batch', rank=2),
-                    dtensor.Layout.batch_sharded(mesh, 'batch', rank=1), None],
-      out_shardings=dtensor.Layout.replicated(mesh, rank=0))
+    _sgd_steps(w1, w2),
+    mesh,
+    in_shardings=[
+      dtensor.Layout.batch_sharded(mesh, 'batch', rank=2),
+      dtensor.Layout.batch_sharded(mesh, 'batch', rank=1),
+      None,
+    ],
+    out_shardings=dtensor.Layout.replicated(mesh, rank=0),
+  )
   reference = _sgd_steps(w1_ref, w2_ref)
   x, y = randn(2, 12, 16), np.random.RandomState(3).randint(0, 4, 12).astype(np.int32)
   one = tf.constant(1)

@@ -8,6 +8,7 @@ MoE step below where the even layout runs 6). Reshards of such dims run no
 more collectives than the evenly padded dim would. Every run is compared
 with the unpartitioned function by the oracle (tf_gspmd.testing).
 """
+
 import collections
 import os
 import sys
@@ -75,7 +76,6 @@ def test_gathering_an_over_split_dim_is_one_all_gather(shape):
   assert plan.peak_bytes <= plan.bound_bytes
 
 
-
 def test_over_split_dim_is_gathered_by_one_all_gather_in_a_program():
   x = np.random.RandomState(3).randn(3, 5).astype(np.float32)
 
@@ -87,6 +87,7 @@ def test_over_split_dim_is_gathered_by_one_all_gather_in_a_program():
   pf = tg.partition(f, MESH8)
   assert_close(pf(x), f(x), name='gathered')
   assert [r['kind'] for r in pf.collectives()] == ['all_gather'], pf.collectives()
+
 
 def test_memory_bound_still_wins_over_fewer_collectives():
   # 2 rows over 8 devices to a 2-D layout: the naive gather would hold the whole tensor,
@@ -110,8 +111,11 @@ def train_moe(cfg: moe.Config, mesh: tg.Mesh, steps: int = 2):
     x, target = moe.batch(seed, cfg)
     assert_close(step(x, target), reference(x, target), name=f'{cfg} loss {seed}')
   step.sync_variables()
-  assert_close({n: v.numpy() for n, v in w.items()}, {n: v.numpy() for n, v in w_ref.items()},
-               name=f'{cfg} weights')
+  assert_close(
+    {n: v.numpy() for n, v in w.items()},
+    {n: v.numpy() for n, v in w_ref.items()},
+    name=f'{cfg} weights',
+  )
   return step
 
 
@@ -120,11 +124,17 @@ def counts(step):
 
 
 MOE_CASES = {  # name -> (mesh, uneven config, even config of the same layer)
-    'experts_4_over_8': (MESH8, moe.Config(experts=4), moe.Config(experts=8)),
-    'capacity_4_over_8': (MESH8, moe.Config(capacity=4, split='capacity'),
-                          moe.Config(capacity=8, split='capacity')),
-    'experts_2_over_4_on_2x4': (tg.Mesh.create((2, 4), ('data', 'model')),
-                                moe.Config(experts=2), moe.Config(experts=4)),
+  'experts_4_over_8': (MESH8, moe.Config(experts=4), moe.Config(experts=8)),
+  'capacity_4_over_8': (
+    MESH8,
+    moe.Config(capacity=4, split='capacity'),
+    moe.Config(capacity=8, split='capacity'),
+  ),
+  'experts_2_over_4_on_2x4': (
+    tg.Mesh.create((2, 4), ('data', 'model')),
+    moe.Config(experts=2),
+    moe.Config(experts=4),
+  ),
 }
 
 
@@ -139,4 +149,3 @@ def test_moe_with_empty_shards_costs_what_the_even_layout_costs(name):
   # Tokens move between the group and expert layouts by all-to-all, never by all-gather.
   assert got[('all_to_all', ('model',))] >= 4
   assert not any(kind == 'all_gather' for kind, _ in got), got
-

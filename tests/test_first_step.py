@@ -8,6 +8,7 @@
   builder runs once over 3 calls, the variables are captured by the launch
   function, and the 3 steps still equal the unpartitioned ones.
 """
+
 import os
 import sys
 import time
@@ -21,8 +22,10 @@ from tf_gspmd.propagation.api import propagate_captured
 from tf_gspmd.runtime import launcher
 from tf_gspmd.testing import assert_close
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'bench'))
-import first_step  # noqa: E402  pylint: disable=g-import-not-at-top
+sys.path.insert(
+  0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'bench')
+)
+import first_step  # noqa: E402
 
 
 def randn(seed, *shape):
@@ -47,6 +50,7 @@ def mlp_step(layers: int, mesh=None, width: int = 8, seed: int = 0):
     for v, g in zip(weights + biases, grads):
       v.assign_sub(0.1 * g)
     return loss
+
   return step, weights + biases
 
 
@@ -63,8 +67,15 @@ def test_phase_timer_reports_every_phase():
   phases = timer.phases(steady=0.0)
   print({k: round(v, 3) for k, v in phases.items()}, f'first call {first:.2f} s')
   assert set(phases) == set(first_step.PHASES)
-  for phase in ('capture', 'propagate', 'build', 'partition', 'trace', 'launch trace',
-                'instantiate'):
+  for phase in (
+    'capture',
+    'propagate',
+    'build',
+    'partition',
+    'trace',
+    'launch trace',
+    'instantiate',
+  ):
     assert phases[phase] > 0, phase
   assert sum(phases.values()) <= first * 1.05 + 0.05  # phases do not overlap
 
@@ -81,8 +92,9 @@ def _propagate_and_partition_seconds(layers: int) -> tuple:
   propagate = time.thread_time() - start
   compiled = pf.get_program(x)
   start = time.thread_time()
-  compiled.spmd.build_per_partition(x, *compiled.capture_values,
-                                    *[pf.store.sharded[id(v)] for v in compiled.variables])
+  compiled.spmd.build_per_partition(
+    x, *compiled.capture_values, *[pf.store.sharded[id(v)] for v in compiled.variables]
+  )
   return propagate, time.thread_time() - start
 
 
@@ -90,8 +102,10 @@ def test_propagation_and_partitioning_grow_linearly_with_layers():
   runs = {n: [_propagate_and_partition_seconds(n) for _ in range(2)] for n in (4, 16)}
   prop = {n: min(r[0] for r in runs[n]) for n in runs}
   part = {n: min(r[1] for r in runs[n]) for n in runs}
-  print(f'propagate 4 -> 16 layers: {prop[4]:.3f} -> {prop[16]:.3f} s; '
-        f'partition+trace: {part[4]:.3f} -> {part[16]:.3f} s')
+  print(
+    f'propagate 4 -> 16 layers: {prop[4]:.3f} -> {prop[16]:.3f} s; '
+    f'partition+trace: {part[4]:.3f} -> {part[16]:.3f} s'
+  )
   assert prop[16] / prop[4] < 6
   assert part[16] / part[4] < 6
 
@@ -101,11 +115,12 @@ def test_a_call_builds_no_specs_and_passes_no_variables(monkeypatch):
   step, variables = mlp_step(3, mesh, seed=3)
   reference, ref_variables = mlp_step(3, seed=3)
   built = []
-  describe = launcher.SpmdProgram._describe_args  # pylint: disable=protected-access
+  describe = launcher.SpmdProgram._describe_args  # noqa: SLF001
 
   def counting(self, args):
     built.append(len(args))
     return describe(self, args)
+
   monkeypatch.setattr(launcher.SpmdProgram, '_describe_args', counting)
   pf = tg.partition(step, mesh)
   for i in range(3):
@@ -117,9 +132,9 @@ def test_a_call_builds_no_specs_and_passes_no_variables(monkeypatch):
   # The launch function captured the 6 sharded variables (x 8 devices): a call passes
   # only the tokens and the batch.
   spmd = pf.get_program(randn(0, 16, 8)).spmd
-  (outer, bound), = spmd._outer.values()  # pylint: disable=protected-access
+  ((outer, bound),) = spmd._outer.values()  # noqa: SLF001
   assert len(bound) == len(variables)
-  concrete, = outer._list_all_concrete_functions()  # pylint: disable=protected-access
+  (concrete,) = outer._list_all_concrete_functions()  # noqa: SLF001
   assert len(concrete.structured_input_signature[0]) == 1 + 1  # tokens, batch
   assert len(concrete.captured_inputs) >= len(variables) * 8
 
@@ -128,9 +143,12 @@ def test_per_partition_calls_and_the_launch_run_no_grappler(monkeypatch):
   """Per-device instantiation would run Grappler over the body N times: by default the
   per-partition calls run none (TF_GSPMD_GRAPPLER names passes to bring back), nor does the
   outer launch (whose Grappler specialized the body per call site)."""
-  from tensorflow.core.protobuf import config_pb2  # pylint: disable=g-import-not-at-top
-  from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=g-import-not-at-top
-  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+  from tensorflow.core.protobuf import (
+    config_pb2,
+    rewriter_config_pb2,
+  )
+  from tensorflow.python.eager import context
+
   mesh = tg.Mesh.create((8,), ('data',))
 
   def call_configs(seed):
@@ -141,10 +159,9 @@ def test_per_partition_calls_and_the_launch_run_no_grappler(monkeypatch):
     x = randn(4, 16, 8)
     assert_close(pf(x), reference(x), 'loss')
     assert context.context().function_call_options is before  # the caller's options restored
-    (outer, _), = pf.get_program(x).spmd._outer.values()  # pylint: disable=protected-access
-    concrete, = outer._list_all_concrete_functions()  # pylint: disable=protected-access
-    calls = [op for op in concrete.graph.get_operations()
-             if op.type == 'StatefulPartitionedCall']
+    ((outer, _),) = pf.get_program(x).spmd._outer.values()  # noqa: SLF001
+    (concrete,) = outer._list_all_concrete_functions()  # noqa: SLF001
+    calls = [op for op in concrete.graph.get_operations() if op.type == 'StatefulPartitionedCall']
     assert len(calls) == 8
     configs = []
     for call in calls:
@@ -165,12 +182,13 @@ def test_per_partition_calls_and_the_launch_run_no_grappler(monkeypatch):
 def test_keras_step_is_traced_once_and_trains_like_keras():
   """partition_model builds the optimizer before the step is captured, so TF traces the
   Keras step once (a trace that creates Adam's variables would be traced again)."""
-  import keras  # pylint: disable=g-import-not-at-top
+  import keras
 
   def build():
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation='relu'),
-                              keras.layers.Dense(3)])
+    model = keras.Sequential(
+      [keras.Input((6,)), keras.layers.Dense(8, activation='relu'), keras.layers.Dense(3)]
+    )
     model.compile(optimizer=keras.optimizers.Adam(1e-2), loss='mse')
     return model
 
@@ -183,6 +201,7 @@ def test_keras_step_is_traced_once_and_trains_like_keras():
   def counting(data):
     traced.append(1)
     return train_step(data)
+
   model.train_step = counting
   # Keras returns the float32 loss as a Python float: back to float32.
   got = np.float32([model.train_on_batch(x, y) for _ in range(2)])
@@ -196,13 +215,20 @@ def test_keras_calls_copy_weights_back_in_one_compiled_call(monkeypatch):
   """After each train_on_batch the trained values are in the model's own variables (read
   here straight from a layer, not through get_weights), copied by one compiled call per
   variable list: no per-variable assemble or assign from Python on later calls."""
-  import keras  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.runtime import sharded  # pylint: disable=g-import-not-at-top
+  import keras
+
+  from tf_gspmd.runtime import sharded
 
   def build():
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation='relu'),
-                              keras.layers.BatchNormalization(), keras.layers.Dense(3)])
+    model = keras.Sequential(
+      [
+        keras.Input((6,)),
+        keras.layers.Dense(8, activation='relu'),
+        keras.layers.BatchNormalization(),
+        keras.layers.Dense(3),
+      ]
+    )
     model.compile(optimizer=keras.optimizers.Adam(1e-2), loss='mse')
     return model
 
@@ -218,16 +244,20 @@ def test_keras_calls_copy_weights_back_in_one_compiled_call(monkeypatch):
     if tf.executing_eagerly():
       eager.append(self.label)
     return assemble(self)
+
   monkeypatch.setattr(sharded.ShardedVariable, 'assemble', counting)
-  mirror = model._tf_gspmd_launcher.mirror  # pylint: disable=protected-access
+  mirror = model._tf_gspmd_launcher.mirror  # noqa: SLF001
   compiled = []
   for _ in range(3):
     model.train_on_batch(x, y)
     reference.train_on_batch(x, y)
     assert_close(model.layers[0].kernel.numpy(), reference.layers[0].kernel.numpy(), 'kernel')
-    assert_close(model.layers[1].moving_variance.numpy(),
-                 reference.layers[1].moving_variance.numpy(), 'moving variance')
-    compiled.append(sorted(key[0] for key in mirror._compiled))  # pylint: disable=protected-access
+    assert_close(
+      model.layers[1].moving_variance.numpy(),
+      reference.layers[1].moving_variance.numpy(),
+      'moving variance',
+    )
+    compiled.append(sorted(key[0] for key in mirror._compiled))  # noqa: SLF001
   assert eager == [], f'assembled from Python: {eager}'
   # One copy back; the checks (all variables, and the metrics Keras resets each call) are
   # compiled once and reused, not traced again per call.
@@ -236,7 +266,8 @@ def test_keras_calls_copy_weights_back_in_one_compiled_call(monkeypatch):
 
 def test_a_replicated_variable_is_assembled_from_one_shard():
   """assemble() reads only the shards a value is made of: a replicated variable's first."""
-  from tf_gspmd.runtime import ShardedVariable  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.runtime import ShardedVariable
+
   mesh = tg.Mesh.create((8,), ('data',))
   value = randn(5, 4, 3)
   variable = ShardedVariable(value, tg.NamedSharding(mesh, tg.P(None, None)))
@@ -245,16 +276,19 @@ def test_a_replicated_variable_is_assembled_from_one_shard():
   @tf.function
   def whole():
     return variable.assemble()
+
   assert_close(whole(), value, 'assembled')
-  reads = [op for op in whole.get_concrete_function().graph.get_operations()
-           if op.type == 'ReadVariableOp']
+  reads = [
+    op for op in whole.get_concrete_function().graph.get_operations() if op.type == 'ReadVariableOp'
+  ]
   assert len(reads) == 1, reads
 
 
 def test_shard_variables_share_one_tf_name_and_keep_a_readable_label():
   """Eager TF caches a kernel per variable-handle attributes (the name is one) and device:
   the V x N shards share one name, so a first call makes few kernels, not one per shard."""
-  from tf_gspmd.runtime import sharded  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.runtime import sharded
+
   mesh = tg.Mesh.create((8,), ('data',))
   step, variables = mlp_step(2, mesh)
   pf = tg.partition(step, mesh)

@@ -5,6 +5,7 @@ The budget's seed rotates with the date (TF_GSPMD_FUZZ_SEED overrides it); it is
 a failure prints its shrunk program as a pytest test, so any CI failure reproduces with
 `python -m tf_gspmd.testing.fuzz --seed S --start I --programs 1`.
 """
+
 import datetime
 import os
 import time
@@ -89,8 +90,9 @@ def _wrong_sin(p, graph, node, operands):
 def _program_with_sin():
   for index in range(500):
     program = fuzz.generate(5, index, max_ops=10)
-    if len(program.ops) >= 6 and any(op.kind == 'unary' and op.param('fn') == 'sin'
-                                     for op in program.ops):
+    if len(program.ops) >= 6 and any(
+      op.kind == 'unary' and op.param('fn') == 'sin' for op in program.ops
+    ):
       return program
   raise AssertionError('no program with a sin in 500')
 
@@ -109,18 +111,19 @@ def test_shrinker_finds_a_planted_bug(monkeypatch, tmp_path):
   with pytest.raises(AssertionError, match='differs from unpartitioned'):
     test()  # the printed case reproduces the bug...
   monkeypatch.delitem(handlers.HANDLERS, 'Sin')
-  test()    # ...and passes once it is fixed
+  test()  # ...and passes once it is fixed
 
 
 def test_refusals_and_crashes_are_told_apart():
   def raise_in(error, filename):
     code = compile('def f(e):\n  raise e\n', filename, 'exec')
     namespace = {}
-    exec(code, namespace)  # pylint: disable=exec-used
+    exec(code, namespace)
     try:
       namespace['f'](error)
-    except Exception as raised:  # pylint: disable=broad-except
+    except Exception as raised:  # noqa: BLE001
       return raised
+
   package = os.path.dirname(fuzz.__file__).rsplit(os.sep, 1)[0]
   inside = os.path.join(package, 'graph_rewrite', 'x.py')
   assert fuzz.classify(raise_in(ValueError('P refused'), inside)) == 'refusal'
@@ -133,5 +136,5 @@ def _load_case(tmp_path, text):
   path = tmp_path / 'case.py'
   path.write_text(text)
   namespace = {}
-  exec(compile(text, str(path), 'exec'), namespace)  # pylint: disable=exec-used
+  exec(compile(text, str(path), 'exec'), namespace)
   return next(v for k, v in namespace.items() if k.startswith('test_fuzz_'))

@@ -4,6 +4,7 @@ Each `build_<seed>_<index>` is the fuzzer's printed program (`python -m tf_gspmd
 --seed <seed> --start <index> --programs 1` draws the unshrunk one); its test names the bug and
 its fix. A bug whose fix is not clear yet is a strict expected failure saying why.
 """
+
 import warnings
 
 import numpy as np

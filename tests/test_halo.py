@@ -4,19 +4,31 @@ Halos wider than a neighbour's shard are assembled from several neighbours
 (`HaloPiece`s, one collective-permute per hop); the simulation below runs
 exactly that shard by shard, with NaN in every row a partition must not read.
 """
+
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tf_gspmd.propagation.halo import (HaloPiece, WindowDim, halo_pieces, plan_halo,
-                                      plan_input_gradient, same_padding)
+from tf_gspmd.propagation.halo import (
+  HaloPiece,
+  WindowDim,
+  halo_pieces,
+  plan_halo,
+  plan_input_gradient,
+  same_padding,
+)
 
 
 def windowed_sum(x, dim):
   """Reference: 1-D windowed sum with zero padding."""
   padded = np.concatenate([np.zeros(dim.pad_lo), x, np.zeros(dim.pad_hi)])
-  return np.array([sum(padded[r * dim.stride + t * dim.dilation] for t in range(dim.window))
-                   for r in range(dim.output_size)])
+  return np.array(
+    [
+      sum(padded[r * dim.stride + t * dim.dilation] for t in range(dim.window))
+      for r in range(dim.output_size)
+    ]
+  )
 
 
 def borrowed(local, i, pieces, side):
@@ -25,8 +37,11 @@ def borrowed(local, i, pieces, side):
   parts = []
   for piece in pieces:
     j = i - piece.hop if side == 'left' else i + piece.hop
-    parts.append(local[j, piece.start:piece.start + piece.rows] if 0 <= j < shards
-                 else np.full(piece.rows, np.nan))
+    parts.append(
+      local[j, piece.start : piece.start + piece.rows]
+      if 0 <= j < shards
+      else np.full(piece.rows, np.nan)
+    )
   return np.concatenate(parts) if parts else np.zeros(0)
 
 
@@ -38,26 +53,37 @@ def simulate(x, dim, shards):
   local = padded.reshape(shards, ci)
   out = []
   for i in range(shards):
-    ext = np.concatenate([borrowed(local, i, plan.left_pieces, 'left'), local[i],
-                          borrowed(local, i, plan.right_pieces, 'right')])
+    ext = np.concatenate(
+      [
+        borrowed(local, i, plan.left_pieces, 'left'),
+        local[i],
+        borrowed(local, i, plan.right_pieces, 'right'),
+      ]
+    )
     # [left | local | right] holds global rows [i*ci - left, (i+1)*ci + right) in order.
     rows_held = i * ci - plan.left + np.arange(len(ext))
     real = (rows_held >= 0) & (rows_held < n)
     np.testing.assert_array_equal(ext[real], x[rows_held[real]])
     start = plan.window_starts[i]
-    window = ext[start:start + plan.span].copy()
+    window = ext[start : start + plan.span].copy()
     if len(window) < plan.span:  # trailing shards without output rows may read past the end
       window = np.concatenate([window, np.zeros(plan.span - len(window))])
     rows = plan.window_global_starts[i] + np.arange(plan.span)
     window[(rows < 0) | (rows >= n)] = 0.0  # mask outside the image and padding
     sub = WindowDim(plan.span, dim.window, dim.stride, dim.dilation)
-    out.append(windowed_sum(window, sub)[:plan.output_chunk])
-  return np.concatenate(out)[:dim.output_size], plan
+    out.append(windowed_sum(window, sub)[: plan.output_chunk])
+  return np.concatenate(out)[: dim.output_size], plan
 
 
 @settings(max_examples=300, deadline=None)
-@given(n=st.integers(1, 40), window=st.integers(1, 7), stride=st.integers(1, 3),
-       dilation=st.integers(1, 3), shards=st.integers(1, 8), same=st.booleans())
+@given(
+  n=st.integers(1, 40),
+  window=st.integers(1, 7),
+  stride=st.integers(1, 3),
+  dilation=st.integers(1, 3),
+  shards=st.integers(1, 8),
+  same=st.booleans(),
+)
 def test_halo_plan_reproduces_windowed_sum(n, window, stride, dilation, shards, same):
   lo, hi = same_padding(n, window, stride, dilation) if same else (0, 0)
   dim = WindowDim(n, window, stride, dilation, lo, hi)
@@ -110,9 +136,18 @@ def test_wide_halo_takes_whole_shards_then_a_partial_one():
     halo_pieces(1, 2, 'up')
 
 
-@pytest.mark.parametrize('n,window,stride,shards', [(10, 3, 1, 4), (7, 3, 1, 8), (1, 3, 1, 2),
-                                                    (8, 5, 1, 8), (5, 7, 1, 8), (6, 3, 2, 8),
-                                                    (4, 7, 2, 4)])
+@pytest.mark.parametrize(
+  'n,window,stride,shards',
+  [
+    (10, 3, 1, 4),
+    (7, 3, 1, 8),
+    (1, 3, 1, 2),
+    (8, 5, 1, 8),
+    (5, 7, 1, 8),
+    (6, 3, 2, 8),
+    (4, 7, 2, 4),
+  ],
+)
 def test_uneven_and_multi_hop_sizes(n, window, stride, shards):
   dim = WindowDim(n, window, stride, 1, *same_padding(n, window, stride))
   got, _ = simulate(np.arange(1.0, n + 1), dim, shards)
@@ -145,10 +180,16 @@ def simulate_input_gradient(g, dim, shards):
   assert min(grad.pad_lo, grad.pad_hi) >= 0 and 0 <= min(grad.offsets)
   out = []
   for i in range(shards):
-    ext = np.concatenate([borrowed(local, i, plan.left_pieces, 'left'), local[i],
-                          borrowed(local, i, plan.right_pieces, 'right'), np.zeros(grad.tail)])
+    ext = np.concatenate(
+      [
+        borrowed(local, i, plan.left_pieces, 'left'),
+        local[i],
+        borrowed(local, i, plan.right_pieces, 'right'),
+        np.zeros(grad.tail),
+      ]
+    )
     start = plan.window_starts[i]
-    window = ext[start:start + plan.span].copy()
+    window = ext[start : start + plan.span].copy()
     assert len(window) == plan.span
     rows = plan.window_global_starts[i] + np.arange(plan.span)
     window[(rows < 0) | (rows >= m)] = 0.0  # outside the gradient (and its padding)
@@ -156,14 +197,20 @@ def simulate_input_gradient(g, dim, shards):
     for k in range(plan.span):
       for t in range(dim.window):
         dlocal[k * dim.stride + t * dim.dilation] += window[k]
-    own = dlocal[grad.pad_lo:grad.pad_lo + grad.rows]
-    out.append(own[grad.offsets[i]:grad.offsets[i] + ci])
-  return np.concatenate(out)[:dim.input_size], grad
+    own = dlocal[grad.pad_lo : grad.pad_lo + grad.rows]
+    out.append(own[grad.offsets[i] : grad.offsets[i] + ci])
+  return np.concatenate(out)[: dim.input_size], grad
 
 
 @settings(max_examples=400, deadline=None)
-@given(n=st.integers(1, 40), window=st.integers(1, 7), stride=st.integers(1, 3),
-       dilation=st.integers(1, 3), shards=st.integers(1, 8), same=st.booleans())
+@given(
+  n=st.integers(1, 40),
+  window=st.integers(1, 7),
+  stride=st.integers(1, 3),
+  dilation=st.integers(1, 3),
+  shards=st.integers(1, 8),
+  same=st.booleans(),
+)
 def test_input_gradient_plan_gives_each_shard_its_rows(n, window, stride, dilation, shards, same):
   lo, hi = same_padding(n, window, stride, dilation) if same else (0, 0)
   dim = WindowDim(n, window, stride, dilation, lo, hi)
@@ -191,8 +238,9 @@ def test_input_gradient_with_odd_shards_and_stride_two_starts_at_two_phases():
   grad = plan_input_gradient(WindowDim(10, 3, 2, 1, *same_padding(10, 3, 2)), 2)  # ci = 5
   assert grad.rows == 6 and sorted(set(grad.offsets)) == [0, 1]
   got, _ = simulate_input_gradient(np.arange(1.0, 6), WindowDim(10, 3, 2, 1, 0, 1), 2)
-  np.testing.assert_array_equal(got, windowed_sum_adjoint(np.arange(1.0, 6),
-                                                          WindowDim(10, 3, 2, 1, 0, 1)))
+  np.testing.assert_array_equal(
+    got, windowed_sum_adjoint(np.arange(1.0, 6), WindowDim(10, 3, 2, 1, 0, 1))
+  )
 
 
 def test_input_gradient_of_a_strided_one_by_one_skips_uncovered_rows():

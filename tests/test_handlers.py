@@ -1,4 +1,5 @@
 """Hand-written partitioning of shape-carrying ops: layouts, then end to end on 8 devices."""
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -21,21 +22,32 @@ def reshape_layouts(mesh, in_shape, out_shape, target):
   rule = make_rule([in_dims], [out_dims], [in_shape], [out_shape], kinds=kinds, sizes=sizes)
   axes = [None, tuple(target.spec.axes_of(d) for d in range(len(out_shape)))]
   fa = rule.representable(rule.factor_axes(axes, mesh), mesh, [in_shape, out_shape])
-  (in_spec,), (out_spec,) = rule.operand_specs(fa, mesh, [in_shape]), rule.result_specs(
-      fa, mesh, [out_shape])
+  (in_spec,), (out_spec,) = (
+    rule.operand_specs(fa, mesh, [in_shape]),
+    rule.result_specs(fa, mesh, [out_shape]),
+  )
   return tg.NamedSharding(mesh, in_spec), tg.NamedSharding(mesh, out_spec)
 
 
-@pytest.mark.parametrize('in_shape,out_shape,target,want_in,want_out', [
+@pytest.mark.parametrize(
+  'in_shape,out_shape,target,want_in,want_out',
+  [
     ((1, 1, 4, 8), (4, 8), named('model', None), (None, None, 'model', None), ('model', None)),
-    ((4, 8), (1, 1, 4, 8), named(None, None, 'model', None), ('model', None),
-     (None, None, 'model', None)),
+    (
+      (4, 8),
+      (1, 1, 4, 8),
+      named(None, None, 'model', None),
+      ('model', None),
+      (None, None, 'model', None),
+    ),
     ((8, 6), (2, 4, 6), named('data', None, None), ('data', None), ('data', None, None)),
     ((8, 6), (2, 4, 6), named(None, 'model', None), (None, None), (None, None, None)),
     ((10, 3), (10, 3, 1), named('model', None, None), ('model', None), ('model', None, None)),
-])
-def test_reshape_layouts_keep_what_a_local_reshape_allows(in_shape, out_shape, target, want_in,
-                                                          want_out):
+  ],
+)
+def test_reshape_layouts_keep_what_a_local_reshape_allows(
+  in_shape, out_shape, target, want_in, want_out
+):
   got_in, got_out = reshape_layouts(MESH, in_shape, out_shape, target)
   assert got_in.spec == tg.P(*want_in) and got_out.spec == tg.P(*want_out)
 
@@ -53,9 +65,18 @@ def test_reshapes_around_size_one_dims_move_nothing():
   assert pf.collectives() == []
 
 
-@pytest.mark.parametrize('op', ['ResourceScatterAdd', 'ResourceScatterSub', 'ResourceScatterMul',
-                                'ResourceScatterDiv', 'ResourceScatterMax', 'ResourceScatterMin',
-                                'ResourceScatterUpdate'])
+@pytest.mark.parametrize(
+  'op',
+  [
+    'ResourceScatterAdd',
+    'ResourceScatterSub',
+    'ResourceScatterMul',
+    'ResourceScatterDiv',
+    'ResourceScatterMax',
+    'ResourceScatterMin',
+    'ResourceScatterUpdate',
+  ],
+)
 @pytest.mark.parametrize('spec', [('x', None), (None, 'x'), (None, None), ('x', 'y')])
 def test_variable_row_scatters_touch_only_the_rows_a_partition_holds(op, spec):
   mesh = tg.Mesh.create((4, 2), ('x', 'y'))  # 3 columns over 'y' leave padding
@@ -71,6 +92,7 @@ def test_variable_row_scatters_touch_only_the_rows_a_partition_holds(op, spec):
     def f(i, u):
       getattr(tf.raw_ops, op)(resource=var.handle, indices=i, updates=u)
       return var.read_value()
+
     return f
 
   pf = tg.partition(scatter(v), mesh)

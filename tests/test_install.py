@@ -5,6 +5,7 @@ build all write the same `tensorflow` package, so requiring one would put it ove
 tf_gspmd/_tf_version.py checks at import instead. Everything here runs offline: pip gets
 `--no-index` and hand-made wheels (a few hundred bytes each, no real TensorFlow).
 """
+
 import base64
 import hashlib
 import importlib.metadata
@@ -25,8 +26,11 @@ from tf_gspmd import _tf_version
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TF_NAMES = {'tensorflow', 'tensorflow-cpu', 'tensorflow-gpu', 'tensorflow-intel', 'tf-nightly'}
-PIP_EXTRAS = ('pip install "tf_gspmd[cpu]"', 'pip install "tf_gspmd[tensorflow]"',
-              'pip install "tf_gspmd[and-cuda]"')
+PIP_EXTRAS = (
+  'pip install "tf_gspmd[cpu]"',
+  'pip install "tf_gspmd[tensorflow]"',
+  'pip install "tf_gspmd[and-cuda]"',
+)
 
 
 def normalize(name: str) -> str:
@@ -34,6 +38,7 @@ def normalize(name: str) -> str:
 
 
 # --- the check as a unit: importlib's lookups answer as on another machine ---------------------
+
 
 @pytest.fixture
 def machine(monkeypatch):
@@ -59,14 +64,19 @@ def machine(monkeypatch):
       return real_find_spec(name, *args, **kwargs)
 
     monkeypatch.setattr(importlib.metadata, 'version', version)
-    monkeypatch.setattr(importlib.metadata, 'packages_distributions',
-                        lambda: {'tensorflow': list(owners)} if owners else {})
-    monkeypatch.setattr(importlib.metadata, 'files',
-                        lambda name: (files or {}).get(normalize(name), []))
+    monkeypatch.setattr(
+      importlib.metadata,
+      'packages_distributions',
+      lambda: {'tensorflow': list(owners)} if owners else {},
+    )
+    monkeypatch.setattr(
+      importlib.metadata, 'files', lambda name: (files or {}).get(normalize(name), [])
+    )
     monkeypatch.setattr(importlib.util, 'find_spec', find_spec)
     if not importable:  # this process did import TensorFlow; the check must not see that
       monkeypatch.delitem(sys.modules, 'tensorflow')
     return dists
+
   return install
 
 
@@ -98,13 +108,24 @@ def test_metadata_without_the_package_asks_for_a_reinstall(machine):
 
 def test_tensorflow_2_20_names_found_and_supported_versions(machine):
   machine({'tensorflow': '2.20.0'})
-  check_raises('found tensorflow 2.20.0', '2.21.x', 'pip install "tensorflow>=2.21,<2.22"',
-               'TF_GSPMD_ALLOW_ANY_TF=1', *PIP_EXTRAS)
+  check_raises(
+    'found tensorflow 2.20.0',
+    '2.21.x',
+    'pip install "tensorflow>=2.21,<2.22"',
+    'TF_GSPMD_ALLOW_ANY_TF=1',
+    *PIP_EXTRAS,
+  )
 
 
-@pytest.mark.parametrize('name, version', [
-    ('tensorflow-cpu', '2.21.3'), ('tensorflow', '2.21.0'), ('tensorflow-intel', '2.21.1'),
-    ('tensorflow', '2.21.0rc1')])
+@pytest.mark.parametrize(
+  'name, version',
+  [
+    ('tensorflow-cpu', '2.21.3'),
+    ('tensorflow', '2.21.0'),
+    ('tensorflow-intel', '2.21.1'),
+    ('tensorflow', '2.21.0rc1'),
+  ],
+)
 def test_any_2_21_build_passes(machine, name, version):
   machine({name: version})
   check_passes_quietly()
@@ -139,20 +160,30 @@ def test_two_builds_writing_tensorflow_warn(machine):
   with pytest.warns(RuntimeWarning, match='tensorflow and tensorflow-cpu are both installed'):
     _tf_version.check()
   # Windows' `tensorflow` is a thin wheel that depends on tensorflow-intel: normal, no warning.
-  machine({'tensorflow': '2.21.0', 'tensorflow-intel': '2.21.0'},
-          files={'tensorflow-intel': ['tensorflow/__init__.py']})
+  machine(
+    {'tensorflow': '2.21.0', 'tensorflow-intel': '2.21.0'},
+    files={'tensorflow-intel': ['tensorflow/__init__.py']},
+  )
   check_passes_quietly()
 
 
 # --- import tf_gspmd in another interpreter --------------------------------------------------
+
 
 def run_python(code: str, *, isolated: bool, path=(), env=None) -> subprocess.CompletedProcess:
   """`code` in a fresh interpreter; `isolated` (-S) leaves site-packages off sys.path."""
   env = dict(os.environ if env is None else env)
   env['PYTHONPATH'] = os.pathsep.join([str(ROOT), *map(str, path)])
   flags = ['-S'] if isolated else []
-  return subprocess.run([sys.executable, *flags, '-c', code], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=120, check=False)
+  return subprocess.run(
+    [sys.executable, *flags, '-c', code],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=False,
+  )
 
 
 IMPORT = 'import tf_gspmd'
@@ -169,12 +200,13 @@ def test_import_without_tensorflow_raises_with_the_pip_commands():
 
 def test_import_with_tensorflow_hidden_by_an_import_hook_raises():
   blocker = (
-      'import sys\n'
-      'class Hide:\n'
-      '  def find_spec(self, name, path=None, target=None):\n'
-      '    if name.split(".")[0] == "tensorflow":\n'
-      '      raise ModuleNotFoundError(f"No module named {name!r}", name=name)\n'
-      'sys.meta_path.insert(0, Hide())\n')
+    'import sys\n'
+    'class Hide:\n'
+    '  def find_spec(self, name, path=None, target=None):\n'
+    '    if name.split(".")[0] == "tensorflow":\n'
+    '      raise ModuleNotFoundError(f"No module named {name!r}", name=name)\n'
+    'sys.meta_path.insert(0, Hide())\n'
+  )
   result = run_python(blocker + IMPORT, isolated=False)
   assert result.returncode != 0
   assert 'ImportError: tf_gspmd needs TensorFlow 2.21.x' in result.stderr, result.stderr
@@ -196,19 +228,25 @@ def test_import_with_tensorflow_2_20_raises_before_importing_it(tmp_path):
 
 # --- pip: a wheel of tf_gspmd, installed offline into a fresh venv ---------------------------
 
+
 def pip_env() -> dict:
   """The environment minus pip's configuration (indexes, find-links, constraints)."""
   env = {k: v for k, v in os.environ.items() if not k.startswith('PIP_') and k != 'PYTHONPATH'}
-  env.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK='1',
-             PIP_NO_INPUT='1')
+  env.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK='1', PIP_NO_INPUT='1')
   return env
 
 
 def pip(*args, python=None) -> str:
   """This venv's pip (no pip in the fresh venv itself: `--python` points it there)."""
   target = ['--python', str(python)] if python else []
-  result = subprocess.run([sys.executable, '-m', 'pip', *target, *args], env=pip_env(),
-                          capture_output=True, text=True, timeout=300, check=False)
+  result = subprocess.run(
+    [sys.executable, '-m', 'pip', *target, *args],
+    env=pip_env(),
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   return result.stdout
 
@@ -219,12 +257,13 @@ def record_hash(data: bytes) -> str:
 
 def fake_wheel(directory: pathlib.Path, name: str, version: str, files=None) -> pathlib.Path:
   """A pure-Python wheel `name` `version` holding `files` ({path: text}) and its metadata."""
-  stem = f"{re.sub(r'[-_.]+', '_', name)}-{version}"
+  stem = f'{re.sub(r"[-_.]+", "_", name)}-{version}'
   info = f'{stem}.dist-info'
   contents = dict(files or {})
   contents[f'{info}/METADATA'] = f'Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n'
-  contents[f'{info}/WHEEL'] = ('Wheel-Version: 1.0\nGenerator: tf_gspmd-tests\n'
-                               'Root-Is-Purelib: true\nTag: py3-none-any\n')
+  contents[f'{info}/WHEEL'] = (
+    'Wheel-Version: 1.0\nGenerator: tf_gspmd-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n'
+  )
   path = directory / f'{stem}-py3-none-any.whl'
   with zipfile.ZipFile(path, 'w') as wheel:
     record = []
@@ -250,8 +289,9 @@ def wheelhouse(tmp_path_factory):
   src = tmp_path_factory.mktemp('src')
   for name in ('setup.py', 'pyproject.toml'):
     shutil.copy(ROOT / name, src / name)
-  shutil.copytree(ROOT / 'tf_gspmd', src / 'tf_gspmd',
-                  ignore=shutil.ignore_patterns('__pycache__', '*.pyc'))
+  shutil.copytree(
+    ROOT / 'tf_gspmd', src / 'tf_gspmd', ignore=shutil.ignore_patterns('__pycache__', '*.pyc')
+  )
   house = tmp_path_factory.mktemp('wheelhouse')
   pip('wheel', '--no-deps', '--no-build-isolation', '--no-index', '-w', str(house), str(src))
   for name in ('numpy', 'protobuf', 'absl-py'):
@@ -272,12 +312,13 @@ def requires_dist(wheel: pathlib.Path):
     extra = re.search(r'extra == "([^"]+)"', marker)
     name = re.match(r'[A-Za-z0-9._-]+(\[[^\]]*\])?', requirement.strip()).group(0)
     out.setdefault(extra.group(1) if extra else None, set()).add(
-        (normalize(name), requirement.strip()[len(name):].strip(' ()')))
+      (normalize(name), requirement.strip()[len(name) :].strip(' ()'))
+    )
   return out
 
 
 def test_wheel_requires_tensorflow_only_through_extras(wheelhouse):
-  wheel, = wheelhouse.glob('tf_gspmd-*.whl')
+  (wheel,) = wheelhouse.glob('tf_gspmd-*.whl')
   requires = requires_dist(wheel)
   assert {name for name, _ in requires[None]} == {'numpy', 'protobuf', 'absl-py'}
   assert requires['cpu'] == {('tensorflow-cpu', '<2.22,>=2.21')}
@@ -289,20 +330,25 @@ def test_wheel_requires_tensorflow_only_through_extras(wheelhouse):
 @pytest.mark.parametrize('user_tf', ['tensorflow-cpu', 'tensorflow'])
 def test_install_beside_the_users_tensorflow_adds_no_second_one(wheelhouse, tmp_path, user_tf):
   venv = tmp_path / 'venv'
-  subprocess.run([sys.executable, '-m', 'venv', '--without-pip', str(venv)], check=True,
-                 timeout=120)
+  subprocess.run(
+    [sys.executable, '-m', 'venv', '--without-pip', str(venv)], check=True, timeout=120
+  )
   python = venv / 'bin' / 'python'
   offline = ['--no-index', '--find-links', str(wheelhouse)]
   pip('install', *offline, f'{user_tf}==2.21.0', python=python)
 
   pip('install', *offline, 'tf_gspmd', python=python)
-  installed = {normalize(d['name']) for d in json.loads(
-      pip('list', '--format=json', python=python))}
+  installed = {
+    normalize(d['name']) for d in json.loads(pip('list', '--format=json', python=python))
+  }
   assert installed & TF_NAMES == {user_tf}
   assert installed == {user_tf, 'tf-gspmd', 'numpy', 'protobuf', 'absl-py'}
 
   # Asked for, an extra does bring its build: [cpu] would add tensorflow-cpu.
-  report = json.loads(pip('install', *offline, '--dry-run', '--quiet', '--report', '-',
-                          'tf_gspmd[cpu]', python=python))
+  report = json.loads(
+    pip(
+      'install', *offline, '--dry-run', '--quiet', '--report', '-', 'tf_gspmd[cpu]', python=python
+    )
+  )
   would_install = {normalize(item['metadata']['name']) for item in report['install']}
   assert would_install == (set() if user_tf == 'tensorflow-cpu' else {'tensorflow-cpu'})

@@ -7,6 +7,7 @@ hold -- the layer or variable path, the layout, and what to do. A row that
 runs without the error (a wrong number or a silent replication), or raises
 a vague one, fails.
 """
+
 import os
 import sys
 import warnings
@@ -33,14 +34,17 @@ def mlp(seed=0):
   y = keras.layers.Dense(32, activation='relu', name='d1')(inputs)
   y = keras.layers.Dense(4, name='d2')(y)
   model = keras.Model(inputs, y)
-  model.compile(optimizer=keras.optimizers.Adam(1e-2),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  model.compile(
+    optimizer=keras.optimizers.Adam(1e-2),
+    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+  )
   return model
 
 
 def device_mesh(shape=(2, 4), names=('data', 'model')):
-  return keras.distribution.DeviceMesh(shape, list(names),
-                                       devices=keras.distribution.list_devices()[:int(np.prod(shape))])
+  return keras.distribution.DeviceMesh(
+    shape, list(names), devices=keras.distribution.list_devices()[: int(np.prod(shape))]
+  )
 
 
 def model_parallel(entries, mesh=None):
@@ -113,15 +117,19 @@ def attention(num_heads):
     tokens = keras.Input((8, 16))
     h = keras.layers.MultiHeadAttention(num_heads, 4, name='mha')(tokens, tokens)
     model = keras.Model(tokens, keras.layers.Dense(4, name='head')(h[:, 0]))
-    model.compile(optimizer='sgd', loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+      optimizer='sgd', loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     return model
+
   return build
 
 
 def heads_not_divisible_by_the_model_axis():
   x = np.random.RandomState(2).randn(32, 8, 16).astype(np.float32)
-  fit_under(model_parallel({'mha/(query|key|value)/kernel': (None, 'model', None)}),
-            build=attention(6), x=x)
+  fit_under(
+    model_parallel({'mha/(query|key|value)/kernel': (None, 'model', None)}), build=attention(6), x=x
+  )
 
 
 def batch_not_divisible_by_the_batch_axis():
@@ -150,7 +158,7 @@ def keras_device_that_does_not_exist():
 
 def distribution_set_after_the_model_trained():
   model = mlp()
-  model.fit(X, Y, batch_size=16, **FIT)               # its optimizer made its slots unsharded
+  model.fit(X, Y, batch_size=16, **FIT)  # its optimizer made its slots unsharded
   with model_parallel({'d1/kernel': (None, 'model')}).scope():
     model.fit(X, Y, batch_size=16, **FIT)
 
@@ -173,6 +181,7 @@ def checkpoint_of_another_shape(tmp_path):
     model = keras.Model(inputs, keras.layers.Dense(units, name='d1')(inputs))
     model.compile(optimizer='sgd', loss='mse')
     return model
+
   saved = wide(32)
   path = tf.train.Checkpoint(model=saved).write(str(tmp_path / 'ckpt'))
   with model_parallel({'d1/kernel': (None, 'model')}).scope():
@@ -183,46 +192,97 @@ def checkpoint_of_another_shape(tmp_path):
 
 # name -> (the mistake, ValueError or UserWarning or ..., words its message must hold)
 CASES = {
-    'keras_key_matches_nothing': (keras_key_matches_nothing, UserWarning,
-                                  ["'d1/kernal'", 'matches no variable', "'d1/kernel'"]),
-    'tg_key_matches_nothing': (tg_key_matches_nothing, UserWarning,
-                               ["'.*d1/kernal'", 'matches no variable', 'd1/kernel']),
-    'keras_two_keys_match_one_variable': (keras_two_keys_match_one_variable, ValueError,
-                                          ['d1/kernel', 'd1/ker.*', 'multiple']),  # Keras'
-    'tg_two_keys_match_one_variable': (tg_two_keys_match_one_variable, ValueError,
-                                       ['d1/kernel', "'.*d1/ker.*'", "P('model', None)", 'one key']),
-    'keras_axis_not_in_mesh': (keras_axis_not_in_mesh, ValueError,  # Keras' own, at the key
-                               ["'modle'", 'Valid axis names']),
-    'tg_axis_not_in_mesh': (tg_axis_not_in_mesh, ValueError,
-                            ['d1/kernel', "'modle'", "'data', 'model'"]),
-    'keras_axis_twice_in_one_layout': (keras_axis_twice_in_one_layout, ValueError,
-                                       ['d1/kernel', "'model'", 'twice']),
-    'keras_layout_of_wrong_rank': (keras_layout_of_wrong_rank, ValueError,
-                                   ['d1/kernel', '(16, 32)', 'one entry per dim']),
-    'keras_output_layout_of_wrong_rank': (keras_output_layout_of_wrong_rank, ValueError,
-                                          ['d2', "('data', None, None)", 'rank 2']),
-    'heads_not_divisible_by_the_model_axis': (
-        heads_not_divisible_by_the_model_axis, ValueError,
-        ['mha', '6 heads', "'model'", '4', 'divisible']),
-    'batch_not_divisible_by_the_batch_axis': (batch_not_divisible_by_the_batch_axis, ValueError,
-                                              ['batch', '12', "'batch'", '8', 'multiple of 8']),
-    'dataset_batch_not_divisible_with_drop_remainder': (
-        dataset_batch_not_divisible_with_drop_remainder, ValueError,
-        ['6', "'batch'", '8', 'multiple of 8']),
-    'keras_mesh_larger_than_the_devices': (keras_mesh_larger_than_the_devices, ValueError,
-                                           ['(4, 4)', '(8,)']),  # Keras' own check
-    'tg_mesh_larger_than_the_devices': (tg_mesh_larger_than_the_devices, ValueError,
-                                        ['16', '8 logical devices']),
-    'keras_device_that_does_not_exist': (keras_device_that_does_not_exist, ValueError,
-                                         ['CPU:11', 'do not exist', '8 logical devices']),
-    'distribution_set_after_the_model_trained': (
-        distribution_set_after_the_model_trained, ValueError,
-        ['d1/kernel', "P(None, 'model')", 'slot', 'scope()']),
-    'batch_dim_name_not_an_axis': (batch_dim_name_not_an_axis, ValueError, ["'batch'", 'axis']),
-    'tg_batch_axes_not_in_mesh': (tg_batch_axes_not_in_mesh, ValueError,
-                                  ["'batch'", "('data', 'model')"]),
-    'checkpoint_of_another_shape': (checkpoint_of_another_shape, ValueError,
-                                    ['d1/kernel', '(16, 32)', '(16, 24)']),
+  'keras_key_matches_nothing': (
+    keras_key_matches_nothing,
+    UserWarning,
+    ["'d1/kernal'", 'matches no variable', "'d1/kernel'"],
+  ),
+  'tg_key_matches_nothing': (
+    tg_key_matches_nothing,
+    UserWarning,
+    ["'.*d1/kernal'", 'matches no variable', 'd1/kernel'],
+  ),
+  'keras_two_keys_match_one_variable': (
+    keras_two_keys_match_one_variable,
+    ValueError,
+    ['d1/kernel', 'd1/ker.*', 'multiple'],
+  ),  # Keras'
+  'tg_two_keys_match_one_variable': (
+    tg_two_keys_match_one_variable,
+    ValueError,
+    ['d1/kernel', "'.*d1/ker.*'", "P('model', None)", 'one key'],
+  ),
+  'keras_axis_not_in_mesh': (
+    keras_axis_not_in_mesh,
+    ValueError,  # Keras' own, at the key
+    ["'modle'", 'Valid axis names'],
+  ),
+  'tg_axis_not_in_mesh': (
+    tg_axis_not_in_mesh,
+    ValueError,
+    ['d1/kernel', "'modle'", "'data', 'model'"],
+  ),
+  'keras_axis_twice_in_one_layout': (
+    keras_axis_twice_in_one_layout,
+    ValueError,
+    ['d1/kernel', "'model'", 'twice'],
+  ),
+  'keras_layout_of_wrong_rank': (
+    keras_layout_of_wrong_rank,
+    ValueError,
+    ['d1/kernel', '(16, 32)', 'one entry per dim'],
+  ),
+  'keras_output_layout_of_wrong_rank': (
+    keras_output_layout_of_wrong_rank,
+    ValueError,
+    ['d2', "('data', None, None)", 'rank 2'],
+  ),
+  'heads_not_divisible_by_the_model_axis': (
+    heads_not_divisible_by_the_model_axis,
+    ValueError,
+    ['mha', '6 heads', "'model'", '4', 'divisible'],
+  ),
+  'batch_not_divisible_by_the_batch_axis': (
+    batch_not_divisible_by_the_batch_axis,
+    ValueError,
+    ['batch', '12', "'batch'", '8', 'multiple of 8'],
+  ),
+  'dataset_batch_not_divisible_with_drop_remainder': (
+    dataset_batch_not_divisible_with_drop_remainder,
+    ValueError,
+    ['6', "'batch'", '8', 'multiple of 8'],
+  ),
+  'keras_mesh_larger_than_the_devices': (
+    keras_mesh_larger_than_the_devices,
+    ValueError,
+    ['(4, 4)', '(8,)'],
+  ),  # Keras' own check
+  'tg_mesh_larger_than_the_devices': (
+    tg_mesh_larger_than_the_devices,
+    ValueError,
+    ['16', '8 logical devices'],
+  ),
+  'keras_device_that_does_not_exist': (
+    keras_device_that_does_not_exist,
+    ValueError,
+    ['CPU:11', 'do not exist', '8 logical devices'],
+  ),
+  'distribution_set_after_the_model_trained': (
+    distribution_set_after_the_model_trained,
+    ValueError,
+    ['d1/kernel', "P(None, 'model')", 'slot', 'scope()'],
+  ),
+  'batch_dim_name_not_an_axis': (batch_dim_name_not_an_axis, ValueError, ["'batch'", 'axis']),
+  'tg_batch_axes_not_in_mesh': (
+    tg_batch_axes_not_in_mesh,
+    ValueError,
+    ["'batch'", "('data', 'model')"],
+  ),
+  'checkpoint_of_another_shape': (
+    checkpoint_of_another_shape,
+    ValueError,
+    ['d1/kernel', '(16, 32)', '(16, 24)'],
+  ),
 }
 
 
@@ -256,5 +316,6 @@ def test_batch_size_is_read_where_keras_reads_it():
 
   def batches():
     for start in range(0, 24, 6):
-      yield X[start:start + 6], Y[start:start + 6]
+      yield X[start : start + 6], Y[start : start + 6]
+
   model.fit(batches(), **FIT)  # 6 rows over 3 devices: no default of 32 assumed

@@ -6,11 +6,12 @@ and weights agree by the numerical oracle (tf_gspmd.testing: normwise relative
 error per tensor <= 1e-5 in float32), and the collectives of the partitioned
 training step are counted.
 """
+
+import os
 import pathlib
 import re
 import subprocess
 import sys
-import os
 
 import keras
 import numpy as np
@@ -49,8 +50,11 @@ def guide_model():
   y = keras.layers.EinsumDense('bh,hk->bk', output_shape=24, bias_axes='k', name='e1')(y)
   y = keras.layers.Dense(4, name='d2')(keras.ops.relu(y))
   model = keras.Model(inputs, y)
-  model.compile(optimizer=keras.optimizers.Adam(1e-2), metrics=['accuracy'],
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  model.compile(
+    optimizer=keras.optimizers.Adam(1e-2),
+    metrics=['accuracy'],
+    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+  )
   return model
 
 
@@ -65,7 +69,10 @@ def assert_same_training(model, reference, distribution):
   with distribution.scope():
     got = model.fit(X, Y, **FIT).history
     got_eval = model.evaluate(X, Y, batch_size=16, verbose=0)
-  want, want_eval = reference.fit(X, Y, **FIT).history, reference.evaluate(X, Y, batch_size=16, verbose=0)
+  want, want_eval = (
+    reference.fit(X, Y, **FIT).history,
+    reference.evaluate(X, Y, batch_size=16, verbose=0),
+  )
   assert len(want['loss']) == 2 and 'val_loss' in want
   assert_close(as_float32(got), as_float32(want), 'history')
   assert_close(as_float32(got_eval), as_float32(want_eval), 'evaluate')
@@ -101,28 +108,29 @@ def test_model_parallel_guide_code_matches_plain_keras():
   assert got['d1/kernel'] == (tg.P(None, 'model'), (16, 8))
   assert got['d1/bias'] == (tg.P('model'), (8,))
   assert got['e1/kernel'] == (tg.P('model', None), (8, 24))
-  assert got['d2/kernel'] == (tg.P(None, None), (24, 4))        # no rule matches: replicated
-  slots = [k for k in got if 'd1_kernel' in k]                  # Adam's slots inherit the layout
+  assert got['d2/kernel'] == (tg.P(None, None), (24, 4))  # no rule matches: replicated
+  slots = [k for k in got if 'd1_kernel' in k]  # Adam's slots inherit the layout
   assert len(slots) == 2 and all(got[k][0] == tg.P(None, 'model') for k in slots)
 
   (train,) = step_programs(model.train_function)
   kinds = [(c['kind'], c['axes']) for c in train.collectives()]
   # e1's contraction over the split hidden dim: one all-reduce over 'model' (and its gradient's)
   assert ('all_reduce', ('model',)) in kinds
-  assert any(axes == ('data',) for _, axes in kinds)            # gradients summed over the batch
+  assert any(axes == ('data',) for _, axes in kinds)  # gradients summed over the batch
   assert all(set(axes) <= {'data', 'model'} for _, axes in kinds)
 
   with distribution.scope():
     predicted = model.predict(X, batch_size=16, verbose=0)
     got_batch = model.train_on_batch(X[:16], Y[:16])
   assert_close(predicted, reference.predict(X, batch_size=16, verbose=0), 'predict')
-  assert_close(as_float32(got_batch), as_float32(reference.train_on_batch(X[:16], Y[:16])),
-               'train_on_batch')
+  assert_close(
+    as_float32(got_batch), as_float32(reference.train_on_batch(X[:16], Y[:16])), 'train_on_batch'
+  )
   assert_close(model.weights, reference.weights, 'weights')
 
 
 def test_data_parallel_replicates_weights_and_splits_the_batch():
-  distribution = keras.distribution.DataParallel()               # all 8 devices, axis 'batch'
+  distribution = keras.distribution.DataParallel()  # all 8 devices, axis 'batch'
   reference = guide_model()
   with distribution.scope():
     model = guide_model()
@@ -131,7 +139,7 @@ def test_data_parallel_replicates_weights_and_splits_the_batch():
   assert all(spec == tg.P(*([None] * len(spec))) for spec, _ in got.values()), got
   (train,) = step_programs(model.train_function)
   axes = {c['axes'] for c in train.collectives()}
-  assert axes == {('batch',)}, axes                              # nothing over any model axis
+  assert axes == {('batch',)}, axes  # nothing over any model axis
   # the loss, the metric and the 6 gradients are summed over the batch
   # (sums fused into one bucket count one each: graph_rewrite/coalesce.py)
   assert sum(c.get('fused', 1) for c in train.collectives() if c['kind'] == 'all_reduce') >= 7
@@ -146,7 +154,7 @@ def test_scope_and_set_distribution_agree_and_the_model_keeps_its_distribution()
     return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name='data')
 
   scoped = distribution()
-  with scoped.scope():                                           # built, compiled, fitted inside
+  with scoped.scope():  # built, compiled, fitted inside
     by_scope = guide_model()
     by_scope.fit(X, Y, **FIT_SHORT)
   assert keras.distribution.distribution() is None
@@ -161,8 +169,11 @@ def test_scope_and_set_distribution_agree_and_the_model_keeps_its_distribution()
   reference.fit(X, Y, **FIT_SHORT)
   assert_close(by_scope.weights, reference.weights, 'weights')
   launches = by_scope._tf_gspmd_launcher.launches
-  assert_close(as_float32(by_scope.train_on_batch(X[:16], Y[:16])),   # the step compiled in fit
-               as_float32(reference.train_on_batch(X[:16], Y[:16])), 'train_on_batch')
+  assert_close(
+    as_float32(by_scope.train_on_batch(X[:16], Y[:16])),  # the step compiled in fit
+    as_float32(reference.train_on_batch(X[:16], Y[:16])),
+    'train_on_batch',
+  )
   assert by_scope._tf_gspmd_launcher.launches == launches + 1
   assert tg.keras.shard_layouts(by_scope)['d1/kernel'][0] == tg.P(None, 'model')
 
@@ -175,7 +186,9 @@ class Hidden(keras.layers.Layer):
 
   def call(self, x):
     h = keras.ops.matmul(x, self.w)
-    return keras.distribution.distribute_tensor(h, keras.distribution.TensorLayout(('data', 'model')))
+    return keras.distribution.distribute_tensor(
+      h, keras.distribution.TensorLayout(('data', 'model'))
+    )
 
 
 def hidden_model():
@@ -190,7 +203,8 @@ def hidden_model():
 def test_distribute_tensor_in_a_layer_lays_out_the_activation():
   mesh = keras.distribution.DeviceMesh((2, 4), ['data', 'model'])
   distribution = keras.distribution.ModelParallel(
-      layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name='data')
+    layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name='data'
+  )
   reference = hidden_model()
   with distribution.scope():
     model = hidden_model()
@@ -198,8 +212,9 @@ def test_distribute_tensor_in_a_layer_lays_out_the_activation():
   (train,) = step_programs(model.train_function)
   explained = train.explain()
   # The activation's annotation is honoured: the matmul producing it is split on both axes.
-  assert re.search(r"^\S*hidden\S*/XlaSharding +XlaSharding +0 +P\('data', 'model'\) +annotation",
-                   explained, re.M), explained
+  assert re.search(
+    r"^\S*hidden\S*/XlaSharding +XlaSharding +0 +P\('data', 'model'\) +annotation", explained, re.M
+  ), explained
   assert re.search(r"^\S*hidden\S*/MatMul +MatMul +0 +P\('data', 'model'\)", explained, re.M)
   assert ('all_reduce', ('model',)) in [(c['kind'], c['axes']) for c in train.collectives()]
 
@@ -218,12 +233,13 @@ def test_disable_restores_keras_own_behaviour():
   assert module.distribute_tensor is hooks.distribute_tensor
   tg.keras.disable()
   assert not tg.keras.is_enabled() and not hasattr(module, 'distribute_tensor')
-  assert module._to_backend_mesh.__module__ == module.__name__   # Keras' DTensor prototype again
-  from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+  assert module._to_backend_mesh.__module__ == module.__name__  # Keras' DTensor prototype again
   from keras.src.backend.common.variables import Variable
+  from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
   for function in (TensorFlowTrainer.fit, TensorFlowTrainer.predict, Variable.__init__):
     assert 'tf_gspmd' not in function.__code__.co_filename
-  with keras.distribution.DataParallel().scope():                # Keras' own TF path: no tf_gspmd
+  with keras.distribution.DataParallel().scope():  # Keras' own TF path: no tf_gspmd
     model = guide_model()
     model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
   assert '_tf_gspmd_store' not in model.__dict__
@@ -237,8 +253,15 @@ def run_python(code_or_path, tmp_path, timeout=240, args=()):
   if script is not code_or_path:
     script.write_text(code_or_path)
   env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL='2')
-  result = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout, check=False)
+  result = subprocess.run(
+    [sys.executable, str(script), *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    check=False,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   return result.stdout
 

@@ -1,4 +1,5 @@
 """Keras 3 model.fit / evaluate running partitioned, against the same model run plainly."""
+
 import keras
 import numpy as np
 
@@ -8,11 +9,18 @@ from tf_gspmd.testing import as_float32, assert_close
 
 def _model():
   keras.utils.set_random_seed(0)
-  model = keras.Sequential([keras.Input((16,)),
-                            keras.layers.Dense(32, activation='relu', name='h0'),
-                            keras.layers.Dense(4, name='out')])
-  model.compile(optimizer=keras.optimizers.Adam(1e-2), metrics=['accuracy'],
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  model = keras.Sequential(
+    [
+      keras.Input((16,)),
+      keras.layers.Dense(32, activation='relu', name='h0'),
+      keras.layers.Dense(4, name='out'),
+    ]
+  )
+  model.compile(
+    optimizer=keras.optimizers.Adam(1e-2),
+    metrics=['accuracy'],
+    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+  )
   return model
 
 
@@ -33,8 +41,11 @@ def test_fit_and_evaluate_match_unpartitioned():
   # losses, accuracy and validation metrics, epoch by epoch
   assert_close(as_float32(got), as_float32(want), 'history')
   assert_close(model.weights, reference.weights, 'weights')  # weights synced back after fit
-  assert_close(as_float32(model.evaluate(x, y, batch_size=16, verbose=0)),
-               as_float32(reference.evaluate(x, y, batch_size=16, verbose=0)), 'evaluate')
+  assert_close(
+    as_float32(model.evaluate(x, y, batch_size=16, verbose=0)),
+    as_float32(reference.evaluate(x, y, batch_size=16, verbose=0)),
+    'evaluate',
+  )
   # The training step really ran partitioned: its shards live across the 8 devices.
   hidden = next(s for v, s in model._tf_gspmd_store.pairs() if 'h0/kernel' in v.name)
   assert hidden.sharding.spec == tg.P(None, 'model') and hidden.local_shape == (16, 8)

@@ -14,6 +14,7 @@ as it runs without a TPU.
   for the traced program's XLA collectives, and the exported module is refused.
 Results are checked by the oracle (tf_gspmd.testing: normwise relative error per tensor).
 """
+
 import collections
 import os
 import sys
@@ -60,7 +61,7 @@ def backing(variable):
 def train_runner(model, batch):
   """The TPUStrategyStep of `model`'s train step for `batch`'s signature, built but not run."""
   model.make_train_function()
-  launcher = model._tf_gspmd_launcher  # pylint: disable=protected-access
+  launcher = model._tf_gspmd_launcher  # noqa: SLF001
   launcher.annotate_unmatched()  # what the first launch does before the step is captured
   return launcher.functions['train_step'].runner(batch)
 
@@ -95,7 +96,7 @@ def test_keras_train_step_lowers_with_the_mesh_replica_groups(replica_step):
   # backward needs none: d1's input gradient is not asked for); over 'data' the loss, the
   # metrics and the gradients (one bucket of sums each, as tf_gspmd's own records count them).
   assert found == {('all-reduce', MODEL_GROUPS): 1, ('all-reduce', DATA_GROUPS): 3}, found
-  train = runner._compiled  # pylint: disable=protected-access
+  train = runner._compiled  # noqa: SLF001
   assert len([c for op in train.op_records for c in op.collectives]) == 4
   entry = hlo.split('ENTRY', 1)[1].split('\n', 1)[0]
   assert 'f32[16,16]' not in entry  # local shards only (8 rows of 16 per replica)
@@ -104,64 +105,87 @@ def test_keras_train_step_lowers_with_the_mesh_replica_groups(replica_step):
 def test_keras_train_step_trains_on_pjrt_replicas_like_plain_keras(replica_step):
   """The replica function, lowered by tf2xla and compiled for 8 PJRT CPU replicas, trained 3
   steps against `train_on_batch` of the unpartitioned twin (same seed)."""
-  from jax._src.lib import xla_client  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.xla_bridge import export as export_lib, pjrt  # pylint: disable=g-import-not-at-top
+  from jax._src.lib import xla_client
+
+  from tf_gspmd.xla_bridge import export as export_lib
+  from tf_gspmd.xla_bridge import pjrt
+
   devices = pjrt.jax_devices(8)
   model, runner = replica_step
   twin = guide_model()
   module = hlo_pb2.HloModuleProto.FromString(_lowered(runner)(stage='hlo_serialized'))
   updates = {e.output_shape_index[0]: e.parameter_number for e in module.input_output_alias.entries}
   module.ClearField('input_output_alias')  # no donation: the state buffers are reused
-  to_stablehlo = xla_client._xla.mlir.hlo_to_stablehlo  # pylint: disable=protected-access
+  to_stablehlo = xla_client._xla.mlir.hlo_to_stablehlo  # noqa: SLF001
   stablehlo = to_stablehlo(module.SerializeToString())
-  args = list(runner.export.args)           # x, y, captures, then every variable's shard
+  args = list(runner.export.args)  # x, y, captures, then every variable's shard
   outputs = [r for r in runner.export.results if r.updates is None]
   updated = [updates[j] for j in range(len(outputs), len(outputs) + len(updates))]
-  executable = pjrt.PjrtExecutable(export_lib.XlaExport(
-      stablehlo, runner.mesh, args, outputs + [args[p] for p in updated], 'tpu_replica'), devices)
+  executable = pjrt.PjrtExecutable(
+    export_lib.XlaExport(
+      stablehlo, runner.mesh, args, outputs + [args[p] for p in updated], 'tpu_replica'
+    ),
+    devices,
+  )
   first_variable = len(args) - len(runner.replica_variables)
-  originals = runner._originals  # pylint: disable=protected-access
-  state = [pjrt.put_global(v.numpy(), layout, devices)
-           for v, layout in zip(originals, args[first_variable:])]
-  captures = [pjrt.put_global(np.asarray(c), layout, devices) for c, layout in zip(
-      runner._compiled.capture_values, args[2:first_variable])]  # pylint: disable=protected-access
+  originals = runner._originals  # noqa: SLF001
+  state = [
+    pjrt.put_global(v.numpy(), layout, devices)
+    for v, layout in zip(originals, args[first_variable:])
+  ]
+  captures = [
+    pjrt.put_global(np.asarray(c), layout, devices)
+    for c, layout in zip(runner._compiled.capture_values, args[2:first_variable])
+  ]  # noqa: SLF001
   metric_ids = {id(backing(v)) for m in model.metrics for v in m.variables}
   rng = np.random.RandomState(3)
   for i in range(3):
     x, y = rng.randn(16, 16).astype(np.float32), rng.randint(0, 4, 16).astype(np.int32)
     for j, original in enumerate(originals):
       if id(original) in metric_ids:  # train_on_batch resets the metrics first
-        state[j] = pjrt.put_global(np.zeros(original.shape, original.dtype.as_numpy_dtype),
-                                   args[first_variable + j], devices)
-    got = executable.run([pjrt.put_global(x, args[0], devices),
-                          pjrt.put_global(y, args[1], devices)] + captures + state)
-    for parameter, buffers in zip(updated, got[len(outputs):]):
+        state[j] = pjrt.put_global(
+          np.zeros(original.shape, original.dtype.as_numpy_dtype), args[first_variable + j], devices
+        )
+    got = executable.run(
+      [pjrt.put_global(x, args[0], devices), pjrt.put_global(y, args[1], devices)]
+      + captures
+      + state
+    )
+    for parameter, buffers in zip(updated, got[len(outputs) :]):
       state[parameter - first_variable] = buffers
     logs = tf.nest.pack_sequence_as(
-        runner._compiled.program.structured_outputs,  # pylint: disable=protected-access
-        [pjrt.assemble_global(b, r.sharding, r.shape, r.name) for b, r in zip(got, outputs)])
-    assert_close(as_float32(logs), as_float32(twin.train_on_batch(x, y, return_dict=True)),
-                 f'step {i + 1} logs')
+      runner._compiled.program.structured_outputs,  # noqa: SLF001
+      [pjrt.assemble_global(b, r.sharding, r.shape, r.name) for b, r in zip(got, outputs)],
+    )
+    assert_close(
+      as_float32(logs),
+      as_float32(twin.train_on_batch(x, y, return_dict=True)),
+      f'step {i + 1} logs',
+    )
   index = {id(v): j for j, v in enumerate(originals)}
 
   def trained(variable):
     j = index[id(backing(variable))]
     layout = args[first_variable + j]
     return pjrt.assemble_global(state[j], layout.sharding, layout.shape, variable.path)
+
   mine = list(model.weights) + list(model.optimizer.variables)
   theirs = list(twin.weights) + list(twin.optimizer.variables)
-  assert_close({v.path: trained(v) for v in mine}, {v.path: t for v, t in zip(mine, theirs)},
-               'weights and Adam state')
+  assert_close(
+    {v.path: trained(v) for v in mine},
+    {v.path: t for v, t in zip(mine, theirs)},
+    'weights and Adam state',
+  )
   # What XLA compiled: all-reduces over the mesh's 'model' and 'data' groups, nothing else.
-  compiled = collections.Counter((c.kind, c.replica_groups)
-                                 for c in hlo_collectives(executable.compiled_hlo()))
+  compiled = collections.Counter(
+    (c.kind, c.replica_groups) for c in hlo_collectives(executable.compiled_hlo())
+  )
   assert set(compiled) <= {('all-reduce', MODEL_GROUPS), ('all-reduce', DATA_GROUPS)}, compiled
-
 
 
 # --- the MirroredStrategy stand-in, end to end ---------------------------------------------------
 def step_functions(model):
-  return model._tf_gspmd_launcher.functions  # pylint: disable=protected-access
+  return model._tf_gspmd_launcher.functions  # noqa: SLF001
 
 
 def test_fit_evaluate_predict_run_by_strategy_run_equal_plain_keras():
@@ -171,36 +195,47 @@ def test_fit_evaluate_predict_run_by_strategy_run_equal_plain_keras():
   strategy = mirrored()
   twin = guide_model()
   model = tg.partition_model(guide_layouts(guide_model(), mesh), mesh, strategy=strategy)
-  assert_close(as_float32(model.fit(X, Y, **FIT).history),
-               as_float32(twin.fit(X, Y, **FIT).history), 'history')
-  assert_close(model.evaluate(X, Y, batch_size=16, verbose=0),
-               twin.evaluate(X, Y, batch_size=16, verbose=0), 'evaluate')
-  assert_close(model.predict(X, batch_size=16, verbose=0),
-               twin.predict(X, batch_size=16, verbose=0), 'predict')
+  assert_close(
+    as_float32(model.fit(X, Y, **FIT).history), as_float32(twin.fit(X, Y, **FIT).history), 'history'
+  )
+  assert_close(
+    model.evaluate(X, Y, batch_size=16, verbose=0),
+    twin.evaluate(X, Y, batch_size=16, verbose=0),
+    'evaluate',
+  )
+  assert_close(
+    model.predict(X, batch_size=16, verbose=0), twin.predict(X, batch_size=16, verbose=0), 'predict'
+  )
   # A write to the model's own variable wins over its shards (keras_fit's mirror scatters it).
   for m in (model, twin):
     m.optimizer.learning_rate.assign(3e-3)
-  assert_close(as_float32(model.train_on_batch(X[:16], Y[:16], return_dict=True)),
-               as_float32(twin.train_on_batch(X[:16], Y[:16], return_dict=True)), 'train_on_batch')
+  assert_close(
+    as_float32(model.train_on_batch(X[:16], Y[:16], return_dict=True)),
+    as_float32(twin.train_on_batch(X[:16], Y[:16], return_dict=True)),
+    'train_on_batch',
+  )
   assert_close(model.weights, twin.weights, 'weights')
 
   functions = step_functions(model)
   train = functions['train_step']
   assert isinstance(train, StrategyFunction) and train.replica_collectives == 'tf'
   # One runner per signature: fit's batches (x, y) and train_on_batch's (x, y, None).
-  runners = list(train._runners.values())  # pylint: disable=protected-access
+  runners = list(train._runners.values())  # noqa: SLF001
   assert len(runners) == 2
   assert all(r.strategy is strategy and r.collectives == 'tf' for r in runners)
   # train, test and predict steps share one store: one ReplicaVariable per variable.
-  store = model._tf_gspmd_store  # pylint: disable=protected-access
+  store = model._tf_gspmd_store  # noqa: SLF001
   assert all(isinstance(s, tpu.ReplicaVariable) for _, s in store.pairs())
   d1 = next(s for o, s in store.pairs() if o.name.startswith('d1/kernel'))
   components = d1.components()
   assert len(components) == 8 and tuple(components[0].shape) == (16, 8)
   for replica, component in enumerate(components):  # replica r holds model column block r % 4
     column = replica % 4
-    assert_close(component, model.get_layer('d1').kernel.numpy()[:, 8 * column:8 * column + 8],
-                 f'd1 kernel on replica {replica}')
+    assert_close(
+      component,
+      model.get_layer('d1').kernel.numpy()[:, 8 * column : 8 * column + 8],
+      f'd1 kernel on replica {replica}',
+    )
   kinds = collections.Counter((c['kind'], c['axes']) for c in train.collectives())
   assert kinds == {('all_reduce', ('model',)): 1, ('all_reduce', ('data',)): 3}, kinds
 
@@ -215,7 +250,8 @@ def keras_distribution():
   layout_map['d1/bias'] = ('model',)
   layout_map['e1/kernel'] = ('model', None)
   keras.distribution.set_distribution(
-      keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name='data'))
+    keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name='data')
+  )
   yield
   keras.distribution.set_distribution(None)
   tg.keras.disable()
@@ -239,8 +275,11 @@ def test_keras_distribution_fit_inside_the_strategy_scope_runs_by_strategy_run(k
   keras.distribution.set_distribution(None)
   twin = guide_model()
   assert_close(as_float32(history), as_float32(twin.fit(X, Y, **fit).history), 'history')
-  assert_close(as_float32(evaluated),
-               as_float32(twin.test_on_batch(X[:32], Y[:32], return_dict=True)), 'evaluate')
+  assert_close(
+    as_float32(evaluated),
+    as_float32(twin.test_on_batch(X[:32], Y[:32], return_dict=True)),
+    'evaluate',
+  )
   assert_close(predicted, twin.predict_on_batch(X[:32]), 'predict')
   assert_close(model.weights, twin.weights, 'weights')
   assert tg.keras.shard_layouts(model)['d1/kernel'] == (tg.P(None, 'model'), (16, 8))
@@ -255,8 +294,9 @@ def test_xla_replica_programs_under_the_stand_in():
   twin = guide_model()
   want = twin.predict(X[:32], batch_size=16, verbose=0)
   for exported in (True, False):
-    model = tg.partition_model(guide_model(), mesh, 'batch', strategy=mirrored(),
-                               collectives='xla', exported=exported)
+    model = tg.partition_model(
+      guide_model(), mesh, 'batch', strategy=mirrored(), collectives='xla', exported=exported
+    )
     assert_close(model.predict(X[:32], batch_size=16, verbose=0), want, f'exported={exported}')
     if exported:
       with pytest.raises(ValueError, match=r'exported module runs collectives \(all-reduce\)'):
@@ -271,10 +311,14 @@ def test_a_model_built_inside_the_scope_is_refused_with_what_to_do():
   strategy = mirrored()
   with strategy.scope():
     model = guide_model()
-  with pytest.raises(ValueError, match=r'built or compiled inside a tf.distribute strategy scope'
-                                       r'.*build and compile the model outside'):
+  with pytest.raises(
+    ValueError,
+    match=r'built or compiled inside a tf.distribute strategy scope'
+    r'.*build and compile the model outside',
+  ):
     tg.partition_model(model, mesh, 'batch', strategy=strategy)
   model = guide_model()
   with pytest.raises(ValueError, match="backend='xla' is another way to run them"):
     tg.partition_model(model, mesh, 'batch', strategy=strategy, backend='xla').predict(
-        X[:16], verbose=0)
+      X[:16], verbose=0
+    )

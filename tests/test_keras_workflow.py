@@ -6,6 +6,7 @@ uneven predict batches, validation, callbacks, saving, mixed precision,
 *_on_batch; tf_keras models are refused by name. Every comparison goes through
 the numerical oracle (tf_gspmd.testing); mixed bfloat16 by its float64 rule.
 """
+
 import collections
 import os
 import time
@@ -17,17 +18,29 @@ import pytest
 import tensorflow as tf
 
 import tf_gspmd as tg
-from tf_gspmd.testing import (as_float32, assert_close, assert_close_to_float64, bound,
-                              relative_error)
+from tf_gspmd.testing import (
+  as_float32,
+  assert_close,
+  assert_close_to_float64,
+  bound,
+  relative_error,
+)
 
 
 def _model(seed=0):
   keras.utils.set_random_seed(seed)
-  model = keras.Sequential([keras.Input((16,)),
-                            keras.layers.Dense(32, activation='relu', name='h0'),
-                            keras.layers.Dense(4, name='out')])
-  model.compile(optimizer=keras.optimizers.Adam(1e-2), metrics=['accuracy'],
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  model = keras.Sequential(
+    [
+      keras.Input((16,)),
+      keras.layers.Dense(32, activation='relu', name='h0'),
+      keras.layers.Dense(4, name='out'),
+    ]
+  )
+  model.compile(
+    optimizer=keras.optimizers.Adam(1e-2),
+    metrics=['accuracy'],
+    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+  )
   return model
 
 
@@ -50,8 +63,10 @@ def _data(n=64, seed=0):
 def _weights(model):
   """'layer/variable' -> value, read by get_weights (which pulls a partitioned model's shards
   first); the paths without the model's own name, which Keras numbers per instance."""
-  weights = {'/'.join(v.path.split('/')[-2:]): np.asarray(w)
-             for v, w in zip(model.weights, model.get_weights())}
+  weights = {
+    '/'.join(v.path.split('/')[-2:]): np.asarray(w)
+    for v, w in zip(model.weights, model.get_weights())
+  }
   assert len(weights) == len(model.weights)
   return weights
 
@@ -79,8 +94,11 @@ def test_unannotated_output_kernel_replicated_across_train_evaluate_predict():
   model, reference = _partitioned(_model(), out_kernel=False), _model()
   assert_close(_history(model.fit(x, y, **FIT)), _history(reference.fit(x, y, **FIT)), 'history')
   assert_close(_evaluate(model, x, y, 16), _evaluate(reference, x, y, 16), 'evaluate')
-  assert_close(model.predict(x, batch_size=16, verbose=0),
-               reference.predict(x, batch_size=16, verbose=0), 'predict')
+  assert_close(
+    model.predict(x, batch_size=16, verbose=0),
+    reference.predict(x, batch_size=16, verbose=0),
+    'predict',
+  )
   out_kernel = _shards_of(model, 'out/kernel')
   assert out_kernel.sharding.spec == tg.P(None, None)  # replicated, in every step
   assert _shards_of(model, 'h0/kernel').local_shape == (16, 8)
@@ -123,8 +141,10 @@ def writes_between_calls(tmp_path, **partition):
 
   # A checkpoint of weights and optimizer slots, then a fit that moves the shards on:
   # restoring it must win over the shards.
-  saved = {id(m): tf.train.Checkpoint(model=m, optimizer=m.optimizer).write(
-      str(tmp_path / f'ckpt{i}')) for i, m in enumerate(both)}
+  saved = {
+    id(m): tf.train.Checkpoint(model=m, optimizer=m.optimizer).write(str(tmp_path / f'ckpt{i}'))
+    for i, m in enumerate(both)
+  }
   for m in both:
     m.fit(x, y, **FIT)
   for m in both:
@@ -134,17 +154,26 @@ def writes_between_calls(tmp_path, **partition):
   for m in both:
     kernel = m.get_layer('out').kernel
     kernel.assign(kernel * 0.5)
-  assert_close(_evaluate(model, x[:32], y[:32], 16), _evaluate(reference, x[:32], y[:32], 16),
-               'evaluate after assign')  # sees the assign
-  assert_close(model.predict(x, batch_size=16, verbose=0),
-               reference.predict(x, batch_size=16, verbose=0), 'predict after assign')
+  assert_close(
+    _evaluate(model, x[:32], y[:32], 16),
+    _evaluate(reference, x[:32], y[:32], 16),
+    'evaluate after assign',
+  )  # sees the assign
+  assert_close(
+    model.predict(x, batch_size=16, verbose=0),
+    reference.predict(x, batch_size=16, verbose=0),
+    'predict after assign',
+  )
   fit_both('fit after evaluate and predict')
   # The optimizer's step counter and slots continued across evaluate/predict; metric state agrees.
   steps = int(reference.optimizer.iterations.numpy())
   assert int(model.optimizer.iterations.numpy()) == steps >= 16, steps
   assert_close(model.optimizer.variables, reference.optimizer.variables, 'optimizer')
-  assert_close([v for m in model.metrics for v in m.variables],
-               [v for m in reference.metrics for v in m.variables], 'metrics')
+  assert_close(
+    [v for m in model.metrics for v in m.variables],
+    [v for m in reference.metrics for v in m.variables],
+    'metrics',
+  )
 
   model.save(str(tmp_path / 'm.keras'))
   loaded = keras.models.load_model(str(tmp_path / 'm.keras'))
@@ -152,8 +181,10 @@ def writes_between_calls(tmp_path, **partition):
 
   launcher = model._tf_gspmd_launcher
   check_ms = 1e3 * np.median(launcher.check_seconds)
-  print(f'write check before each launch: median {check_ms:.2f} ms over '
-        f'{len(launcher.check_seconds)} launches')
+  print(
+    f'write check before each launch: median {check_ms:.2f} ms over '
+    f'{len(launcher.check_seconds)} launches'
+  )
   assert len(launcher.check_seconds) == launcher.launches == 6 * 4 + 2 + 4
   return model
 
@@ -170,6 +201,7 @@ def test_rewind_to_last_synced_values_mid_fit_is_not_lost():
     def on_train_batch_end(self, batch, logs=None):
       if batch == 1:
         self.model.set_weights(self.start)
+
   got, want = (m.fit(x, y, callbacks=[Rewind()], **FIT) for m in (model, reference))
   assert_close(_history(got), _history(want), 'history')
   assert_close(_weights(model), _weights(reference), 'weights')
@@ -188,9 +220,12 @@ def steps_per_execution(**partition):
   runs = {}
   for k in (1, 3):
     model = _model()
-    model.compile(optimizer=keras.optimizers.Adam(1e-2), metrics=['accuracy'],
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  steps_per_execution=k)
+    model.compile(
+      optimizer=keras.optimizers.Adam(1e-2),
+      metrics=['accuracy'],
+      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+      steps_per_execution=k,
+    )
     _partitioned(model, **partition)
     model.fit(x, y, **FIT)  # compiles
     launcher = model._tf_gspmd_launcher
@@ -202,8 +237,10 @@ def steps_per_execution(**partition):
   reference.fit(x, y, **FIT)
   want = reference.fit(x, y, **FIT)
   for k, (history, weights, launches, per_step) in runs.items():
-    print(f'steps_per_execution={k}: {launches} launches per epoch, {1e3 * per_step[0]:.1f} ms '
-          f'wall, {1e3 * per_step[1]:.1f} ms CPU per step')
+    print(
+      f'steps_per_execution={k}: {launches} launches per epoch, {1e3 * per_step[0]:.1f} ms '
+      f'wall, {1e3 * per_step[1]:.1f} ms CPU per step'
+    )
     assert_close(_history(history), _history(want), f'history, steps_per_execution={k}')
     assert_close(weights, _weights(reference), f'weights, steps_per_execution={k}')
   assert runs[1][2] == 7 and runs[3][2] == 3
@@ -235,8 +272,7 @@ def uneven_last_batch(**partition):
   want = reference.predict(x, batch_size=4, verbose=0)
   assert got.shape == want.shape == (10, 4)
   assert_close(got, want, 'predict')
-  assert_close(model.predict_on_batch(x[:2]), reference.predict_on_batch(x[:2]),
-               'predict_on_batch')
+  assert_close(model.predict_on_batch(x[:2]), reference.predict_on_batch(x[:2]), 'predict_on_batch')
   # The padded rows of the last batch add nothing to the loss, gradients or metrics either.
   kw = dict(FIT, batch_size=4, epochs=2)
   assert_close(_history(model.fit(x, y, **kw)), _history(reference.fit(x, y, **kw)), 'history')
@@ -254,15 +290,21 @@ def callbacks_agree(tmp_path, **partition):
   model, reference = _partitioned(_model(), **partition), _model()
 
   def callbacks(tag):
-    return [keras.callbacks.ModelCheckpoint(str(tmp_path / f'{tag}_{{epoch}}.weights.h5'),
-                                            save_weights_only=True),
-            keras.callbacks.ReduceLROnPlateau(monitor='loss', factor=0.5, patience=0,
-                                              min_delta=10.0),  # halve every epoch
-            keras.callbacks.EarlyStopping(monitor='val_loss', patience=1,
-                                          restore_best_weights=True)]
+    return [
+      keras.callbacks.ModelCheckpoint(
+        str(tmp_path / f'{tag}_{{epoch}}.weights.h5'), save_weights_only=True
+      ),
+      keras.callbacks.ReduceLROnPlateau(
+        monitor='loss', factor=0.5, patience=0, min_delta=10.0
+      ),  # halve every epoch
+      keras.callbacks.EarlyStopping(monitor='val_loss', patience=1, restore_best_weights=True),
+    ]
+
   kw = dict(FIT, epochs=4, validation_split=0.25)  # validation_data: test_keras_fit.py
-  got, want = (model.fit(x, y, callbacks=callbacks('p'), **kw),
-               reference.fit(x, y, callbacks=callbacks('r'), **kw))
+  got, want = (
+    model.fit(x, y, callbacks=callbacks('p'), **kw),
+    reference.fit(x, y, callbacks=callbacks('r'), **kw),
+  )
   assert_close(_history(got), _history(want), 'history')
   assert got.history['learning_rate'][-1] < got.history['learning_rate'][0]
   # EarlyStopping's restored best weights
@@ -281,14 +323,18 @@ def _logged_scalars(directory):
   for name in sorted(os.listdir(directory)):
     for event in tf.compat.v1.train.summary_iterator(os.path.join(directory, name)):
       for value in event.summary.value:
-        if (value.HasField('tensor') and not value.tensor.tensor_shape.dim and
-            value.tensor.dtype == tf.float32.as_datatype_enum):
+        if (
+          value.HasField('tensor')
+          and not value.tensor.tensor_shape.dim
+          and value.tensor.dtype == tf.float32.as_datatype_enum
+        ):
           out.setdefault(value.tag, []).append(float(tf.make_ndarray(value.tensor)))
   return out
 
 
 def test_tensorboard_callback(tmp_path):
-  import tensorboard  # pylint: disable=g-import-not-at-top,unused-import  # a test dependency
+  import tensorboard  # noqa: F401  a test dependency
+
   x, y = _data()
   logged = []
   for name, model in (('partitioned', _partitioned(_model())), ('whole', _model())):
@@ -308,13 +354,20 @@ def on_batch_calls(**partition):
   x, y = _data(32)
   model, reference = _partitioned(_model(), **partition), _model()
   for start in (0, 16):
-    xb, yb = x[start:start + 16], y[start:start + 16]
-    assert_close(as_float32(model.train_on_batch(xb, yb)),
-                 as_float32(reference.train_on_batch(xb, yb)), f'train_on_batch at {start}')
-  assert_close(as_float32(model.test_on_batch(x[:16], y[:16])),
-               as_float32(reference.test_on_batch(x[:16], y[:16])), 'test_on_batch')
-  assert_close(model.predict_on_batch(x[:16]), reference.predict_on_batch(x[:16]),
-               'predict_on_batch')
+    xb, yb = x[start : start + 16], y[start : start + 16]
+    assert_close(
+      as_float32(model.train_on_batch(xb, yb)),
+      as_float32(reference.train_on_batch(xb, yb)),
+      f'train_on_batch at {start}',
+    )
+  assert_close(
+    as_float32(model.test_on_batch(x[:16], y[:16])),
+    as_float32(reference.test_on_batch(x[:16], y[:16])),
+    'test_on_batch',
+  )
+  assert_close(
+    model.predict_on_batch(x[:16]), reference.predict_on_batch(x[:16]), 'predict_on_batch'
+  )
   assert_close(_weights(model), _weights(reference), 'weights')
 
 
@@ -329,8 +382,10 @@ def test_mixed_bfloat16():
     assert model.get_layer('h0').compute_dtype == 'bfloat16'
     initial = reference.get_weights()
     got, want = model.fit(x, y, **FIT), reference.fit(x, y, **FIT)
-    preds = model.predict(x, batch_size=16, verbose=0), reference.predict(x, batch_size=16,
-                                                                          verbose=0)
+    preds = (
+      model.predict(x, batch_size=16, verbose=0),
+      reference.predict(x, batch_size=16, verbose=0),
+    )
     keras.mixed_precision.set_global_policy('float64')
     exact_model = _model()
     assert exact_model.get_layer('h0').kernel.dtype == 'float64'
@@ -354,14 +409,21 @@ def test_mixed_bfloat16():
   # program in tests/test_oracle_catches.py lands at 0.40 to 0.85.)
   floor = bound(ml_dtypes.bfloat16)
   for what, g, w, e in (
-      ('history', _history(got), _history(want),
-       {k: np.asarray(v, np.float64) for k, v in exact.history.items()}),
-      ('predict', preds[0], preds[1], exact_preds),
-      ('weights', _weights(model), _weights(reference), exact_weights)):
-    for key in (e if isinstance(e, dict) else [None]):
+    (
+      'history',
+      _history(got),
+      _history(want),
+      {k: np.asarray(v, np.float64) for k, v in exact.history.items()},
+    ),
+    ('predict', preds[0], preds[1], exact_preds),
+    ('weights', _weights(model), _weights(reference), exact_weights),
+  ):
+    for key in e if isinstance(e, dict) else [None]:
       gk, wk, ek = (g, w, e) if key is None else (g[key], w[key], e[key])
-      print(f'mixed_bfloat16 {what} {key or ""}: to float64 partitioned '
-            f'{relative_error(gk, ek):.3g}, plain Keras {relative_error(wk, ek):.3g}')
+      print(
+        f'mixed_bfloat16 {what} {key or ""}: to float64 partitioned '
+        f'{relative_error(gk, ek):.3g}, plain Keras {relative_error(wk, ek):.3g}'
+      )
     assert_close_to_float64(g, w, e, what, floor=floor)
 
 
@@ -372,8 +434,11 @@ def test_tf_keras_model_refused_by_name():
   # tf_keras is not installed in this venv (no dependency added for it); a stand-in class
   # from the tf_keras module path is what partition_model sees for a tf_keras model.
   stand_in = type('Functional', (), {'__module__': 'tf_keras.src.engine.functional'})
-  with pytest.raises(TypeError, match=r'tf_keras.*Functional.*not a Keras 3 model.*'
-                                      r'tf_keras \(Keras 2\) models are not supported'):
+  with pytest.raises(
+    TypeError,
+    match=r'tf_keras.*Functional.*not a Keras 3 model.*'
+    r'tf_keras \(Keras 2\) models are not supported',
+  ):
     tg.partition_model(stand_in(), tg.Mesh.create((2, 4), ('data', 'model')))
 
 
@@ -399,12 +464,15 @@ def test_pull_every_step_for_callbacks_that_read_raw_variables_mid_epoch():
       if batch == 1:  # reads the variable itself, not get_weights
         kernel = self.model.get_layer('out').kernel
         kernel.assign(kernel * 0.5)
+
   model, reference = _partitioned(_model(), pull_every_step=True), _model()
   got, want = (m.fit(x, y, callbacks=[HalveKernel()], **FIT) for m in (model, reference))
   assert_close(_history(got), _history(want), 'history')
   assert_close(_weights(model), _weights(reference), 'weights')
   launcher = model._tf_gspmd_launcher
-  print(f'pull_every_step: check before each launch median '
-        f'{1e3 * np.median(launcher.check_seconds):.2f} ms, pull after it '
-        f'{1e3 * np.median(launcher.pull_seconds):.2f} ms')
+  print(
+    f'pull_every_step: check before each launch median '
+    f'{1e3 * np.median(launcher.check_seconds):.2f} ms, pull after it '
+    f'{1e3 * np.median(launcher.pull_seconds):.2f} ms'
+  )
   assert len(launcher.pull_seconds) == launcher.launches == 4

@@ -12,6 +12,7 @@ Keras workflow of tests/test_keras_workflow.py (weight writes between calls,
 steps_per_execution, uneven batches, callbacks, *_on_batch) runs again here on
 this backend.
 """
+
 import collections
 import os
 import re
@@ -31,12 +32,25 @@ from tf_gspmd.xla_bridge import XlaLoweringError, stablehlo_collectives  # noqa:
 
 sys.path.insert(0, os.path.dirname(__file__))
 import test_keras_workflow as workflow  # noqa: E402
-from test_keras_distribution import (FIT, X, Y, check_model_parallel_example,  # noqa: E402
-                                     guide_distribution, guide_model, step_programs)
+from test_keras_distribution import (
+  FIT,
+  X,
+  Y,
+  check_model_parallel_example,  # noqa: E402
+  guide_distribution,
+  guide_model,
+  step_programs,
+)
 
 # Recorded collective kind -> the native XLA op it is exported as (tests/test_xla_backend.py).
-NATIVE = {'all_reduce': 'all-reduce', 'broadcast': 'all-reduce', 'reduce_scatter': 'reduce-scatter',
-          'all_gather': 'all-gather', 'all_to_all': 'all-to-all', 'permute': 'collective-permute'}
+NATIVE = {
+  'all_reduce': 'all-reduce',
+  'broadcast': 'all-reduce',
+  'reduce_scatter': 'reduce-scatter',
+  'all_gather': 'all-gather',
+  'all_to_all': 'all-to-all',
+  'permute': 'collective-permute',
+}
 
 
 @pytest.fixture
@@ -51,7 +65,7 @@ def compiled_collectives(pf):
   """The collectives of a step that ran: one native op in the module per recorded one, and
   what XLA compiled (its optimized HLO) by kind."""
   assert pf.backend == 'xla'
-  run = pf._last.xla  # pylint: disable=protected-access
+  run = pf._last.xla  # noqa: SLF001
   module = run.export.module
   assert 'custom_call @tf_gspmd' not in module
   recorded = collections.Counter(NATIVE[r['kind']] for r in pf.collectives())
@@ -60,8 +74,11 @@ def compiled_collectives(pf):
 
 
 def the_train_step(model):
-  (train,) = [p for p in step_programs(model.train_function)
-              if p._last is not None and p.fn.__name__ == 'one_step']  # pylint: disable=protected-access
+  (train,) = [
+    p
+    for p in step_programs(model.train_function)
+    if p._last is not None and p.fn.__name__ == 'one_step'
+  ]  # noqa: SLF001
   return train
 
 
@@ -70,7 +87,7 @@ def the_train_step(model):
 
 def test_writes_between_calls_on_xla(tmp_path):
   model = workflow.writes_between_calls(tmp_path, backend='xla')
-  pairs = model._tf_gspmd_store.pairs()  # pylint: disable=protected-access
+  pairs = model._tf_gspmd_store.pairs()  # noqa: SLF001
   assert pairs and all(type(s).__name__ == 'XlaShardedVariable' for _, s in pairs)
   kernel = next(s for v, s in pairs if 'h0/kernel' in v.name)
   assert kernel.local_shape == (16, 8)
@@ -79,8 +96,8 @@ def test_writes_between_calls_on_xla(tmp_path):
 
 def test_steps_per_execution_is_one_while_loop_on_xla():
   model = workflow.steps_per_execution(backend='xla')
-  looped = model._tf_gspmd_launcher.functions['train_step_looped']  # pylint: disable=protected-access
-  module = looped._last.xla.export.module  # pylint: disable=protected-access
+  looped = model._tf_gspmd_launcher.functions['train_step_looped']  # noqa: SLF001
+  module = looped._last.xla.export.module  # noqa: SLF001
   assert module.count('stablehlo.while') == 1, 'k steps are one While loop in one module'
   recorded, compiled = compiled_collectives(looped)
   assert recorded['all-reduce'] >= 2 and compiled.get('all-reduce', 0) >= 1
@@ -113,8 +130,9 @@ def test_model_parallel_guide_code_on_xla(enabled_xla):
     predicted = model.predict(X[:40], batch_size=16, verbose=0)  # 16, 16 and 8
   want = reference.fit(X, Y, **FIT).history
   assert_close(as_float32(got), as_float32(want), 'history')
-  assert_close(as_float32(got_eval),
-               as_float32(reference.evaluate(X, Y, batch_size=16, verbose=0)), 'evaluate')
+  assert_close(
+    as_float32(got_eval), as_float32(reference.evaluate(X, Y, batch_size=16, verbose=0)), 'evaluate'
+  )
   assert_close(predicted, reference.predict(X[:40], batch_size=16, verbose=0), 'predict')
   assert_close(model.weights, reference.weights, 'weights')
   assert tg.keras.shard_layouts(model)['d1/kernel'] == (tg.P(None, 'model'), (16, 8))
@@ -153,7 +171,7 @@ def test_a_model_keeps_its_backend(enabled_xla):
     np.testing.assert_array_equal(w, v)
   with distribution.scope():
     model.fit(X, Y, **FIT_ONE)  # ... and it runs on the TF backend now
-  assert model._tf_gspmd_launcher.kwargs['backend'] == 'tf'  # pylint: disable=protected-access
+  assert model._tf_gspmd_launcher.kwargs['backend'] == 'tf'  # noqa: SLF001
 
 
 FIT_ONE = dict(batch_size=16, epochs=1, shuffle=False, verbose=0)
@@ -172,8 +190,10 @@ def bn_cnn():
   y = keras.layers.BatchNormalization(name='bn2')(y)
   y = keras.layers.GlobalAveragePooling2D()(keras.layers.ReLU()(y))
   model = keras.Model(inputs, keras.layers.Dense(4, name='head')(y))
-  model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  model.compile(
+    optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+  )
   return model
 
 
@@ -189,8 +209,9 @@ def test_batch_norm_cnn_on_xla(enabled_xla):
     model = bn_cnn()
     got = model.fit(x, y, **kw).history
   want, truth = reference.fit(x, y, **kw).history, exact.fit(np.float64(x), y, **kw).history
-  assert_close_to_float64(as_float32(got['loss']), as_float32(want['loss']),
-                          as_float32(truth['loss']), 'loss history')
+  assert_close_to_float64(
+    as_float32(got['loss']), as_float32(want['loss']), as_float32(truth['loss']), 'loss history'
+  )
   weights = [np.asarray(w) for w in model.get_weights()]
   assert_close_to_float64(weights, reference.get_weights(), exact.get_weights(), 'weights')
   moving = [w for v, w in zip(model.weights, weights) if 'moving' in v.path]
@@ -221,11 +242,13 @@ class Rotary(keras.layers.Layer):
 class Attention(keras.layers.Layer):
   def __init__(self, **kw):
     super().__init__(**kw)
-    self.query = keras.layers.EinsumDense('bsd,dhk->bshk', (SEQ, HEADS, WIDTH // HEADS),
-                                          name='query')
+    self.query = keras.layers.EinsumDense(
+      'bsd,dhk->bshk', (SEQ, HEADS, WIDTH // HEADS), name='query'
+    )
     self.key = keras.layers.EinsumDense('bsd,dhk->bshk', (SEQ, HEADS, WIDTH // HEADS), name='key')
-    self.value = keras.layers.EinsumDense('bsd,dhk->bshk', (SEQ, HEADS, WIDTH // HEADS),
-                                          name='value')
+    self.value = keras.layers.EinsumDense(
+      'bsd,dhk->bshk', (SEQ, HEADS, WIDTH // HEADS), name='value'
+    )
     self.out = keras.layers.EinsumDense('bshk,hkd->bsd', (SEQ, WIDTH), name='attention_output')
     self.rotary = Rotary()
 
@@ -259,10 +282,13 @@ def decoder():
   f = keras.layers.Dense(32, activation='gelu', name='ffn_in')(f)
   h = h + keras.layers.Dense(WIDTH, name='ffn_out')(f)
   logits = TiedOutput(embedding, name='tied_output')(
-      keras.layers.RMSNormalization(name='final_norm')(h))
+    keras.layers.RMSNormalization(name='final_norm')(h)
+  )
   model = keras.Model(tokens, logits)
-  model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  model.compile(
+    optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+  )
   return model
 
 
@@ -274,8 +300,9 @@ def test_decoder_with_rotary_attention_and_tied_output_on_xla(enabled_xla):
   rng = np.random.RandomState(4)
   tokens = rng.randint(0, VOCAB, (32, SEQ)).astype(np.int32)
   targets = np.roll(tokens, -1, axis=1)
-  mesh = keras.distribution.DeviceMesh((2, 4), ['data', 'model'],
-                                       devices=keras.distribution.list_devices())
+  mesh = keras.distribution.DeviceMesh(
+    (2, 4), ['data', 'model'], devices=keras.distribution.list_devices()
+  )
   layout_map = keras.distribution.LayoutMap(mesh)
   layout_map['token_embedding/embeddings'] = (None, 'model')
   layout_map['attention/(query|key|value)/kernel'] = (None, 'model', None)
@@ -284,8 +311,9 @@ def test_decoder_with_rotary_attention_and_tied_output_on_xla(enabled_xla):
   layout_map['ffn_out/kernel'] = ('model', None)
   distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name='data')
   reference = decoder()
-  kw = dict(batch_size=8, epochs=2, shuffle=False, verbose=0,
-            validation_data=(tokens[:16], targets[:16]))
+  kw = dict(
+    batch_size=8, epochs=2, shuffle=False, verbose=0, validation_data=(tokens[:16], targets[:16])
+  )
   with distribution.scope():
     model = decoder()
     got = model.fit(tokens, targets, **kw).history
@@ -305,9 +333,10 @@ def test_decoder_with_rotary_attention_and_tied_output_on_xla(enabled_xla):
 
 
 def test_save_xla_of_a_keras_model_reloads_and_equals_predict(tmp_path):
-  from tf_gspmd.xla_bridge import pjrt  # pylint: disable=g-import-not-at-top
-  model = workflow._partitioned(workflow._model(), backend='xla')  # pylint: disable=protected-access
-  x, y = workflow._data()  # pylint: disable=protected-access
+  from tf_gspmd.xla_bridge import pjrt
+
+  model = workflow._partitioned(workflow._model(), backend='xla')  # noqa: SLF001
+  x, y = workflow._data()  # noqa: SLF001
   model.fit(x, y, **FIT_ONE)
   want = model.predict(x[:16], batch_size=16, verbose=0)
   export = tg.saved_model.save_xla(model, str(tmp_path / 'xla'), x[:16])
@@ -315,8 +344,10 @@ def test_save_xla_of_a_keras_model_reloads_and_equals_predict(tmp_path):
   loaded, values = tg.saved_model.load_xla(str(tmp_path / 'xla'))
   executable = pjrt.PjrtExecutable(loaded)
   inputs = [pjrt.put_global(x[:16], loaded.args[0], executable.devices)]
-  inputs += [pjrt.put_global(values[i], loaded.args[i], executable.devices)
-             for i in range(1, len(loaded.args))]
+  inputs += [
+    pjrt.put_global(values[i], loaded.args[i], executable.devices)
+    for i in range(1, len(loaded.args))
+  ]
   out = executable.run(inputs)[0]
   got = pjrt.assemble_global(out, loaded.results[0].sharding, loaded.results[0].shape, 'logits')
   assert_close(got.numpy(), want, 'reloaded module vs predict')
@@ -353,5 +384,8 @@ def test_a_layer_xla_cannot_compile_is_named(layer, op):
 
 def test_example_model_parallel_with_backend_xla(tmp_path):
   out = check_model_parallel_example(tmp_path, '--backend', 'xla')
-  assert re.search(r'XLA compiled the training step for 8 PJRT devices; its collectives: '
-                   r'all-reduce x[1-9]', out), out
+  assert re.search(
+    r'XLA compiled the training step for 8 PJRT devices; its collectives: '
+    r'all-reduce x[1-9]',
+    out,
+  ), out

@@ -3,6 +3,7 @@
 Imports are read from the source (module level and inside functions alike; only
 `if TYPE_CHECKING:` blocks are skipped), so a lazy import cannot hide a cycle.
 """
+
 import ast
 import pathlib
 
@@ -12,26 +13,31 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / 'tf_gspmd'
 
 # Bottom to top: a unit may import units listed before it (and itself), never after.
 LAYERS = (
-    ('_tf_version',),               # checks TensorFlow is installed, before importing it
-    ('mesh', 'sharding'),           # value types
-    ('op_sharding',),               # OpSharding conversion, the one place
-    ('dtensor_compat',),            # TF DTensor's Mesh and Layout as tf_gspmd's, the one place
-    ('annotations',),               # writes and reads TF's XlaSharding
-    ('pipeline',),                  # GSPMD pipelining: annotated TF ops, before capture
-    ('graph',),                     # capture, IR, rebuild, static values
-    ('propagation',),               # one rule per op type, the fixpoint
-    ('collectives',),               # the interface a backend implements
-    ('graph_rewrite',),             # the partitioner: local ops from rules, reshards
-    ('runtime',),                   # TF backend: collectives on TF devices, the launcher
-    ('xla_bridge',),                # XLA backend: XLA collectives, export, PJRT
-    ('build_progress',),            # what a long first call is doing, shown as it runs
-    ('pictures',),                  # layouts drawn: text grids, the HTML report page
-    ('partitioned',),               # partition(): capture -> propagate -> rewrite -> backend
-    ('checkpoint', 'saved_model', 'serve', 'planning'),  # save/restore/export/serve/plan a partitioned program
-    ('keras_layout', 'keras_fit', 'keras'),  # Keras on top of partition()
-    ('auto_shard',),                # layouts chosen by planning candidates (tg.plan, LayoutMap)
-    ('testing',),                   # the op sweep harness
-    ('__init__',),                  # the public API
+  ('_tf_version',),  # checks TensorFlow is installed, before importing it
+  ('mesh', 'sharding'),  # value types
+  ('op_sharding',),  # OpSharding conversion, the one place
+  ('dtensor_compat',),  # TF DTensor's Mesh and Layout as tf_gspmd's, the one place
+  ('annotations',),  # writes and reads TF's XlaSharding
+  ('pipeline',),  # GSPMD pipelining: annotated TF ops, before capture
+  ('graph',),  # capture, IR, rebuild, static values
+  ('propagation',),  # one rule per op type, the fixpoint
+  ('collectives',),  # the interface a backend implements
+  ('graph_rewrite',),  # the partitioner: local ops from rules, reshards
+  ('runtime',),  # TF backend: collectives on TF devices, the launcher
+  ('xla_bridge',),  # XLA backend: XLA collectives, export, PJRT
+  ('build_progress',),  # what a long first call is doing, shown as it runs
+  ('pictures',),  # layouts drawn: text grids, the HTML report page
+  ('partitioned',),  # partition(): capture -> propagate -> rewrite -> backend
+  (
+    'checkpoint',
+    'saved_model',
+    'serve',
+    'planning',
+  ),  # save/restore/export/serve/plan a partitioned program
+  ('keras_layout', 'keras_fit', 'keras'),  # Keras on top of partition()
+  ('auto_shard',),  # layouts chosen by planning candidates (tg.plan, LayoutMap)
+  ('testing',),  # the op sweep harness
+  ('__init__',),  # the public API
 )
 RANK = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 
@@ -86,8 +92,9 @@ def test_every_unit_has_a_layer():
 
 
 def test_imports_point_down_the_layers():
-  upward = sorted(f'{a} -> {b}' for a, deps in GRAPH.items() for b in deps
-                  if RANK[unit_of(b)] > RANK[unit_of(a)])
+  upward = sorted(
+    f'{a} -> {b}' for a, deps in GRAPH.items() for b in deps if RANK[unit_of(b)] > RANK[unit_of(a)]
+  )
   assert not upward, 'imports pointing up the layer list:\n' + '\n'.join(upward)
 
 
@@ -108,7 +115,7 @@ def find_cycle(graph):
         stack.pop()
         path.pop()
       elif state.get(child) == 'open':
-        return path[path.index(child):] + [child]
+        return path[path.index(child) :] + [child]
       elif child not in state:
         state[child] = 'open'
         path.append(child)
@@ -118,16 +125,21 @@ def find_cycle(graph):
 
 def test_no_module_import_cycles():
   # A package's __init__ re-exporting its own modules is not a cycle of the design.
-  graph = {a: {b for b in deps if not (MODULES[a].name == '__init__.py' and b.startswith(a + '.'))}
-           for a, deps in GRAPH.items()}
+  graph = {
+    a: {b for b in deps if not (MODULES[a].name == '__init__.py' and b.startswith(a + '.'))}
+    for a, deps in GRAPH.items()
+  }
   cycle = find_cycle(graph)
   assert cycle is None, 'import cycle: ' + ' -> '.join(cycle)
 
 
-@pytest.mark.parametrize('graph, has_cycle', [
+@pytest.mark.parametrize(
+  'graph, has_cycle',
+  [
     ({'a': {'b'}, 'b': {'c'}, 'c': set()}, False),
     ({'a': {'b'}, 'b': {'c'}, 'c': {'a'}}, True),
     ({'a': {'a2'}, 'a2': set(), 'b': {'b'}}, True),
-])
+  ],
+)
 def test_find_cycle_finds_cycles(graph, has_cycle):
   assert (find_cycle(graph) is not None) == has_cycle

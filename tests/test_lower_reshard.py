@@ -27,10 +27,11 @@ from tf_gspmd.graph_rewrite import reshard_sim as sim
 from tf_gspmd.graph_rewrite.partitioner import Local
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.runtime import ShardedValue, SpmdProgram
-from tf_gspmd.sharding import P, NamedSharding
+from tf_gspmd.sharding import NamedSharding, P
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                'bench'))
+sys.path.insert(
+  0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'bench')
+)
 import reshard_cases  # noqa: E402  (pure Python case list shared with the benchmarks)
 
 INT_PAD = -12345
@@ -51,8 +52,17 @@ class StubPartitioner:
 Case = collections.namedtuple('Case', 'name mesh src dst shape dtype')
 
 
-def _case(name, mesh, src_spec, dst_spec, shape, partial=(), reduction='sum', dtype='float32',
-          dst_partial=()):
+def _case(
+  name,
+  mesh,
+  src_spec,
+  dst_spec,
+  shape,
+  partial=(),
+  reduction='sum',
+  dtype='float32',
+  dst_partial=(),
+):
   src = NamedSharding(mesh, P(*src_spec), partial, reduction=reduction)
   dst = NamedSharding(mesh, P(*dst_spec), dst_partial, reduction=reduction)
   return Case(name, mesh, src, dst, tuple(shape), dtype)
@@ -61,29 +71,42 @@ def _case(name, mesh, src_spec, dst_spec, shape, partial=(), reduction='sum', dt
 # --- the cases -------------------------------------------------------------------------------
 def _small(shape, uneven):
   """The bench's big shapes shrunk to test sizes (even ones stay divisible by 8)."""
-  small = {(1024, 1024): (10, 13) if uneven else (16, 16),
-           (1 << 20,): (13,) if uneven else (64,),
-           (128, 128, 128): (5, 4, 3) if uneven else (4, 4, 8)}
+  small = {
+    (1024, 1024): (10, 13) if uneven else (16, 16),
+    (1 << 20,): (13,) if uneven else (64,),
+    (128, 128, 128): (5, 4, 3) if uneven else (4, 4, 8),
+  }
   return small.get(tuple(shape), tuple(shape))
 
 
 # Bench cases also run at uneven sizes (the others already are uneven, or have twins below).
 # Few: the first call of every all-gather, all-to-all and permute costs ~0.4 s here.
-UNEVEN_TWINS = ('2x4_move_x_dim0_to_dim1', '2x4_x_to_xy_minor', '2x4_xy_dim0_to_yx_dim0',
-                '2x4_partial_y_x_rows_to_xy', '1d_partial_to_dim0', '3d_rotate_axes',
-                '3d_ab_c_to_c_ab', '3d_partial_c_to_ac_b')
+UNEVEN_TWINS = (
+  '2x4_move_x_dim0_to_dim1',
+  '2x4_x_to_xy_minor',
+  '2x4_xy_dim0_to_yx_dim0',
+  '2x4_partial_y_x_rows_to_xy',
+  '1d_partial_to_dim0',
+  '3d_rotate_axes',
+  '3d_ab_c_to_c_ab',
+  '3d_partial_c_to_ac_b',
+)
 
 
 def _bench_cases():
   out = []
   for c in reshard_cases.CASES:
     mesh = Mesh.create(c['mesh_shape'], c['axis_names'])
-    out.append(_case(c['name'], mesh, c['src_spec'], c['dst_spec'], _small(c['shape'], False),
-                     c['src_partial']))
+    out.append(
+      _case(
+        c['name'], mesh, c['src_spec'], c['dst_spec'], _small(c['shape'], False), c['src_partial']
+      )
+    )
     if c['name'] in UNEVEN_TWINS:
       uneven = _small(c['shape'], True)
-      out.append(_case(c['name'] + '@uneven', mesh, c['src_spec'], c['dst_spec'], uneven,
-                       c['src_partial']))
+      out.append(
+        _case(c['name'] + '@uneven', mesh, c['src_spec'], c['dst_spec'], uneven, c['src_partial'])
+      )
   return out
 
 
@@ -98,39 +121,39 @@ MPERM = Mesh(np.array([[3, 1, 0, 2], [7, 5, 6, 4]]), ('x', 'y'))
 # The chosen cases of tests/test_reshard_plan.py and bench/reshard.py's extra cases (shrunk),
 # plus other dtypes and targets that keep a pending reduction.
 CHOSEN = [
-    _case('xy_to_yx_10x7', M24, ('x', 'y'), ('y', 'x'), (10, 7)),
-    _case('xy_10_to_x', M24, (('x', 'y'),), ('x',), (10,)),
-    _case('xy_to_yx_dim0_10x3', M24, (('x', 'y'), None), (('y', 'x'), None), (10, 3)),
-    _case('x_dim1_to_xy_dim0', M24, (None, 'x'), (('x', 'y'), None), (7, 5)),
-    _case('7_over_8_slice', M8, (None,), ('x',), (7,)),
-    _case('1_over_2_gather', M2, ('x',), (None,), (1,)),
-    _case('1_over_2_dim1_to_dim0', M2, (None, 'x'), ('x', None), (1, 3)),
-    _case('partial_x_to_y', M24, (None, None), ('y', None), (10, 8), ('x',)),
-    _case('partial_xy_to_xy_dim0', M24, (None, None), (('x', 'y'), None), (10, 3), ('x', 'y')),
-    _case('partial_max_y_to_x', M24, ('y', None), (None, 'x'), (7, 9), ('x',), 'max'),
-    _case('partial_min_to_replicated', M24, ('y', None), (None, None), (7, 8), ('x',), 'min'),
-    _case('3d_xy_z_to_z_yx', M222, (('x', 'y'), 'z'), ('z', ('y', 'x')), (7, 10)),
-    _case('3d_rank3', M222, ('x', None, 'y'), (None, ('z', 'x'), None), (5, 9, 3)),
-    _case('3d_partial_yz', M222, (None, 'x'), ('y', ('z', 'x')), (6, 10), ('y', 'z')),
-    _case('3x2_y_to_x', M32, ('x', None), ('y', None), (9, 6)),
-    _case('3x2_prod', M32, ('y',), ('x',), (3,), ('x',), 'prod'),
-    _case('plan_y_to_x_uneven', M24, ('y', None), ('x', None), (10, 16)),
-    _case('plan_xy_minor_to_x_uneven', M24, (('x', 'y'), None), ('x', None), (10, 8)),
-    _case('plan_batch_to_model_3d', M24, ('x', None, None), (None, None, 'y'), (4, 3, 8)),
-    _case('plan_partial_max_uneven', M24, (None, 'y'), ('x', 'y'), (9, 10), ('x',), 'max'),
-    _case('plan_3d_uneven_swap', M222, ('x', ('y', 'z')), (('z', 'y'), 'x'), (11, 9)),
-    _case('scalar_partial_over_8', M8, (), (), (), ('x',)),
-    _case('tiny_partial_max_over_8', M8, (None,), (None,), (4,), ('x',), 'max'),
-    _case('permuted_mesh_swap_uneven', MPERM, ('x', 'y'), ('y', 'x'), (10, 7)),
-    _case('permuted_mesh_repad', MPERM, (('x', 'y'),), ('x',), (10,)),
-    _case('permuted_mesh_partial_to_y', MPERM, (None, 'x'), ('y', None), (9, 6), ('y',)),
-    _case('keep_partial_y', M24, (None, None), (None, 'x'), (6, 10), ('x', 'y'),
-          dst_partial=('y',)),
-    _case('int32_partial_max', M24, (None, 'y'), (('x', 'y'), None), (10, 6), ('x',), 'max',
-          dtype='int32'),
-    _case('int32_swap_uneven', M24, ('x', 'y'), ('y', 'x'), (10, 7), dtype='int32'),
-    _case('bool_swap_uneven', M24, ('x', 'y'), ('y', 'x'), (10, 7), dtype='bool'),
-    _case('bool_xy_10_to_x', M24, (('x', 'y'),), ('x',), (10,), dtype='bool'),
+  _case('xy_to_yx_10x7', M24, ('x', 'y'), ('y', 'x'), (10, 7)),
+  _case('xy_10_to_x', M24, (('x', 'y'),), ('x',), (10,)),
+  _case('xy_to_yx_dim0_10x3', M24, (('x', 'y'), None), (('y', 'x'), None), (10, 3)),
+  _case('x_dim1_to_xy_dim0', M24, (None, 'x'), (('x', 'y'), None), (7, 5)),
+  _case('7_over_8_slice', M8, (None,), ('x',), (7,)),
+  _case('1_over_2_gather', M2, ('x',), (None,), (1,)),
+  _case('1_over_2_dim1_to_dim0', M2, (None, 'x'), ('x', None), (1, 3)),
+  _case('partial_x_to_y', M24, (None, None), ('y', None), (10, 8), ('x',)),
+  _case('partial_xy_to_xy_dim0', M24, (None, None), (('x', 'y'), None), (10, 3), ('x', 'y')),
+  _case('partial_max_y_to_x', M24, ('y', None), (None, 'x'), (7, 9), ('x',), 'max'),
+  _case('partial_min_to_replicated', M24, ('y', None), (None, None), (7, 8), ('x',), 'min'),
+  _case('3d_xy_z_to_z_yx', M222, (('x', 'y'), 'z'), ('z', ('y', 'x')), (7, 10)),
+  _case('3d_rank3', M222, ('x', None, 'y'), (None, ('z', 'x'), None), (5, 9, 3)),
+  _case('3d_partial_yz', M222, (None, 'x'), ('y', ('z', 'x')), (6, 10), ('y', 'z')),
+  _case('3x2_y_to_x', M32, ('x', None), ('y', None), (9, 6)),
+  _case('3x2_prod', M32, ('y',), ('x',), (3,), ('x',), 'prod'),
+  _case('plan_y_to_x_uneven', M24, ('y', None), ('x', None), (10, 16)),
+  _case('plan_xy_minor_to_x_uneven', M24, (('x', 'y'), None), ('x', None), (10, 8)),
+  _case('plan_batch_to_model_3d', M24, ('x', None, None), (None, None, 'y'), (4, 3, 8)),
+  _case('plan_partial_max_uneven', M24, (None, 'y'), ('x', 'y'), (9, 10), ('x',), 'max'),
+  _case('plan_3d_uneven_swap', M222, ('x', ('y', 'z')), (('z', 'y'), 'x'), (11, 9)),
+  _case('scalar_partial_over_8', M8, (), (), (), ('x',)),
+  _case('tiny_partial_max_over_8', M8, (None,), (None,), (4,), ('x',), 'max'),
+  _case('permuted_mesh_swap_uneven', MPERM, ('x', 'y'), ('y', 'x'), (10, 7)),
+  _case('permuted_mesh_repad', MPERM, (('x', 'y'),), ('x',), (10,)),
+  _case('permuted_mesh_partial_to_y', MPERM, (None, 'x'), ('y', None), (9, 6), ('y',)),
+  _case('keep_partial_y', M24, (None, None), (None, 'x'), (6, 10), ('x', 'y'), dst_partial=('y',)),
+  _case(
+    'int32_partial_max', M24, (None, 'y'), (('x', 'y'), None), (10, 6), ('x',), 'max', dtype='int32'
+  ),
+  _case('int32_swap_uneven', M24, ('x', 'y'), ('y', 'x'), (10, 7), dtype='int32'),
+  _case('bool_swap_uneven', M24, ('x', 'y'), ('y', 'x'), (10, 7), dtype='bool'),
+  _case('bool_xy_10_to_x', M24, (('x', 'y'),), ('x',), (10,), dtype='bool'),
 ]
 
 
@@ -210,22 +233,34 @@ def run_cases(cases):
     for case, local in zip(cases, locals_):
       stub = StubPartitioner(mesh, ctx.collectives)
       before = len(ctx.collectives.records)
-      value = lower_reshard.reshard(stub, Local(local, case.src, case.shape), case.dst,
-                                    case.name)
+      value = lower_reshard.reshard(stub, Local(local, case.src, case.shape), case.dst, case.name)
       noted[case.name] = stub.records
       emitted[case.name] = ctx.collectives.records[before:]
       outs.append(value.tensor)
     return outs
 
-  program = SpmdProgram(mesh, per_partition, out_shardings=[c.dst.without_partial() for c in cases],
-                        out_shapes=[c.shape for c in cases], keep_sharded=True, timeout=60,
-                        autograph=False, name='lower_reshard_test')
-  inputs = [ShardedValue(_input_shards(c, _global_value(c, i)), c.src, c.shape)
-            for i, c in enumerate(cases)]
+  program = SpmdProgram(
+    mesh,
+    per_partition,
+    out_shardings=[c.dst.without_partial() for c in cases],
+    out_shapes=[c.shape for c in cases],
+    keep_sharded=True,
+    timeout=60,
+    autograph=False,
+    name='lower_reshard_test',
+  )
+  inputs = [
+    ShardedValue(_input_shards(c, _global_value(c, i)), c.src, c.shape) for i, c in enumerate(cases)
+  ]
   outputs = program(*inputs)
-  return {c.name: ([np.asarray(s.numpy(), np.float64) for s in out.shards], noted[c.name],
-                   emitted[c.name])
-          for c, out in zip(cases, outputs)}
+  return {
+    c.name: (
+      [np.asarray(s.numpy(), np.float64) for s in out.shards],
+      noted[c.name],
+      emitted[c.name],
+    )
+    for c, out in zip(cases, outputs)
+  }
 
 
 @pytest.fixture(scope='module')
@@ -278,8 +313,10 @@ def test_cases_cover_every_step_kind():
 def test_records_name_user_axes_and_sub_axes(results):
   # P('x','y') -> P('y','x') on 2x4: an all-to-all over half of y, then a permute.
   _, noted, emitted = results['2x4_xy_to_yx']
-  assert [(r['kind'], r['axes']) for r in noted] == [('all_to_all', ('y#1',)),
-                                                      ('permute', ('x', 'y'))]
+  assert [(r['kind'], r['axes']) for r in noted] == [
+    ('all_to_all', ('y#1',)),
+    ('permute', ('x', 'y')),
+  ]
   assert emitted[0].group_size == 2
   # Whole axes keep the user's names.
   _, noted, _ = results['2x4_xy_to_replicated']
@@ -316,8 +353,9 @@ def test_nothing_to_move_emits_nothing():
   out = lower_reshard.reshard(stub, Local(x, src, (6, 4)), src)
   assert out.tensor is x and out.sharding == src and not stub.records
   # A tensor with no elements: every shard is padding, nothing moves.
-  empty = lower_reshard.reshard(stub, Local(tf.zeros([0, 4]), src, (0, 4)),
-                                NamedSharding(M24, P(None, 'y')))
+  empty = lower_reshard.reshard(
+    stub, Local(tf.zeros([0, 4]), src, (0, 4)), NamedSharding(M24, P(None, 'y'))
+  )
   assert tuple(empty.tensor.shape) == (0, 1) and not stub.records
 
 
@@ -325,21 +363,27 @@ def test_errors_name_the_shardings():
   src = NamedSharding(M24, P('x', None))
   stub = StubPartitioner(M24, _Backend(M24))
   with pytest.raises(ValueError, match='shard shape'):
-    lower_reshard.reshard(stub, Local(tf.zeros([4, 4]), src, (6, 4)),
-                          NamedSharding(M24, P(None, 'y')))
+    lower_reshard.reshard(
+      stub, Local(tf.zeros([4, 4]), src, (6, 4)), NamedSharding(M24, P(None, 'y'))
+    )
   with pytest.raises(ValueError, match='pending reduction'):
-    lower_reshard.reshard(stub, Local(tf.zeros([3, 4]), src, (6, 4)),
-                          NamedSharding(M24, P('x', None), ('y',)))
+    lower_reshard.reshard(
+      stub, Local(tf.zeros([3, 4]), src, (6, 4)), NamedSharding(M24, P('x', None), ('y',))
+    )
   with pytest.raises(ValueError, match='backend'):
-    lower_reshard.reshard(StubPartitioner(M8, _Backend(M8)), Local(tf.zeros([3, 4]), src, (6, 4)),
-                          NamedSharding(M24, P(None, 'y')))
+    lower_reshard.reshard(
+      StubPartitioner(M8, _Backend(M8)),
+      Local(tf.zeros([3, 4]), src, (6, 4)),
+      NamedSharding(M24, P(None, 'y')),
+    )
 
 
 def test_sub_axis_steps_on_the_xla_backend():
   # Traced only (XLA collectives do not run on CPU): the all-to-all over half of y gets the
   # sub-axis replica groups, the permute the plan's pairs.
-  from tf_gspmd.runtime import trace_per_partition  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.xla_bridge import XlaCollectives  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.runtime import trace_per_partition
+  from tf_gspmd.xla_bridge import XlaCollectives
+
   case = BY_NAME['2x4_xy_to_yx']
   plan = _plan(case)
 
@@ -348,10 +392,10 @@ def test_sub_axis_steps_on_the_xla_backend():
     return lower_reshard.reshard(stub, Local(local, case.src, case.shape), case.dst).tensor
 
   local = tf.TensorSpec(case.src.shard_shape(case.shape), tf.float32)
-  program = trace_per_partition(case.mesh, per_partition, [local], backend=XlaCollectives,
-                                autograph=False)
-  assert [(r.kind, r.axes) for r in program.records] == [('all_to_all', ('y#1',)),
-                                                         ('permute', ())]
+  program = trace_per_partition(
+    case.mesh, per_partition, [local], backend=XlaCollectives, autograph=False
+  )
+  assert [(r.kind, r.axes) for r in program.records] == [('all_to_all', ('y#1',)), ('permute', ())]
   assert program.records[0].groups.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
   assert sorted(map(tuple, program.records[1].groups.tolist())) == sorted(plan.steps[1].pairs)
 
@@ -361,7 +405,8 @@ def test_a_slice_rolls_only_where_a_window_is_clamped(shape, rolls):
   # Replicated -> (x, y): each device keeps its window of rows. On an even split every
   # window starts at its own rows, so no roll is emitted; on 10 rows over x=2 the windows
   # still fit, but 13 columns over y=4 (chunk 4) clamp the last window, which is rolled.
-  from tf_gspmd.runtime import trace_per_partition  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.runtime import trace_per_partition
+
   mesh = Mesh.create((2, 4), ('x', 'y'))
   src, dst = NamedSharding(mesh, P(None, None)), NamedSharding(mesh, P('x', 'y'))
 
@@ -369,8 +414,9 @@ def test_a_slice_rolls_only_where_a_window_is_clamped(shape, rolls):
     stub = StubPartitioner(mesh, ctx.collectives)
     return lower_reshard.reshard(stub, Local(local, src, shape), dst).tensor
 
-  program = trace_per_partition(mesh, per_partition, [tf.TensorSpec(shape, tf.float32)],
-                                autograph=False)
+  program = trace_per_partition(
+    mesh, per_partition, [tf.TensorSpec(shape, tf.float32)], autograph=False
+  )
   ops = collections.Counter(op.type for op in program.function.graph.get_operations())
   assert ops['Roll'] == rolls, ops
   assert not program.records  # a local slice: no collective

@@ -1,4 +1,5 @@
 """Mesh: value semantics, groups along any subset of axes, coordinates, errors."""
+
 import copy
 import itertools
 import pickle
@@ -79,22 +80,27 @@ def test_immutable_hashable_and_equal_by_value():
 
 def test_repr_eval_pickle_copy():
   for mesh in (Mesh.create((2, 4), ('data', 'model')), Mesh(PERMUTED, ('x', 'y', 'z'))):
-    assert eval(repr(mesh)) == mesh  # pylint: disable=eval-used
+    assert eval(repr(mesh)) == mesh
     assert pickle.loads(pickle.dumps(mesh)) == mesh
     assert copy.deepcopy(mesh) == mesh
   assert str(Mesh.create((2, 4), ('data', 'model'))) == 'Mesh(data=2, model=4)'
 
 
-@pytest.mark.parametrize('build, message', [
+@pytest.mark.parametrize(
+  'build, message',
+  [
     (lambda: Mesh(np.arange(8).reshape(2, 4), ('data',)), 'rank 2.*one name per axis'),
     (lambda: Mesh(np.arange(4).reshape(2, 2), ('x', 'x')), 'distinct'),
     (lambda: Mesh([[0, 1], [1, 2]], ('x', 'y')), 'distinct and non-negative'),
-    (lambda: Mesh.create((2, 4), ('data', 'model')).axis_size('batch'),
-     "Unknown mesh axis 'batch'.*'data', 'model'"),
+    (
+      lambda: Mesh.create((2, 4), ('data', 'model')).axis_size('batch'),
+      "Unknown mesh axis 'batch'.*'data', 'model'",
+    ),
     (lambda: Mesh.create((2, 4), ('data', 'model')).groups(['data', 'data']), 'used twice'),
     (lambda: Mesh.create((2, 4), ('data', 'model')).coords(8), 'Device 8 is not in mesh'),
     (lambda: Mesh.create((2, 4), ('data', 'model')).device_at(batch=0), 'Unknown mesh axes'),
-])
+  ],
+)
 def test_errors_name_the_problem(build, message):
   with pytest.raises(ValueError, match=message):
     build()

@@ -1,4 +1,5 @@
 """Keras 3 training steps partitioned on 8 logical CPUs, trained 5 steps against the unpartitioned run."""
+
 import collections
 import os
 import sys
@@ -30,10 +31,14 @@ def collective_kinds(step):
 
 def _mlp(seed, hidden=32):
   keras.utils.set_random_seed(seed)
-  model = keras.Sequential([keras.Input((16,)),
-                            keras.layers.Dense(hidden, activation='relu', name='hidden_0'),
-                            keras.layers.Dense(hidden, activation='relu', name='hidden_1'),
-                            keras.layers.Dense(4, name='logits')])
+  model = keras.Sequential(
+    [
+      keras.Input((16,)),
+      keras.layers.Dense(hidden, activation='relu', name='hidden_0'),
+      keras.layers.Dense(hidden, activation='relu', name='hidden_1'),
+      keras.layers.Dense(4, name='logits'),
+    ]
+  )
   optimizer = keras.optimizers.Adam(1e-2)
   optimizer.build(model.trainable_variables)
   return model, optimizer
@@ -51,13 +56,16 @@ def _step(model, optimizer, annotate=None):
     grads = tape.gradient(loss, model.trainable_variables)
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
     return loss
+
   return step
 
 
 def _mlp_batches(batch):
   rng = np.random.RandomState(0)
-  return [(rng.randn(batch, 16).astype(np.float32), rng.randint(0, 4, batch).astype(np.int32))
-          for _ in range(STEPS)]
+  return [
+    (rng.randn(batch, 16).astype(np.float32), rng.randint(0, 4, batch).astype(np.int32))
+    for _ in range(STEPS)
+  ]
 
 
 @pytest.mark.parametrize('devices,batch', [(8, 16), (4, 10)])
@@ -66,11 +74,16 @@ def test_mlp_data_parallel(devices, batch):
   mesh = tg.Mesh.create((devices,), ('data',))
   model, optimizer = _mlp(0)
   ref_model, ref_optimizer = _mlp(0)
-  step = tg.partition(_step(model, optimizer, lambda x: tg.shard(x, mesh, tg.P('data', None))), mesh)
+  step = tg.partition(
+    _step(model, optimizer, lambda x: tg.shard(x, mesh, tg.P('data', None))), mesh
+  )
   train_both(step, _step(ref_model, ref_optimizer), _mlp_batches(batch))
   step.sync_variables()
-  assert_close(model.variables + optimizer.variables,
-               ref_model.variables + ref_optimizer.variables, 'variables')
+  assert_close(
+    model.variables + optimizer.variables,
+    ref_model.variables + ref_optimizer.variables,
+    'variables',
+  )
   kinds = collective_kinds(step)
   # One pending sum per gradient (6 weights) and one for the loss, fused into buckets
   # (graph_rewrite/coalesce.py): 2 all-reduces of 7 sums; nothing gathered.
@@ -88,11 +101,16 @@ def test_mlp_hidden_not_divisible_by_model_axis():
   layout[r'.*hidden_0/bias'] = tg.P('model')
   layout[r'.*hidden_1/kernel'] = tg.P('model', None)
   assert len(layout.apply(model)) == 3
-  step = tg.partition(_step(model, optimizer, lambda x: tg.shard(x, mesh, tg.P('data', None))), mesh)
+  step = tg.partition(
+    _step(model, optimizer, lambda x: tg.shard(x, mesh, tg.P('data', None))), mesh
+  )
   train_both(step, _step(ref_model, ref_optimizer), _mlp_batches(10))
   step.sync_variables()
-  assert_close(model.variables + optimizer.variables,
-               ref_model.variables + ref_optimizer.variables, 'variables')
+  assert_close(
+    model.variables + optimizer.variables,
+    ref_model.variables + ref_optimizer.variables,
+    'variables',
+  )
   assert ('all_reduce', ('model',)) in collective_kinds(step)
 
 
@@ -121,8 +139,10 @@ def test_transformer_megatron_on_data_model_mesh():
   exact = exact_model.variables + exact_optimizer.variables
   for g, w, e in zip(got, want, exact):
     if 'key_bias' in g.path or 'key/bias' in g.path:
-      print(f'{g.path}: to float64 partitioned {relative_error(g, e):.3g}, unpartitioned '
-            f'{relative_error(w, e):.3g}; partitioned vs unpartitioned {relative_error(g, w):.3g}')
+      print(
+        f'{g.path}: to float64 partitioned {relative_error(g, e):.3g}, unpartitioned '
+        f'{relative_error(w, e):.3g}; partitioned vs unpartitioned {relative_error(g, w):.3g}'
+      )
   assert_close_to_float64(got, want, exact, 'variables')
 
   # Memory: per-device bytes of variables + optimizer state equal total / shard count.
@@ -135,8 +155,11 @@ def test_transformer_megatron_on_data_model_mesh():
     expected += nbytes // shards
   assert per_device == expected < total
   # Slots follow their variables: the query kernel's Adam momentum is split over 'model'.
-  momentum = next(sharded for original, sharded in step.variable_pairs()
-                  if 'attn_0_query_kernel_momentum' in original.name)
+  momentum = next(
+    sharded
+    for original, sharded in step.variable_pairs()
+    if 'attn_0_query_kernel_momentum' in original.name
+  )
   assert momentum.sharding.spec == tg.P(None, 'model', None)
   kinds = collective_kinds(step)
   assert kinds[('all_reduce', ('model',))] >= 4  # attention out + MLP out, forward and backward
@@ -168,14 +191,17 @@ def test_mixture_of_experts_dispatches_with_all_to_all():
 
 def _cnn(seed):
   keras.utils.set_random_seed(seed)
-  model = keras.Sequential([
+  model = keras.Sequential(
+    [
       keras.Input((16, 12, 3)),
       keras.layers.Conv2D(8, 3, padding='same', activation='relu', name='conv_0'),
       keras.layers.BatchNormalization(name='bn_0'),
       keras.layers.MaxPooling2D(2, name='pool_0'),
       keras.layers.Conv2D(8, 3, padding='same', activation='relu', name='conv_1'),
       keras.layers.GlobalAveragePooling2D(),
-      keras.layers.Dense(4, name='logits')])
+      keras.layers.Dense(4, name='logits'),
+    ]
+  )
   optimizer = keras.optimizers.Adam(1e-2)
   optimizer.build(model.trainable_variables)
   return model, optimizer
@@ -183,13 +209,18 @@ def _cnn(seed):
 
 def _images(batch, height=16):
   rng = np.random.RandomState(0)
-  return [(rng.randn(batch, height, 12, 3).astype(np.float32),
-           rng.randint(0, 4, batch).astype(np.int32)) for _ in range(STEPS)]
+  return [
+    (rng.randn(batch, height, 12, 3).astype(np.float32), rng.randint(0, 4, batch).astype(np.int32))
+    for _ in range(STEPS)
+  ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('spec', [('data', 'h', None, None), ('data', None, None, None)],
-                         ids=['height_split', 'batch_only'])
+@pytest.mark.parametrize(
+  'spec',
+  [('data', 'h', None, None), ('data', None, None, None)],
+  ids=['height_split', 'batch_only'],
+)
 def test_cnn_with_batchnorm(spec):
   """(c) Image height split over 4 (halo exchange), batch over 2, BatchNorm statistics reduced."""
   mesh = tg.Mesh.create((2, 4), ('data', 'h'))
@@ -211,11 +242,18 @@ def test_cnn_with_batchnorm(spec):
   # (measured on an AVX-512 CPU, both oneDNN settings: bn_0 and conv_0 bias slots 2.9e-6
   # apart between the two float32 runs, a third of float32's bound after 5 steps; on other
   # CPUs the kernels differ), so both float32 runs are measured against float64.
-  assert_close_to_float64(np.float32(losses['partitioned']), np.float32(losses['unpartitioned']),
-                          np.float64(losses['float64']), 'losses')
-  assert_close_to_float64(model.variables + optimizer.variables,
-                          ref_model.variables + ref_optimizer.variables,
-                          exact_model.variables + exact_optimizer.variables, 'variables')
+  assert_close_to_float64(
+    np.float32(losses['partitioned']),
+    np.float32(losses['unpartitioned']),
+    np.float64(losses['float64']),
+    'losses',
+  )
+  assert_close_to_float64(
+    model.variables + optimizer.variables,
+    ref_model.variables + ref_optimizer.variables,
+    exact_model.variables + exact_optimizer.variables,
+    'variables',
+  )
   kinds = collective_kinds(step)
   assert not any(kind == 'all_gather' for kind, _ in kinds), kinds
   if 'h' in spec:

@@ -5,6 +5,7 @@ changes this process's TF context for good, and the pytest process holds
 8 local logical devices for the other tests. The plain and the fault run go
 concurrently (each starts its own two worker processes).
 """
+
 import os
 import re
 import subprocess
@@ -32,8 +33,9 @@ def _names(tasks, per_task):
 def test_mesh_devices_keeps_model_groups_inside_a_task():
   mesh = tg.Mesh.create((2, 4), ('data', 'model'))
   devices = cluster.mesh_devices(mesh, _names(2, 4), inside=('model',))
-  assert devices == tuple(f'/job:worker/replica:0/task:{p // 4}/device:CPU:{p % 4}'
-                          for p in range(8))
+  assert devices == tuple(
+    f'/job:worker/replica:0/task:{p // 4}/device:CPU:{p % 4}' for p in range(8)
+  )
   for group in mesh.groups(['model']):
     assert len({cluster.task_of(devices[p]) for p in group}) == 1
   for group in mesh.groups(['data']):
@@ -65,7 +67,8 @@ def test_mesh_devices_errors():
 def test_the_task_whose_server_is_gone_is_named_not_the_one_the_error_names(monkeypatch):
   """TF's error may name a live task whose collectives the dead one aborted; the task whose
   server no longer accepts connections is the lost one."""
-  import socket  # pylint: disable=g-import-not-at-top
+  import socket
+
   devices = [d for names in _names(2, 4) for d in names]
   live = socket.socket()
   live.bind(('127.0.0.1', 0))
@@ -74,27 +77,41 @@ def test_the_task_whose_server_is_gone_is_named_not_the_one_the_error_names(monk
   closed.bind(('127.0.0.1', 0))
   gone = closed.getsockname()[1]
   closed.close()  # nothing listens there: a killed worker's port
-  monkeypatch.setattr(cluster, 'task_addresses', lambda: {
+  monkeypatch.setattr(
+    cluster,
+    'task_addresses',
+    lambda: {
       '/job:worker/replica:0/task:0': f'127.0.0.1:{live.getsockname()[1]}',
-      '/job:worker/replica:0/task:1': f'127.0.0.1:{gone}'})
-  text = ('UNAVAILABLE: Socket closed\nAdditional GRPC error information from remote target '
-          '/job:worker/replica:0/task:0/device:CPU:0 while calling RunComponentFunction')
+      '/job:worker/replica:0/task:1': f'127.0.0.1:{gone}',
+    },
+  )
+  text = (
+    'UNAVAILABLE: Socket closed\nAdditional GRPC error information from remote target '
+    '/job:worker/replica:0/task:0/device:CPU:0 while calling RunComponentFunction'
+  )
   try:
     assert cluster.lost_tasks(devices, tf.errors.UnavailableError(None, None, text)) == [
-        '/job:worker/replica:0/task:1']
+      '/job:worker/replica:0/task:1'
+    ]
   finally:
     live.close()
 
 
 def test_lost_task_is_named_only_for_unavailable_errors():
   devices = [d for names in _names(2, 4) for d in names]
-  text = ('UNAVAILABLE: Socket closed\nAdditional GRPC error information from remote target '
-          '/job:worker/replica:0/task:1/device:CPU:3 while calling RunComponentFunction')
+  text = (
+    'UNAVAILABLE: Socket closed\nAdditional GRPC error information from remote target '
+    '/job:worker/replica:0/task:1/device:CPU:3 while calling RunComponentFunction'
+  )
   assert cluster.lost_tasks(devices, tf.errors.UnavailableError(None, None, text)) == [
-      '/job:worker/replica:0/task:1']
+    '/job:worker/replica:0/task:1'
+  ]
   assert cluster.lost_tasks(devices, tf.errors.InternalError(None, None, text)) == []
-  with pytest.raises(tg.CollectiveError, match=r'task /job:worker/replica:0/task:1 .*partitions '
-                     r'\[4, 5, 6, 7\].*unreachable'):
+  with pytest.raises(
+    tg.CollectiveError,
+    match=r'task /job:worker/replica:0/task:1 .*partitions '
+    r'\[4, 5, 6, 7\].*unreachable',
+  ):
     cluster.raise_if_task_lost(devices, tf.errors.UnavailableError(None, None, text), 'step')
 
 
@@ -136,19 +153,32 @@ def test_a_watched_call_returns_or_raises_what_the_call_does():
   markers = [_Marker(1, time.time())] * 4 + [_Marker(hangs=True)] * 4
   start = time.time()
   with pytest.raises(remote_watch.Hang, match=r'task:1 .*partitions \[4, 5, 6, 7\], stopped'):
-    remote_watch.run_watched(threading.Event().wait, markers, devices, timeout=0.5,
-                             what='step', probe_seconds=0.3)
+    remote_watch.run_watched(
+      threading.Event().wait, markers, devices, timeout=0.5, what='step', probe_seconds=0.3
+    )
   assert time.time() - start < 3
 
 
 @pytest.fixture(scope='module')
 def runs():
   """The example's output, plain, with --fault and with --hang (run concurrently)."""
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', KERAS_BACKEND='tensorflow',
-             TF_GSPMD_EXAMPLE_TIMEOUT=str(TIMEOUT))
-  procs = {mode: subprocess.Popen([sys.executable, EXAMPLE] + flags, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-           for mode, flags in (('plain', []), ('fault', ['--fault']), ('hang', ['--hang']))}
+  env = dict(
+    os.environ,
+    TF_CPP_MIN_LOG_LEVEL='2',
+    KERAS_BACKEND='tensorflow',
+    TF_GSPMD_EXAMPLE_TIMEOUT=str(TIMEOUT),
+  )
+  procs = {
+    mode: subprocess.Popen(
+      [sys.executable, EXAMPLE] + flags,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+      env=env,
+      cwd=ROOT,
+    )
+    for mode, flags in (('plain', []), ('fault', ['--fault']), ('hang', ['--hang']))
+  }
   out = {}
   for mode, proc in procs.items():
     try:
@@ -169,7 +199,9 @@ def _final_error(output: str) -> float:
 
 
 def _losses(output: str):
-  return {int(m.group(1)): m.group(2) for m in re.finditer(r'^step (\d+): loss (\S+)', output, re.M)}
+  return {
+    int(m.group(1)): m.group(2) for m in re.finditer(r'^step (\d+): loss (\S+)', output, re.M)
+  }
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@
 - Depthwise convolutions (channel multiplier > 1, split channels, split
   spatial dims with halos) and both gradients, against the unpartitioned op.
 """
+
 import collections
 import contextlib
 
@@ -38,7 +39,7 @@ def _has_rule(op_type):
 
 
 def test_every_op_type_with_a_handler_has_a_rule():
-  dispatch._load_families()  # pylint: disable=protected-access
+  dispatch._load_families()  # noqa: SLF001
   pending = {op for ops in PENDING_RULES.values() for op in ops}
   missing = [op for op in sorted(handlers.HANDLERS) if op not in pending and not _has_rule(op)]
   assert not missing, f'op types with a handler but no rule: {missing}'
@@ -87,6 +88,7 @@ def recording_layouts():
       result_layouts = [results.get(t.name, o.sharding) for t, o in zip(node.outputs, outs)]
       seen.append((p, graph, node, operand_layouts, result_layouts))
       return outs
+
     return recording, how
 
   dispatch.lookup = recording_lookup
@@ -107,11 +109,14 @@ def disagreements(p, graph, node, operand_layouts, result_layouts):
   shapes = [None if d is None else ctx.shape(t) for d, t in zip(rule.operands, node.inputs)]
   shapes += [None if o.shape is None or None in o.shape else tuple(o.shape) for o in node.outputs]
   layouts = list(operand_layouts) + list(result_layouts)
-  specs = [None if dims is None or shape is None or lay is None else _axes(lay)
-           for dims, shape, lay in zip(rule.tensor_dims(), shapes, layouts)]
+  specs = [
+    None if dims is None or shape is None or lay is None else _axes(lay)
+    for dims, shape, lay in zip(rule.tensor_dims(), shapes, layouts)
+  ]
   fa = rule.representable(rule.factor_axes(specs, p.mesh), p.mesh, shapes)
-  want = (rule.operand_specs(fa, p.mesh, shapes[:len(rule.operands)]) +
-          rule.result_specs(fa, p.mesh, shapes[len(rule.operands):]))
+  want = rule.operand_specs(fa, p.mesh, shapes[: len(rule.operands)]) + rule.result_specs(
+    fa, p.mesh, shapes[len(rule.operands) :]
+  )
   out = []
   for k, (spec, got, shape) in enumerate(zip(want, specs, shapes)):
     if spec is None or got is None:
@@ -125,8 +130,10 @@ def disagreements(p, graph, node, operand_layouts, result_layouts):
     present = {f for e in dims for f in ((e,) if isinstance(e, str) else e or ())}
     allowed = {a for f, axes in fa.items() if f not in present for a in axes}
     if set(lay.partial_axes) - allowed:
-      out.append(f'{node.op} result {j}: partial over {lay.partial_axes}, the rule reduces '
-                 f'over {sorted(allowed)}')
+      out.append(
+        f'{node.op} result {j}: partial over {lay.partial_axes}, the rule reduces '
+        f'over {sorted(allowed)}'
+      )
   return out
 
 
@@ -135,22 +142,32 @@ def _program(fn, specs):
   def f(*args):
     padded = list(specs) + [None] * (len(args) - len(specs))
     return fn(*[x if s is None else tg.shard(x, MESH, tg.P(*s)) for x, s in zip(args, padded)])
+
   return f
 
 
 def _bn_forward(x, scale, offset):
   empty = tf.zeros([0], tf.float32)
-  return tf.raw_ops.FusedBatchNormV3(x=x, scale=scale, offset=offset, mean=empty, variance=empty,
-                                     epsilon=1e-3, is_training=True)[:3]
+  return tf.raw_ops.FusedBatchNormV3(
+    x=x, scale=scale, offset=offset, mean=empty, variance=empty, epsilon=1e-3, is_training=True
+  )[:3]
 
 
 def _bn_grad(dy, x, scale, offset):
   empty = tf.zeros([0], tf.float32)
-  f = tf.raw_ops.FusedBatchNormV3(x=x, scale=scale, offset=offset, mean=empty, variance=empty,
-                                  epsilon=1e-3, is_training=True)
-  return tf.raw_ops.FusedBatchNormGradV3(y_backprop=dy, x=x, scale=scale, reserve_space_1=f[3],
-                                         reserve_space_2=f[4], reserve_space_3=f[5],
-                                         epsilon=1e-3, is_training=True)[:3]
+  f = tf.raw_ops.FusedBatchNormV3(
+    x=x, scale=scale, offset=offset, mean=empty, variance=empty, epsilon=1e-3, is_training=True
+  )
+  return tf.raw_ops.FusedBatchNormGradV3(
+    y_backprop=dy,
+    x=x,
+    scale=scale,
+    reserve_space_1=f[3],
+    reserve_space_2=f[4],
+    reserve_space_3=f[5],
+    epsilon=1e-3,
+    is_training=True,
+  )[:3]
 
 
 def _bn_grad_float64(dy, x, scale, offset):
@@ -166,10 +183,14 @@ def _bn_grad_float64(dy, x, scale, offset):
 
 def _depthwise_grads(x, w, dy):
   sizes = dict(strides=[1, 1, 1, 1], padding='SAME')
-  return (tf.raw_ops.DepthwiseConv2dNativeBackpropInput(input_sizes=tf.shape(x), filter=w,
-                                                        out_backprop=dy, **sizes),
-          tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(input=x, filter_sizes=tf.shape(w),
-                                                         out_backprop=dy, **sizes))
+  return (
+    tf.raw_ops.DepthwiseConv2dNativeBackpropInput(
+      input_sizes=tf.shape(x), filter=w, out_backprop=dy, **sizes
+    ),
+    tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
+      input=x, filter_sizes=tf.shape(w), out_backprop=dy, **sizes
+    ),
+  )
 
 
 _R = np.random.RandomState(0)
@@ -180,21 +201,41 @@ _DY = _R.randn(4, 8, 6, 8).astype(np.float32)
 
 # (name, fn, args, operand specs): hand-written handlers of rule-carrying ops on sample shardings.
 AGREEMENT_CASES = [
-    ('reshape merge', lambda x: tf.reshape(x, [32, 6, 4]), [_IMG], [('a', 'b', None, None)]),
-    ('reshape split minor', lambda x: tf.reshape(x, [4, 8, 3, 2, 4]), [_IMG],
-     [(None, None, 'a', None)]),
-    ('reshape uneven', lambda x: tf.reshape(x, [4, 48, 4]), [_IMG], [(None, 'b', None, None)]),
-    ('bias_add_grad', lambda x: tf.raw_ops.BiasAddGrad(out_backprop=x), [_IMG],
-     [('a', None, None, 'b')]),
-    ('batch_norm batch x height', _bn_forward, [_IMG, _VEC, _VEC], [('a', 'b', None, None)]),
-    ('batch_norm channels', _bn_forward, [_IMG, _VEC, _VEC], [(None, None, None, 'b')]),
-    ('batch_norm_grad', _bn_grad, [_IMG, _IMG, _VEC, _VEC], [('b', None, 'a', None)]),
-    ('depthwise channels', lambda x, w: tf.nn.depthwise_conv2d(x, w, [1] * 4, 'SAME'),
-     [_IMG, _W], [(None, None, None, 'b'), (None, None, None, 'a')]),
-    ('depthwise halo', lambda x, w: tf.nn.depthwise_conv2d(x, w, [1] * 4, 'SAME'),
-     [_IMG, _W], [(None, 'b', None, 'a'), None]),
-    ('depthwise grads', _depthwise_grads, [_IMG, _W, _DY],
-     [('a', 'b', None, None), None, (None, None, None, 'b')]),
+  ('reshape merge', lambda x: tf.reshape(x, [32, 6, 4]), [_IMG], [('a', 'b', None, None)]),
+  (
+    'reshape split minor',
+    lambda x: tf.reshape(x, [4, 8, 3, 2, 4]),
+    [_IMG],
+    [(None, None, 'a', None)],
+  ),
+  ('reshape uneven', lambda x: tf.reshape(x, [4, 48, 4]), [_IMG], [(None, 'b', None, None)]),
+  (
+    'bias_add_grad',
+    lambda x: tf.raw_ops.BiasAddGrad(out_backprop=x),
+    [_IMG],
+    [('a', None, None, 'b')],
+  ),
+  ('batch_norm batch x height', _bn_forward, [_IMG, _VEC, _VEC], [('a', 'b', None, None)]),
+  ('batch_norm channels', _bn_forward, [_IMG, _VEC, _VEC], [(None, None, None, 'b')]),
+  ('batch_norm_grad', _bn_grad, [_IMG, _IMG, _VEC, _VEC], [('b', None, 'a', None)]),
+  (
+    'depthwise channels',
+    lambda x, w: tf.nn.depthwise_conv2d(x, w, [1] * 4, 'SAME'),
+    [_IMG, _W],
+    [(None, None, None, 'b'), (None, None, None, 'a')],
+  ),
+  (
+    'depthwise halo',
+    lambda x, w: tf.nn.depthwise_conv2d(x, w, [1] * 4, 'SAME'),
+    [_IMG, _W],
+    [(None, 'b', None, 'a'), None],
+  ),
+  (
+    'depthwise grads',
+    _depthwise_grads,
+    [_IMG, _W, _DY],
+    [('a', 'b', None, None), None, (None, None, None, 'b')],
+  ),
 ]
 
 
@@ -206,8 +247,7 @@ AGREEMENT_CASES = [
 FLOAT64_REFERENCES = {'batch_norm_grad': _bn_grad_float64}
 
 
-@pytest.mark.parametrize('name,fn,args,specs', AGREEMENT_CASES,
-                         ids=[c[0] for c in AGREEMENT_CASES])
+@pytest.mark.parametrize('name,fn,args,specs', AGREEMENT_CASES, ids=[c[0] for c in AGREEMENT_CASES])
 def test_hand_written_handlers_use_the_layouts_of_the_rule(name, fn, args, specs):
   program = _program(fn, specs)
   want = program(*args)
@@ -219,8 +259,11 @@ def test_hand_written_handlers_use_the_layouts_of_the_rule(name, fn, args, specs
     assert_close_to_float64(tf.nest.flatten(got), tf.nest.flatten(want), exact, name)
   else:
     assert_close(tf.nest.flatten(got), tf.nest.flatten(want), name)
-  checked = [s for s in seen if registry.lookup(s[2].op) is not None and
-             registry.lookup(s[2].op).rule is not None]
+  checked = [
+    s
+    for s in seen
+    if registry.lookup(s[2].op) is not None and registry.lookup(s[2].op).rule is not None
+  ]
   assert checked, f'{name}: no hand-written handler of a rule-carrying op ran'
   problems = [msg for s in checked for msg in disagreements(*s)]
   assert not problems, problems
@@ -231,7 +274,7 @@ def test_the_agreement_check_catches_a_handler_that_drifts():
   program = _program(lambda x: tf.reshape(x, [32, 6, 4]), [('a', 'b', None, None)])
   with recording_layouts() as seen:
     tg.partition(program, MESH)(_IMG)
-  (p, graph, node, operands, results), = [s for s in seen if s[2].op == 'Reshape']
+  ((p, graph, node, operands, results),) = [s for s in seen if s[2].op == 'Reshape']
   drifted = [tg.NamedSharding(MESH, tg.P(None, None, None, None))]
   assert disagreements(p, graph, node, operands, drifted)
 
@@ -249,21 +292,25 @@ def _depthwise_step(specs, out_spec=None):
         y = tg.shard(y, MESH, tg.P(*out_spec))
       loss = tf.reduce_sum(y * dy)
     return (y,) + tuple(tape.gradient(loss, [x, w]))
+
   return f
 
 
 DEPTHWISE_CASES = [  # image spec, filter spec, output spec, expected collectives per op
-    # Channels split, multiplier 2: no communication at all.
-    ((None, None, None, 'b'), (None, None, 'b', None), None, {}),
-    # Height split (halos both ways) and channels split.
-    ((None, 'a', None, 'b'), None, None,
-     {'permute': 6, 'all_reduce': 1}),
-    # Height and width split on uneven sizes (9 rows over 4, 7 columns over 2).
-    ((None, 'b', 'a', None), None, None, {'permute': 12, 'all_reduce': 1}),
-    # Channels split into single channels, the multiplier split too (output channel (c, m)):
-    # the image gradient sums over the multiplier, one all-reduce over 'a'.
-    ((None, None, None, 'b'), (None, None, 'b', 'a'), (None, None, None, ('b', 'a')),
-     {'all_reduce': 1}),
+  # Channels split, multiplier 2: no communication at all.
+  ((None, None, None, 'b'), (None, None, 'b', None), None, {}),
+  # Height split (halos both ways) and channels split.
+  ((None, 'a', None, 'b'), None, None, {'permute': 6, 'all_reduce': 1}),
+  # Height and width split on uneven sizes (9 rows over 4, 7 columns over 2).
+  ((None, 'b', 'a', None), None, None, {'permute': 12, 'all_reduce': 1}),
+  # Channels split into single channels, the multiplier split too (output channel (c, m)):
+  # the image gradient sums over the multiplier, one all-reduce over 'a'.
+  (
+    (None, None, None, 'b'),
+    (None, None, 'b', 'a'),
+    (None, None, None, ('b', 'a')),
+    {'all_reduce': 1},
+  ),
 ]
 
 
@@ -279,8 +326,11 @@ def test_depthwise_with_multiplier_and_its_gradients(specs_in, filter_spec, out_
   got = pf(x, w, dy)
   assert_close(list(got), list(want), 'y, dx, dw')
   records = [r for r in pf.op_records() if r.op.startswith('DepthwiseConv2dNative')]
-  assert {r.op for r in records} == {'DepthwiseConv2dNative', 'DepthwiseConv2dNativeBackpropInput',
-                                     'DepthwiseConv2dNativeBackpropFilter'}
+  assert {r.op for r in records} == {
+    'DepthwiseConv2dNative',
+    'DepthwiseConv2dNativeBackpropInput',
+    'DepthwiseConv2dNativeBackpropFilter',
+  }
   assert all(r.how == 'hand-written' for r in records)
   # (a gradient's pending sum is resolved at the function's end: the 'outputs' record)
   records += [r for r in pf.op_records() if r.op == 'outputs']
@@ -300,8 +350,9 @@ KNOWN_DISAGREEMENTS = {}
 
 
 def _agreement_specs():
-  from tf_gspmd.testing.op_builders import op_specs  # pylint: disable=g-import-not-at-top
-  dispatch._load_families()  # pylint: disable=protected-access
+  from tf_gspmd.testing.op_builders import op_specs
+
+  dispatch._load_families()  # noqa: SLF001
   out = []
   for spec in op_specs():
     handler = handlers.HANDLERS.get(spec.op_type)
@@ -318,7 +369,8 @@ AGREEMENT_SPECS = _agreement_specs()
 
 @pytest.fixture(scope='module')
 def sweep():
-  from tf_gspmd.testing import op_sweep  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.testing import op_sweep
+
   previous = op_sweep.fast_first_runs()
   yield op_sweep.Sweep(AGREEMENT_SPECS)
   op_sweep.restore_optimizer(previous)
@@ -326,23 +378,35 @@ def sweep():
 
 def _cpu_kernel(op_type: str) -> bool:
   # TF's kernel registry is the only place that says which devices an op runs on.
-  from tensorflow.python.framework import kernels  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.framework import kernels
+
   return any(k.device_type == 'CPU' for k in kernels.get_registered_kernels_for_op(op_type).kernel)
 
 
 # Rules and handlers no program can check here: TF has no CPU kernel for them (checked below,
 # so a CPU kernel appearing in TF fails this test until a sweep program covers the op type).
-NO_CPU_KERNEL = ('CudnnRNN', 'CudnnRNNBackprop', 'CudnnRNNBackpropV2', 'CudnnRNNBackpropV3',
-                 'CudnnRNNV2', 'CudnnRNNV3')
+NO_CPU_KERNEL = (
+  'CudnnRNN',
+  'CudnnRNNBackprop',
+  'CudnnRNNBackpropV2',
+  'CudnnRNNBackpropV3',
+  'CudnnRNNV2',
+  'CudnnRNNV3',
+)
 
 
 def test_the_brute_force_covers_every_op_type_with_a_rule_and_a_handler():
-  dispatch._load_families()  # pylint: disable=protected-access
+  dispatch._load_families()  # noqa: SLF001
   covered = {s.op_type for s in AGREEMENT_SPECS}
-  missing = sorted(op for op, fn in handlers.HANDLERS.items()
-                   if fn.__name__ not in _NO_LAYOUT_DECISION and registry.lookup(op) is not None
-                   and registry.lookup(op).rule is not None and op not in covered
-                   and op not in NO_CPU_KERNEL)
+  missing = sorted(
+    op
+    for op, fn in handlers.HANDLERS.items()
+    if fn.__name__ not in _NO_LAYOUT_DECISION
+    and registry.lookup(op) is not None
+    and registry.lookup(op).rule is not None
+    and op not in covered
+    and op not in NO_CPU_KERNEL
+  )
   assert not missing, f'op types with a rule and a handler but no sweep program: {missing}'
   assert not [op for op in NO_CPU_KERNEL if _cpu_kernel(op) or op in covered]
   assert _cpu_kernel('MatMul')  # the check itself can tell
@@ -356,8 +420,9 @@ def _run_recorded(sweep, case):
   problems = []
   if result.status != 'pass' and not result.known:  # known: a refusal the sweep expects
     problems.append(f'{case.label()}: {result.status} {result.message}')
-  drift = [f'{case.label()}: {msg}' for s in seen if s[2].op == op_type
-           for msg in disagreements(*s)]
+  drift = [
+    f'{case.label()}: {msg}' for s in seen if s[2].op == op_type for msg in disagreements(*s)
+  ]
   return problems, drift
 
 
@@ -382,7 +447,8 @@ KNOWN_DISAGREEMENT_CASES = []
 
 @pytest.mark.parametrize('op_type,spec_name,in_spec', KNOWN_DISAGREEMENT_CASES)
 def test_known_disagreements_still_disagree(sweep, op_type, spec_name, in_spec):
-  from tf_gspmd.testing.op_sweep import Case  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.testing.op_sweep import Case
+
   assert op_type in KNOWN_DISAGREEMENTS
   case = Case(spec_name, '1d', (tg.P(*[a or None for a in in_spec]),))
   errors, drift = _run_recorded(sweep, case)
@@ -397,9 +463,14 @@ def test_every_known_disagreement_has_a_strict_case():
 def test_a_sharded_reduction_factor_shares_no_axis_with_the_results():
   """A gather's table rows (a reduction) and its indices' dims are in no common tensor, but
   the result is partial over the rows' axes: the two cannot take the same axes."""
-  from tf_gspmd.propagation.rule import REDUCTION, OpRule  # pylint: disable=g-import-not-at-top
-  gather = OpRule(operands=(('i', 'j'), ('k',)), results=(('k', 'j'),), kinds={'i': REDUCTION},
-                  sizes={'i': 8, 'j': 4, 'k': 6})
+  from tf_gspmd.propagation.rule import REDUCTION, OpRule
+
+  gather = OpRule(
+    operands=(('i', 'j'), ('k',)),
+    results=(('k', 'j'),),
+    kinds={'i': REDUCTION},
+    sizes={'i': 8, 'j': 4, 'k': 6},
+  )
   got = gather.resolve_axes({'i': ('a', 'b'), 'k': ('a', 'b'), 'j': ()})
   assert got == {'i': ('a', 'b'), 'j': (), 'k': ()}
   # Factors in no common tensor and no partial result may still share axes (IdentityN).

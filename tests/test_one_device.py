@@ -6,6 +6,7 @@ Each partitions to a program with no collectives whose results equal the
 unpartitioned run (the oracle). The test session itself holds 8 logical
 devices, so each case runs in a fresh child process.
 """
+
 import os
 import pathlib
 import subprocess
@@ -90,9 +91,15 @@ print('collectives', len(train[0].collectives()))
 
 def _run(code: str, *args: str) -> str:
   env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL='2')
-  result = subprocess.run([sys.executable, '-c', textwrap.dedent(_PRELUDE + code), *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-                          check=False)
+  result = subprocess.run(
+    [sys.executable, '-c', textwrap.dedent(_PRELUDE + code), *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
   assert result.returncode == 0, result.stderr[-4000:]
   return result.stdout
 

@@ -5,6 +5,7 @@ The property test draws shardings of every kind on meshes of up to 3 dims and
 repr and the proto bytes, and (2) the shards of random global shapes (uneven,
 and smaller than the shard count too) cover every element once per replica.
 """
+
 import math
 
 import numpy as np
@@ -23,20 +24,25 @@ MESH_2x4 = np.arange(8).reshape(2, 4)
 MESH_2x2x2 = np.array([[[5, 2], [7, 0]], [[1, 6], [3, 4]]])
 
 TF_SHARDINGS = {
-    'replicate': xla_sharding.Sharding.replicate(),
-    'manual': xla_sharding.Sharding.manual(),
-    'assign_device': xla_sharding.Sharding.assign_device(5),
-    'split': xla_sharding.Sharding.split(None, 1, 4, input_shape=[3, 8]),
-    'tile': xla_sharding.Sharding.tile(np.array([[1, 0, 7], [3, 2, 4]])),
-    'partial_tile': xla_sharding.Sharding.partial_tile(np.array([[[1, 0]], [[3, 2]]])),
-    'subgroup_tile': xla_sharding.Sharding.subgroup_tile(
-        np.arange(8).reshape(2, 2, 2), [OpSharding.MANUAL, OpSharding.REPLICATED]),
-    'mesh_split': xla_sharding.mesh_split_sharding(MESH_2x4, [1, 0]),
-    'mesh_split_unused_axis': xla_sharding.mesh_split_sharding(MESH_2x4, [0, -1]),
-    'mesh_split_3d_unused_axes': xla_sharding.mesh_split_sharding(MESH_2x2x2, [-1, 2, -1]),
-    'mesh_split_manual': xla_sharding.mesh_split_sharding(MESH_2x2x2, [0, -1], manual_mesh_dims=[2]),
-    'mesh_split_manual_all': xla_sharding.mesh_split_sharding(MESH_2x2x2, [1, 0], manual_mesh_dims=[2]),
-    'mesh_split_two_manual': xla_sharding.mesh_split_sharding(MESH_2x2x2, [-1], manual_mesh_dims=[2, 0]),
+  'replicate': xla_sharding.Sharding.replicate(),
+  'manual': xla_sharding.Sharding.manual(),
+  'assign_device': xla_sharding.Sharding.assign_device(5),
+  'split': xla_sharding.Sharding.split(None, 1, 4, input_shape=[3, 8]),
+  'tile': xla_sharding.Sharding.tile(np.array([[1, 0, 7], [3, 2, 4]])),
+  'partial_tile': xla_sharding.Sharding.partial_tile(np.array([[[1, 0]], [[3, 2]]])),
+  'subgroup_tile': xla_sharding.Sharding.subgroup_tile(
+    np.arange(8).reshape(2, 2, 2), [OpSharding.MANUAL, OpSharding.REPLICATED]
+  ),
+  'mesh_split': xla_sharding.mesh_split_sharding(MESH_2x4, [1, 0]),
+  'mesh_split_unused_axis': xla_sharding.mesh_split_sharding(MESH_2x4, [0, -1]),
+  'mesh_split_3d_unused_axes': xla_sharding.mesh_split_sharding(MESH_2x2x2, [-1, 2, -1]),
+  'mesh_split_manual': xla_sharding.mesh_split_sharding(MESH_2x2x2, [0, -1], manual_mesh_dims=[2]),
+  'mesh_split_manual_all': xla_sharding.mesh_split_sharding(
+    MESH_2x2x2, [1, 0], manual_mesh_dims=[2]
+  ),
+  'mesh_split_two_manual': xla_sharding.mesh_split_sharding(
+    MESH_2x2x2, [-1], manual_mesh_dims=[2, 0]
+  ),
 }
 
 
@@ -46,7 +52,7 @@ def test_exact_round_trip_of_tf_xla_sharding(name):
   s = from_proto(proto)
   assert to_proto(s).SerializeToString() == proto.SerializeToString()
   assert from_proto(proto.SerializeToString()) == s  # serialized bytes read too
-  assert eval(repr(s)) == s  # pylint: disable=eval-used
+  assert eval(repr(s)) == s
 
 
 def test_what_tf_shardings_mean():
@@ -65,18 +71,30 @@ def test_what_tf_shardings_mean():
 
 
 def iota_proto(dims, reshape, perm, **extra):
-  return OpSharding(type=OpSharding.OTHER, tile_assignment_dimensions=dims,
-                    iota_reshape_dims=reshape, iota_transpose_perm=perm, **extra)
+  return OpSharding(
+    type=OpSharding.OTHER,
+    tile_assignment_dimensions=dims,
+    iota_reshape_dims=reshape,
+    iota_transpose_perm=perm,
+    **extra,
+  )
 
 
-@pytest.mark.parametrize('proto, expected', [
+@pytest.mark.parametrize(
+  'proto, expected',
+  [
     (iota_proto([2, 4], [8], [0]), np.arange(8).reshape(2, 4)),
     (iota_proto([2, 4], [4, 2], [1, 0]), np.arange(8).reshape(4, 2).T),
-    (iota_proto([2, 1, 4], [2, 4], [1, 0], replicate_on_last_tile_dim=True),
-     np.arange(8).reshape(2, 4).T.reshape(2, 1, 4)),
-    (iota_proto([2, 2, 2], [2, 2, 2], [2, 0, 1], last_tile_dims=[OpSharding.MANUAL]),
-     np.arange(8).reshape(2, 2, 2).transpose(2, 0, 1)),
-])
+    (
+      iota_proto([2, 1, 4], [2, 4], [1, 0], replicate_on_last_tile_dim=True),
+      np.arange(8).reshape(2, 4).T.reshape(2, 1, 4),
+    ),
+    (
+      iota_proto([2, 2, 2], [2, 2, 2], [2, 0, 1], last_tile_dims=[OpSharding.MANUAL]),
+      np.arange(8).reshape(2, 2, 2).transpose(2, 0, 1),
+    ),
+  ],
+)
 def test_iota_form_round_trip(proto, expected):
   s = from_proto(proto)
   assert np.array_equal(s.tile_assignment, expected)
@@ -106,19 +124,30 @@ def test_from_proto_on_a_mesh():
 
 
 def test_tuple_and_errors():
-  tup = OpSharding(type=OpSharding.TUPLE, tuple_shardings=[
-      OpSharding(type=OpSharding.REPLICATED), TF_SHARDINGS['split'].proto])
+  tup = OpSharding(
+    type=OpSharding.TUPLE,
+    tuple_shardings=[OpSharding(type=OpSharding.REPLICATED), TF_SHARDINGS['split'].proto],
+  )
   assert from_proto(tup, tuple_index=1) == Sharding.tiled([[0, 1, 2, 3]])
   with pytest.raises(ValueError, match='pass tuple_index'):
     from_proto(tup)
   with pytest.raises(ValueError, match='tuple_index 2 is out of range.*2 outputs'):
     from_proto(tup, tuple_index=2)
   with pytest.raises(ValueError, match=r'dims \[2, 2\] hold 4 devices but 3'):
-    from_proto(OpSharding(type=OpSharding.OTHER, tile_assignment_dimensions=[2, 2],
-                          tile_assignment_devices=[0, 1, 2]))
+    from_proto(
+      OpSharding(
+        type=OpSharding.OTHER, tile_assignment_dimensions=[2, 2], tile_assignment_devices=[0, 1, 2]
+      )
+    )
   with pytest.raises(ValueError, match="last_tile_dims \\['MAXIMAL'\\]"):
-    from_proto(OpSharding(type=OpSharding.OTHER, tile_assignment_dimensions=[2, 2],
-                          tile_assignment_devices=[0, 1, 2, 3], last_tile_dims=[OpSharding.MAXIMAL]))
+    from_proto(
+      OpSharding(
+        type=OpSharding.OTHER,
+        tile_assignment_dimensions=[2, 2],
+        tile_assignment_devices=[0, 1, 2, 3],
+        last_tile_dims=[OpSharding.MAXIMAL],
+      )
+    )
   mesh = Mesh.create((2, 4), ('data', 'model'))
   with pytest.raises(ValueError, match='pending sum reduction'):
     to_proto(NamedSharding(mesh, P('data', None), partial='model'))
@@ -126,8 +155,14 @@ def test_tuple_and_errors():
 
 # --- property test -------------------------------------------------------------------------------
 AXES = ('a', 'b', 'c')
-SUBGROUPS = [(), ('replicated',), ('manual',), ('manual', 'replicated'),
-             ('replicated', 'replicated'), ('manual', 'manual', 'replicated')]
+SUBGROUPS = [
+  (),
+  ('replicated',),
+  ('manual',),
+  ('manual', 'replicated'),
+  ('replicated', 'replicated'),
+  ('manual', 'manual', 'replicated'),
+]
 
 
 @st.composite
@@ -138,7 +173,7 @@ def meshes(draw):
     sizes.append(draw(st.sampled_from([n for n in (1, 2, 2, 3, 4, 4, 8) if n <= room])))
   n = math.prod(sizes)
   order = np.arange(n) if draw(st.booleans()) else np.array(draw(st.permutations(range(n))))
-  return Mesh(order.reshape(sizes), AXES[:len(sizes)])
+  return Mesh(order.reshape(sizes), AXES[: len(sizes)])
 
 
 @st.composite
@@ -177,15 +212,23 @@ def tiled_shardings(draw):
   rank = draw(st.integers(0 if subgroups else 1, 3))
   tile = np.array(draw(st.permutations(range(n)))).reshape(factor(draw, n, rank + len(subgroups)))
   spelled_as_last_tile_dims = subgroups == ('replicated',) and draw(st.booleans())
-  return Sharding.tiled(tile, subgroups, proto_style=(None, True) if spelled_as_last_tile_dims else None)
+  return Sharding.tiled(
+    tile, subgroups, proto_style=(None, True) if spelled_as_last_tile_dims else None
+  )
 
 
 # Weighted towards tiled shardings: the constant kinds need few examples.
 any_sharding = st.one_of(
-    named_shardings(), named_shardings(), named_shardings(),
-    tiled_shardings(), tiled_shardings(), tiled_shardings(),
-    st.builds(Sharding.maximal, st.integers(0, 63)),
-    st.just(Sharding.replicated()), st.just(Sharding.manual()))
+  named_shardings(),
+  named_shardings(),
+  named_shardings(),
+  tiled_shardings(),
+  tiled_shardings(),
+  tiled_shardings(),
+  st.builds(Sharding.maximal, st.integers(0, 63)),
+  st.just(Sharding.replicated()),
+  st.just(Sharding.manual()),
+)
 
 
 @st.composite
@@ -242,19 +285,21 @@ def test_property_round_trip_and_cover(data):
     assert back == s and hash(back) == hash(s)
     assert repr(back) == repr(s)
     assert to_proto(back, iota=iota).SerializeToString() == proto.SerializeToString()
-  assert eval(repr(s)) == s  # pylint: disable=eval-used
+  assert eval(repr(s)) == s
   shape = data.draw(global_shapes(s), label='shape')
   check_cover(s, shape)
   if s.is_tiled:  # the named geometry agrees with the tile-assignment geometry
     plain = Sharding.tiled(s.tile_assignment, s.subgroups)
-    assert all(plain.shard_bounds(shape, d) == s.shard_bounds(shape, d) for d in candidate_devices(s))
+    assert all(
+      plain.shard_bounds(shape, d) == s.shard_bounds(shape, d) for d in candidate_devices(s)
+    )
 
 
 @settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_property_pending_reductions(data):
   s = data.draw(named_shardings(with_partial=True), label='sharding')
-  assert eval(repr(s)) == s  # pylint: disable=eval-used
+  assert eval(repr(s)) == s
   plain = Sharding.tiled(s.tile_assignment, s.subgroups) if s.is_tiled else Sharding.replicated()
   assert plain == s and named_for_rank(plain, s.mesh, s.rank) == s
   check_cover(s, data.draw(global_shapes(s), label='shape'))

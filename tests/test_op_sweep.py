@@ -27,6 +27,7 @@ with one command, `.venv/bin/python bench/op_sweep.py` (worker processes,
 the op x result table; exit status 0 when every failure is a known one), or
 as a test with TF_GSPMD_FULL_SWEEP=1 (marked `sweep`).
 """
+
 import os
 import re
 
@@ -45,9 +46,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # About 400 of the ~19,000 cases per slice: some 4 minutes on 2 cores.
 SWEEP_SLICES = 48
 # Op types with hand-written handlers in shape_ops.py get more cases in the sample.
-SHAPE_OPS = ('Slice', 'StridedSlice', 'StridedSliceGrad', 'Pad', 'PadV2', 'MirrorPad', 'Range',
-             'LinSpace', 'UnsortedSegmentSum', 'UnsortedSegmentMax', 'UnsortedSegmentMin',
-             'UnsortedSegmentProd', 'Gather', 'VariableShape')
+SHAPE_OPS = (
+  'Slice',
+  'StridedSlice',
+  'StridedSliceGrad',
+  'Pad',
+  'PadV2',
+  'MirrorPad',
+  'Range',
+  'LinSpace',
+  'UnsortedSegmentSum',
+  'UnsortedSegmentMax',
+  'UnsortedSegmentMin',
+  'UnsortedSegmentProd',
+  'Gather',
+  'VariableShape',
+)
 
 
 @pytest.fixture(scope='module')
@@ -99,7 +113,7 @@ def test_compare_tolerates_rounding_but_not_errors():
   want = rng.randn(16, 8).astype(np.float32)
   want[3, 1] = np.float32(2e-6)
   # Rounding of a sum in another order: every element a few ulps off.
-  ok, err, why = op_sweep.compare(want * np.float32(1 + 2 ** -21), want)
+  ok, err, why = op_sweep.compare(want * np.float32(1 + 2**-21), want)
   assert ok and 0 < err < oracle.bound(np.float32) and why == ''
   # One element near zero off by 5x its own size: element-wise rtol would fail; the tensor
   # agrees to 1e-7 and passes.
@@ -133,7 +147,7 @@ def test_compare_tolerates_rounding_but_not_errors():
   # 16-bit floats against their own bound (4 eps): one rounding of a slightly different sum
   # passes, 10% off does not.
   bf16 = want.astype(ml_dtypes.bfloat16)
-  assert op_sweep.compare((want * np.float32(1 + 2 ** -9)).astype(ml_dtypes.bfloat16), bf16)[0]
+  assert op_sweep.compare((want * np.float32(1 + 2**-9)).astype(ml_dtypes.bfloat16), bf16)[0]
   assert not op_sweep.compare((want * np.float32(1.1)).astype(ml_dtypes.bfloat16), bf16)[0]
   # An explicit max_error (Sweep(max_error=...)) replaces the dtype's bound.
   assert op_sweep.compare(small * np.float32(1.01), small, max_error=2e-2)[0]
@@ -178,18 +192,24 @@ def test_strided_slice_plan_matches_tensorflow():
     begin = [int(v) for v in rng.randint(-12, 12, n_spec)]
     end = [int(v) for v in rng.randint(-12, 12, n_spec)]
     strides = [int(v) for v in rng.choice([-3, -2, -1, 1, 2, 3], n_spec)]
-    masks = {m: int(rng.randint(0, 1 << n_spec)) for m in ('begin_mask', 'end_mask', 'new_axis_mask',
-                                                          'shrink_axis_mask')}
+    masks = {
+      m: int(rng.randint(0, 1 << n_spec))
+      for m in ('begin_mask', 'end_mask', 'new_axis_mask', 'shrink_axis_mask')
+    }
     masks['ellipsis_mask'] = int(1 << rng.randint(n_spec)) if rng.rand() < 0.3 else 0
     for k in range(n_spec):  # shrunk entries need an index in range and stride 1
       if (masks['shrink_axis_mask'] >> k) & 1:
         strides[k] = 1
     try:
-      want = tf.raw_ops.StridedSlice(input=x, begin=begin, end=end, strides=strides, **masks).numpy()
+      want = tf.raw_ops.StridedSlice(
+        input=x, begin=begin, end=end, strides=strides, **masks
+      ).numpy()
     except (tf.errors.InvalidArgumentError, ValueError):
       continue
     plan = shape_ops.strided_slice_plan(shape, begin, end, strides, **masks)
-    np.testing.assert_array_equal(_apply_plan(x, plan), want, err_msg=f'{begin} {end} {strides} {masks}')
+    np.testing.assert_array_equal(
+      _apply_plan(x, plan), want, err_msg=f'{begin} {end} {strides} {masks}'
+    )
     checked += 1
   assert checked > 100
 
@@ -204,47 +224,60 @@ def test_slice_plan_matches_numpy():
 # --- what the shape-op handlers move ---------------------------------------------------------
 def _shape_op_specs():
   from tf_gspmd.testing.op_builders import Values, arg, raw, spec
+
   v = Values('shape_op_collectives')
   x = v.uniform((10, 7))
   return [
-      spec('Slice/columns', lambda a: raw('Slice', a, [0, 2], [10, 3]), arg(x)),
-      spec('Slice/prefix', lambda a: raw('Slice', a, [0, 0], [9, 7]), arg(x)),
-      spec('Pad/tail', lambda a: raw('Pad', a, [[0, 2], [0, 0]]), arg(x)),
-      spec('StridedSlice/column', lambda a: a[:, 3], arg(x)),
-      spec('StridedSlice/row', lambda a: a[2], arg(x)),
-      spec('StridedSlice/few_rows', lambda a: a[1:4], arg(x)),
-      spec('StridedSlice/most_rows', lambda a: a[1:9], arg(x)),
-      spec('Range/float', lambda s: raw('Range', s, 9.5, 0.5), arg(np.float32(-1.0))),
-      spec('OneHot/depth', lambda i: raw('OneHot', i, 7, 1.0, 0.0), arg(v.ints((10,), 0, 7))),
-      spec('UnsortedSegmentSum/rows', lambda d, i: raw('UnsortedSegmentSum', d, i, 6), arg(x),
-           arg(v.ints((10,), 0, 6))),
-      spec('Gather/table', lambda p, i: raw('Gather', p, i), arg(x),
-           arg(v.ints((4,), 0, 10), shard=False)),
+    spec('Slice/columns', lambda a: raw('Slice', a, [0, 2], [10, 3]), arg(x)),
+    spec('Slice/prefix', lambda a: raw('Slice', a, [0, 0], [9, 7]), arg(x)),
+    spec('Pad/tail', lambda a: raw('Pad', a, [[0, 2], [0, 0]]), arg(x)),
+    spec('StridedSlice/column', lambda a: a[:, 3], arg(x)),
+    spec('StridedSlice/row', lambda a: a[2], arg(x)),
+    spec('StridedSlice/few_rows', lambda a: a[1:4], arg(x)),
+    spec('StridedSlice/most_rows', lambda a: a[1:9], arg(x)),
+    spec('Range/float', lambda s: raw('Range', s, 9.5, 0.5), arg(np.float32(-1.0))),
+    spec('OneHot/depth', lambda i: raw('OneHot', i, 7, 1.0, 0.0), arg(v.ints((10,), 0, 7))),
+    spec(
+      'UnsortedSegmentSum/rows',
+      lambda d, i: raw('UnsortedSegmentSum', d, i, 6),
+      arg(x),
+      arg(v.ints((10,), 0, 6)),
+    ),
+    spec(
+      'Gather/table',
+      lambda p, i: raw('Gather', p, i),
+      arg(x),
+      arg(v.ints((4,), 0, 10), shard=False),
+    ),
   ]
 
 
 ROWS = P('x', None)
 
 
-@pytest.mark.parametrize('name,in_specs,out_specs,expected', [
-    ('Slice/columns', (ROWS,), None, {}),            # the sharded dim is taken whole
-    ('Slice/prefix', (ROWS,), None, {}),             # 9 of 10 rows: shards keep their size
-    ('Pad/tail', (ROWS,), None, {}),                 # 2 rows padded at the end: a local mask
+@pytest.mark.parametrize(
+  'name,in_specs,out_specs,expected',
+  [
+    ('Slice/columns', (ROWS,), None, {}),  # the sharded dim is taken whole
+    ('Slice/prefix', (ROWS,), None, {}),  # 9 of 10 rows: shards keep their size
+    ('Pad/tail', (ROWS,), None, {}),  # 2 rows padded at the end: a local mask
     ('StridedSlice/column', (ROWS,), None, {}),
-    ('StridedSlice/row', (ROWS,), None, {'all_reduce': 1}),       # one row, not 10
+    ('StridedSlice/row', (ROWS,), None, {'all_reduce': 1}),  # one row, not 10
     # A range of a split dim stays split (as in XLA): rows shift from the neighbours.
     ('StridedSlice/few_rows', (ROWS,), None, {'permute': 1}),  # 3 rows: one row moves
     ('StridedSlice/most_rows', (ROWS,), None, {'permute': 1}),  # 8 rows: two rows move
-    ('Range/float', (None,), (P('x'),), {}),         # local values from the shard offset
+    ('Range/float', (None,), (P('x'),), {}),  # local values from the shard offset
     ('OneHot/depth', (None,), (P(None, 'x'),), {}),  # local depth range
     ('UnsortedSegmentSum/rows', (ROWS, P('x')), None, {'all_reduce': 1}),
     ('Gather/table', (ROWS, None), None, {'all_reduce': 1}),  # the table is not gathered
-])
+  ],
+)
 def test_shape_op_handlers_move_little(name, in_specs, out_specs, expected):
   previous = op_sweep.fast_first_runs()
   try:
     result = op_sweep.Sweep(specs=_shape_op_specs()).run(
-        op_sweep.Case(name, '1d', in_specs, out_specs))
+      op_sweep.Case(name, '1d', in_specs, out_specs)
+    )
   finally:
     op_sweep.restore_optimizer(previous)
   assert result.status == 'pass', result.message
@@ -255,11 +288,13 @@ def test_shape_op_handlers_move_little(name, in_specs, out_specs, expected):
 # --- the CI sample -------------------------------------------------------------------------
 def _sample(sweep):
   if not hasattr(_sample, 'cached'):
+
     def count(op_type, mesh):
       # Each case costs ~0.1 s plus ~0.15 s per collective (first runs): one sharding per
       # op type and mesh keeps the sample near a minute and a half; the shape-op handlers
       # get one more per mesh, and every program of theirs.
       return 1 + (op_type in SHAPE_OPS)
+
     _sample.cached = op_sweep.ci_sample(sweep, count=count, every_program=SHAPE_OPS)
   return _sample.cached
 
@@ -273,8 +308,9 @@ def test_sample_reaches_every_op_type_on_both_meshes(sweep):
 
 def _failures(results):
   """Failures no known issue's error signature accounts for."""
-  return [f'{r.label}: {r.status}: {r.message}' for r in results
-          if r.status != 'pass' and not r.known]
+  return [
+    f'{r.label}: {r.status}: {r.message}' for r in results if r.status != 'pass' and not r.known
+  ]
 
 
 @pytest.mark.parametrize('mesh', list(op_sweep.MESHES))
@@ -290,20 +326,24 @@ def test_ci_sample(sweep, mesh, capsys):
 # --- known issues: matched by error signature, each a strict expected failure --------------
 def _result(spec_name, status, error_type='', message=''):
   spec = {s.name: s for s in op_builders.op_specs()}[spec_name]
-  return spec, op_sweep.CaseResult(spec.name, spec.op_type, '1d', spec.name, status,
-                                   message=message, error_type=error_type)
+  return spec, op_sweep.CaseResult(
+    spec.name, spec.op_type, '1d', spec.name, status, message=message, error_type=error_type
+  )
 
 
 def test_known_issue_excuses_only_its_error_signature():
   issue = next(k for k in op_sweep.KNOWN_ISSUES if k.name == 'slot-sharded-unlike-variable')
   program = issue.programs[0]
-  signature = ('ValueError: ResourceApplyAdagrad ResourceApplyAdagrad: slot variable accum:0 is '
-               "sharded P('x', None) but its variable var:0 is sharded P(None, None); shard "
-               'optimizer slots like their variables.')
+  signature = (
+    'ValueError: ResourceApplyAdagrad ResourceApplyAdagrad: slot variable accum:0 is '
+    "sharded P('x', None) but its variable var:0 is sharded P(None, None); shard "
+    'optimizer slots like their variables.'
+  )
   assert op_sweep.known_issue(*_result(program, 'error', 'ValueError', signature)) is issue
   # A wrong value, another exception type, another message, another program: never excused.
-  assert op_sweep.known_issue(*_result(program, 'fail', '', 'call 1 output 0: max error 0.5')) \
-      is None
+  assert (
+    op_sweep.known_issue(*_result(program, 'fail', '', 'call 1 output 0: max error 0.5')) is None
+  )
   assert op_sweep.known_issue(*_result(program, 'error', 'TypeError', signature)) is None
   assert op_sweep.known_issue(*_result(program, 'error', 'ValueError', 'ValueError: other')) is None
   assert op_sweep.known_issue(*_result('Abs', 'error', 'ValueError', signature)) is None
@@ -317,11 +357,21 @@ def test_known_issue_examples_are_their_own_programs():
     re.compile(issue.match)
 
 
-@pytest.mark.parametrize('issue', [
-    pytest.param(k, id=k.name, marks=pytest.mark.xfail(
-        strict=True, raises=op_sweep.KnownFailure,
-        reason=f'known issue {k.name} ({k.raises}: /{k.match}/); fix in {k.fix_in}'))
-    for k in op_sweep.KNOWN_ISSUES])
+@pytest.mark.parametrize(
+  'issue',
+  [
+    pytest.param(
+      k,
+      id=k.name,
+      marks=pytest.mark.xfail(
+        strict=True,
+        raises=op_sweep.KnownFailure,
+        reason=f'known issue {k.name} ({k.raises}: /{k.match}/); fix in {k.fix_in}',
+      ),
+    )
+    for k in op_sweep.KNOWN_ISSUES
+  ],
+)
 def test_known_issue(sweep, issue):
   """Fails as expected while the issue lasts; XPASS (a failure: strict) once it is fixed,
   and then the issue must be removed from op_sweep.KNOWN_ISSUES."""
@@ -329,8 +379,9 @@ def test_known_issue(sweep, issue):
   if result.known == issue.name:
     raise op_sweep.KnownFailure(result.message)
   assert result.status == 'pass', (
-      f'{issue.example.label()} failed, but not with the signature of {issue.name} '
-      f'({issue.raises}: /{issue.match}/): {result.status}: {result.message}')
+    f'{issue.example.label()} failed, but not with the signature of {issue.name} '
+    f'({issue.raises}: /{issue.match}/): {result.status}: {result.message}'
+  )
 
 
 # --- a rotating slice of the full sweep ---------------------------------------------------
@@ -356,15 +407,18 @@ def test_sweep_slice(sweep, capsys):
   index, count = _slice()
   cases = op_sweep.rotating_slice(op_sweep.full_cases(sweep), index, count)
   with capsys.disabled():
-    print(f'\nop sweep slice {index}/{count}: {len(cases)} cases; reproduce with '
-          f'TF_GSPMD_SWEEP_SLICE={index}/{count} or bench/op_sweep.py --slice {index}/{count}')
+    print(
+      f'\nop sweep slice {index}/{count}: {len(cases)} cases; reproduce with '
+      f'TF_GSPMD_SWEEP_SLICE={index}/{count} or bench/op_sweep.py --slice {index}/{count}'
+    )
   results = []
   for case in cases:
     try:
       results.append(sweep.run(case))
     except op_sweep.Poisoned as poisoned:
-      pytest.fail(f'slice {index}/{count}: a collective failed and poisoned the process: '
-                  f'{poisoned}')
+      pytest.fail(
+        f'slice {index}/{count}: a collective failed and poisoned the process: {poisoned}'
+      )
   with capsys.disabled():
     print(op_sweep.format_table(results))
   failed = _failures(results)
@@ -383,11 +437,24 @@ def test_full_sweep(tmp_path, capsys):
   """
   import subprocess
   import sys
+
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   results = tmp_path / 'sweep.jsonl'
-  run = subprocess.run([sys.executable, os.path.join(root, 'bench', 'op_sweep.py'), '--jobs', '2',
-                        '--timeout', '20', '--jsonl', str(results)],
-                       capture_output=True, text=True, check=False)
+  run = subprocess.run(
+    [
+      sys.executable,
+      os.path.join(root, 'bench', 'op_sweep.py'),
+      '--jobs',
+      '2',
+      '--timeout',
+      '20',
+      '--jsonl',
+      str(results),
+    ],
+    capture_output=True,
+    text=True,
+    check=False,
+  )
   with capsys.disabled():
     print('\n' + run.stdout)
   rows = [op_sweep.CaseResult.from_json(line) for line in results.read_text().splitlines()]

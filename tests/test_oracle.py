@@ -2,6 +2,7 @@
 
 That it catches broken partitioned programs is tests/test_oracle_catches.py.
 """
+
 import doctest
 import math
 
@@ -12,8 +13,13 @@ import pytest
 import tensorflow as tf
 
 from tf_gspmd.testing import oracle
-from tf_gspmd.testing.oracle import (assert_close, assert_close_to_float64, bound, check,
-                                     relative_error)
+from tf_gspmd.testing.oracle import (
+  assert_close,
+  assert_close_to_float64,
+  bound,
+  check,
+  relative_error,
+)
 
 
 def test_docstring_examples_run():
@@ -24,8 +30,8 @@ def test_docstring_examples_run():
 def test_bounds_per_dtype():
   assert bound(np.float32) == 1e-5
   assert bound(np.float64) == 1e-12
-  assert bound(ml_dtypes.bfloat16) == 4 * 2.0 ** -7
-  assert bound(np.float16) == 4 * 2.0 ** -10
+  assert bound(ml_dtypes.bfloat16) == 4 * 2.0**-7
+  assert bound(np.float16) == 4 * 2.0**-10
   assert bound(np.int32) == bound(np.bool_) == 0.0
 
 
@@ -80,7 +86,7 @@ def test_bfloat16_bound_from_its_epsilon():
   exact = rng.randn(256).astype(np.float32)
   # Two roundings of slightly different f32 sums: a one-ulp flip here and there.
   a = exact.astype(ml_dtypes.bfloat16)
-  b = (exact * np.float32(1 + 2 ** -9)).astype(ml_dtypes.bfloat16)
+  b = (exact * np.float32(1 + 2**-9)).astype(ml_dtypes.bfloat16)
   assert check(b, a).ok
   assert not check((exact * 1.1).astype(ml_dtypes.bfloat16), a).ok
 

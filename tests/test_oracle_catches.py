@@ -7,6 +7,7 @@ partitions' shards of an input swapped. The normwise rule that tolerates
 another summation order must reject each of these (a test that cannot fail
 is a defect; this one checks both directions).
 """
+
 import dataclasses
 
 import numpy as np
@@ -89,8 +90,9 @@ def _swap_two_shards(monkeypatch):
   def split(value, sharding, devices, what='value'):
     shards = original(value, sharding, devices, what)
     if sharding.kind == 'tiled' and not swapped:
-      other = next((j for j in range(1, len(shards))
-                    if sharding.tile_index(j) != sharding.tile_index(0)), None)
+      other = next(
+        (j for j in range(1, len(shards)) if sharding.tile_index(j) != sharding.tile_index(0)), None
+      )
       if other is not None:
         swapped.append((0, other))
         shards = list(shards)
@@ -102,9 +104,9 @@ def _swap_two_shards(monkeypatch):
 
 
 FAULTS = {
-    'drop_all_reduce': (_megatron_mlp, _drop_first_all_reduce),
-    'halo_one_row_off': (_conv_split_on_height, _halo_one_row_off),
-    'swap_two_shards': (_megatron_mlp, _swap_two_shards),
+  'drop_all_reduce': (_megatron_mlp, _drop_first_all_reduce),
+  'halo_one_row_off': (_conv_split_on_height, _halo_one_row_off),
+  'swap_two_shards': (_megatron_mlp, _swap_two_shards),
 }
 
 

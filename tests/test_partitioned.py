@@ -1,4 +1,5 @@
 """End-to-end: partitioned tf.functions on 8 logical CPUs equal the unpartitioned run."""
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -52,6 +53,7 @@ def _sgd_step(mesh, w, b):
     w.assign_sub(0.1 * gw)
     b.assign_sub(0.1 * gb)
     return loss
+
   return step
 
 
@@ -93,6 +95,7 @@ def _loop_training(mesh, w1, w2, annotate):
       w1.assign_sub(0.5 * g1)
       w2.assign_sub(0.5 * g2)
     return loss
+
   return train
 
 
@@ -107,11 +110,16 @@ def test_training_loop_inside_one_function_keeps_collectives_in_the_loop():
   assert_close(train(x, y, tf.constant(5)), reference(x, y, tf.constant(5)), name='loss')
   train.sync_variables()
   assert_close([a.numpy() for a in w], [b.numpy() for b in w_ref], name='[w1, w2]')
-  in_loop = [r for r in train.collectives() if r['graph'] != train.get_program(
-      x, y, tf.constant(5)).program.main.name]
+  in_loop = [
+    r
+    for r in train.collectives()
+    if r['graph'] != train.get_program(x, y, tf.constant(5)).program.main.name
+  ]
   # Three sums over 'data' (in one bucket) and one over 'model', all in the loop body.
   assert sorted((r['kind'], r['axes'], r.get('fused', 1)) for r in in_loop) == [
-      ('all_reduce', ('data',), 3), ('all_reduce', ('model',), 1)]
+    ('all_reduce', ('data',), 3),
+    ('all_reduce', ('model',), 1),
+  ]
 
 
 def test_cond_branches_partitioned_alike():
@@ -150,8 +158,9 @@ def test_switch_case_branches_partitioned_alike():
   @tf.function
   def f(a, i):
     a = tg.shard(a, mesh, tg.P('x', None))
-    return tf.switch_case(i, [lambda: tf.reduce_sum(a, 0), lambda: tf.reduce_max(a, 0),
-                              lambda: a[0] * 3.0])
+    return tf.switch_case(
+      i, [lambda: tf.reduce_sum(a, 0), lambda: tf.reduce_max(a, 0), lambda: a[0] * 3.0]
+    )
 
   pf = partition(f, mesh)
   a = randn(1, 10, 3)  # 10 rows over 4: the max must not see padding

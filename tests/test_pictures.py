@@ -4,6 +4,7 @@ The grids are compared as exact text; the page is parsed back (html.parser) and
 every number on it checked against the sources it was drawn from
 (`pf.variable_bytes()`, `pf.collectives()`, the shardings' own geometry).
 """
+
 import html.parser
 import pathlib
 import re
@@ -41,14 +42,21 @@ def check(got: str, want: str, capsys) -> None:
 
 # --- tg.visualize: exact grids -------------------------------------------------------------
 def test_2x4_mesh_split_both_dims(capsys):
-  check(tg.visualize(NamedSharding(MESH, P('data', 'model')), (8, 8)), """
+  check(
+    tg.visualize(NamedSharding(MESH, P('data', 'model')), (8, 8)),
+    """
       (8, 8) P('data', 'model') on mesh data=2 x model=4; each device holds (4, 2)
       dim 0 (8): 2 blocks of 4 over 'data'
-      dim 1 (8): 4 blocks of 2 over 'model'""" + GRID_2X4, capsys)
+      dim 1 (8): 4 blocks of 2 over 'model'"""
+    + GRID_2X4,
+    capsys,
+  )
 
 
 def test_replicated_rows_list_both_copies(capsys):
-  check(tg.visualize(NamedSharding(MESH, P(None, 'model')), (8, 8)), """
+  check(
+    tg.visualize(NamedSharding(MESH, P(None, 'model')), (8, 8)),
+    """
       (8, 8) P(None, 'model') on mesh data=2 x model=4; each device holds (8, 2)
       dim 0 (8): not split
       dim 1 (8): 4 blocks of 2 over 'model'
@@ -57,11 +65,15 @@ def test_replicated_rows_list_both_copies(capsys):
           ┌─────┬─────┬─────┬─────┐
       0:8 │ 0,4 │ 1,5 │ 2,6 │ 3,7 │
           └─────┴─────┴─────┴─────┘
-      """, capsys)
+      """,
+    capsys,
+  )
 
 
 def test_uneven_blocks_show_their_real_sizes(capsys):
-  check(tg.visualize(NamedSharding(LINE, P('x', None)), (10, 6)), """
+  check(
+    tg.visualize(NamedSharding(LINE, P('x', None)), (10, 6)),
+    """
       (10, 6) P('x', None) on mesh x=4; each device holds (3, 6)
       dim 0 (10): 4 blocks of 3, 3, 3, 1 over 'x'
       dim 1 (6): not split
@@ -75,11 +87,15 @@ def test_uneven_blocks_show_their_real_sizes(capsys):
            ├─────┤
       9:10 │  3  │
            └─────┘
-      """, capsys)
+      """,
+    capsys,
+  )
 
 
 def test_an_empty_block_is_marked(capsys):
-  check(tg.visualize(NamedSharding(LINE, P(None, 'x')), (10, 6)), """
+  check(
+    tg.visualize(NamedSharding(LINE, P(None, 'x')), (10, 6)),
+    """
       (10, 6) P(None, 'x') on mesh x=4; each device holds (10, 2)
       dim 0 (10): not split
       dim 1 (6): 4 blocks of 2, 2, 2, 0 over 'x'; block 3 empty
@@ -87,12 +103,16 @@ def test_an_empty_block_is_marked(capsys):
            ┌───────────┬───────────┬───────────┬───────────┐
       0:10 │     0     │     1     │     2     │ 3 (empty) │
            └───────────┴───────────┴───────────┴───────────┘
-      """, capsys)
+      """,
+    capsys,
+  )
 
 
 def test_partial_sum_joins_its_parts_with_plus(capsys):
   partial = NamedSharding(MESH, P(None, 'model'), partial=('data',))
-  check(tg.visualize(partial, (8, 8)), """
+  check(
+    tg.visualize(partial, (8, 8)),
+    """
       (8, 8) P(None, 'model') partial_sum('data') on mesh data=2 x model=4; each device holds (8, 2)
       dim 0 (8): not split
       dim 1 (8): 4 blocks of 2 over 'model'
@@ -101,11 +121,15 @@ def test_partial_sum_joins_its_parts_with_plus(capsys):
           ┌─────┬─────┬─────┬─────┐
       0:8 │ 0+4 │ 1+5 │ 2+6 │ 3+7 │
           └─────┴─────┴─────┴─────┘
-      """, capsys)
+      """,
+    capsys,
+  )
 
 
 def test_maximal_sharding_is_one_device(capsys):
-  check(tg.visualize(Sharding.maximal(3), (8, 8)), """
+  check(
+    tg.visualize(Sharding.maximal(3), (8, 8)),
+    """
       (8, 8) {maximal device=3}
       dim 0 (8): not split
       dim 1 (8): not split
@@ -114,7 +138,9 @@ def test_maximal_sharding_is_one_device(capsys):
           ┌─────┐
       0:8 │  3  │
           └─────┘
-      """, capsys)
+      """,
+    capsys,
+  )
 
 
 def test_tile_assignment_in_another_device_order(capsys):
@@ -127,37 +153,56 @@ def test_tile_assignment_in_another_device_order(capsys):
       2:4 │  1  │  3  │
           └─────┴─────┘
       """
-  check(tg.visualize(tiled, (4, 6)), """
+  check(
+    tg.visualize(tiled, (4, 6)),
+    """
       (4, 6) {devices=[2,2]0,2,1,3}; each device holds (2, 3)
       dim 0 (4): 2 blocks of 2
-      dim 1 (6): 2 blocks of 3""" + grid, capsys)
+      dim 1 (6): 2 blocks of 3"""
+    + grid,
+    capsys,
+  )
   # With a mesh, the axes get their names: rows go over 'b', columns over 'a'.
-  check(tg.visualize(tiled, (4, 6), mesh=Mesh.create((2, 2), ('a', 'b'))), """
+  check(
+    tg.visualize(tiled, (4, 6), mesh=Mesh.create((2, 2), ('a', 'b'))),
+    """
       (4, 6) P('b', 'a') on mesh a=2 x b=2; each device holds (2, 3)
       dim 0 (4): 2 blocks of 2 over 'b'
-      dim 1 (6): 2 blocks of 3 over 'a'""" + grid, capsys)
+      dim 1 (6): 2 blocks of 3 over 'a'"""
+    + grid,
+    capsys,
+  )
 
 
 def test_a_hand_ordered_mesh_names_its_device_order(capsys):
   tiled = Sharding.tiled(np.array([[0, 2, 1, 3], [4, 6, 5, 7]]))
   lines = tg.visualize(tiled, (4, 8), mesh=MESH).splitlines()
-  assert lines[0] == ("(4, 8) P('data', 'model') on mesh data=2 x model=4 (devices in order "
-                      '0,2,1,3,4,6,5,7); each device holds (2, 2)')
+  assert lines[0] == (
+    "(4, 8) P('data', 'model') on mesh data=2 x model=4 (devices in order "
+    '0,2,1,3,4,6,5,7); each device holds (2, 2)'
+  )
   assert lines[-4] == '0:2 │  0  │  2  │  1  │  3  │'
   capsys.readouterr()
 
 
 def test_rank_3_grid_over_the_split_dims(capsys):
-  check(tg.visualize(NamedSharding(MESH, P('data', None, 'model')), (8, 3, 8)), """
+  check(
+    tg.visualize(NamedSharding(MESH, P('data', None, 'model')), (8, 3, 8)),
+    """
       (8, 3, 8) P('data', None, 'model') on mesh data=2 x model=4; each device holds (4, 3, 2)
       dim 0 (8): 2 blocks of 4 over 'data' -> rows
       dim 1 (3): not split -> folded into each cell
-      dim 2 (8): 4 blocks of 2 over 'model' -> columns""" + GRID_2X4, capsys)
+      dim 2 (8): 4 blocks of 2 over 'model' -> columns"""
+    + GRID_2X4,
+    capsys,
+  )
 
 
 def test_rank_3_with_three_split_dims_folds_one_into_cells(capsys):
   cube = Mesh.create((2, 2, 2), ('a', 'b', 'c'))
-  check(tg.visualize(NamedSharding(cube, P('a', 'b', 'c')), (4, 6, 8)), """
+  check(
+    tg.visualize(NamedSharding(cube, P('a', 'b', 'c')), (4, 6, 8)),
+    """
       (4, 6, 8) P('a', 'b', 'c') on mesh a=2 x b=2 x c=2; each device holds (2, 3, 4)
       dim 0 (4): 2 blocks of 2 over 'a' -> folded into each cell, '|' between its blocks
       dim 1 (6): 2 blocks of 3 over 'b' -> rows
@@ -168,11 +213,15 @@ def test_rank_3_with_three_split_dims_folds_one_into_cells(capsys):
           ├───────┼───────┤
       3:6 │ 2 | 6 │ 3 | 7 │
           └───────┴───────┘
-      """, capsys)
+      """,
+    capsys,
+  )
 
 
 def test_rank_1_and_replicated_and_many_blocks(capsys):
-  check(tg.visualize(NamedSharding(MESH, P('model')), (8,)), """
+  check(
+    tg.visualize(NamedSharding(MESH, P('model')), (8,)),
+    """
       (8,) P('model') on mesh data=2 x model=4; each device holds (2,)
       dim 0 (8): 4 blocks of 2 over 'model'
       each block on 2 devices: replicated over 'data'
@@ -180,8 +229,12 @@ def test_rank_1_and_replicated_and_many_blocks(capsys):
       ┌─────┬─────┬─────┬─────┐
       │ 0,4 │ 1,5 │ 2,6 │ 3,7 │
       └─────┴─────┴─────┴─────┘
-      """, capsys)
-  check(tg.visualize(NamedSharding(MESH, P(None)), (5,)), """
+      """,
+    capsys,
+  )
+  check(
+    tg.visualize(NamedSharding(MESH, P(None)), (5,)),
+    """
       (5,) P(None) on mesh data=2 x model=4
       dim 0 (5): not split
       replicated: every device holds the whole tensor
@@ -189,7 +242,9 @@ def test_rank_1_and_replicated_and_many_blocks(capsys):
       ┌─────┐
       │ 0-7 │
       └─────┘
-      """, capsys)
+      """,
+    capsys,
+  )
   wide = tg.visualize(NamedSharding(Mesh.create((32,), ('x',)), P('x')), (64,))
   cells = '│   0   │   1   │   2   │   3   │   …   │   29  │   30  │   31  │'
   assert wide.splitlines()[-2] == cells
@@ -201,8 +256,9 @@ def test_annotated_tensors_variables_and_sharded_variables(capsys):
   tg.shard_variable(w, MESH, P(None, 'model'))
   from_variable = tg.visualize(w)
   assert from_variable.startswith("w:0: (16, 32) P(None, 'model')")
-  sharded = tg.ShardedVariable(np.zeros((16, 32), np.float32),
-                               NamedSharding(MESH, P(None, 'model')), name='w_sharded')
+  sharded = tg.ShardedVariable(
+    np.zeros((16, 32), np.float32), NamedSharding(MESH, P(None, 'model')), name='w_sharded'
+  )
   assert tg.visualize(sharded).split('\n', 1)[1] == from_variable.split('\n', 1)[1]
   seen = []
 
@@ -325,8 +381,9 @@ def read_page(path) -> tuple:
 def devices_of_block(sharding, shape, rows: str, cols: str) -> str:
   """Device ids whose shard is [rows] x [cols], from the sharding's own geometry."""
   want = tuple(tuple(int(i) for i in r.split(':')) for r in (rows, cols))
-  return ','.join(str(d) for d in sorted(sharding.devices)
-                  if sharding.shard_bounds(shape, d) == want)
+  return ','.join(
+    str(d) for d in sorted(sharding.devices) if sharding.shard_bounds(shape, d) == want
+  )
 
 
 def check_self_contained(source: str, page: _Page) -> None:
@@ -355,8 +412,9 @@ def test_pf_report_page(mlp, tmp_path):
     sharded = pairs[name]
     assert len(blocks) == 4, name  # 4 blocks of 2 copies each
     for block in blocks:
-      want = devices_of_block(sharded.sharding, sharded.shape, block['data-rows'],
-                              block['data-cols'])
+      want = devices_of_block(
+        sharded.sharding, sharded.shape, block['data-rows'], block['data-cols']
+      )
       assert block['data-devices'] == want and len(want.split(',')) == 2, (name, block)
   # The argument: rows over 'data' (its annotation), each half on the 4 devices of its row.
   argument = page.boundary['x:0']
@@ -400,12 +458,15 @@ def test_plan_report_page(tmp_path):
   assert sorted(page.grids) == ['w1:0', 'w1_momentum:0', 'w2:0']
   for v in report.variables:
     for block in page.grids[v.name]:
-      assert block['data-devices'] == devices_of_block(v.sharding, v.shape, block['data-rows'],
-                                                       block['data-cols'])
+      assert block['data-devices'] == devices_of_block(
+        v.sharding, v.shape, block['data-rows'], block['data-cols']
+      )
   check_bars(page, report.collectives())
-  assert page.memory == {'parameters': str(report.parameter_bytes),
-                         'optimizer state': str(report.optimizer_bytes),
-                         'activations': str(report.activation_peak)}
+  assert page.memory == {
+    'parameters': str(report.parameter_bytes),
+    'optimizer state': str(report.optimizer_bytes),
+    'activations': str(report.activation_peak),
+  }
   assert report.activation_peak > 0
   assert page.provenance['w1:0'] == page.provenance['w2:0'] == 'user annotation'
   assert page.provenance['w1_momentum:0'].startswith('backward via')
@@ -416,7 +477,9 @@ def test_readme_pictures_are_what_visualize_prints(capsys):
   section = readme.split('### Pictures of a layout', 1)[1].split('\n## ', 1)[0]
   fenced = re.findall(r'^```(\w*)\n(.*?)^```$', section, re.S | re.M)
   shown_blocks = [body for language, body in fenced if not language]  # the printed text
-  printed = [tg.visualize(NamedSharding(MESH, P('data', 'model')), (8, 8)),
-             tg.visualize(NamedSharding(MESH, P(None, 'model')), (4, 10))]
+  printed = [
+    tg.visualize(NamedSharding(MESH, P('data', 'model')), (8, 8)),
+    tg.visualize(NamedSharding(MESH, P(None, 'model')), (4, 10)),
+  ]
   assert [b.rstrip('\n') for b in shown_blocks[:2]] == printed
   capsys.readouterr()

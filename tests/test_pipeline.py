@@ -31,14 +31,16 @@ def adam_step(variables, grads, moments, t, lr=0.05):
   for v, g, (m, s) in zip(variables, grads, moments):
     m.assign(0.9 * m + 0.1 * g)
     s.assign(0.999 * s + 0.001 * g * g)
-    v.assign_sub(lr * (m / (1 - 0.9 ** t)) / (tf.sqrt(s / (1 - 0.999 ** t)) + 1e-7))
+    v.assign_sub(lr * (m / (1 - 0.9**t)) / (tf.sqrt(s / (1 - 0.999**t)) + 1e-7))
 
 
 def build(stage_fn, params, mesh, microbatches, piped, batch_spec):
   names = sorted(params)
   variables = [tf.Variable(params[n], name=n) for n in names]
-  moments = [(tf.Variable(tf.zeros_like(v), name=f'{n}_m'),
-              tf.Variable(tf.zeros_like(v), name=f'{n}_s')) for n, v in zip(names, variables)]
+  moments = [
+    (tf.Variable(tf.zeros_like(v), name=f'{n}_m'), tf.Variable(tf.zeros_like(v), name=f'{n}_s'))
+    for n, v in zip(names, variables)
+  ]
   stages = params[names[0]].shape[0]
 
   @tf.function
@@ -56,6 +58,7 @@ def build(stage_fn, params, mesh, microbatches, piped, batch_spec):
     grads = tape.gradient(loss, variables)
     adam_step(variables, grads, moments, t)
     return loss
+
   return step, variables, moments
 
 
@@ -63,8 +66,7 @@ def run_both(stage_fn, params, specs, mesh, microbatches, x, y, batch_spec):
   step, variables, moments = build(stage_fn, params, mesh, microbatches, True, batch_spec)
   for v in variables:
     tg.shard_variable(v, mesh, specs[v.name.split(':')[0]])
-  ref, ref_variables, ref_moments = build(stage_fn, params, mesh, microbatches, False,
-                                         batch_spec)
+  ref, ref_variables, ref_moments = build(stage_fn, params, mesh, microbatches, False, batch_spec)
   pf = tg.partition(step, mesh)
   for t in (1.0, 2.0):
     assert_close(pf(x, y, t), ref(x, y, t), name=f'loss at step {t:g}')
@@ -88,8 +90,9 @@ def test_four_stages_with_data_parallelism_and_eight_microbatches():
   params = {'w': randn(0, stages, d, d, scale=0.3), 'b': randn(1, stages, d, scale=0.1)}
   specs = {'w': tg.P('stage', None, None), 'b': tg.P('stage', None)}
   x, y = randn(2, batch, d), randn(3, batch, d)
-  pf, variables, moments = run_both(dense_stage, params, specs, mesh, microbatches, x, y,
-                                    tg.P('data', None))
+  pf, variables, moments = run_both(
+    dense_stage, params, specs, mesh, microbatches, x, y, tg.P('data', None)
+  )
   got = counts(pf)
   iterations = microbatches + stages - 1
   # The activation shift: a permute after every iteration but the last, and its gradient back.
@@ -109,8 +112,9 @@ def test_two_stages_with_megatron_inside_each_stage():
   params = {'w1': randn(4, stages, d, ff, scale=0.3), 'w2': randn(5, stages, ff, d, scale=0.3)}
   specs = {'w1': tg.P('stage', None, 'model'), 'w2': tg.P('stage', 'model', None)}
   x, y = randn(6, batch, d), randn(7, batch, d)
-  pf, variables, moments = run_both(megatron_stage, params, specs, mesh, microbatches, x, y,
-                                    tg.P(None, None))
+  pf, variables, moments = run_both(
+    megatron_stage, params, specs, mesh, microbatches, x, y, tg.P(None, None)
+  )
   got = counts(pf)
   iterations = microbatches + stages - 1
   assert got[('permute', ('stage',))] == 2 * (iterations - 1)
@@ -127,13 +131,20 @@ def test_bubble_fraction():
   assert tg.pipeline_bubble_fraction(1, 5) == 0.0
 
 
-@pytest.mark.parametrize('shape, microbatches, match', [
-    ((3, 4, 4), 2, 'leading dim of 4'), ((4, 4, 4), 3, 'not divisible into 3 microbatches')])
+@pytest.mark.parametrize(
+  'shape, microbatches, match',
+  [((3, 4, 4), 2, 'leading dim of 4'), ((4, 4, 4), 3, 'not divisible into 3 microbatches')],
+)
 def test_bad_calls_name_what_is_wrong(shape, microbatches, match):
   mesh = tg.Mesh.create((4, 2), ('stage', 'data'))
   with pytest.raises(ValueError, match=match):
-    tg.pipeline(lambda w, h: tf.matmul(h, w), tf.zeros(shape), tf.zeros([8, 4]), mesh,
-                num_microbatches=microbatches)
+    tg.pipeline(
+      lambda w, h: tf.matmul(h, w),
+      tf.zeros(shape),
+      tf.zeros([8, 4]),
+      mesh,
+      num_microbatches=microbatches,
+    )
   with pytest.raises(ValueError, match="stage_axis 'pipe'"):
     tg.pipeline(lambda w, h: h, tf.zeros([4, 2]), tf.zeros([8, 4]), mesh, stage_axis='pipe')
 
@@ -142,14 +153,25 @@ ROOT = __import__('pathlib').Path(__file__).resolve().parent.parent
 
 
 def _run(script, timeout=300):
-  import os, subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  import os
+  import subprocess
+  import sys
+
   env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL='2')
-  return subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True,
-                        text=True, timeout=timeout, check=False)
+  return subprocess.run(
+    [sys.executable, str(script)],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    check=False,
+  )
 
 
 def test_readme_pipeline_section_runs(tmp_path):
-  import re  # pylint: disable=g-import-not-at-top
+  import re
+
   readme = (ROOT / 'README.md').read_text()
   section = readme.split('## Pipeline parallelism (`tg.pipeline`)', 1)[1].split('\n## ', 1)[0]
   (block,) = re.findall(r'```python\n(.*?)```', section, re.S)
@@ -159,9 +181,12 @@ def test_readme_pipeline_section_runs(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.splitlines()
   assert float(lines[0]) > 0
-  kinds = eval(lines[1])  # pylint: disable=eval-used
-  assert kinds == [('all_reduce', ('data',)), ('all_reduce', ('stage',)),
-                   ('permute', ('stage',))], kinds
+  kinds = eval(lines[1])
+  assert kinds == [
+    ('all_reduce', ('data',)),
+    ('all_reduce', ('stage',)),
+    ('permute', ('stage',)),
+  ], kinds
   assert lines[2].startswith('0.2727')
 
 
@@ -185,10 +210,13 @@ def test_activation_memory_per_device_does_not_grow_with_microbatches():
   # one device holds running the sequential step whole; and the weight gradients are summed
   # as they arrive, not kept per iteration. Measured by the planner's liveness pass over the
   # per-device program (tg.plan: the program tg.partition builds).
-  import sys  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.planning import activation_peak  # pylint: disable=g-import-not-at-top
+  import sys
+
+  from tf_gspmd.planning import activation_peak
+
   sys.path.insert(0, str(ROOT / 'examples'))
-  import pipeline as example  # pylint: disable=g-import-not-at-top
+  import pipeline as example
+
   x = tf.TensorSpec([example.BATCH, example.WIDTH])
   peaks = {}
   for microbatches in (4, 16):

@@ -5,6 +5,7 @@ At N=8 the plan must equal what tg.partition builds and runs for the same step
 at N=2048 the per-device bytes must equal the closed form from the model's
 dims, with no memory proportional to the global model allocated.
 """
+
 import os
 import resource
 import sys
@@ -96,8 +97,9 @@ def test_dense_transformer_at_2048_matches_its_formula_without_allocating():
   small_mesh = Mesh.create((2, 4), ('X', 'Y'))
   small_cfg = models.Dense(layers=2, batch=4, seq=4, d_model=8, heads=4, d_head=2, hidden=16)
   small = models.dense_transformer(small_mesh, small_cfg, models.abstract_variables)
-  small_report = tg.plan(small.step, *small.arg_specs, mesh=small_mesh,
-                         in_shardings=small.in_shardings)
+  small_report = tg.plan(
+    small.step, *small.arg_specs, mesh=small_mesh, in_shardings=small.in_shardings
+  )
   counts = {k: v['count'] for k, v in summary.items()}
   assert counts == {k: v['count'] for k, v in small_report.collective_summary().items()}
 
@@ -116,8 +118,10 @@ def test_gshard_moe_at_2048_matches_its_formula():
   # Dispatch and combine move tokens between group and expert layouts: all-to-alls, forward
   # and backward; nothing gathers the expert weights.
   assert summary[('all_to_all', ('model',))]['count'] >= 4
-  assert not any(r['kind'] == 'all_gather' and r['op'].startswith(('w_in', 'w_out'))
-                 for r in report.collectives())
+  assert not any(
+    r['kind'] == 'all_gather' and r['op'].startswith(('w_in', 'w_out'))
+    for r in report.collectives()
+  )
 
 
 def test_plan_refuses_a_mesh_that_is_not_a_mesh():
@@ -136,20 +140,29 @@ def test_abstract_variable_has_no_value_and_keeps_its_sharding():
 
 def test_readme_planning_at_scale_example_runs_verbatim(tmp_path):
   """README 'Scaling out' / 'Planning at scale': its block runs and prints what the text says."""
-  import pathlib  # pylint: disable=g-import-not-at-top
-  import re  # pylint: disable=g-import-not-at-top
-  import subprocess  # pylint: disable=g-import-not-at-top
+  import pathlib
+  import re
+  import subprocess
+
   root = pathlib.Path(__file__).resolve().parent.parent
   readme = (root / 'README.md').read_text()
-  section = readme[readme.index('### Planning at scale'):readme.index('## Public API')]
+  section = readme[readme.index('### Planning at scale') : readme.index('## Public API')]
   block = re.search(r'```python\n(.*?)```', section, re.S).group(1)
   script = tmp_path / 'readme_planning.py'
   script.write_text(block)
   env = dict(os.environ, PYTHONPATH=str(root), TF_CPP_MIN_LOG_LEVEL='2')
-  result = subprocess.run([sys.executable, str(script)], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=240, check=False)
+  result = subprocess.run(
+    [sys.executable, str(script)],
+    cwd=root,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=240,
+    check=False,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.splitlines()
   assert lines[0] == '4294967296 2097152 2097152' and lines[0] in section
-  assert lines[1] == ("[('all_gather', ('X',)), ('all_reduce', ('X', 'Y')), "
-                      "('reduce_scatter', ('X',))]")
+  assert lines[1] == (
+    "[('all_gather', ('X',)), ('all_reduce', ('X', 'Y')), ('reduce_scatter', ('X',))]"
+  )

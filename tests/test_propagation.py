@@ -8,9 +8,18 @@ import tensorflow as tf
 import tf_gspmd
 from tf_gspmd import Mesh, NamedSharding, P, Sharding
 from tf_gspmd.propagation.builder import Func, GraphBuilder, program
-from tf_gspmd.propagation.propagate import (ANNOTATION, AUXILIARY, BACKWARD, FORWARD, NO_RULE,
-                                            SCALAR, UNKNOWN_RANK, VARIABLE, PropagationWarning,
-                                            propagate_program)
+from tf_gspmd.propagation.propagate import (
+  ANNOTATION,
+  AUXILIARY,
+  BACKWARD,
+  FORWARD,
+  NO_RULE,
+  SCALAR,
+  UNKNOWN_RANK,
+  VARIABLE,
+  PropagationWarning,
+  propagate_program,
+)
 
 MESH = Mesh.create((2, 4), ('data', 'model'))
 
@@ -49,8 +58,14 @@ def test_megatron_mlp_on_hand_built_graph():
   row = [line.split() for line in table if line.startswith('out ')][0]
   assert row[:3] == ['out', 'MatMul', '0'] and "P('data', None)" in ' '.join(row)
   assert 'forward' in row and 'x:0' in row
-  assert {r['tensor'] for r in res.records()} == {'x:0', 'w1:0', 'w2:0', 'hidden:0', 'relu:0',
-                                                   'out:0'}
+  assert {r['tensor'] for r in res.records()} == {
+    'x:0',
+    'w1:0',
+    'w2:0',
+    'hidden:0',
+    'relu:0',
+    'out:0',
+  }
 
 
 def test_backward_propagation_and_annotations_never_overridden():
@@ -75,13 +90,18 @@ def test_backward_propagation_and_annotations_never_overridden():
 def test_unspecified_dims_stay_open():
   b = GraphBuilder()
   x = b.placeholder('x', (8, 16))
-  a = b.op('XlaSharding', [x], [(8, 16)], name='ann', annotation=ns('data', None),
-           attrs={'unspecified_dims': [1]})
+  a = b.op(
+    'XlaSharding',
+    [x],
+    [(8, 16)],
+    name='ann',
+    annotation=ns('data', None),
+    attrs={'unspecified_dims': [1]},
+  )
   closed = b.op('XlaSharding', [x], [(8, 16)], name='closed', annotation=ns('data', None))
   w = b.placeholder('w', (16, 16), annotation=ns(None, 'model'))
   y = b.op('AddV2', [a, b.op('Identity', [w], [(16, 16)], name='wid')], [(8, 16)], name='y')
-  y2 = b.op('AddV2', [closed, b.op('Identity', [w], [(16, 16)], name='wid2')], [(8, 16)],
-            name='y2')
+  y2 = b.op('AddV2', [closed, b.op('Identity', [w], [(16, 16)], name='wid2')], [(8, 16)], name='y2')
   res = propagate_program(program(b.graph([y, y2])), MESH)
   assert spec(res, 'ann') == P('data', 'model')  # dim 1 was left to propagation
   assert spec(res, 'closed') == P('data', None)  # dim 1 explicitly replicated
@@ -100,6 +120,7 @@ def test_conflicting_operands_take_the_sharding_over_more_devices():
 
 def test_broadcast_operand_shards_the_result_only_last():
   """A bias split 8 ways loses to the activation's 4-way split that reaches it first."""
+
   def build(with_activation_path):
     b = GraphBuilder()
     a = b.placeholder('a', (8, 16), annotation=ns(None, 'model') if with_activation_path else None)
@@ -107,6 +128,7 @@ def test_broadcast_operand_shards_the_result_only_last():
     bias = b.placeholder('bias', (16,), annotation=ns(('data', 'model')))
     y = b.op('BiasAdd', [x, bias], [(8, 16)], name='y')
     return program(b.graph([y]))
+
   res = propagate_program(build(True), MESH)
   assert spec(res, 'y') == P(None, 'model')
   assert res.provenance_of('y').level == 1
@@ -161,7 +183,7 @@ def test_scalars_and_unknown_ranks_are_replicated():
 def test_annotation_not_expressible_on_mesh_raises():
   b = GraphBuilder()
   b.placeholder('x', (8, 16), annotation=Sharding.tiled([[0], [3]]))
-  with pytest.raises(ValueError, match=r"x:0.*cannot be written"):
+  with pytest.raises(ValueError, match=r'x:0.*cannot be written'):
     propagate_program(program(b.graph()), MESH)
 
 
@@ -202,22 +224,34 @@ def _while_program(annotate_body=False):
   bi = bb.placeholder('i', (), dtype=tf.int32)
   bx = bb.placeholder('x', (8, 16))
   inc = bb.op('AddV2', [bi, bb.const(1, name='one')], [()], name='inc', dtypes=[tf.int32])
-  t = bb.op('Tanh', [bx], [(8, 16)], name='t',
-            annotation=ns(None, 'model') if annotate_body else None)
+  t = bb.op(
+    'Tanh', [bx], [(8, 16)], name='t', annotation=ns(None, 'model') if annotate_body else None
+  )
   body = bb.graph([inc, t], [bi, bx])
   b = GraphBuilder()
   i0 = b.const(0, name='i0')
   x = b.placeholder('x', (8, 16), annotation=ns('data', None))
-  outs = b.op('While', [i0, x], [(), (8, 16)], name='loop', dtypes=[tf.int32, tf.float32],
-              attrs={'cond': Func('cond'), 'body': Func('body')})
+  outs = b.op(
+    'While',
+    [i0, x],
+    [(), (8, 16)],
+    name='loop',
+    dtypes=[tf.int32, tf.float32],
+    attrs={'cond': Func('cond'), 'body': Func('body')},
+  )
   y = b.op('Relu', [outs[1]], [(8, 16)], name='y')
   return program(b.graph([y]), [cond, body])
 
 
 def test_while_body_condition_and_results_share_the_loop_sharding():
   res = propagate_program(_while_program(), MESH)
-  for name, graph in (('x:0', 'body'), ('t:0', 'body'), ('x:0', 'cond'), ('loop:1', None),
-                      ('y:0', None)):
+  for name, graph in (
+    ('x:0', 'body'),
+    ('t:0', 'body'),
+    ('x:0', 'cond'),
+    ('loop:1', None),
+    ('y:0', None),
+  ):
     assert spec(res, name, graph) == P('data', None), (name, graph)
   assert spec(res, 'body::t:0') == P('data', None)
   assert res.provenance_of('body::x:0').kind == FORWARD
@@ -226,12 +260,12 @@ def test_while_body_condition_and_results_share_the_loop_sharding():
 
 def test_annotation_inside_a_while_body_flows_out_and_into_the_condition():
   res = propagate_program(_while_program(annotate_body=True), MESH)
-  assert spec(res, 'body::t:0') == P(None, 'model')       # annotated, unchanged
-  assert spec(res, 'body::x:0') == P('data', 'model')     # merged: loop input + body result
+  assert spec(res, 'body::t:0') == P(None, 'model')  # annotated, unchanged
+  assert spec(res, 'body::x:0') == P('data', 'model')  # merged: loop input + body result
   assert spec(res, 'cond::x:0') == P('data', 'model')
   assert spec(res, 'loop:1') == P('data', 'model')
   assert spec(res, 'y') == P('data', 'model')
-  assert spec(res, 'x') == P('data', None)                 # the user's annotation stays
+  assert spec(res, 'x') == P('data', None)  # the user's annotation stays
 
 
 def test_if_branches_agree():
@@ -244,8 +278,13 @@ def test_if_branches_agree():
   b = GraphBuilder()
   c = b.placeholder('c', (), dtype=tf.bool)
   x = b.placeholder('x', (8, 16))
-  out = b.op('StatelessIf', [c, x], [(8, 16)], name='if',
-             attrs={'then_branch': Func('then'), 'else_branch': Func('else')})
+  out = b.op(
+    'StatelessIf',
+    [c, x],
+    [(8, 16)],
+    name='if',
+    attrs={'then_branch': Func('then'), 'else_branch': Func('else')},
+  )
   b.op('Identity', [out], [(8, 16)], name='z', annotation=ns(None, 'model'))
   res = propagate_program(program(b.graph(['z:0']), branches), MESH)
   for name in ('then::a:0', 'then::r:0', 'else::a:0', 'else::r:0', 'if:0', 'x:0'):

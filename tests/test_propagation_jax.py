@@ -20,18 +20,23 @@ from tf_gspmd import Mesh, P
 from tf_gspmd.propagation import propagate
 
 MESH = Mesh.create((2, 4), ('data', 'model'))
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'jax_reference',
-                      'propagation_cases.py')
+SCRIPT = os.path.join(
+  os.path.dirname(os.path.abspath(__file__)), 'jax_reference', 'propagation_cases.py'
+)
 # (case, tensor) -> (our spec, XLA's spec, why). Keep in sync with docs/propagation.md.
 KNOWN_DIFFERENCES = {
-    ('concat_softmax_reverse', 'concat'): (
-        [['data'], []], [['data'], ['model']],
-        'the concatenated dim is need_replication in our rule; XLA keeps it sharded and '
-        'pays a halo-like exchange in its partitioner'),
-    ('concat_softmax_reverse', 'softmax'): (
-        [[], []], [[], ['model']],
-        'TF Softmax is one op whose class dim must be whole; XLA sees the max/exp/sum '
-        'decomposition and keeps the dim sharded with all-reduces'),
+  ('concat_softmax_reverse', 'concat'): (
+    [['data'], []],
+    [['data'], ['model']],
+    'the concatenated dim is need_replication in our rule; XLA keeps it sharded and '
+    'pays a halo-like exchange in its partitioner',
+  ),
+  ('concat_softmax_reverse', 'softmax'): (
+    [[], []],
+    [[], ['model']],
+    'TF Softmax is one op whose class dim must be whole; XLA sees the max/exp/sum '
+    'decomposition and keeps the dim sharded with all-reduces',
+  ),
 }
 
 
@@ -49,13 +54,12 @@ def xla_shardings():
   python = _jax_python()
   if python is None:
     pytest.skip('no Python with jax: set TF_GSPMD_JAX_PYTHON (see docs/propagation.md)')
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8',
-             JAX_PLATFORMS='cpu')
-  out = subprocess.run([python, SCRIPT], capture_output=True, text=True, env=env, timeout=300,
-                       check=False)
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8', JAX_PLATFORMS='cpu')
+  out = subprocess.run(
+    [python, SCRIPT], capture_output=True, text=True, env=env, timeout=300, check=False
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   return json.loads(out.stdout)
-
 
 
 def shard(x, *spec):
@@ -69,6 +73,7 @@ def mlp_forward():
     h = tf.matmul(x, w1, name='hidden')
     r = tf.nn.relu(h, name='relu')
     return tf.matmul(r, w2, name='out')
+
   return f, [tf.zeros((8, 16)), tf.zeros((16, 32)), tf.zeros((32, 16))]
 
 
@@ -81,6 +86,7 @@ def mlp_gradients():
       loss = tf.reduce_mean(tf.square(tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)))
     g1, g2 = tape.gradient(loss, [w1, w2])
     return tf.identity(g1, name='grad_w1'), tf.identity(g2, name='grad_w2')
+
   return f, [tf.zeros((8, 16)), tf.zeros((16, 32)), tf.zeros((32, 16))]
 
 
@@ -92,6 +98,7 @@ def conv_spatial():
     mean = tf.reduce_mean(y, axis=[0, 1, 2], keepdims=True)
     n = tf.multiply(y - mean, 2.0, name='norm')
     return tf.nn.max_pool2d(tf.nn.relu(n), 2, 2, 'VALID', name='pool')
+
   return f, [tf.zeros((4, 16, 16, 3)), tf.zeros((3, 3, 3, 8))]
 
 
@@ -99,10 +106,12 @@ def while_loop():
   @tf.function
   def f(x, w):
     x, w = shard(x, 'data', None), shard(w, None, None)
-    _, y = tf.while_loop(lambda i, x: i < 3, lambda i, x: (i + 1, tf.tanh(tf.matmul(x, w))),
-                         (tf.constant(0), x))
+    _, y = tf.while_loop(
+      lambda i, x: i < 3, lambda i, x: (i + 1, tf.tanh(tf.matmul(x, w))), (tf.constant(0), x)
+    )
     y = tf.identity(y, name='loop')
     return tf.multiply(y, 2.0, name='after')
+
   return f, [tf.zeros((8, 16)), tf.zeros((16, 16))]
 
 
@@ -110,8 +119,12 @@ def bias_and_reshape():
   @tf.function
   def f(x, b, z):
     x, b, z = shard(x, 'data', None), shard(b, 'model'), shard(z, 'data', None, 'model')
-    return (tf.add(x, b, name='biased'), tf.reshape(z, (32, 16), name='flat'),
-            tf.reduce_sum(z, axis=1, name='summed'))
+    return (
+      tf.add(x, b, name='biased'),
+      tf.reshape(z, (32, 16), name='flat'),
+      tf.reduce_sum(z, axis=1, name='summed'),
+    )
+
   return f, [tf.zeros((8, 16)), tf.zeros((16,)), tf.zeros((8, 4, 16))]
 
 
@@ -121,6 +134,7 @@ def backward_from_constraint():
     h = tf.matmul(x, w, name='hidden')
     c = shard(h, 'data', 'model')
     return tf.multiply(c, 2.0, name='scaled')
+
   return f, [tf.zeros((8, 16)), tf.zeros((16, 32))]
 
 
@@ -128,14 +142,27 @@ def concat_softmax_reverse():
   @tf.function
   def f(x, y, z):
     x, y, z = shard(x, 'data', 'model'), shard(y, 'data', None), shard(z, None, 'model')
-    return (tf.concat([x, y], axis=1, name='concat'), tf.reverse(z, [0], name='reverse'),
-            tf.nn.softmax(z, axis=1, name='softmax'))
+    return (
+      tf.concat([x, y], axis=1, name='concat'),
+      tf.reverse(z, [0], name='reverse'),
+      tf.nn.softmax(z, axis=1, name='softmax'),
+    )
+
   return f, [tf.zeros((8, 16)), tf.zeros((8, 8)), tf.zeros((8, 16))]
 
 
-CASES = {f.__name__: f for f in (mlp_forward, mlp_gradients, conv_spatial, while_loop,
-                                 bias_and_reshape, backward_from_constraint,
-                                 concat_softmax_reverse)}
+CASES = {
+  f.__name__: f
+  for f in (
+    mlp_forward,
+    mlp_gradients,
+    conv_spatial,
+    while_loop,
+    bias_and_reshape,
+    backward_from_constraint,
+    concat_softmax_reverse,
+  )
+}
 
 
 def _as_lists(sharding):
@@ -152,7 +179,10 @@ def test_matches_xla_propagation(case, xla_shardings):
   for name, spec in expected.items():
     if (case, name) in KNOWN_DIFFERENCES:
       our_spec, xla_spec, _ = KNOWN_DIFFERENCES[(case, name)]
-      assert (ours[name], spec) == (our_spec, xla_spec), (case, name, 'documented difference '
-                                                         'changed: update docs/propagation.md')
+      assert (ours[name], spec) == (our_spec, xla_spec), (
+        case,
+        name,
+        'documented difference changed: update docs/propagation.md',
+      )
       continue
     assert ours[name] == spec, (case, name, ours[name], spec, plan.provenance(name + ':0'))

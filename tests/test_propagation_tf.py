@@ -56,10 +56,16 @@ def test_megatron_mlp_with_adam():
 
 
 def test_spatially_split_image_through_conv_batchnorm_pooling():
-  model = keras.Sequential([
-      keras.Input((16, 16, 3)), layers.Conv2D(8, 3, padding='same', name='conv'),
-      layers.BatchNormalization(name='bn'), layers.ReLU(name='relu'),
-      layers.MaxPooling2D(name='pool'), layers.Conv2D(4, 3, padding='same', name='conv2')])
+  model = keras.Sequential(
+    [
+      keras.Input((16, 16, 3)),
+      layers.Conv2D(8, 3, padding='same', name='conv'),
+      layers.BatchNormalization(name='bn'),
+      layers.ReLU(name='relu'),
+      layers.MaxPooling2D(name='pool'),
+      layers.Conv2D(4, 3, padding='same', name='conv2'),
+    ]
+  )
 
   @tf.function
   def forward(x):
@@ -87,8 +93,9 @@ def test_while_loop_body_keeps_the_loop_sharding():
   @tf.function
   def f(x):
     x = shard(x, 'data', None)
-    _, y = tf.while_loop(lambda i, x: i < 3, lambda i, x: (i + 1, tf.tanh(tf.matmul(x, w))),
-                         (tf.constant(0), x))
+    _, y = tf.while_loop(
+      lambda i, x: i < 3, lambda i, x: (i + 1, tf.tanh(tf.matmul(x, w))), (tf.constant(0), x)
+    )
     return y
 
   plan = propagate(f, tf.zeros((8, 16)), mesh=MESH)
@@ -99,8 +106,12 @@ def test_while_loop_body_keeps_the_loop_sharding():
   body = plan.program.functions[called['body'][0]]
   cond = plan.program.functions[called['cond'][0]]
   k = 1 + [i for i, t in enumerate(loop.inputs[1:]) if plan.program.main.tensor(t).rank == 2][0]
-  for graph, tensor in ((body.name, body.inputs[k]), (body.name, body.outputs[k]),
-                        (cond.name, cond.inputs[k]), (None, f'{loop.name}:{k}')):
+  for graph, tensor in (
+    (body.name, body.inputs[k]),
+    (body.name, body.outputs[k]),
+    (cond.name, cond.inputs[k]),
+    (None, f'{loop.name}:{k}'),
+  ):
     assert plan.sharding(tensor, graph).spec == P('data', None), (graph, tensor)
   matmuls = [n for n in body.nodes if n.op == 'MatMul']
   assert matmuls and plan.sharding(matmuls[0].outputs[0].name, body.name).spec == P('data', None)
@@ -123,6 +134,7 @@ def _keras_step(model, x_spec, variable_specs=None):
     opt.apply_gradients(zip(grads, model.trainable_variables))
     metric.update_state(y, p)
     return loss
+
   return step, opt
 
 
@@ -138,11 +150,13 @@ def _assert_all_decided(plan):
 
 
 def test_keras_mlp_step_megatron():
-  model = keras.Sequential([keras.Input((16,)), layers.Dense(32, activation='relu', name='d1'),
-                            layers.Dense(8, name='d2')])
+  model = keras.Sequential(
+    [keras.Input((16,)), layers.Dense(32, activation='relu', name='d1'), layers.Dense(8, name='d2')]
+  )
   d1, d2 = model.get_layer('d1'), model.get_layer('d2')
-  step, opt = _keras_step(model, P('data', None),
-                          [(d1.kernel, P(None, 'model')), (d2.kernel, P('model', None))])
+  step, opt = _keras_step(
+    model, P('data', None), [(d1.kernel, P(None, 'model')), (d2.kernel, P('model', None))]
+  )
   plan = propagate(step, tf.zeros((8, 16)), tf.zeros((8,), tf.int32), mesh=MESH)
   _assert_all_decided(plan)
   hidden = [r for r in plan.records() if r['op'] == 'Relu']
@@ -176,10 +190,18 @@ def test_keras_transformer_block_step():
 
 
 def test_keras_cnn_step():
-  model = keras.Sequential([
-      keras.Input((16, 16, 3)), layers.Conv2D(8, 3, padding='same'), layers.BatchNormalization(),
-      layers.ReLU(), layers.MaxPooling2D(), layers.Conv2D(8, 3), layers.GlobalAveragePooling2D(),
-      layers.Dense(4)])
+  model = keras.Sequential(
+    [
+      keras.Input((16, 16, 3)),
+      layers.Conv2D(8, 3, padding='same'),
+      layers.BatchNormalization(),
+      layers.ReLU(),
+      layers.MaxPooling2D(),
+      layers.Conv2D(8, 3),
+      layers.GlobalAveragePooling2D(),
+      layers.Dense(4),
+    ]
+  )
   step, _ = _keras_step(model, P('data', 'model', None, None))
   plan = propagate(step, tf.zeros((4, 16, 16, 3)), tf.zeros((4,), tf.int32), mesh=MESH)
   _assert_all_decided(plan)

@@ -1,4 +1,5 @@
 """The README's usage example runs verbatim, its commands exist, and `make demo`'s script runs."""
+
 import os
 import pathlib
 import re
@@ -14,8 +15,15 @@ README = (ROOT / 'README.md').read_text()
 def run_python(script: pathlib.Path, timeout: int = 240) -> subprocess.CompletedProcess:
   """Run `script` in a fresh interpreter (its own TF devices) with the repo importable."""
   env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL='2')
-  return subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True,
-                        text=True, timeout=timeout, check=False)
+  return subprocess.run(
+    [sys.executable, str(script)],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    check=False,
+  )
 
 
 def first_python_block(markdown: str) -> str:
@@ -37,7 +45,9 @@ def test_readme_usage_example_runs_verbatim(tmp_path):
   result = run_python(script)
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.splitlines()
-  assert lines == ["P('data', None) (5, 16)", '((5, 10), (0, 16))', "['XlaSharding']"], result.stdout
+  assert lines == ["P('data', None) (5, 16)", '((5, 10), (0, 16))', "['XlaSharding']"], (
+    result.stdout
+  )
   assert 'AutoGraph could not transform' not in result.stderr
 
 
@@ -75,6 +85,7 @@ def test_readme_oracle_section_runs(tmp_path):
   script.write_text(first_python_block(section))
   result = run_python(script)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert result.stdout.strip() == ('y: normwise relative error 0.316 > bound 1e-05 (float32, '
-                                   'shape (2,)); largest difference at (1,): got 2, expected 3'), \
-      result.stdout
+  assert result.stdout.strip() == (
+    'y: normwise relative error 0.316 > bound 1e-05 (float32, '
+    'shape (2,)); largest difference at (1,): got 2, expected 3'
+  ), result.stdout

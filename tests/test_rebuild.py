@@ -39,9 +39,15 @@ def test_keras_training_step_round_trip_is_bit_identical():
 
   def make_step():
     keras.utils.set_random_seed(1)
-    model = keras.Sequential([
-        keras.Input((8,)), keras.layers.Dense(16), keras.layers.BatchNormalization(),
-        keras.layers.Dropout(0.3, seed=3), keras.layers.Dense(4)])
+    model = keras.Sequential(
+      [
+        keras.Input((8,)),
+        keras.layers.Dense(16),
+        keras.layers.BatchNormalization(),
+        keras.layers.Dropout(0.3, seed=3),
+        keras.layers.Dense(4),
+      ]
+    )
     optimizer = keras.optimizers.Adam(1e-2)
     optimizer.build(model.trainable_variables)
     loss_fn = keras.losses.MeanSquaredError()
@@ -57,9 +63,13 @@ def test_keras_training_step_round_trip_is_bit_identical():
       return {'loss': loss, 'mean_loss': metric.result()}
 
     variables = list(model.variables) + list(optimizer.variables) + list(metric.variables)
-    roles = {'kernel': model.layers[0].kernel, 'moving_mean': model.layers[1].moving_mean,
-             'dropout_seed': model.layers[2].seed_generator.state,
-             'adam_iterations': optimizer.iterations, 'metric_total': metric.variables[0]}
+    roles = {
+      'kernel': model.layers[0].kernel,
+      'moving_mean': model.layers[1].moving_mean,
+      'dropout_seed': model.layers[2].seed_generator.state,
+      'adam_iterations': optimizer.iterations,
+      'metric_total': metric.variables[0],
+    }
     return model, step, variables, roles
 
   model_a, step_a, variables_a, _ = make_step()
@@ -69,8 +79,13 @@ def test_keras_training_step_round_trip_is_bit_identical():
   assert all(_same(a.numpy(), b) for a, b in zip(variables_a, initial))
 
   rng = np.random.default_rng(0)
-  batches = [(tf.constant(rng.normal(size=(32, 8)), tf.float32),
-              tf.constant(rng.normal(size=(32, 4)), tf.float32)) for _ in range(3)]
+  batches = [
+    (
+      tf.constant(rng.normal(size=(32, 8)), tf.float32),
+      tf.constant(rng.normal(size=(32, 4)), tf.float32),
+    )
+    for _ in range(3)
+  ]
   program = capture.capture(step_b, *batches[0])
   assert len(program.variables) == len(variables_b)
   rebuilt = rebuild.rebuild(program)
@@ -88,8 +103,9 @@ def test_keras_training_step_round_trip_is_bit_identical():
     assert not _same(variable.numpy(), start), role
   # The rebuilt function really runs the imported graph, not the original one.
   rebuilt_graph = rebuilt.get_concrete_function(*batches[0]).graph
-  assert any(op.name.startswith('program/') and op.type == 'MatMul'
-             for op in rebuilt_graph.get_operations())
+  assert any(
+    op.name.startswith('program/') and op.type == 'MatMul' for op in rebuilt_graph.get_operations()
+  )
 
 
 def test_while_and_cond_round_trip_matches_the_original():
@@ -131,9 +147,13 @@ def test_nested_function_calls_round_trip():
 
 def _scale_constant(graph, old, new):
   """Replace the float constant `old` of `graph` by `new`; returns the edited node."""
-  (node,) = [n for n in graph.nodes
-             if n.op == 'Const' and n.output(0).dtype == tf.float32
-             and tf.make_ndarray(n.attrs['value'].tensor).tolist() == old]
+  (node,) = [
+    n
+    for n in graph.nodes
+    if n.op == 'Const'
+    and n.output(0).dtype == tf.float32
+    and tf.make_ndarray(n.attrs['value'].tensor).tolist() == old
+  ]
   node.attrs['value'] = attr_value_pb2.AttrValue(tensor=tf.make_tensor_proto(new, tf.float32))
   return node
 
@@ -165,7 +185,9 @@ def test_edited_while_body_is_the_one_that_runs():
     assert all(f.name.decode() != old for old, f in built.items())
   # The rebuilt graph's While calls the edited body under its new name.
   rebuilt_graph = edited_fn.get_concrete_function(x).graph
-  (loop_op,) = [op for op in rebuilt_graph.get_operations() if op.type in ('While', 'StatelessWhile')]
+  (loop_op,) = [
+    op for op in rebuilt_graph.get_operations() if op.type in ('While', 'StatelessWhile')
+  ]
   assert loop_op.get_attr('body').name == edited_names[body_name].name.decode()
 
 
@@ -176,7 +198,9 @@ def test_edited_main_graph_is_used():
 
   program = capture.capture(f, tf.TensorSpec([2]))
   _scale_constant(program.main, 5.0, -1.0)
-  np.testing.assert_array_equal(rebuild.rebuild(program)(tf.constant([1.0, 2.0])).numpy(), [-1.0, -2.0])
+  np.testing.assert_array_equal(
+    rebuild.rebuild(program)(tf.constant([1.0, 2.0])).numpy(), [-1.0, -2.0]
+  )
 
 
 def test_import_program_in_a_traced_function_with_variables_remapped():
@@ -196,8 +220,13 @@ def test_import_program_in_a_traced_function_with_variables_remapped():
   @tf.function
   def outer(x):
     (a,) = rebuild.import_program(program, [x], variables={placeholder: v1})
-    (b,), control = rebuild.import_program(program, [x + 1.0], variables={placeholder: v2.handle},
-                                           name='second', return_control_outputs=True)
+    (b,), control = rebuild.import_program(
+      program,
+      [x + 1.0],
+      variables={placeholder: v2.handle},
+      name='second',
+      return_control_outputs=True,
+    )
     assert control and all(isinstance(op, tf.Operation) for op in control)
     return a, b
 
@@ -208,7 +237,9 @@ def test_import_program_in_a_traced_function_with_variables_remapped():
   np.testing.assert_array_equal(v2.numpy(), [2.0, 2.0, 2.0])
   np.testing.assert_array_equal(v_orig.numpy(), [1.0, 2.0, 3.0])  # untouched
   names = {op.name for op in outer.get_concrete_function(tf.TensorSpec([3])).graph.get_operations()}
-  assert any(n.startswith('program/') for n in names) and any(n.startswith('second/') for n in names)
+  assert any(n.startswith('program/') for n in names) and any(
+    n.startswith('second/') for n in names
+  )
 
 
 def test_import_program_errors():
@@ -259,8 +290,10 @@ def test_round_trip_keeps_annotations_shapes_and_bodies():
   @tf.function
   def f(x):
     a = xla_sharding.split(x * 2.0, 0, 4, use_sharding_op=True)
+
     def body(i, y):
       return i + 1, xla_sharding.split(y + v, 1, 2, use_sharding_op=False)
+
     return tf.while_loop(lambda i, y: i < 2, body, [0, a])[1]
 
   first = capture.capture(f, tf.TensorSpec([4, 6]))
@@ -275,7 +308,8 @@ def test_round_trip_keeps_annotations_shapes_and_bodies():
   second_body = second.function(_loop_node(second.main).called_functions()['body'][0])
   assert second_body.name != first_body.name
   assert [(n.name, n.op, [t.shape for t in n.outputs]) for n in second_body.nodes] == [
-      (n.name, n.op, [t.shape for t in n.outputs]) for n in first_body.nodes]
+    (n.name, n.op, [t.shape for t in n.outputs]) for n in first_body.nodes
+  ]
   assert second_body.annotated() == first_body.annotated()
   assert list(first_body.annotated().values()) == [Sharding.tiled(np.arange(2).reshape(1, 2))]
   # Names do not grow over rounds: one hash suffix replaces the previous one.

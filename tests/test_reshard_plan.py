@@ -13,12 +13,13 @@ import pathlib
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tf_gspmd.graph_rewrite import reshard_plan as rp
 from tf_gspmd.graph_rewrite import reshard_sim as sim
 from tf_gspmd.mesh import Mesh
-from tf_gspmd.sharding import P, NamedSharding, shard_bounds
+from tf_gspmd.sharding import NamedSharding, P, shard_bounds
 
 AXES = ('x', 'y', 'z')
 
@@ -46,7 +47,7 @@ def _is_valley(plan):
   kinds = [s.kind for s in plan.steps]
   if 'all_gather' not in kinds:
     return True
-  tail = kinds[kinds.index('all_gather'):]
+  tail = kinds[kinds.index('all_gather') :]
   return not set(tail) & {'slice', 'reduce_scatter', 'all_reduce', 'all_to_all', 'permute'}
 
 
@@ -111,27 +112,27 @@ M32 = Mesh.create((3, 2), ('x', 'y'))
 M243 = Mesh.create((2, 4, 3), ('x', 'y', 'z'))
 
 CASES = [
-    # (mesh, src, dst, shape, partial, reduction)
-    (M24, P('x', 'y'), P('y', 'x'), (8, 8), (), 'sum'),
-    (M24, P('x', 'y'), P('y', 'x'), (10, 7), (), 'sum'),
-    (M24, P(('x', 'y')), P('x'), (10,), (), 'sum'),  # 10 over 8, then over 2
-    (M24, P(('x', 'y'), None), P(('y', 'x'), None), (10, 3), (), 'sum'),
-    (M24, P('y', None), P(None, 'y'), (10, 10), (), 'sum'),  # 10 over 4
-    (M24, P(None, 'x'), P(('x', 'y'), None), (7, 5), (), 'sum'),
-    (M8, P('x'), P(None), (7,), (), 'sum'),  # 7 over 8
-    (M8, P(None), P('x'), (7,), (), 'sum'),
-    (M8, P('x', None), P(None, 'x'), (7, 9), (), 'sum'),
-    (M2, P('x'), P(None), (1,), (), 'sum'),  # 1 over 2
-    (M2, P(None, 'x'), P('x', None), (1, 3), (), 'sum'),
-    (M24, P(None, None), P('y', None), (10, 8), ('x',), 'sum'),
-    (M24, P(None, None), P(('x', 'y'), None), (10, 3), ('x', 'y'), 'sum'),
-    (M24, P('y', None), P(None, 'x'), (7, 9), ('x',), 'max'),
-    (M24, P('y', None), P(None, None), (7, 8), ('x',), 'min'),
-    (M222, P(('x', 'y'), 'z'), P('z', ('y', 'x')), (7, 10), (), 'sum'),
-    (M222, P('x', None, 'y'), P(None, ('z', 'x'), None), (5, 9, 3), (), 'sum'),
-    (M222, P(None, 'x'), P('y', ('z', 'x')), (6, 10), ('y', 'z'), 'sum'),
-    (M32, P('x', None), P('y', None), (9, 6), (), 'sum'),
-    (M32, P('y'), P('x'), (3,), (), 'prod'),
+  # (mesh, src, dst, shape, partial, reduction)
+  (M24, P('x', 'y'), P('y', 'x'), (8, 8), (), 'sum'),
+  (M24, P('x', 'y'), P('y', 'x'), (10, 7), (), 'sum'),
+  (M24, P(('x', 'y')), P('x'), (10,), (), 'sum'),  # 10 over 8, then over 2
+  (M24, P(('x', 'y'), None), P(('y', 'x'), None), (10, 3), (), 'sum'),
+  (M24, P('y', None), P(None, 'y'), (10, 10), (), 'sum'),  # 10 over 4
+  (M24, P(None, 'x'), P(('x', 'y'), None), (7, 5), (), 'sum'),
+  (M8, P('x'), P(None), (7,), (), 'sum'),  # 7 over 8
+  (M8, P(None), P('x'), (7,), (), 'sum'),
+  (M8, P('x', None), P(None, 'x'), (7, 9), (), 'sum'),
+  (M2, P('x'), P(None), (1,), (), 'sum'),  # 1 over 2
+  (M2, P(None, 'x'), P('x', None), (1, 3), (), 'sum'),
+  (M24, P(None, None), P('y', None), (10, 8), ('x',), 'sum'),
+  (M24, P(None, None), P(('x', 'y'), None), (10, 3), ('x', 'y'), 'sum'),
+  (M24, P('y', None), P(None, 'x'), (7, 9), ('x',), 'max'),
+  (M24, P('y', None), P(None, None), (7, 8), ('x',), 'min'),
+  (M222, P(('x', 'y'), 'z'), P('z', ('y', 'x')), (7, 10), (), 'sum'),
+  (M222, P('x', None, 'y'), P(None, ('z', 'x'), None), (5, 9, 3), (), 'sum'),
+  (M222, P(None, 'x'), P('y', ('z', 'x')), (6, 10), ('y', 'z'), 'sum'),
+  (M32, P('x', None), P('y', None), (9, 6), (), 'sum'),
+  (M32, P('y'), P('x'), (3,), (), 'prod'),
 ]
 
 
@@ -313,18 +314,22 @@ def test_modules_do_not_import_tensorflow():
 
 
 # --- properties over random shardings -------------------------------------------------------
-MESH_SHAPES = [s for r in (1, 2, 3) for s in itertools.product([1, 2, 3, 4], repeat=r)
-               if math.prod(s) <= 16]
+MESH_SHAPES = [
+  s for r in (1, 2, 3) for s in itertools.product([1, 2, 3, 4], repeat=r) if math.prod(s) <= 16
+]
 
 
 @st.composite
 def reshard_cases(draw):
   sizes = draw(st.sampled_from(MESH_SHAPES))
-  names = AXES[:len(sizes)]
+  names = AXES[: len(sizes)]
   mesh = Mesh.create(sizes, names)
   rank = draw(st.integers(1, 3))
-  shape = tuple(draw(st.lists(st.sampled_from([1, 2, 3, 4, 5, 7, 8, 9, 10, 12, 16]),
-                              min_size=rank, max_size=rank)))
+  shape = tuple(
+    draw(
+      st.lists(st.sampled_from([1, 2, 3, 4, 5, 7, 8, 9, 10, 12, 16]), min_size=rank, max_size=rank)
+    )
+  )
 
   def spec(allow_partial):
     place = [draw(st.integers(-2 if allow_partial else -1, rank - 1)) for _ in names]
@@ -371,7 +376,8 @@ def test_gathers_the_minor_dim_first_so_the_largest_gather_lands_in_place():
   # (x, y) -> replicated on 2x4: both orders receive the same bytes in two steps; gathering
   # dim 0 last needs no transposing copy of the full result (XLA's order too).
   mesh = Mesh.create((2, 4), ('x', 'y'))
-  plan = rp.plan_reshard(NamedSharding(mesh, P('x', 'y')), NamedSharding(mesh, P(None, None)),
-                         (1024, 1024), 4)
+  plan = rp.plan_reshard(
+    NamedSharding(mesh, P('x', 'y')), NamedSharding(mesh, P(None, None)), (1024, 1024), 4
+  )
   assert [(s.kind, s.dim) for s in plan.steps] == [('all_gather', 1), ('all_gather', 0)]
   _run(plan, _data((1024, 1024)))  # and it is exact

@@ -33,7 +33,9 @@ def run(fn, *args):
   return counts(pf)
 
 
-@pytest.mark.parametrize('shift, permutes', [(1, 1), (-2, 1), (4, 1), (8, 0), (3, 2), (-5, 2), (7, 1)])
+@pytest.mark.parametrize(
+  'shift, permutes', [(1, 1), (-2, 1), (4, 1), (8, 0), (3, 2), (-5, 2), (7, 1)]
+)
 def test_roll_of_a_split_dim(shift, permutes):
   # 8 rows, 2 per stage: a shift by whole shards is one permute; 3 or -5 (= 3) are an edge row
   # from two stages back and a row from one stage back; 7 (= -1) takes a row of its own shard.
@@ -77,6 +79,7 @@ def test_gradient_of_a_roll_is_the_roll_back():
         loss = tf.reduce_sum(tf.roll(var * x, 2, axis=0) * x)
       var.assign_sub(0.1 * tape.gradient(loss, var))
       return loss
+
     return step
 
   x = randn(4, 8, 6)

@@ -1,11 +1,18 @@
 """The launcher and per-device values: splitting, assembling, sharded variables, outputs."""
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from tf_gspmd import Mesh, NamedSharding, P, Sharding
-from tf_gspmd.runtime import (ShardedValue, ShardedVariable, SpmdProgram, assemble, split,
-                              trace_per_partition)
+from tf_gspmd.runtime import (
+  ShardedValue,
+  ShardedVariable,
+  SpmdProgram,
+  assemble,
+  split,
+  trace_per_partition,
+)
 from tf_gspmd.runtime.collectives import default_devices
 from tf_gspmd.testing import assert_close
 
@@ -14,16 +21,16 @@ DEVICES = default_devices(8)
 RNG = np.random.default_rng(1)
 
 SHARDINGS = {
-    'rows_x': NamedSharding(MESH, P('x', None)),
-    'cols_y': NamedSharding(MESH, P(None, 'y')),
-    'both': NamedSharding(MESH, P('x', 'y')),
-    'rows_xy': NamedSharding(MESH, P(('x', 'y'), None)),
-    'rows_yx_cols_none': NamedSharding(MESH, P(('y', 'x'), None)),
-    'swapped': NamedSharding(MESH, P('y', 'x')),
-    'replicated': NamedSharding(MESH, P(None, None)),
-    'tiled_permuted': Sharding.tiled([[5, 2], [7, 0], [1, 3], [6, 4]]),
-    'partial_tile': Sharding.partial_tile([[[0, 1]], [[2, 3]], [[4, 5]], [[6, 7]]]),
-    'maximal': Sharding.maximal(6),
+  'rows_x': NamedSharding(MESH, P('x', None)),
+  'cols_y': NamedSharding(MESH, P(None, 'y')),
+  'both': NamedSharding(MESH, P('x', 'y')),
+  'rows_xy': NamedSharding(MESH, P(('x', 'y'), None)),
+  'rows_yx_cols_none': NamedSharding(MESH, P(('y', 'x'), None)),
+  'swapped': NamedSharding(MESH, P('y', 'x')),
+  'replicated': NamedSharding(MESH, P(None, None)),
+  'tiled_permuted': Sharding.tiled([[5, 2], [7, 0], [1, 3], [6, 4]]),
+  'partial_tile': Sharding.partial_tile([[[0, 1]], [[2, 3]], [[4, 5]], [[6, 7]]]),
+  'maximal': Sharding.maximal(6),
 }
 SHAPES = [(10, 7), (8, 4), (3, 5), (1, 1)]  # uneven, even, fewer rows than shards, tiny
 
@@ -57,12 +64,14 @@ def test_assemble_reduces_partial_shards():
   plain = NamedSharding(MESH, P(None, 'y'))
   # Split the value in halves along 'x' terms: partition p holds value * weight(x).
   weights = {0: 0.25, 1: 0.75}
-  shards = [tf.constant(shard_reference(value, plain, p) * weights[MESH.coords(p)['x']])
-            for p in range(8)]
+  shards = [
+    tf.constant(shard_reference(value, plain, p) * weights[MESH.coords(p)['x']]) for p in range(8)
+  ]
   assert_close(assemble(shards, sharding, (3, 10)), value, name='summed')
   maxed = NamedSharding(MESH, P(None, 'y'), partial=('x',), reduction='max')
-  assert_close(assemble(shards, maxed, (3, 10)), np.maximum(value * 0.25, value * 0.75),
-               name='maxed')
+  assert_close(
+    assemble(shards, maxed, (3, 10)), np.maximum(value * 0.25, value * 0.75), name='maxed'
+  )
 
 
 def test_split_refuses_partial_and_manual():
@@ -80,7 +89,8 @@ def test_sharded_value_holds_shards_on_their_devices():
   sv = ShardedValue.from_global(value, sharding, DEVICES)
   assert sv.shape == (5, 9) and sv.dtype == tf.float32 and sv.num_partitions == 8
   assert [tf.DeviceSpec.from_string(s.backing_device).device_index for s in sv.shards] == list(
-      range(8))
+    range(8)
+  )
   np.testing.assert_array_equal(sv.numpy(), value)
   with pytest.raises(ValueError, match='padded shard shape'):
     ShardedValue([tf.zeros((2, 2))] * 8, sharding, (5, 9))
@@ -138,8 +148,9 @@ def test_uneven_sharded_matmul_outputs_global_and_sharded():
   assert_close(col_sums, (x @ w).sum(0), name='col_sums')
   assert program.per_partition.records[0].kind == 'all_reduce'
 
-  kept = SpmdProgram(MESH, fn, [rows, None], [rows, None], out_shapes=[(13, 5), None],
-                     keep_sharded=[True, False])
+  kept = SpmdProgram(
+    MESH, fn, [rows, None], [rows, None], out_shapes=[(13, 5), None], keep_sharded=[True, False]
+  )
   y_sharded, _ = kept(x, w)
   assert isinstance(y_sharded, ShardedValue) and y_sharded.sharding == rows
   assert_close(y_sharded.numpy(), x @ w, name='y_sharded')
@@ -173,8 +184,9 @@ def test_trace_needs_no_devices_for_large_meshes():
   def fn(ctx, x):
     return ctx.collectives.all_gather(x, 'model', 1)
 
-  program = SpmdProgram(big, fn, [NamedSharding(big, P('data', 'model'))],
-                        NamedSharding(big, P('data', None)))
+  program = SpmdProgram(
+    big, fn, [NamedSharding(big, P('data', 'model'))], NamedSharding(big, P('data', None))
+  )
   outer = program.trace(tf.TensorSpec((128, 8), tf.float32))
   calls = [op for op in outer.graph.get_operations() if op.type == 'StatefulPartitionedCall']
   assert len(calls) == 256
@@ -194,8 +206,7 @@ def test_per_partition_program_size_does_not_depend_on_n():
     program = trace_per_partition(mesh, fn, [tf.TensorSpec((2, 3), tf.float32)], autograph=False)
     ops = program.function.graph.get_operations()
     counts.append(len(ops))
-    big_consts = [op for op in ops if op.type == 'Const' and
-                  op.outputs[0].shape.num_elements() > 8]
+    big_consts = [op for op in ops if op.type == 'Const' and op.outputs[0].shape.num_elements() > 8]
     # Only the partition-id tables are O(N): one entry per partition.
     assert all(op.outputs[0].shape[0] == rows * 4 for op in big_consts)
   assert len(set(counts)) == 1
@@ -204,8 +215,13 @@ def test_per_partition_program_size_does_not_depend_on_n():
 def test_unknown_mesh_ids_and_bad_layouts_raise():
   with pytest.raises(ValueError, match='0..3'):
     SpmdProgram(Mesh(np.array([1, 2, 3, 4]), ('x',)), lambda ctx: 0)
-  program = SpmdProgram(MESH, lambda ctx, a: a, [NamedSharding(MESH, P('x', None))],
-                        NamedSharding(MESH, P('x', None)), out_shapes=[(9, 2)])
+  program = SpmdProgram(
+    MESH,
+    lambda ctx, a: a,
+    [NamedSharding(MESH, P('x', None))],
+    NamedSharding(MESH, P('x', None)),
+    out_shapes=[(9, 2)],
+  )
   with pytest.raises(ValueError, match='shard shape'):
     program(np.zeros((4, 2), np.float32))
 

@@ -7,6 +7,7 @@ another with only 4 devices must fail naming both counts. `saved_model_cli`
 reads the exports. The XLA export is reloaded, recompiled on 8 PJRT devices
 and its annotated graph re-captured.
 """
+
 import contextlib
 import json
 import os
@@ -36,13 +37,22 @@ CLI = str(pathlib.Path(sys.executable).parent / 'saved_model_cli')
 
 def run_fresh(script: str, devices: int, timeout: int = 240) -> subprocess.CompletedProcess:
   """`script` in a new interpreter with `devices` logical CPUs; tf_gspmd is NOT importable."""
-  head = ('import os, sys, json\nimport numpy as np\nimport tensorflow as tf\n'
-          'tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0], '
-          f'[tf.config.LogicalDeviceConfiguration()] * {devices})\n')
+  head = (
+    'import os, sys, json\nimport numpy as np\nimport tensorflow as tf\n'
+    'tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0], '
+    f'[tf.config.LogicalDeviceConfiguration()] * {devices})\n'
+  )
   env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
   env['TF_CPP_MIN_LOG_LEVEL'] = '2'
-  return subprocess.run([sys.executable, '-c', head + script], cwd='/', env=env,
-                        capture_output=True, text=True, timeout=timeout, check=False)
+  return subprocess.run(
+    [sys.executable, '-c', head + script],
+    cwd='/',
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    check=False,
+  )
 
 
 # --- the models ---------------------------------------------------------------------------------
@@ -54,6 +64,7 @@ def transformer_forward(mesh):
   @tf.function
   def forward(tokens):
     return model(tg.shard(tokens, mesh, tg.P('data', None)), training=False)
+
   tokens, _ = transformer.batch(seed=1)
   return forward, (tokens,)
 
@@ -61,17 +72,21 @@ def transformer_forward(mesh):
 def cnn_forward(mesh):
   """Image height split over 'h': both 3x3 convs and the pool exchange halos."""
   keras.utils.set_random_seed(0)
-  model = keras.Sequential([
+  model = keras.Sequential(
+    [
       keras.Input((16, 12, 3)),
       keras.layers.Conv2D(8, 3, padding='same', activation='relu', name='conv_0'),
       keras.layers.MaxPooling2D(2, name='pool_0'),
       keras.layers.Conv2D(8, 3, padding='same', activation='relu', name='conv_1'),
       keras.layers.GlobalAveragePooling2D(),
-      keras.layers.Dense(4, name='logits')])
+      keras.layers.Dense(4, name='logits'),
+    ]
+  )
 
   @tf.function
   def forward(images):
     return model(tg.shard(images, mesh, tg.P('data', 'h', None, None)), training=False)
+
   images = np.random.RandomState(0).randn(4, 16, 12, 3).astype(np.float32)
   return forward, (images,)
 
@@ -84,13 +99,16 @@ def moe_forward(mesh):
   @tf.function
   def forward(x):
     return moe.moe_layer(x, w, mesh)
+
   x, _ = moe.batch(seed=0)
   return forward, (x,)
 
 
-MODELS = {'transformer': (transformer_forward, ('data', 'model')),
-          'cnn': (cnn_forward, ('data', 'h')),
-          'moe': (moe_forward, ('data', 'model'))}
+MODELS = {
+  'transformer': (transformer_forward, ('data', 'model')),
+  'cnn': (cnn_forward, ('data', 'h')),
+  'moe': (moe_forward, ('data', 'model')),
+}
 
 
 @pytest.fixture(scope='module')
@@ -117,8 +135,13 @@ def _keras_export(root):
   """A Keras model trained one step with partition_model, exported with its forward pass."""
   mesh = tg.Mesh.create((2, 4), ('data', 'model'))
   keras.utils.set_random_seed(0)
-  model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation='relu', name='h'),
-                            keras.layers.Dense(4, name='out')])
+  model = keras.Sequential(
+    [
+      keras.Input((16,)),
+      keras.layers.Dense(32, activation='relu', name='h'),
+      keras.layers.Dense(4, name='out'),
+    ]
+  )
   model.compile(optimizer=keras.optimizers.SGD(0.1), loss='mse')
   layout = tg.LayoutMap(mesh)
   layout[r'.*h/kernel'] = tg.P(None, 'model')
@@ -126,8 +149,13 @@ def _keras_export(root):
   layout.apply(model)
   tg.partition_model(model, mesh)
   rng = np.random.RandomState(0)
-  model.fit(rng.randn(16, 16).astype(np.float32), rng.randn(16, 4).astype(np.float32),
-            batch_size=16, epochs=1, verbose=0)
+  model.fit(
+    rng.randn(16, 16).astype(np.float32),
+    rng.randn(16, 4).astype(np.float32),
+    batch_size=16,
+    epochs=1,
+    verbose=0,
+  )
   x = rng.randn(8, 16).astype(np.float32)
   want = model(x, training=False).numpy()  # the trained weights, unpartitioned
   info = tg.saved_model.save(model, str(root / 'keras'), signatures=(tf.TensorSpec([8, 16]),))
@@ -144,8 +172,10 @@ def test_exports_store_each_distinct_shard_once(exports):
     # Replicated pieces are stored once: the files hold the total bytes (these shapes divide).
     assert info.stored_bytes == info.total_bytes, (name, info)
     data = sum(f.stat().st_size for f in pathlib.Path(e['dir'], 'variables').glob('*.data*'))
-    print(f'{name}: total {info.total_bytes} B, stored {info.stored_bytes} B, data file {data} B, '
-          f'one device {info.per_partition_bytes} B')
+    print(
+      f'{name}: total {info.total_bytes} B, stored {info.stored_bytes} B, data file {data} B, '
+      f'one device {info.per_partition_bytes} B'
+    )
     assert info.total_bytes <= data <= info.total_bytes + 16384, (name, data, info.total_bytes)
     meta = tg.saved_model.metadata(e['dir'])
     assert meta['num_partitions'] == 8 and len(meta['signatures']['serving_default']['inputs']) == 1
@@ -153,11 +183,16 @@ def test_exports_store_each_distinct_shard_once(exports):
 
 def test_collectives_are_in_the_served_graph(exports):
   """The CNN's halos (send/recv) and the MoE's all-to-all run inside the saved signature."""
-  for name, wanted in (('cnn', 'CollectiveBcastSendV2'), ('moe', 'CollectiveAllToAllV2'),
-                       ('transformer', 'CollectiveReduceV2')):
-    from tensorflow.core.protobuf import saved_model_pb2  # pylint: disable=g-import-not-at-top
+  for name, wanted in (
+    ('cnn', 'CollectiveBcastSendV2'),
+    ('moe', 'CollectiveAllToAllV2'),
+    ('transformer', 'CollectiveReduceV2'),
+  ):
+    from tensorflow.core.protobuf import saved_model_pb2
+
     proto = saved_model_pb2.SavedModel.FromString(
-        pathlib.Path(exports[name]['dir'], 'saved_model.pb').read_bytes())
+      pathlib.Path(exports[name]['dir'], 'saved_model.pb').read_bytes()
+    )
     ops = {n.op for f in proto.meta_graphs[0].graph_def.library.function for n in f.node_def}
     assert wanted in ops, (name, sorted(ops))
     kinds = {r['kind'] for r in exports[name]['pf'].collectives()}
@@ -166,10 +201,15 @@ def test_collectives_are_in_the_served_graph(exports):
 
 def test_plain_tensorflow_serves_every_export_in_a_fresh_process(exports, tmp_path):
   """The fresh process (no tf_gspmd) writes what it served; the oracle compares it here."""
-  cases = {name: (e['dir'], str(pathlib.Path(e['dir']).parent / f'{name}_in.npy'),
-                  str(tmp_path / f'{name}_served.npy'))
-           for name, e in exports.items()}
-  script = f'''
+  cases = {
+    name: (
+      e['dir'],
+      str(pathlib.Path(e['dir']).parent / f'{name}_in.npy'),
+      str(tmp_path / f'{name}_served.npy'),
+    )
+    for name, e in exports.items()
+  }
+  script = f"""
 cases = {cases!r}
 for name, (path, inp, out_path) in cases.items():
   loaded = tf.saved_model.load(path)
@@ -177,7 +217,7 @@ for name, (path, inp, out_path) in cases.items():
   (key,) = serve.structured_input_signature[1]
   np.save(out_path, serve(**{{key: tf.constant(np.load(inp))}})['output_0'].numpy())
 print(json.dumps({{'tf_gspmd_imported': any(m.startswith('tf_gspmd') for m in sys.modules)}}))
-'''
+"""
   done = run_fresh(script, devices=8)
   assert done.returncode == 0, done.stderr[-3000:]
   result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -189,7 +229,7 @@ print(json.dumps({{'tf_gspmd_imported': any(m.startswith('tf_gspmd') for m in sy
 
 def test_fewer_devices_fail_naming_both_counts(exports):
   path, inp = exports['moe']['dir'], str(pathlib.Path(exports['moe']['dir']).parent / 'moe_in.npy')
-  script = f'''
+  script = f"""
 serve = tf.saved_model.load({path!r}).signatures['serving_default']
 try:
   serve(x=tf.constant(np.load({inp!r})))
@@ -203,7 +243,7 @@ try:
   print('NO ERROR')
 except ValueError as e:
   print('TG:', e)
-'''
+"""
   done = run_fresh(script, devices=4, timeout=120)
   assert done.returncode == 0, done.stderr[-3000:]
   out = done.stdout
@@ -215,25 +255,37 @@ except ValueError as e:
 
 
 def cli(*args, timeout=120) -> subprocess.CompletedProcess:
-  return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=timeout,
-                        check=False, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'))
+  return subprocess.run(
+    [CLI, *args],
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    check=False,
+    env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'),
+  )
 
 
 def printed_result(stdout: str, key: str) -> np.ndarray:
   """The numbers `saved_model_cli run` printed after 'Result for output key KEY:'."""
   text = stdout.split(f'Result for output key {key}:', 1)[1]
-  text = text[text.index('['):text.rindex(']') + 1]  # the array, not the --outdir line after it
-  return np.array([float(v) for v in re.findall(r'[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?',
-                                                 text)], np.float32)
+  text = text[text.index('[') : text.rindex(']') + 1]  # the array, not the --outdir line after it
+  return np.array(
+    [float(v) for v in re.findall(r'[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?', text)], np.float32
+  )
 
 
 @contextlib.contextmanager
 def device_server(export_dir: str, wait: float = 120):
   """`python -m tf_gspmd.serve --export DIR` as the README says; yields its grpc:// target."""
   env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL='2')
-  server = subprocess.Popen([sys.executable, '-m', 'tf_gspmd.serve', '--export', export_dir],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True)
+  server = subprocess.Popen(
+    [sys.executable, '-m', 'tf_gspmd.serve', '--export', export_dir],
+    cwd=ROOT,
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.DEVNULL,
+    text=True,
+  )
   try:
     deadline = time.monotonic() + wait
     line = ''
@@ -257,20 +309,42 @@ def test_saved_model_cli_show_and_run(exports, tmp_path):
   assert 'shape: (4, 16, 12, 3)' in show.stdout and 'shape: (4, 4)' in show.stdout, show.stdout
   # A local TF1 session has one CPU device: the export says so instead of hanging.
   inp = str(pathlib.Path(path).parent / 'cnn_in.npy')
-  run = cli('run', '--dir', path, '--tag_set', 'serve', '--signature_def', 'serving_default',
-            '--inputs', f'images={inp}')
+  run = cli(
+    'run',
+    '--dir',
+    path,
+    '--tag_set',
+    'serve',
+    '--signature_def',
+    'serving_default',
+    '--inputs',
+    f'images={inp}',
+  )
   assert run.returncode != 0
   assert 'runs 8 partitions' in run.stderr and '[1] [of those 8 devices exist' in run.stderr, (
-      run.stderr[-2000:])
+    run.stderr[-2000:]
+  )
   # On the device server (8 CPU devices), `run --worker` executes the partitioned program: the
   # CNN's halo exchange (collective send/recv) and the MoE's all-to-all.
   with device_server(path) as target:
     for name, arg in (('cnn', 'images'), ('moe', 'x')):
       e = exports[name]
       inp = str(pathlib.Path(e['dir']).parent / f'{name}_in.npy')
-      run = cli('run', '--dir', e['dir'], '--tag_set', 'serve', '--signature_def',
-                'serving_default', '--inputs', f'{arg}={inp}', '--worker', target,
-                '--outdir', str(tmp_path / name))
+      run = cli(
+        'run',
+        '--dir',
+        e['dir'],
+        '--tag_set',
+        'serve',
+        '--signature_def',
+        'serving_default',
+        '--inputs',
+        f'{arg}={inp}',
+        '--worker',
+        target,
+        '--outdir',
+        str(tmp_path / name),
+      )
       assert run.returncode == 0, run.stderr[-3000:]
       saved = np.load(tmp_path / name / 'output_0.npy')
       want = e['want']
@@ -284,9 +358,11 @@ def test_saved_model_cli_show_and_run(exports, tmp_path):
 
 def test_signature_calls_carry_the_session_collective_key(exports):
   """A TF1 session derives a collective_graph_key only from top-level V1 collective ops."""
-  from tensorflow.core.protobuf import saved_model_pb2  # pylint: disable=g-import-not-at-top
+  from tensorflow.core.protobuf import saved_model_pb2
+
   proto = saved_model_pb2.SavedModel.FromString(
-      pathlib.Path(exports['moe']['dir'], 'saved_model.pb').read_bytes())
+    pathlib.Path(exports['moe']['dir'], 'saved_model.pb').read_bytes()
+  )
   graph = proto.meta_graphs[0].graph_def
   nodes = {n.name: n for n in graph.node}
   marker = nodes[tg.saved_model.SESSION_KEY_NODE]
@@ -300,19 +376,23 @@ def test_signature_calls_carry_the_session_collective_key(exports):
 # --- point 2: XLA / TPU export ------------------------------------------------------------------
 def test_xla_export_recompiles_and_its_annotated_graph_reads_back(exports, tmp_path):
   pytest.importorskip('jax')
-  from tf_gspmd.graph.capture import capture  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.xla_bridge import pjrt  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.graph.capture import capture
+  from tf_gspmd.xla_bridge import pjrt
+
   e = exports['transformer']
   pf, args, want = e['pf'], e['args'], e['want']
   tg.saved_model.save_xla(pf, str(tmp_path / 'xla'), *args)
   export, values = tg.saved_model.load_xla(str(tmp_path / 'xla'))
   executable = pjrt.PjrtExecutable(export)
   inputs = [pjrt.put_global(args[0], export.args[0], executable.devices)]
-  inputs += [pjrt.put_global(values[i], export.args[i], executable.devices)
-             for i in range(1, len(export.args))]
+  inputs += [
+    pjrt.put_global(values[i], export.args[i], executable.devices)
+    for i in range(1, len(export.args))
+  ]
   outputs = executable.run(inputs)
-  got = pjrt.assemble_global(outputs[0], export.results[0].sharding, export.results[0].shape,
-                             'output')
+  got = pjrt.assemble_global(
+    outputs[0], export.results[0].sharding, export.results[0].shape, 'output'
+  )
   assert_close(got.numpy(), want, 'the XLA export recompiled')
   assert executable.collective_counts().get('all-reduce', 0) >= 4
 
@@ -347,8 +427,18 @@ def test_readme_save_serve_restore_example_runs_verbatim(tmp_path):
   script = tmp_path / 'readme_save_serve.py'
   script.write_text(block)  # a file, as tests/test_readme.py runs README blocks
   env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL='2')
-  done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True,
-                        text=True, timeout=240, check=False)
+  done = subprocess.run(
+    [sys.executable, str(script)],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=240,
+    check=False,
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   assert done.stdout.splitlines() == [
-      '5120 5120', 'True', "['annotated', 'layouts.json', 'module.mlir', 'values.npz']"], done.stdout
+    '5120 5120',
+    'True',
+    "['annotated', 'layouts.json', 'module.mlir', 'values.npz']",
+  ], done.stdout

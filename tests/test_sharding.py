@@ -1,4 +1,5 @@
 """P, Sharding and NamedSharding: meaning-based equality, str/repr, geometry, helpful errors."""
+
 import copy
 import pickle
 
@@ -13,18 +14,18 @@ MESH = Mesh.create((2, 4), ('data', 'model'))
 MESH3 = Mesh(np.array([[[5, 2], [7, 0]], [[1, 6], [3, 4]]]), ('x', 'y', 'z'))
 
 REPR_CASES = [
-    Sharding.replicated(),
-    Sharding.manual(),
-    Sharding.maximal(3),
-    Sharding.tiled([[0, 1], [2, 3]]),
-    Sharding.tiled([[[3, 1]], [[0, 2]]], subgroups=('replicated',)),
-    Sharding.tiled(np.arange(8).reshape(2, 1, 2, 2), subgroups=('manual', 'replicated')),
-    Sharding.tiled(np.arange(8).reshape(2, 2, 2), subgroups=('partial_sum', 'replicated')),
-    NamedSharding(MESH, P('data', None)),
-    NamedSharding(MESH, P(('model', 'data'), None)),
-    NamedSharding(MESH, P(None, 'model'), partial=('data',)),
-    NamedSharding(MESH, P(None, None), partial='model', reduction='max'),
-    NamedSharding(MESH3, P('z', None, ('x', 'y'))),
+  Sharding.replicated(),
+  Sharding.manual(),
+  Sharding.maximal(3),
+  Sharding.tiled([[0, 1], [2, 3]]),
+  Sharding.tiled([[[3, 1]], [[0, 2]]], subgroups=('replicated',)),
+  Sharding.tiled(np.arange(8).reshape(2, 1, 2, 2), subgroups=('manual', 'replicated')),
+  Sharding.tiled(np.arange(8).reshape(2, 2, 2), subgroups=('partial_sum', 'replicated')),
+  NamedSharding(MESH, P('data', None)),
+  NamedSharding(MESH, P(('model', 'data'), None)),
+  NamedSharding(MESH, P(None, 'model'), partial=('data',)),
+  NamedSharding(MESH, P(None, None), partial='model', reduction='max'),
+  NamedSharding(MESH3, P('z', None, ('x', 'y'))),
 ]
 
 
@@ -54,7 +55,7 @@ def test_p_rejects_bad_entries(entry):
 # --- value semantics ---------------------------------------------------------------------
 @pytest.mark.parametrize('s', REPR_CASES, ids=str)
 def test_repr_is_exact(s):
-  again = eval(repr(s))  # pylint: disable=eval-used
+  again = eval(repr(s))
   assert again == s and hash(again) == hash(s) and repr(again) == repr(s)
   assert type(again) is type(s)
   assert pickle.loads(pickle.dumps(s)) == s and copy.deepcopy(s) == s
@@ -72,10 +73,12 @@ def test_immutable(s):
 def test_str_forms():
   assert str(NamedSharding(MESH, P('data', None))) == "P('data', None)"
   assert str(NamedSharding(MESH, P(None, 'model'), partial='data')) == (
-      "P(None, 'model') partial_sum('data')")
+    "P(None, 'model') partial_sum('data')"
+  )
   assert str(Sharding.tiled([[0, 1], [2, 3]])) == '{devices=[2,2]0,1,2,3}'
   assert str(Sharding.partial_tile([[[0, 1]], [[2, 3]]])) == (
-      '{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}')
+    '{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}'
+  )
   assert str(Sharding.maximal(2)) == '{maximal device=2}'
   assert str(Sharding.replicated()) == '{replicated}'
 
@@ -87,7 +90,8 @@ def test_equal_by_meaning():
   # Size-1 subgroup dims and split subgroup dims of one kind change nothing.
   assert Sharding.tiled([[0, 1], [2, 3]]) == Sharding.partial_tile([[[0], [1]], [[2], [3]]])
   assert Sharding.tiled(np.arange(8).reshape(2, 2, 2), ('replicated', 'replicated')) == (
-      Sharding.partial_tile(np.arange(8).reshape(2, 4)))
+    Sharding.partial_tile(np.arange(8).reshape(2, 4))
+  )
   # A tile of one device is maximal, a tile of all replicas is replicated.
   assert Sharding.tiled([[5]]) == Sharding.maximal(5)
   assert Sharding.partial_tile([[np.arange(8)]]) == Sharding.replicated()
@@ -97,9 +101,12 @@ def test_equal_by_meaning():
   assert Sharding.tiled([[0, 1]]) != Sharding.tiled([[0], [1]])
   # Manual groups keep their order; the groups of a pending reduction do not.
   assert Sharding.tiled([[[0, 1]], [[2, 3]]], ('manual',)) != (
-      Sharding.tiled([[[1, 0]], [[3, 2]]], ('manual',)))
+    Sharding.tiled([[[1, 0]], [[3, 2]]], ('manual',))
+  )
   pending = Sharding.tiled(np.arange(8).reshape(2, 2, 2), ('partial_sum', 'replicated'))
-  swapped = Sharding.tiled(np.arange(8).reshape(2, 2, 2)[:, ::-1, ::-1], ('partial_sum', 'replicated'))
+  swapped = Sharding.tiled(
+    np.arange(8).reshape(2, 2, 2)[:, ::-1, ::-1], ('partial_sum', 'replicated')
+  )
   assert pending == swapped and hash(pending) == hash(swapped)
   assert pending != pending.without_partial()
   assert pending.without_partial() == Sharding.partial_tile(np.arange(8).reshape(2, 4))
@@ -107,6 +114,7 @@ def test_equal_by_meaning():
 
 def test_named_equals_tf_mesh_split_layout():
   from tensorflow.python.compiler.xla.experimental import xla_sharding
+
   device_mesh = np.arange(8).reshape(2, 4)
   from_tf = from_proto(xla_sharding.mesh_split_sharding(device_mesh, [0, -1]).proto)
   assert NamedSharding(MESH, P('data', None)) == from_tf
@@ -128,8 +136,16 @@ def test_named_sharding_structure():
 
 
 # --- re-expressing on a mesh ---------------------------------------------------------------
-@pytest.mark.parametrize('spec', [P('data', None), P(None, 'model'), P(('model', 'data'), None),
-                                  P('model', 'data'), P(None, None)])
+@pytest.mark.parametrize(
+  'spec',
+  [
+    P('data', None),
+    P(None, 'model'),
+    P(('model', 'data'), None),
+    P('model', 'data'),
+    P(None, None),
+  ],
+)
 def test_named_finds_the_spec(spec):
   s = NamedSharding(MESH, spec)
   plain = Sharding.tiled(s.tile_assignment, s.subgroups) if s.is_tiled else Sharding.replicated()
@@ -151,7 +167,9 @@ def test_named_on_permuted_mesh_and_partial():
 
 
 def test_named_refuses_other_devices():
-  with pytest.raises(ValueError, match=r'tiled over 4 devices.*mesh Mesh\(data=2, model=4\) holds 8'):
+  with pytest.raises(
+    ValueError, match=r'tiled over 4 devices.*mesh Mesh\(data=2, model=4\) holds 8'
+  ):
     named(Sharding.tiled([[0, 1], [2, 3]]), MESH)
 
 
@@ -167,7 +185,11 @@ def test_sharding_geometry_uneven():
   s = NamedSharding(MESH, P('model', None))
   assert s.shard_shape((10, 3)) == (3, 3)
   assert [s.shard_bounds((10, 3), d) for d in range(4)] == [
-      ((0, 3), (0, 3)), ((3, 6), (0, 3)), ((6, 9), (0, 3)), ((9, 10), (0, 3))]
+    ((0, 3), (0, 3)),
+    ((3, 6), (0, 3)),
+    ((6, 9), (0, 3)),
+    ((9, 10), (0, 3)),
+  ]
   assert s.shard_bounds((10, 3), 4) == s.shard_bounds((10, 3), 0)  # replica along 'data'
   assert s.shard_offsets((10, 3), 7) == (9, 0)
   assert s.shard_bounds((10, 3), 8) is None  # not a mesh device
@@ -197,7 +219,9 @@ def test_axis_used_twice_and_unknown_axis():
     NamedSharding(MESH, P(('model', 'data'), 'model'))
   with pytest.raises(ValueError, match=r"partial=\('data',\).*'data' is used twice"):
     NamedSharding(MESH, P('data', None), partial='data')
-  with pytest.raises(ValueError, match=r"unknown mesh axis 'batch'.*\{'data': 2, 'model': 4\}.*or None"):
+  with pytest.raises(
+    ValueError, match=r"unknown mesh axis 'batch'.*\{'data': 2, 'model': 4\}.*or None"
+  ):
     NamedSharding(MESH, P('batch', None))
 
 
@@ -206,11 +230,17 @@ def test_check_devices():
   Sharding.tiled([[3, 1], [0, 2]]).check_devices(4)
   Sharding.replicated().check_devices(8)
   Sharding.maximal(7).check_devices(8)
-  with pytest.raises(ValueError, match=r'tile assignment of shape \(2, 2\) \(4 devices\).*runs on 8 '
-                                       r'devices.*tile assignment over exactly'):
+  with pytest.raises(
+    ValueError,
+    match=r'tile assignment of shape \(2, 2\) \(4 devices\).*runs on 8 '
+    r'devices.*tile assignment over exactly',
+  ):
     Sharding.tiled([[3, 1], [0, 2]]).check_devices(8)
-  with pytest.raises(ValueError, match=r'mesh Mesh\(data=2, model=4\) of 8 devices.*runs on 4 devices'
-                                       r'.*build the mesh'):
+  with pytest.raises(
+    ValueError,
+    match=r'mesh Mesh\(data=2, model=4\) of 8 devices.*runs on 4 devices'
+    r'.*build the mesh',
+  ):
     NamedSharding(MESH, P(None, None)).check_devices(4, what="variable 'w'")
   with pytest.raises(ValueError, match='device 9.*on 8 devices'):
     Sharding.maximal(9).check_devices(8)

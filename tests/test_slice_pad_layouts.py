@@ -10,6 +10,7 @@ unpartitioned op (values exact), with its collectives counted exactly:
   time fills the tail of shards that keep their size (no collective) and
   otherwise needs the dim whole; MirrorPad pads whole dims.
 """
+
 import pytest
 import tensorflow as tf
 
@@ -23,22 +24,22 @@ def _specs():
   x = v.uniform((16, 5))
   y = v.uniform((10, 5))
   flags = v.bools((10, 3))
+
   # A pad value known only at run time (float arithmetic is not folded): the largest value,
   # itself one all-reduce (max) over the split rows.
   def largest(a):
     return tf.reduce_max(a)
+
   return [
-      spec('Slice/middle', lambda a: raw('Slice', a, [5, 0], [6, 5]), arg(x)),
-      spec('Slice/far', lambda a: raw('Slice', a, [11, 0], [4, 5]), arg(x)),
-      spec('StridedSlice/step3', lambda a: a[1:14:3], arg(x)),
-      spec('StridedSlice/row', lambda a: a[9], arg(x)),
-      spec('StridedSlice/bool_row', lambda a: a[7], arg(flags)),
-      spec('PadV2/runtime_tail', lambda a: raw('PadV2', a, [[0, 2], [0, 0]], largest(a)), arg(y)),
-      spec('PadV2/runtime_front', lambda a: raw('PadV2', a, [[2, 0], [0, 0]], largest(a)),
-           arg(x)),
-      spec('PadV2/static_front', lambda a: raw('PadV2', a, [[2, 1], [0, 0]], -1.5), arg(x)),
-      spec('MirrorPad/rows', lambda a: raw('MirrorPad', a, [[1, 2], [0, 0]], mode='REFLECT'),
-           arg(x)),
+    spec('Slice/middle', lambda a: raw('Slice', a, [5, 0], [6, 5]), arg(x)),
+    spec('Slice/far', lambda a: raw('Slice', a, [11, 0], [4, 5]), arg(x)),
+    spec('StridedSlice/step3', lambda a: a[1:14:3], arg(x)),
+    spec('StridedSlice/row', lambda a: a[9], arg(x)),
+    spec('StridedSlice/bool_row', lambda a: a[7], arg(flags)),
+    spec('PadV2/runtime_tail', lambda a: raw('PadV2', a, [[0, 2], [0, 0]], largest(a)), arg(y)),
+    spec('PadV2/runtime_front', lambda a: raw('PadV2', a, [[2, 0], [0, 0]], largest(a)), arg(x)),
+    spec('PadV2/static_front', lambda a: raw('PadV2', a, [[2, 1], [0, 0]], -1.5), arg(x)),
+    spec('MirrorPad/rows', lambda a: raw('MirrorPad', a, [[1, 2], [0, 0]], mode='REFLECT'), arg(x)),
   ]
 
 
@@ -46,7 +47,9 @@ ROWS = P('x', None)
 BOTH = P(('a', 'b'), None)
 
 
-@pytest.mark.parametrize('name,mesh,in_specs,expected', [
+@pytest.mark.parametrize(
+  'name,mesh,in_specs,expected',
+  [
     # 6 rows from row 5 of 16 over 4 (4 per shard, 2 kept): rows from the right neighbour.
     ('Slice/middle', '1d', (ROWS,), {'permute': 1}),
     ('Slice/far', '1d', (ROWS,), {'permute': 2}),  # rows 11..14: three shards away
@@ -60,7 +63,8 @@ BOTH = P(('a', 'b'), None)
     ('PadV2/static_front', '1d', (ROWS,), {'permute': 2}),  # halos from both sides
     ('PadV2/static_front', '2d', (BOTH,), {'permute': 3}),
     ('MirrorPad/rows', '1d', (ROWS,), {'all_gather': 1}),
-])
+  ],
+)
 def test_slice_and_pad_along_split_dims(name, mesh, in_specs, expected):
   previous = op_sweep.fast_first_runs()
   try:

@@ -5,6 +5,7 @@ CI runs a short soak (a rotating seed, printed); the closing note reports the fu
 the newest published checkpoint bitwise, and the run must end where the uninterrupted run
 ends (bitwise here; the oracle's bound for the weights float32 can resolve).
 """
+
 import os
 import re
 import subprocess
@@ -21,16 +22,38 @@ SEED = int(os.environ.get('TF_GSPMD_SOAK_SEED', time.strftime('%j')))  # rotates
 def test_kills_during_saves_lose_nothing():
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', KERAS_BACKEND='tensorflow')
   result = subprocess.run(
-      [sys.executable, os.path.join(ROOT, 'examples', 'soak.py'), '--steps', '30', '--every', '10',
-       '--kills', '2', '--seed', str(SEED)],
-      capture_output=True, text=True, env=env, cwd=ROOT, timeout=600, check=False)
+    [
+      sys.executable,
+      os.path.join(ROOT, 'examples', 'soak.py'),
+      '--steps',
+      '30',
+      '--every',
+      '10',
+      '--kills',
+      '2',
+      '--seed',
+      str(SEED),
+    ],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=ROOT,
+    timeout=600,
+    check=False,
+  )
   out = result.stdout
   print(f'seed {SEED} (TF_GSPMD_SOAK_SEED reproduces it)\n{out}')
   assert result.returncode == 0, (out + result.stderr)[-3000:]
   summary = out.strip().splitlines()[-1]
-  kills, restores, fresh = map(int, re.search(
-      r'(\d+) kills during saves, (\d+) restores .*?, (\d+) fresh starts', summary).groups())
+  kills, restores, fresh = map(
+    int,
+    re.search(
+      r'(\d+) kills during saves, (\d+) restores .*?, (\d+) fresh starts', summary
+    ).groups(),
+  )
   assert kills == 2 and restores + fresh == kills, summary
-  assert len(re.findall(r'^  trainer: restored ckpt-\d+ at step \d+: every variable bitwise', out,
-                        re.M)) == restores
+  assert (
+    len(re.findall(r'^  trainer: restored ckpt-\d+ at step \d+: every variable bitwise', out, re.M))
+    == restores
+  )
   assert 'weights bitwise equal' in summary or 'worst normwise relative error' in summary

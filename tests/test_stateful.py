@@ -7,6 +7,7 @@ result identical on all devices, a sharded one assembling consistently), and
 the values must still change from call to call. Seeded ops must give exactly
 TF's values, call after call.
 """
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -46,6 +47,7 @@ def test_stateful_ops_are_not_folded_but_constant_arithmetic_is():
 
 def test_random_int_draw_changes_from_call_to_call():
   """Issue #12: the draw was folded into a constant and repeated on every call."""
+
   @tf.function
   def f():
     return tf.random.uniform([8, 3], maxval=100, dtype=tf.int32)
@@ -61,13 +63,13 @@ def test_random_int_draw_changes_from_call_to_call():
 
 # --- one global random tensor on every partition ---------------------------------------------
 UNSEEDED = {
-    'RandomUniform': lambda: tf.random.uniform([16, 5]),
-    'RandomStandardNormal': lambda: tf.random.normal([16, 5]),
-    'TruncatedNormal': lambda: tf.random.truncated_normal([16, 5]),
-    'RandomUniformInt': lambda: tf.random.uniform([16, 5], maxval=1 << 30, dtype=tf.int32),
-    'RandomShuffle': lambda: tf.random.shuffle(tf.reshape(tf.range(80), [16, 5])),
-    'Multinomial': lambda: tf.random.categorical(tf.math.log(tf.fill([16, 50], 0.02)), 5),
-    'RandomGamma': lambda: tf.random.gamma([16, 5], 2.0),
+  'RandomUniform': lambda: tf.random.uniform([16, 5]),
+  'RandomStandardNormal': lambda: tf.random.normal([16, 5]),
+  'TruncatedNormal': lambda: tf.random.truncated_normal([16, 5]),
+  'RandomUniformInt': lambda: tf.random.uniform([16, 5], maxval=1 << 30, dtype=tf.int32),
+  'RandomShuffle': lambda: tf.random.shuffle(tf.reshape(tf.range(80), [16, 5])),
+  'Multinomial': lambda: tf.random.categorical(tf.math.log(tf.fill([16, 50], 0.02)), 5),
+  'RandomGamma': lambda: tf.random.gamma([16, 5], 2.0),
 }
 
 
@@ -120,6 +122,7 @@ def test_unseeded_random_inside_a_loop_is_one_tensor_per_iteration():
   def f():
     def body(i, acc):
       return i + 1, acc + replicate(tf.random.uniform([16, 3]))
+
     _, acc = tf.while_loop(lambda i, acc: i < 3, body, [0, tf.zeros([16, 3])])
     acc = replicate(acc)
     return acc, acc
@@ -133,10 +136,10 @@ def test_unseeded_random_inside_a_loop_is_one_tensor_per_iteration():
 
 # --- seeded: TF's own values, call after call ------------------------------------------------
 SEEDED = {
-    'RandomUniform': lambda: tf.random.uniform([10, 3], seed=7),
-    'RandomUniformInt': lambda: tf.random.uniform([10, 3], maxval=100, dtype=tf.int32, seed=7),
-    'TruncatedNormal': lambda: tf.random.truncated_normal([10, 3], seed=7),
-    'RandomShuffle': lambda: tf.random.shuffle(tf.range(10), seed=7),
+  'RandomUniform': lambda: tf.random.uniform([10, 3], seed=7),
+  'RandomUniformInt': lambda: tf.random.uniform([10, 3], maxval=100, dtype=tf.int32, seed=7),
+  'TruncatedNormal': lambda: tf.random.truncated_normal([10, 3], seed=7),
+  'RandomShuffle': lambda: tf.random.shuffle(tf.range(10), seed=7),
 }
 
 
@@ -148,7 +151,8 @@ def test_seeded_random_matches_tensorflow_on_every_call(op_type, out_spec):
   want = [reference().numpy() for _ in range(3)]
   assert not np.array_equal(want[0], want[1])  # TF's seeded op moves on between calls
   spec = None if out_spec is None else P(*(['x'] + [None] * (want[0].ndim - 1)))
-  pf = tg.partition(tf.function(draw), MESH,
-                    out_shardings=None if spec is None else [NamedSharding(MESH, spec)])
+  pf = tg.partition(
+    tf.function(draw), MESH, out_shardings=None if spec is None else [NamedSharding(MESH, spec)]
+  )
   for k in range(3):
     np.testing.assert_array_equal(_values(pf())[0], want[k], err_msg=f'call {k}')

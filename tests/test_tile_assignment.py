@@ -35,11 +35,15 @@ ISSUE_ORDER = [0, 2, 3, 1, 4, 6, 7, 5]  # the issue's devices=[2,4]0,2,3,1,4,6,7
 
 
 def _proto(dims, devices, last_tile_dims=None, replicate_last=False):
-  from tensorflow.compiler.xla import xla_data_pb2  # pylint: disable=g-import-not-at-top
+  from tensorflow.compiler.xla import xla_data_pb2
+
   t = xla_data_pb2.OpSharding
-  proto = t(type=t.OTHER, tile_assignment_dimensions=list(dims),
-            tile_assignment_devices=[int(d) for d in devices],
-            replicate_on_last_tile_dim=replicate_last)
+  proto = t(
+    type=t.OTHER,
+    tile_assignment_dimensions=list(dims),
+    tile_assignment_devices=[int(d) for d in devices],
+    replicate_on_last_tile_dim=replicate_last,
+  )
   if last_tile_dims:
     proto.last_tile_dims.extend(t.REPLICATED for _ in last_tile_dims)
   return proto
@@ -58,12 +62,19 @@ def test_issue_example_is_a_spec_on_a_reordered_mesh():
 
 # (mesh, tile dims, subgroup style): 1-D, 2-D and 3-D meshes, with replicated subgroups.
 LAYOUTS = [
-    (M8, (8,), None), (M8, (1, 8), None), (M8, (8, 1, 1), 'last_tile_dims'),
-    (M24, (2, 4), None), (M24, (4, 2), None), (M24, (1, 8), None),
-    (M24, (2, 1, 4), 'replicate_last'), (M24, (4, 1, 2), 'last_tile_dims'),
-    (M24, (2, 4, 1), 'last_tile_dims'),
-    (M222, (2, 2, 2), None), (M222, (4, 2), None), (M222, (2, 1, 4), 'replicate_last'),
-    (M222, (2, 2, 1, 2), 'last_tile_dims'),
+  (M8, (8,), None),
+  (M8, (1, 8), None),
+  (M8, (8, 1, 1), 'last_tile_dims'),
+  (M24, (2, 4), None),
+  (M24, (4, 2), None),
+  (M24, (1, 8), None),
+  (M24, (2, 1, 4), 'replicate_last'),
+  (M24, (4, 1, 2), 'last_tile_dims'),
+  (M24, (2, 4, 1), 'last_tile_dims'),
+  (M222, (2, 2, 2), None),
+  (M222, (4, 2), None),
+  (M222, (2, 1, 4), 'replicate_last'),
+  (M222, (2, 2, 1, 2), 'last_tile_dims'),
 ]
 
 
@@ -72,8 +83,12 @@ def test_any_permutation_converts_and_keeps_its_meaning(mesh, dims, style):
   rng = np.random.default_rng(sum(dims) + mesh.size)
   for _ in range(6):
     devices = rng.permutation(mesh.size)
-    proto = _proto(dims, devices, last_tile_dims=[0] if style == 'last_tile_dims' else None,
-                   replicate_last=style == 'replicate_last')
+    proto = _proto(
+      dims,
+      devices,
+      last_tile_dims=[0] if style == 'last_tile_dims' else None,
+      replicate_last=style == 'replicate_last',
+    )
     plain = op_sharding.from_proto(proto)
     s = op_sharding.from_proto(proto, mesh=mesh)
     assert isinstance(s, NamedSharding), (dims, devices)
@@ -90,14 +105,16 @@ def test_tile_dims_no_axis_grouping_gives_are_refused_clearly():
   s = Sharding.tiled(np.arange(8)[::-1].reshape(2, 2, 2))
   assert named(s, M24) is None
   with pytest.raises(ValueError, match='tile dims'):
-    from tf_gspmd.propagation.api import propagate_captured  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.propagation.api import propagate_captured
+
     mesh = M24
 
     @tf.function
     def f(x):
       return tg.annotate(x, s) * 2.0
 
-    from tf_gspmd.graph.capture import capture  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.graph.capture import capture
+
     propagate_captured(capture(f, np.zeros((2, 2, 2), np.float32)), mesh)
 
 
@@ -132,8 +149,9 @@ def test_plans_between_orders_are_exact_and_cost_at_most_one_permute(mesh):
     x = rng.integers(1, 100, size=shape).astype(np.float64)
     sim.check_shards(x, dst, sim.simulate(plan, sim.make_shards(x, src, rng)))
     assert plan.peak_bytes <= plan.bound_bytes, plan
-    same_order = rp.plan_reshard(NamedSharding(mesh, src_spec, partial),
-                                 NamedSharding(mesh, dst_spec), shape)
+    same_order = rp.plan_reshard(
+      NamedSharding(mesh, src_spec, partial), NamedSharding(mesh, dst_spec), shape
+    )
     extra = plan.bytes_moved - same_order.bytes_moved
     assert extra <= min(plan.src_shard_bytes, plan.dst_shard_bytes), (plan, same_order)
     reorders = [s for s in plan.steps if s.kind == 'permute' and s.from_axes == s.to_axes]
@@ -149,8 +167,12 @@ def test_same_order_costs_nothing_and_order_only_is_one_permute():
   assert len(plan.steps[0].pairs) == 6  # devices 0 and 4 keep their shard
   # Orders that agree on the axes a layout uses need no move at all.
   rows_kept = M24.reordered([[1, 0, 3, 2], [5, 4, 7, 6]])
-  assert rp.plan_reshard(NamedSharding(M24, P('x', None)),
-                         NamedSharding(rows_kept, P('x', None)), (8, 8)).steps == ()
+  assert (
+    rp.plan_reshard(
+      NamedSharding(M24, P('x', None)), NamedSharding(rows_kept, P('x', None)), (8, 8)
+    ).steps
+    == ()
+  )
 
 
 # --- lowering on 8 logical CPUs ----------------------------------------------------------------
@@ -166,14 +188,26 @@ class _Log:
 D24 = M24.reordered(np.reshape(ISSUE_ORDER, (2, 4)))
 D222 = M222.reordered(np.array([5, 1, 7, 3, 4, 0, 6, 2]).reshape(2, 2, 2))
 LOWERED = [
-    ('order_only', NamedSharding(M24, P('x', 'y')), NamedSharding(D24, P('x', 'y')), (8, 12)),
-    ('order_and_swap', NamedSharding(D24, P('x', 'y')), NamedSharding(M24, P('y', 'x')), (10, 7)),
-    ('partial_to_other_order', NamedSharding(D24, P(None, 'x'), ('y',)),
-     NamedSharding(M24, P('y', None)), (9, 6)),
-    ('gather_in_other_order', NamedSharding(D24, P(('y', 'x'), None)),
-     NamedSharding(M24, P(None, 'y')), (10, 5)),
-    ('3d_all_to_all', NamedSharding(M222, P(('x', 'y'), 'z')),
-     NamedSharding(D222, P('z', ('y', 'x'))), (7, 10)),
+  ('order_only', NamedSharding(M24, P('x', 'y')), NamedSharding(D24, P('x', 'y')), (8, 12)),
+  ('order_and_swap', NamedSharding(D24, P('x', 'y')), NamedSharding(M24, P('y', 'x')), (10, 7)),
+  (
+    'partial_to_other_order',
+    NamedSharding(D24, P(None, 'x'), ('y',)),
+    NamedSharding(M24, P('y', None)),
+    (9, 6),
+  ),
+  (
+    'gather_in_other_order',
+    NamedSharding(D24, P(('y', 'x'), None)),
+    NamedSharding(M24, P(None, 'y')),
+    (10, 5),
+  ),
+  (
+    '3d_all_to_all',
+    NamedSharding(M222, P(('x', 'y'), 'z')),
+    NamedSharding(D222, P('z', ('y', 'x'))),
+    (7, 10),
+  ),
 ]
 
 
@@ -188,29 +222,43 @@ def test_lowered_reshards_between_orders_are_exact(mesh):
       log = _Log(ctx.collectives)
       before = len(ctx.collectives.records)
       outs.append(lower_reshard.reshard(log, Local(local, src, shape), dst, name).tensor)
-      noted[name] = ([r['kind'] for r in log.records],
-                     [r.kind for r in ctx.collectives.records[before:]])
+      noted[name] = (
+        [r['kind'] for r in log.records],
+        [r.kind for r in ctx.collectives.records[before:]],
+      )
     return outs
 
-  program = SpmdProgram(mesh, per_partition, out_shardings=[c[2] for c in cases],
-                        out_shapes=[c[3] for c in cases], keep_sharded=True, timeout=60,
-                        autograph=False, name='tile_assignment_lowering')
+  program = SpmdProgram(
+    mesh,
+    per_partition,
+    out_shardings=[c[2] for c in cases],
+    out_shapes=[c[3] for c in cases],
+    keep_sharded=True,
+    timeout=60,
+    autograph=False,
+    name='tile_assignment_lowering',
+  )
   rng = np.random.default_rng(3)
   values, inputs = [], []
   for _, src, _, shape in cases:
     x = rng.integers(1, 100, size=shape).astype(np.float64)
     shards = sim.make_shards(x, src, rng)
     values.append(x)
-    inputs.append(ShardedValue([tf.constant(shards[d].astype(np.float32)) for d in range(8)],
-                               src, shape))
+    inputs.append(
+      ShardedValue([tf.constant(shards[d].astype(np.float32)) for d in range(8)], src, shape)
+    )
   outputs = program(*inputs)
   for (name, src, dst, shape), x, out in zip(cases, values, outputs):
     got = {d: np.asarray(s.numpy(), np.float64) for d, s in enumerate(out.shards)}
     sim.check_shards(x, dst, got)
     np.testing.assert_array_equal(out.numpy(), x)
     plan = rp.plan_reshard(src, dst, shape)
-    want = [k for s in lower_reshard.merged_steps(plan) if s.kind != 'slice'
-            for k in (['permute'] * len(s.rounds) if s.kind == 'repad' else [s.kind])]
+    want = [
+      k
+      for s in lower_reshard.merged_steps(plan)
+      if s.kind != 'slice'
+      for k in (['permute'] * len(s.rounds) if s.kind == 'repad' else [s.kind])
+    ]
     assert noted[name][0] == want and noted[name][1] == want, (name, noted[name], str(plan))
   if mesh == M24:
     assert noted['order_only'][0] == ['permute']
@@ -255,13 +303,12 @@ def test_matmul_with_operands_in_the_issue_order():
     return tf.matmul(x, w)
 
   x, w = randn(0, 16, 12), randn(1, 12, 8)
-  order = _tiled(ISSUE_ORDER, (2, 4))             # x: rows over x, cols over y, issue order
+  order = _tiled(ISSUE_ORDER, (2, 4))  # x: rows over x, cols over y, issue order
   same = NamedSharding(M24, P('x', 'y'))
   w_rows = NamedSharding(M24, P('y', None))
-  permuted, in_order = _run_both(f, (x, w), M24, ([order, w_rows], None),
-                                 ([same, w_rows], None))
+  permuted, in_order = _run_both(f, (x, w), M24, ([order, w_rows], None), ([same, w_rows], None))
   assert ('all_reduce', ('y',)) in in_order  # the contraction over y
-  _one_more_permute(permuted, in_order, 1)      # x moves to the mesh's order once
+  _one_more_permute(permuted, in_order, 1)  # x moves to the mesh's order once
 
 
 def test_interior_annotations_in_another_order_cost_nothing():
@@ -274,6 +321,7 @@ def test_interior_annotations_in_another_order_cost_nothing():
       h = tf.nn.relu(tf.matmul(x, w))
       h = tg.mesh_split(h, device_mesh, [0, 1])
       return tf.reduce_sum(h, axis=1)
+
     return f
 
   x, w = randn(2, 16, 12), randn(3, 12, 8)
@@ -294,10 +342,9 @@ def test_conv_with_halos_split_in_another_order():
     return tf.nn.conv2d(x, k, strides=1, padding='SAME')
 
   x, k = randn(4, 2, 32, 6, 3), randn(5, 3, 3, 3, 4)
-  permuted = _tiled(order, (1, 8, 1, 1))         # rows of the image over 8 devices
+  permuted = _tiled(order, (1, 8, 1, 1))  # rows of the image over 8 devices
   same = NamedSharding(M8, P(None, 'x', None, None))
-  perm_kinds, same_kinds = _run_both(f, (x, k), M8, ([permuted, None], None),
-                                     ([same, None], None))
+  perm_kinds, same_kinds = _run_both(f, (x, k), M8, ([permuted, None], None), ([same, None], None))
   assert ('permute', ('x',)) in same_kinds  # the halo exchange
   # The only order annotated is the image's: the program runs in it, nothing extra moves.
   assert perm_kinds == same_kinds
@@ -344,7 +391,7 @@ def test_inputs_and_outputs_keep_their_order_as_sharded_values():
   assert_close(pf(x), x * 3.0)
   compiled = pf.get_program(x)
   assert compiled.arg_shardings[0].mesh == layout.mesh  # split in the annotation's order
-  assert compiled.spmd.mesh == layout.mesh              # and the program runs in it
+  assert compiled.spmd.mesh == layout.mesh  # and the program runs in it
   assert kinds(pf) == []
   # Per-device pieces follow the annotation: device 2 holds tile (0, 1).
   shards = compiled.spmd.out_shardings[0]
@@ -407,6 +454,7 @@ def test_a_variable_annotated_in_the_issue_order_is_stored_in_it():
     def f(x):
       var.assign_add(x)
       return tf.matmul(x, var)
+
     return f
 
   x = randn(12, 8, 8)
@@ -427,8 +475,11 @@ def test_a_variable_annotated_in_the_issue_order_is_stored_in_it():
 
 
 # --- tile dims that need sub-axes of the mesh ---------------------------------------------------
-@pytest.mark.parametrize('order', [list(range(8)), [7, 6, 5, 4, 3, 2, 1, 0], ISSUE_ORDER],
-                         ids=['mesh-order', 'reversed', 'issue-order'])
+@pytest.mark.parametrize(
+  'order',
+  [list(range(8)), [7, 6, 5, 4, 3, 2, 1, 0], ISSUE_ORDER],
+  ids=['mesh-order', 'reversed', 'issue-order'],
+)
 def test_tile_222_on_a_2x4_mesh_runs_on_sub_axes(order):
   # [2, 2, 2] is no grouping of (x=2, y=4), but is one of (x, y#0, y#1): y split in two.
   w = tf.Variable(randn(21, 8, 6))
@@ -464,6 +515,7 @@ def test_tile_2x4_on_a_1d_mesh_trains_like_unpartitioned():
         loss = tf.reduce_sum(tf.tanh(tf.matmul(x, var)) ** 2)
       var.assign_sub(0.1 * tape.gradient(loss, var))
       return loss
+
     return step
 
   x = randn(24, 8, 16)

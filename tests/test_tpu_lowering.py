@@ -3,6 +3,7 @@
 No TPU here: the program is built and lowered, and its collectives and replica
 groups are read from the HLO (XLA on CPU lowers the all-reduce family).
 """
+
 import numpy as np
 import tensorflow as tf
 
@@ -34,12 +35,15 @@ def test_megatron_training_step_lowers_to_hlo_all_reduces_with_mesh_groups():
   program, hlo = pf.lower_xla(np.ones((8, 16), np.float32))
   found = [(c.kind, c.shape, c.replica_groups) for c in hlo_collectives(hlo)]
   assert found == [
-      ('all-reduce', 'f32[4,8]', MODEL_GROUPS),   # row-parallel matmul resolved over 'model'
-      # The loss over the batch and the gradients of w1's and w2's shards: one bucket
-      # of 1 + 16*8 + 8*8 elements (graph_rewrite/coalesce.py).
-      ('all-reduce', 'f32[193]', DATA_GROUPS),
+    ('all-reduce', 'f32[4,8]', MODEL_GROUPS),  # row-parallel matmul resolved over 'model'
+    # The loss over the batch and the gradients of w1's and w2's shards: one bucket
+    # of 1 + 16*8 + 8*8 elements (graph_rewrite/coalesce.py).
+    ('all-reduce', 'f32[193]', DATA_GROUPS),
   ]
   assert program.backend == 'xla'
   # The program is the same for every replica: only the partition id input differs.
   graph_ops = {op.type for op in program.function.graph.get_operations()}
-  assert 'XlaAllReduce' in graph_ops and not graph_ops & {'CollectiveReduceV2', 'CollectiveGatherV2'}
+  assert 'XlaAllReduce' in graph_ops and not graph_ops & {
+    'CollectiveReduceV2',
+    'CollectiveGatherV2',
+  }

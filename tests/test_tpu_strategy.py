@@ -9,6 +9,7 @@
   partition id (what `replica_id_in_sync_group` is on a TPU), trained against
   the unpartitioned step.
 """
+
 import collections
 
 import numpy as np
@@ -40,11 +41,11 @@ def test_device_assignment_keeps_model_groups_on_neighbouring_chips():
   assert isinstance(assignment, tf.tpu.experimental.DeviceAssignment)
   assert assignment.num_replicas == 8 and assignment.num_cores_per_replica == 1
   coords = [assignment.coordinates(r, 0) for r in range(8)]
-  assert sorted(coords) == sorted(set(coords))            # every core once
-  for group in MODEL_GROUPS:                              # one row of chips (same y)
+  assert sorted(coords) == sorted(set(coords))  # every core once
+  for group in MODEL_GROUPS:  # one row of chips (same y)
     assert len({coords[r][1] for r in group}) == 1
     assert {(coords[r][0], coords[r][3]) for r in group} == {(0, 0), (0, 1), (1, 0), (1, 1)}
-  for group in DATA_GROUPS:                               # same chip position, y differs
+  for group in DATA_GROUPS:  # same chip position, y differs
     assert len({(coords[r][0], coords[r][3]) for r in group}) == 1
   # Replica r runs on the TPU device of its core.
   assert assignment.tpu_ordinal(replica=0) == 0 and assignment.tpu_ordinal(replica=3) == 3
@@ -54,10 +55,15 @@ def test_device_assignment_keeps_model_groups_on_neighbouring_chips():
 
 def test_device_assignment_in_another_core_order_and_wrong_size():
   mesh = tg.Mesh.create((2, 4), ('data', 'model'))
-  by_x = tpu.mesh_device_assignment(tpu.topology_proto((2, 2, 1), 2), mesh,
-                                    core_order=('x', 'y', 'core', 'z'))
+  by_x = tpu.mesh_device_assignment(
+    tpu.topology_proto((2, 2, 1), 2), mesh, core_order=('x', 'y', 'core', 'z')
+  )
   assert [by_x.coordinates(r, 0) for r in range(4)] == [
-      (0, 0, 0, 0), (1, 0, 0, 0), (0, 1, 0, 0), (1, 1, 0, 0)]
+    (0, 0, 0, 0),
+    (1, 0, 0, 0),
+    (0, 1, 0, 0),
+    (1, 1, 0, 0),
+  ]
   with pytest.raises(ValueError, match='has 8 devices but the TPU topology'):
     tpu.mesh_device_assignment(tpu.topology_proto((2, 2, 2), 2), mesh)
 
@@ -65,8 +71,10 @@ def test_device_assignment_in_another_core_order_and_wrong_size():
 # --- the replica program ---------------------------------------------------------------------------
 def _megatron(seed=0):
   rng = np.random.RandomState(seed)
-  return (tf.Variable(rng.randn(16, 32).astype(np.float32) * 0.3, name='w1'),
-          tf.Variable(rng.randn(32, 8).astype(np.float32) * 0.3, name='w2'))
+  return (
+    tf.Variable(rng.randn(16, 32).astype(np.float32) * 0.3, name='w1'),
+    tf.Variable(rng.randn(32, 8).astype(np.float32) * 0.3, name='w2'),
+  )
 
 
 def _train_step(w1, w2, mesh=None):
@@ -80,6 +88,7 @@ def _train_step(w1, w2, mesh=None):
     w1.assign_sub(0.1 * g1)
     w2.assign_sub(0.1 * g2)
     return loss
+
   return step
 
 
@@ -92,8 +101,9 @@ def megatron_step():
   # MirroredStrategy on 8 logical CPUs: the same replica API as TPUStrategy.
   strategy = tf.distribute.MirroredStrategy([f'/device:CPU:{i}' for i in range(8)])
   x = np.ones((8, 16), np.float32)
-  step = tpu.TPUStrategyStep(tg.partition(_train_step(w1, w2, mesh), mesh), strategy, x,
-                             exported=False)
+  step = tpu.TPUStrategyStep(
+    tg.partition(_train_step(w1, w2, mesh), mesh), strategy, x, exported=False
+  )
   return step, (w1, w2)
 
 
@@ -103,7 +113,7 @@ def test_shard_variables_hold_each_replicas_shard(megatron_step):
   assert len(components) == 8 and tuple(components[0].shape) == (16, 8)
   for replica, component in enumerate(components):
     column = replica % 4  # w1 is P(None, 'model'): replica r holds columns of model index r % 4
-    np.testing.assert_array_equal(component.numpy(), w1.numpy()[:, 8 * column:8 * column + 8])
+    np.testing.assert_array_equal(component.numpy(), w1.numpy()[:, 8 * column : 8 * column + 8])
 
 
 def test_shard_variables_round_trip_to_the_originals(megatron_step):
@@ -123,8 +133,9 @@ def _replica_hlo(step, examples):
 
 def test_replica_program_lowers_with_mesh_replica_groups(megatron_step):
   step, _ = megatron_step
-  variables = [tf.Variable(tf.zeros(s.shape, s.dtype)) for s in
-               [tf.TensorSpec((16, 8)), tf.TensorSpec((8, 8))]]
+  variables = [
+    tf.Variable(tf.zeros(s.shape, s.dtype)) for s in [tf.TensorSpec((16, 8)), tf.TensorSpec((8, 8))]
+  ]
   _, ir = _replica_hlo(step, step.local_examples(variables))
   found = [(c.kind, c.replica_groups) for c in hlo_collectives(ir(stage='hlo'))]
   # The row-parallel matmul over 'model', then the loss and two gradients over 'data' in one bucket.
@@ -135,8 +146,11 @@ def test_replica_program_lowers_with_mesh_replica_groups(megatron_step):
 
 def test_replica_program_trains_on_pjrt_replicas_like_the_unpartitioned_step(megatron_step):
   pytest.importorskip('jax')
-  from jax._src.lib import xla_client  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.xla_bridge import export as export_lib, pjrt  # pylint: disable=g-import-not-at-top
+  from jax._src.lib import xla_client
+
+  from tf_gspmd.xla_bridge import export as export_lib
+  from tf_gspmd.xla_bridge import pjrt
+
   devices = pjrt.jax_devices(8)  # before any XLA call: XLA reads its flags once
   step, _ = megatron_step
   mesh = step.mesh
@@ -153,15 +167,20 @@ def test_replica_program_trains_on_pjrt_replicas_like_the_unpartitioned_step(meg
   module = hlo_pb2.HloModuleProto.FromString(ir(stage='hlo_serialized'))
   updates = {e.output_shape_index[0]: e.parameter_number for e in module.input_output_alias.entries}
   module.ClearField('input_output_alias')
-  stablehlo = xla_client._xla.mlir.hlo_to_stablehlo(module.SerializeToString())  # pylint: disable=protected-access
-  arg_layout = export_lib.Layout('x', 'argument', (8, 16), tf.float32, step.arg_shardings[0],
-                                 step.local_specs[0].shape)
-  var_layouts = [export_lib.Layout(f'w{i}', 'variable', tuple(v.shape), tf.float32, s,
-                                   s.shard_shape(v.shape)) for i, (s, v) in enumerate(layouts)]
-  loss_layout = export_lib.Layout('loss', 'output', (), tf.float32,
-                                  step._compiled.out_shardings[0], ())  # pylint: disable=protected-access
-  export = export_lib.XlaExport(stablehlo, mesh, [arg_layout] + var_layouts,
-                                [loss_layout] + var_layouts, 'tpu_replica')
+  stablehlo = xla_client._xla.mlir.hlo_to_stablehlo(module.SerializeToString())  # noqa: SLF001
+  arg_layout = export_lib.Layout(
+    'x', 'argument', (8, 16), tf.float32, step.arg_shardings[0], step.local_specs[0].shape
+  )
+  var_layouts = [
+    export_lib.Layout(f'w{i}', 'variable', tuple(v.shape), tf.float32, s, s.shard_shape(v.shape))
+    for i, (s, v) in enumerate(layouts)
+  ]
+  loss_layout = export_lib.Layout(
+    'loss', 'output', (), tf.float32, step._compiled.out_shardings[0], ()
+  )  # noqa: SLF001
+  export = export_lib.XlaExport(
+    stablehlo, mesh, [arg_layout] + var_layouts, [loss_layout] + var_layouts, 'tpu_replica'
+  )
   executable = pjrt.PjrtExecutable(export, devices)
   state = [pjrt.put_global(v.numpy(), layout, devices) for v, layout in zip((w1, w2), var_layouts)]
   assert sorted(updates.items()) == [(1, 1), (2, 2)]  # the new values of w1, w2
@@ -169,10 +188,14 @@ def test_replica_program_trains_on_pjrt_replicas_like_the_unpartitioned_step(meg
     outputs = executable.run([pjrt.put_global(x, arg_layout, devices)] + state)
     state = outputs[1:]
     assert_close(np.asarray(outputs[0][0]), reference(x), f'step {i + 1} loss')
-  assert_close({layout.name: pjrt.assemble_global(buffers, layout.sharding, layout.shape,
-                                                  layout.name)
-                for buffers, layout in zip(state, var_layouts)},
-               {layout.name: ref for layout, ref in zip(var_layouts, (ref_w1, ref_w2))}, 'weights')
+  assert_close(
+    {
+      layout.name: pjrt.assemble_global(buffers, layout.sharding, layout.shape, layout.name)
+      for buffers, layout in zip(state, var_layouts)
+    },
+    {layout.name: ref for layout, ref in zip(var_layouts, (ref_w1, ref_w2))},
+    'weights',
+  )
   # The collectives XLA runs are the mesh's: all-reduces over 'model' and 'data' groups.
   kinds = {(c.kind, c.replica_groups) for c in hlo_collectives(executable.compiled_hlo())}
   assert {g for _, g in kinds} <= {MODEL_GROUPS, DATA_GROUPS}
@@ -204,8 +227,9 @@ def test_step_runs_under_strategy_run_with_replica_id_as_partition_id():
   np.testing.assert_array_equal(w.numpy(), np.arange(8) * 3)
   # Every replica claiming partition 0 gives other numbers: the replica id is what decides.
   w.assign(np.arange(8, dtype=np.float32))
-  wrong = tpu.TPUStrategyStep(tg.partition(fn, mesh), strategy, x,
-                              replica_id=lambda: tf.constant(0, tf.int32), exported=False)
+  wrong = tpu.TPUStrategyStep(
+    tg.partition(fn, mesh), strategy, x, replica_id=lambda: tf.constant(0, tf.int32), exported=False
+  )
   verdict = check(wrong(x), want.astype(np.float32), 'every replica as partition 0')
   assert not verdict.ok and 1e3 * verdict.bound < verdict.error < np.inf, verdict
 
@@ -233,13 +257,18 @@ def exported_step():
 def test_exported_module_lowers_with_native_all_gathers(exported_step):
   step, _ = exported_step
   assert 'stablehlo.all_gather' in step.export.module
-  _, ir = _replica_hlo(step, step.local_examples(
-      [tf.Variable(tf.zeros((8, 8))), tf.Variable(tf.zeros((8, 4)))]))
+  _, ir = _replica_hlo(
+    step, step.local_examples([tf.Variable(tf.zeros((8, 8))), tf.Variable(tf.zeros((8, 4)))])
+  )
   hlo = ir(stage='hlo')
   assert 'custom-call' not in hlo  # tf2xla inlined the module: no call, no marker left
   found = collections.Counter((c.kind, c.replica_groups) for c in hlo_collectives(hlo))
-  assert found == {('all-gather', DATA_GROUPS): 3, ('all-reduce', MODEL_GROUPS): 1,
-                   ('all-reduce', DATA_GROUPS): 1, ('reduce-scatter', DATA_GROUPS): 2}
+  assert found == {
+    ('all-gather', DATA_GROUPS): 3,
+    ('all-reduce', MODEL_GROUPS): 1,
+    ('all-reduce', DATA_GROUPS): 1,
+    ('reduce-scatter', DATA_GROUPS): 2,
+  }
   entry = hlo.split('ENTRY', 1)[1].split('\n', 1)[0]
   assert 'partition' not in entry and 'f32[8,16]' not in entry  # local shards only, no id arg
 
@@ -247,8 +276,11 @@ def test_exported_module_lowers_with_native_all_gathers(exported_step):
 def test_exported_module_trains_on_pjrt_replicas_like_the_unpartitioned_step(exported_step):
   """The replica function strategy.run calls (XlaCallModule of the exported module, variables
   read and assigned), lowered by tf2xla and compiled for 8 PJRT CPU replicas."""
-  from jax._src.lib import xla_client  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.xla_bridge import export as export_lib, pjrt  # pylint: disable=g-import-not-at-top
+  from jax._src.lib import xla_client
+
+  from tf_gspmd.xla_bridge import export as export_lib
+  from tf_gspmd.xla_bridge import pjrt
+
   devices = pjrt.jax_devices(8)
   step, _ = exported_step
   rng = np.random.RandomState(2)
@@ -257,30 +289,35 @@ def test_exported_module_trains_on_pjrt_replicas_like_the_unpartitioned_step(exp
   reference = _train_step(ref_w1, ref_w2)
   w1, w2 = _megatron()
 
-  arg_layouts = step.export.args                       # x, then the variables w1, w2
+  arg_layouts = step.export.args  # x, then the variables w1, w2
   templates = [tf.Variable(tf.zeros(a.local_shape)) for a in arg_layouts[1:]]
   _, ir = _replica_hlo(step, step.local_examples(templates))
   module = hlo_pb2.HloModuleProto.FromString(ir(stage='hlo_serialized'))
   updates = {e.output_shape_index[0]: e.parameter_number for e in module.input_output_alias.entries}
   assert sorted(updates.items()) == [(1, 1), (2, 2)]  # the loss, then the new w1, w2
   module.ClearField('input_output_alias')
-  stablehlo = xla_client._xla.mlir.hlo_to_stablehlo(module.SerializeToString())  # pylint: disable=protected-access
+  stablehlo = xla_client._xla.mlir.hlo_to_stablehlo(module.SerializeToString())  # noqa: SLF001
   results = [step.export.results[0]] + [arg_layouts[updates[j]] for j in (1, 2)]
   lowered = export_lib.XlaExport(stablehlo, step.mesh, list(arg_layouts), results, 'tpu_replica')
   executable = pjrt.PjrtExecutable(lowered, devices)
-  state = [pjrt.put_global(v.numpy(), layout, devices)
-           for v, layout in zip((w1, w2), arg_layouts[1:])]
+  state = [
+    pjrt.put_global(v.numpy(), layout, devices) for v, layout in zip((w1, w2), arg_layouts[1:])
+  ]
   for i, x in enumerate(batches):
     outputs = executable.run([pjrt.put_global(x, arg_layouts[0], devices)] + state)
     state = outputs[1:]
     assert_close(np.asarray(outputs[0][0]), reference(x), f'step {i + 1} loss')
-  assert_close({layout.name: pjrt.assemble_global(buffers, layout.sharding, layout.shape,
-                                                  layout.name)
-                for buffers, layout in zip(state, arg_layouts[1:])},
-               {layout.name: ref for layout, ref in zip(arg_layouts[1:], (ref_w1, ref_w2))},
-               'weights')
+  assert_close(
+    {
+      layout.name: pjrt.assemble_global(buffers, layout.sharding, layout.shape, layout.name)
+      for buffers, layout in zip(state, arg_layouts[1:])
+    },
+    {layout.name: ref for layout, ref in zip(arg_layouts[1:], (ref_w1, ref_w2))},
+    'weights',
+  )
   # What XLA compiled: the weights gathered by native all-gathers over 'data'.
-  compiled = collections.Counter((c.kind, c.replica_groups)
-                                 for c in hlo_collectives(executable.compiled_hlo()))
+  compiled = collections.Counter(
+    (c.kind, c.replica_groups) for c in hlo_collectives(executable.compiled_hlo())
+  )
   assert compiled[('all-gather', DATA_GROUPS)] >= 2, compiled
   assert {g for _, g in compiled} <= {MODEL_GROUPS, DATA_GROUPS}

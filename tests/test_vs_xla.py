@@ -5,6 +5,7 @@ step through tf2xla with its XlaSharding annotations, gives every parameter
 the layout tf_gspmd chose for it, and lets XLA partition it on 8 PJRT CPU
 devices. Both are trained against the unpartitioned step.
 """
+
 import os
 import sys
 
@@ -44,8 +45,12 @@ def _both_ways(mesh, batches):
   layouts = {id(v): ours.store.sharded[id(v)].sharding for v in program.variables}
   # XLA's side copies the variables' values now, before either side trains.
   theirs = xla_partitioner.XlaPartitionedStep(
-      step, batches[0], mesh.size, arg_shardings=program.arg_shardings,
-      variable_sharding=lambda v: layouts.get(id(v)))
+    step,
+    batches[0],
+    mesh.size,
+    arg_shardings=program.arg_shardings,
+    variable_sharding=lambda v: layouts.get(id(v)),
+  )
   # Ours compiled by XLA too (backend='xla'), to read its collectives from compiled HLO.
   ours_xla = tg.partition(step, mesh, backend='xla')
   return ours, ours_xla, theirs, _step(ref_model, ref_optimizer), model, ref_model
@@ -69,8 +74,11 @@ def test_mlp_2d_mesh_values_and_collectives():
   xla_values = theirs.read_variables()
   ours.sync_variables()
   assert_close(list(model.variables), list(ref_model.variables), 'tf_gspmd')
-  assert_close([np.asarray(xla_values[v.value.name]) for v in model.variables],
-               list(ref_model.variables), "XLA's partitioner")
+  assert_close(
+    [np.asarray(xla_values[v.value.name]) for v in model.variables],
+    list(ref_model.variables),
+    "XLA's partitioner",
+  )
 
   # Collective kinds: both sum the 'model' partial products (groups of 4) and the 'data'
   # gradients (groups of 2) with all-reduces.
@@ -83,9 +91,12 @@ def test_mlp_2d_mesh_values_and_collectives():
   assert all(r['bytes'] > 0 for r in theirs.collectives())
   # Compiled by XLA, ours runs the same two all-reduce kinds, and moves no more bytes.
   ours_compiled = xla_partitioner.partitioned_collectives(
-      ours_xla.xla_executable(*batches[0]).compiled_hlo(), mesh.size)
-  assert {(r['kind'], r['group_size']) for r in ours_compiled} == {('all-reduce', 4),
-                                                                   ('all-reduce', 2)}
+    ours_xla.xla_executable(*batches[0]).compiled_hlo(), mesh.size
+  )
+  assert {(r['kind'], r['group_size']) for r in ours_compiled} == {
+    ('all-reduce', 4),
+    ('all-reduce', 2),
+  }
   assert sum(r['bytes'] for r in ours_compiled) <= sum(r['bytes'] for r in theirs.collectives())
 
   memory = theirs.memory()
@@ -94,7 +105,8 @@ def test_mlp_2d_mesh_values_and_collectives():
 
 def test_collectives_read_from_hlo_text():
   """Tuple all-reduces, the three replica-group forms, permutes and all-gathers, by bytes."""
-  hlo = '\n'.join([
+  hlo = '\n'.join(
+    [
       'ENTRY %main (p0: f32[8,4], p1: f32[16]) -> f32[8,4] {',
       '  %p0 = f32[8,4]{1,0} parameter(0)',
       '  %p1 = f32[16]{0} parameter(1)',
@@ -106,7 +118,9 @@ def test_collectives_read_from_hlo_text():
       "{'b'}, dimensions={0}, to_apply=%add",
       '  ROOT %cp = f32[8,4]{1,0} collective-permute(%p0), channel_id=4, '
       'source_target_pairs={{0,1},{1,0}}',
-      '}'])
+      '}',
+    ]
+  )
   found = {r['name']: r for r in xla_partitioner.partitioned_collectives(hlo, 8)}
   # all-reduce, g=2: 2*(g-1) pieces of ceil(E/g) elements per operand.
   assert found['ar']['bytes'] == 2 * (16 * 4 + 8 * 4) and found['ar']['group_size'] == 2
@@ -125,5 +139,6 @@ def test_argument_layout_of_wrong_rank_is_refused_clearly():
 
   x = np.ones((3, 4), np.float32)
   with pytest.raises(ValueError, match='arg0'):
-    xla_partitioner.XlaPartitionedStep(fn, [x], mesh.size,
-                                       arg_shardings=[tg.NamedSharding(mesh, tg.P(None, 'model', None))])
+    xla_partitioner.XlaPartitionedStep(
+      fn, [x], mesh.size, arg_shardings=[tg.NamedSharding(mesh, tg.P(None, 'model', None))]
+    )

@@ -7,19 +7,22 @@ wider than a neighbour's shard (it then comes from several neighbours, one
 permute per hop). The halo geometry itself (trimmed plans, multi-hop pieces,
 the reverse exchange of gradients) is checked against numpy.
 """
+
 import logging
 
 import numpy as np
 import pytest
 import tensorflow as tf
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tf_gspmd as tg
-from tf_gspmd.propagation.halo import WindowDim, plan_input_gradient, same_padding
 from tf_gspmd.graph_rewrite.windowed import trim_plan
 from tf_gspmd.partitioned import partition
+from tf_gspmd.propagation.halo import WindowDim, plan_input_gradient, same_padding
 from tf_gspmd.runtime import trace_per_partition
 from tf_gspmd.testing import assert_close
+
 
 def randn(seed, *shape):
   return np.random.RandomState(seed).randn(*shape).astype(np.float32)
@@ -28,9 +31,12 @@ def randn(seed, *shape):
 # --- halo geometry against numpy ------------------------------------------------------------
 def taps(dim):
   """(output row, input row) of every window tap that lands inside the image."""
-  return [(r, r * dim.stride - dim.pad_lo + t * dim.dilation)
-          for r in range(dim.output_size) for t in range(dim.window)
-          if 0 <= r * dim.stride - dim.pad_lo + t * dim.dilation < dim.input_size]
+  return [
+    (r, r * dim.stride - dim.pad_lo + t * dim.dilation)
+    for r in range(dim.output_size)
+    for t in range(dim.window)
+    if 0 <= r * dim.stride - dim.pad_lo + t * dim.dilation < dim.input_size
+  ]
 
 
 def windowed_sum(x, dim):
@@ -67,13 +73,16 @@ def simulate(x, g, dim, shards):
   right_at = _laid_out(plan.right_pieces, 1, plan.left + ci)
   out, ext_grads = [], []
   for i in range(shards):
-    halo = lambda laid: [local_x[i + sign * pc.hop, pc.start:pc.start + pc.rows]
-                         if 0 <= i + sign * pc.hop < shards else np.full(pc.rows, np.nan)
-                         for pc, sign, _ in laid]
+    halo = lambda laid: [
+      local_x[i + sign * pc.hop, pc.start : pc.start + pc.rows]
+      if 0 <= i + sign * pc.hop < shards
+      else np.full(pc.rows, np.nan)
+      for pc, sign, _ in laid
+    ]
     ext = np.concatenate(halo(left_at) + [local_x[i]] + halo(right_at) + [np.zeros(tail)])
     start = plan.window_starts[i]
     assert 0 <= start and start + plan.span <= len(ext)
-    window = ext[start:start + plan.span].copy()
+    window = ext[start : start + plan.span].copy()
     rows = rows_of(i)
     window[(rows < 0) | (rows >= n)] = 0.0
     matrix = valid_taps_matrix(dim, plan.span)
@@ -82,15 +91,15 @@ def simulate(x, g, dim, shards):
     out.append(np.array([window[row > 0].sum() for row in matrix]))
     gi = np.where(real, local_g[i], 0.0)  # padding of the gradient is masked
     ext_grad = np.zeros(len(ext))
-    ext_grad[start:start + plan.span] = matrix.T @ gi
+    ext_grad[start : start + plan.span] = matrix.T @ gi
     ext_grads.append(ext_grad)
   dx = []
   for i in range(shards):  # reverse exchange: each halo piece back the hops it came
-    own = ext_grads[i][plan.left:plan.left + ci].copy()
+    own = ext_grads[i][plan.left : plan.left + ci].copy()
     for pc, sign, pos in left_at + right_at:
       j = i - sign * pc.hop  # the shard that borrowed these rows of mine
       if 0 <= j < shards:
-        own[pc.start:pc.start + pc.rows] += ext_grads[j][pos:pos + pc.rows]
+        own[pc.start : pc.start + pc.rows] += ext_grads[j][pos : pos + pc.rows]
     dx.append(own)
   return np.concatenate(out)[:m], np.concatenate(dx)[:n], plan
 
@@ -105,8 +114,14 @@ def _laid_out(pieces, sign, first):
 
 
 @settings(max_examples=300, deadline=None)
-@given(n=st.integers(1, 40), window=st.integers(1, 7), stride=st.integers(1, 3),
-       dilation=st.integers(1, 3), shards=st.integers(1, 8), same=st.booleans())
+@given(
+  n=st.integers(1, 40),
+  window=st.integers(1, 7),
+  stride=st.integers(1, 3),
+  dilation=st.integers(1, 3),
+  shards=st.integers(1, 8),
+  same=st.booleans(),
+)
 def test_trimmed_plan_and_reverse_exchange_match_numpy(n, window, stride, dilation, shards, same):
   lo, hi = same_padding(n, window, stride, dilation) if same else (0, 0)
   dim = WindowDim(n, window, stride, dilation, lo, hi)
@@ -129,22 +144,22 @@ def test_trimmed_plan_ignores_windows_of_padding_output_rows():
 
 # --- end to end -----------------------------------------------------------------------------
 MESHES = {
-    '4': tg.Mesh.create((4,), ('x',)),
-    '8': tg.Mesh.create((8,), ('x',)),
-    '2x2': tg.Mesh.create((2, 2), ('x', 'y')),
-    '2x4': tg.Mesh.create((2, 4), ('x', 'y')),
+  '4': tg.Mesh.create((4,), ('x',)),
+  '8': tg.Mesh.create((8,), ('x',)),
+  '2x2': tg.Mesh.create((2, 2), ('x', 'y')),
+  '2x4': tg.Mesh.create((2, 4), ('x', 'y')),
 }
 
 # name -> (op, kernel, stride, dilation, padding)
 FORWARD = {
-    'conv_same': ('conv', 3, 1, 1, 'SAME'),
-    'conv_valid_s2': ('conv', 3, 2, 1, 'VALID'),
-    'conv_same_s2': ('conv', 3, 2, 1, 'SAME'),
-    'conv_dilated': ('conv', 3, 1, 2, 'SAME'),
-    'depthwise': ('depthwise', 3, 1, 1, 'SAME'),
-    'max_pool': ('max', 3, 2, 1, 'SAME'),
-    'avg_pool_same': ('avg', 3, 1, 1, 'SAME'),
-    'avg_pool_valid': ('avg', 2, 2, 1, 'VALID'),
+  'conv_same': ('conv', 3, 1, 1, 'SAME'),
+  'conv_valid_s2': ('conv', 3, 2, 1, 'VALID'),
+  'conv_same_s2': ('conv', 3, 2, 1, 'SAME'),
+  'conv_dilated': ('conv', 3, 1, 2, 'SAME'),
+  'depthwise': ('depthwise', 3, 1, 1, 'SAME'),
+  'max_pool': ('max', 3, 2, 1, 'SAME'),
+  'avg_pool_same': ('avg', 3, 1, 1, 'SAME'),
+  'avg_pool_valid': ('avg', 2, 2, 1, 'VALID'),
 }
 
 
@@ -184,24 +199,30 @@ def sums_over(pf, axes) -> int:
   """How many pending sums over (some of) `axes` were all-reduced, wherever that happened (a
   partial sum stays partial through linear ops and is reduced where first needed whole, alone
   or fused with others in a bucket)."""
-  return sum(r.get('fused', 1) for r in pf.collectives()
-             if r['kind'] == 'all_reduce' and set(r['axes']) & set(axes))
+  return sum(
+    r.get('fused', 1)
+    for r in pf.collectives()
+    if r['kind'] == 'all_reduce' and set(r['axes']) & set(axes)
+  )
 
 
 FORWARD_CASES = [  # mesh, image spec, image shape
-    ('4', tg.P(None, 'x', None, None), (2, 10, 6, 4)),           # height, uneven
-    ('2x2', tg.P(None, 'x', 'y', None), (2, 8, 8, 4)),           # height and width, even
-    ('2x4', tg.P(None, 'x', 'y', None), (1, 9, 11, 4)),          # height and width, uneven
-    ('8', tg.P(None, 'x', None, None), (2, 7, 5, 4)),            # an empty shard
-    ('8', tg.P(None, 'x', None, None), (2, 5, 5, 4)),            # three empty shards, 2 hops
-    ('2x4', tg.P(None, ('x', 'y'), None, None), (2, 16, 5, 4)),  # height over two mesh axes
-    ('2x4', tg.P('x', 'y', None, None), (3, 10, 6, 4)),          # batch and height, uneven
-    ('2x2', tg.P(None, 'x', None, 'y'), (2, 10, 6, 4)),          # height and channels
+  ('4', tg.P(None, 'x', None, None), (2, 10, 6, 4)),  # height, uneven
+  ('2x2', tg.P(None, 'x', 'y', None), (2, 8, 8, 4)),  # height and width, even
+  ('2x4', tg.P(None, 'x', 'y', None), (1, 9, 11, 4)),  # height and width, uneven
+  ('8', tg.P(None, 'x', None, None), (2, 7, 5, 4)),  # an empty shard
+  ('8', tg.P(None, 'x', None, None), (2, 5, 5, 4)),  # three empty shards, 2 hops
+  ('2x4', tg.P(None, ('x', 'y'), None, None), (2, 16, 5, 4)),  # height over two mesh axes
+  ('2x4', tg.P('x', 'y', None, None), (3, 10, 6, 4)),  # batch and height, uneven
+  ('2x2', tg.P(None, 'x', None, 'y'), (2, 10, 6, 4)),  # height and channels
 ]
 
 
-@pytest.mark.parametrize('mesh_name,spec,shape', FORWARD_CASES,
-                         ids=[f'{m}-{s}-{"x".join(map(str, sh))}' for m, s, sh in FORWARD_CASES])
+@pytest.mark.parametrize(
+  'mesh_name,spec,shape',
+  FORWARD_CASES,
+  ids=[f'{m}-{s}-{"x".join(map(str, sh))}' for m, s, sh in FORWARD_CASES],
+)
 def test_forward_ops_exchange_halos(mesh_name, spec, shape):
   mesh = MESHES[mesh_name]
   x, w, dw = randn(0, *shape), randn(1, 3, 3, shape[3], 5), randn(2, 3, 3, shape[3], 2)
@@ -245,10 +266,14 @@ def test_wide_halo_comes_from_two_neighbours_by_permutes(caplog):
   assert [r['kind'] for r in records] == ['permute'] * 4, records
   row_bytes = 2 * 1 * 6 * 2 * 4
   assert all(r['bytes'] == row_bytes for r in records)
-  assert sorted(r['why'] for r in records) == sorted([
-      'halo of dim 1 from the left neighbour', 'halo of dim 1 from the left neighbour 2 shards '
-      'away', 'halo of dim 1 from the right neighbour', 'halo of dim 1 from the right '
-      'neighbour 2 shards away'])
+  assert sorted(r['why'] for r in records) == sorted(
+    [
+      'halo of dim 1 from the left neighbour',
+      'halo of dim 1 from the left neighbour 2 shards away',
+      'halo of dim 1 from the right neighbour',
+      'halo of dim 1 from the right neighbour 2 shards away',
+    ]
+  )
   assert not any('all-gathered' in m for m in caplog.messages)
 
 
@@ -266,19 +291,35 @@ def test_unsplit_image_follows_the_rule():
   assert pf.collectives() == []  # batch-parallel: nothing moves
 
 
-WINDOWED_OPS = ('Conv2D', 'MaxPool', 'AvgPool', 'DepthwiseConv2dNative', 'Conv2DBackpropInput',
-                 'Conv2DBackpropFilter', 'MaxPoolGrad', 'AvgPoolGrad',
-                 'DepthwiseConv2dNativeBackpropInput', 'DepthwiseConv2dNativeBackpropFilter')
+WINDOWED_OPS = (
+  'Conv2D',
+  'MaxPool',
+  'AvgPool',
+  'DepthwiseConv2dNative',
+  'Conv2DBackpropInput',
+  'Conv2DBackpropFilter',
+  'MaxPoolGrad',
+  'AvgPoolGrad',
+  'DepthwiseConv2dNativeBackpropInput',
+  'DepthwiseConv2dNativeBackpropFilter',
+)
 
 
 # Batch split: the windowed ops move nothing; the loss and filter gradients' sums over the
 # batch go out in one fused all-reduce. Channel split: Conv2D's partial sum over input
 # channels is reduce-scattered, the two gradients that need every channel gather them.
-@pytest.mark.parametrize('spec,batch,kinds', [
+@pytest.mark.parametrize(
+  'spec,batch,kinds',
+  [
     (tg.P('x', None, None, None), 8, ['all_reduce']),
-    (tg.P('x', None, None, None), 5, ['all_reduce']),   # uneven batch
-    (tg.P(None, None, None, 'x'), 3,                   # channels
-     ['reduce_scatter', 'all_gather', 'all_gather', 'all_reduce'])])
+    (tg.P('x', None, None, None), 5, ['all_reduce']),  # uneven batch
+    (
+      tg.P(None, None, None, 'x'),
+      3,  # channels
+      ['reduce_scatter', 'all_gather', 'all_gather', 'all_reduce'],
+    ),
+  ],
+)
 def test_whole_images_keep_the_ops_own_padding(spec, batch, kinds):
   """With no spatial dim split each windowed op and its gradients run as written (SAME
   padding, no Pad copy): TF's oneDNN rewrite has no kernel for an EXPLICIT-padded image
@@ -307,7 +348,8 @@ def test_whole_images_keep_the_ops_own_padding(spec, batch, kinds):
   windowed = [o for o in ops if o.type in WINDOWED_OPS]
   assert sorted({o.type for o in windowed}) == sorted(WINDOWED_OPS)
   assert all(o.get_attr('padding') == b'SAME' for o in windowed), [
-      (o.name, o.get_attr('padding')) for o in windowed]
+    (o.name, o.get_attr('padding')) for o in windowed
+  ]
   assert not [o for o in ops if o.type in ('Pad', 'PadV2', 'MirrorPad')]
 
 
@@ -328,20 +370,33 @@ def test_pooling_over_channels_is_computed_replicated(caplog):
 
 
 # --- gradients ------------------------------------------------------------------------------
-GRAD_OPS = ('Conv2DBackpropInput', 'Conv2DBackpropFilter', 'MaxPoolGrad', 'AvgPoolGrad',
-            'DepthwiseConv2dNativeBackpropInput', 'DepthwiseConv2dNativeBackpropFilter')
+GRAD_OPS = (
+  'Conv2DBackpropInput',
+  'Conv2DBackpropFilter',
+  'MaxPoolGrad',
+  'AvgPoolGrad',
+  'DepthwiseConv2dNativeBackpropInput',
+  'DepthwiseConv2dNativeBackpropFilter',
+)
 
 GRAD_CASES = [
-    ('4', tg.P(None, 'x', None, None), (2, 10, 9, 3)),
-    ('2x2', tg.P(None, 'x', 'y', None), (2, 12, 10, 3)),
-    ('2x4', tg.P(None, 'x', 'y', None), (1, 9, 13, 3)),  # uneven both ways: the slowest case
+  ('4', tg.P(None, 'x', None, None), (2, 10, 9, 3)),
+  ('2x2', tg.P(None, 'x', 'y', None), (2, 12, 10, 3)),
+  ('2x4', tg.P(None, 'x', 'y', None), (1, 9, 13, 3)),  # uneven both ways: the slowest case
 ]
 
 
-@pytest.mark.parametrize('mesh_name,spec,shape', [
-    pytest.param(*case, id=f'{case[0]}-{case[1]}-{"x".join(map(str, case[2]))}',
-                 marks=[pytest.mark.slow] if case[0] == '2x4' else [])
-    for case in GRAD_CASES])
+@pytest.mark.parametrize(
+  'mesh_name,spec,shape',
+  [
+    pytest.param(
+      *case,
+      id=f'{case[0]}-{case[1]}-{"x".join(map(str, case[2]))}',
+      marks=[pytest.mark.slow] if case[0] == '2x4' else [],
+    )
+    for case in GRAD_CASES
+  ],
+)
 def test_gradients_exchange_halos_both_ways(mesh_name, spec, shape):
   mesh = MESHES[mesh_name]
   x = randn(7, *shape)
@@ -362,8 +417,9 @@ def test_gradients_exchange_halos_both_ways(mesh_name, spec, shape):
     return [loss] + tape.gradient(loss, [x, w1, dw, w2])
 
   pf = partition(step, mesh)
-  for name, a, b in zip(('loss', 'dx', 'dw1', 'ddw', 'dw2'), pf(x, w1, dw, w2),
-                        step(x, w1, dw, w2)):
+  for name, a, b in zip(
+    ('loss', 'dx', 'dw1', 'ddw', 'dw2'), pf(x, w1, dw, w2), step(x, w1, dw, w2)
+  ):
     assert_close(a, b, name=name)
   by_type = {}
   for r in pf.collectives():
@@ -371,8 +427,9 @@ def test_gradients_exchange_halos_both_ways(mesh_name, spec, shape):
   for op in GRAD_OPS:
     records = by_type.get(op, [])
     assert any(r['kind'] == 'permute' for r in records), (op, records)
-    operand_gathers = [r for r in records
-                       if r['kind'] == 'all_gather' and not r['why'].startswith('result')]
+    operand_gathers = [
+      r for r in records if r['kind'] == 'all_gather' and not r['why'].startswith('result')
+    ]
     assert not operand_gathers, (op, operand_gathers)
   # The three filter gradients are partial sums over the split rows, each summed once.
   split = [a for d in (1, 2) for a in spec.axes_of(d)]
@@ -399,24 +456,33 @@ def test_pool_gradient_with_batch_and_channel_splits_stays_local(spec):
 
 
 # --- halos that span several neighbours' shards ---------------------------------------------
-WINDOWED_TYPES = ('Conv2D', 'MaxPool', 'AvgPool', 'Conv2DBackpropInput', 'Conv2DBackpropFilter',
-                  'MaxPoolGrad', 'AvgPoolGrad')
+WINDOWED_TYPES = (
+  'Conv2D',
+  'MaxPool',
+  'AvgPool',
+  'Conv2DBackpropInput',
+  'Conv2DBackpropFilter',
+  'MaxPoolGrad',
+  'AvgPoolGrad',
+)
 
 # Windows stay within the image size: TF's CPU AvgPoolGrad with SAME padding is not the
 # adjoint of AvgPool when a window is larger than the whole dim (it clamps the window
 # start, then sizes the window from the full kernel), and the partitioned gradient is.
 MULTI_HOP_CASES = [  # mesh, mesh axes splitting the height, image shape, kernel, stride
-    ('8', 'x', (2, 8, 6, 3), 5, 1),            # 5x5 on 1-row shards: 2 hops each side
-    ('8', 'x', (1, 5, 7, 2), 5, 1),            # uneven, 3 empty shards
-    ('4', 'x', (1, 7, 7, 2), 7, 1),            # uneven, 7x7 on 2-row shards: whole + partial
-    ('4', 'x', (2, 4, 6, 3), 3, 2),            # stride 2 on a small late map: 3 hops right
-    ('2x4', ('x', 'y'), (1, 8, 5, 2), 5, 1),   # hops across the boundary of two mesh axes
+  ('8', 'x', (2, 8, 6, 3), 5, 1),  # 5x5 on 1-row shards: 2 hops each side
+  ('8', 'x', (1, 5, 7, 2), 5, 1),  # uneven, 3 empty shards
+  ('4', 'x', (1, 7, 7, 2), 7, 1),  # uneven, 7x7 on 2-row shards: whole + partial
+  ('4', 'x', (2, 4, 6, 3), 3, 2),  # stride 2 on a small late map: 3 hops right
+  ('2x4', ('x', 'y'), (1, 8, 5, 2), 5, 1),  # hops across the boundary of two mesh axes
 ]
 
 
-@pytest.mark.parametrize('mesh_name,axes,shape,k,s', MULTI_HOP_CASES,
-                         ids=[f'{m}-{"x".join(map(str, sh))}-k{k}s{s}'
-                              for m, _, sh, k, s in MULTI_HOP_CASES])
+@pytest.mark.parametrize(
+  'mesh_name,axes,shape,k,s',
+  MULTI_HOP_CASES,
+  ids=[f'{m}-{"x".join(map(str, sh))}-k{k}s{s}' for m, _, sh, k, s in MULTI_HOP_CASES],
+)
 def test_multi_hop_halos_forward_and_gradients_use_only_permutes(mesh_name, axes, shape, k, s):
   mesh = MESHES[mesh_name]
   x = randn(12, *shape)
@@ -438,8 +504,9 @@ def test_multi_hop_halos_forward_and_gradients_use_only_permutes(mesh_name, axes
   for name, a, b in zip(('loss', 'dx', 'dw1', 'dw2'), pf(x, w1, w2), step(x, w1, w2)):
     assert_close(a, b, name=name)
   records = [r for r in pf.collectives() if r['op_type'] in WINDOWED_TYPES]
-  operand_gathers = [r for r in records
-                     if r['kind'] == 'all_gather' and not r['why'].startswith('result')]
+  operand_gathers = [
+    r for r in records if r['kind'] == 'all_gather' and not r['why'].startswith('result')
+  ]
   assert not operand_gathers, operand_gathers
   halos = [r for r in records if r['kind'] == 'permute']
   assert any('shards away' in r['why'] for r in halos), halos  # several hops were needed
@@ -451,12 +518,12 @@ def test_multi_hop_halos_forward_and_gradients_use_only_permutes(mesh_name, axes
 
 # --- image gradients of the own rows only -----------------------------------------------------
 IMAGE_GRAD_CASES = [  # mesh, image spec, image shape, kernel, stride, padding
-    ('4', tg.P(None, 'x', None, None), (2, 16, 6, 3), 3, 1, 'SAME'),      # the CNN's form
-    ('4', tg.P(None, 'x', None, None), (2, 12, 6, 3), 3, 2, 'VALID'),     # stride 2, ci = 3
-    ('4', tg.P(None, 'x', None, None), (2, 10, 7, 3), 3, 2, 'SAME'),      # uneven, two phases
-    ('4', tg.P(None, 'x', None, None), (1, 9, 5, 2), 1, 2, 'VALID'),      # 1x1/2: uncovered rows
-    ('8', tg.P(None, 'x', None, None), (1, 8, 5, 2), 5, 1, 'SAME'),       # 2 hops each side
-    ('2x2', tg.P(None, 'x', 'y', None), (2, 9, 11, 3), 3, 2, 'SAME'),     # both dims, uneven
+  ('4', tg.P(None, 'x', None, None), (2, 16, 6, 3), 3, 1, 'SAME'),  # the CNN's form
+  ('4', tg.P(None, 'x', None, None), (2, 12, 6, 3), 3, 2, 'VALID'),  # stride 2, ci = 3
+  ('4', tg.P(None, 'x', None, None), (2, 10, 7, 3), 3, 2, 'SAME'),  # uneven, two phases
+  ('4', tg.P(None, 'x', None, None), (1, 9, 5, 2), 1, 2, 'VALID'),  # 1x1/2: uncovered rows
+  ('8', tg.P(None, 'x', None, None), (1, 8, 5, 2), 5, 1, 'SAME'),  # 2 hops each side
+  ('2x2', tg.P(None, 'x', 'y', None), (2, 9, 11, 3), 3, 2, 'SAME'),  # both dims, uneven
 ]
 
 
@@ -470,9 +537,11 @@ def _spatial_plans(shape, mesh, spec, k, s, pad):
   return out
 
 
-@pytest.mark.parametrize('mesh_name,spec,shape,k,s,pad', IMAGE_GRAD_CASES,
-                         ids=[f'{m}-{"x".join(map(str, sh))}-k{k}s{s}{p}'
-                              for m, _, sh, k, s, p in IMAGE_GRAD_CASES])
+@pytest.mark.parametrize(
+  'mesh_name,spec,shape,k,s,pad',
+  IMAGE_GRAD_CASES,
+  ids=[f'{m}-{"x".join(map(str, sh))}-k{k}s{s}{p}' for m, _, sh, k, s, p in IMAGE_GRAD_CASES],
+)
 def test_image_gradients_compute_only_the_own_rows(mesh_name, spec, shape, k, s, pad):
   mesh = MESHES[mesh_name]
   x, w, dw = randn(20, *shape), randn(21, k, k, shape[3], 4), randn(22, k, k, shape[3], 2)
@@ -493,8 +562,9 @@ def test_image_gradients_compute_only_the_own_rows(mesh_name, spec, shape, k, s,
   plans = _spatial_plans(shape, mesh, spec, k, s, pad)
   for op in ('Conv2DBackpropInput', 'DepthwiseConv2dNativeBackpropInput'):
     records = [r for r in pf.collectives() if r['op_type'] == op]
-    assert all(r['kind'] == 'permute' and 'of the output gradient' in r['why']
-               for r in records), records
+    assert all(r['kind'] == 'permute' and 'of the output gradient' in r['why'] for r in records), (
+      records
+    )
     # One permute per halo piece of the output gradient; never more than the reverse
     # exchange of the forward window's halo took.
     want, before = 0, 0
@@ -510,8 +580,11 @@ def test_image_gradients_compute_only_the_own_rows(mesh_name, spec, shape, k, s,
   # shard adds the rows aligning its phase), not a halo-padded window.
   compiled = pf.get_program(x, w, dw)
   program = trace_per_partition(mesh, compiled.per_partition, compiled.local_specs)
-  local = [o for o in program.function.graph.get_operations()
-           if o.type in ('Conv2DBackpropInput', 'DepthwiseConv2dNativeBackpropInput')]
+  local = [
+    o
+    for o in program.function.graph.get_operations()
+    if o.type in ('Conv2DBackpropInput', 'DepthwiseConv2dNativeBackpropInput')
+  ]
   assert len(local) == 2 and all(o.name.endswith('/gspmd/own_rows') for o in local), local
   for o in local:
     for d, window, shards in plans:

@@ -7,6 +7,7 @@ are counted in the exported module (native ops, one per recorded collective) and
 in the optimized HLO XLA compiled. Each collective kind is checked numerically
 against numpy on 1-D and 2-D meshes, with replica groups written out by hand.
 """
+
 import collections
 import os
 import sys
@@ -20,9 +21,13 @@ pytest.importorskip('jax')
 import tf_gspmd as tg  # noqa: E402
 from tf_gspmd.testing import assert_close, assert_close_to_float64, check  # noqa: E402
 from tf_gspmd.testing.float64 import float64_policy, float64_twin  # noqa: E402
-from tf_gspmd.xla_bridge import (PjrtExecutable, XlaLoweringError, export_per_replica,  # noqa: E402
-                                 stablehlo_collectives)
-from tf_gspmd.xla_bridge import pjrt  # noqa: E402
+from tf_gspmd.xla_bridge import (
+  PjrtExecutable,
+  XlaLoweringError,
+  export_per_replica,  # noqa: E402
+  pjrt,  # noqa: E402
+  stablehlo_collectives,
+)
 
 sys.path.insert(0, os.path.dirname(__file__))
 import test_models as models  # noqa: E402
@@ -30,8 +35,14 @@ import test_partitioned  # noqa: E402
 
 STEPS = 3
 # Recorded collective kind -> the native XLA op it is exported as.
-NATIVE = {'all_reduce': 'all-reduce', 'broadcast': 'all-reduce', 'reduce_scatter': 'reduce-scatter',
-          'all_gather': 'all-gather', 'all_to_all': 'all-to-all', 'permute': 'collective-permute'}
+NATIVE = {
+  'all_reduce': 'all-reduce',
+  'broadcast': 'all-reduce',
+  'reduce_scatter': 'reduce-scatter',
+  'all_gather': 'all-gather',
+  'all_to_all': 'all-to-all',
+  'permute': 'collective-permute',
+}
 
 
 def train_three(make, mesh, batches, exact=None):
@@ -77,13 +88,16 @@ def _keras_step(build, spec_of):
     model, optimizer = build(annotate)
     annotate_fn = None if not annotate else spec_of
     return models._step(model, optimizer, annotate_fn), model.variables + optimizer.variables
+
   return make
 
 
 @pytest.mark.parametrize('devices,batch', [(8, 16), (4, 10)])
 def test_mlp_data_parallel(devices, batch):
   mesh = tg.Mesh.create((devices,), ('data',))
-  make = _keras_step(lambda annotate: models._mlp(0), lambda x: tg.shard(x, mesh, tg.P('data', None)))
+  make = _keras_step(
+    lambda annotate: models._mlp(0), lambda x: tg.shard(x, mesh, tg.P('data', None))
+  )
   step, executable = train_three(make, mesh, models._mlp_batches(batch)[:STEPS])
   recorded, compiled = check_exported_collectives(step, executable)
   # Six gradients and the loss, all over 'data', fused into buckets (graph_rewrite/coalesce.py).
@@ -113,7 +127,7 @@ def test_mlp_hidden_not_divisible_by_model_axis():
   assert recorded['all-reduce'] >= 2 and compiled.get('all-reduce', 0) >= 1
   assert set(compiled) <= set(recorded)
   groups = {c.replica_groups for c in pjrt.hlo_collectives(executable.compiled_hlo())}
-  assert ((0, 1, 2, 3), (4, 5, 6, 7)) in groups   # over 'model', written out by hand
+  assert ((0, 1, 2, 3), (4, 5, 6, 7)) in groups  # over 'model', written out by hand
 
 
 @pytest.mark.slow
@@ -150,8 +164,9 @@ def test_transformer_megatron_with_adam():
 @pytest.mark.slow
 def test_cnn_with_halos_and_batchnorm():
   mesh = tg.Mesh.create((2, 4), ('data', 'h'))
-  make = _keras_step(lambda annotate: models._cnn(0),
-                     lambda x: tg.shard(x, mesh, tg.P('data', 'h', None, None)))
+  make = _keras_step(
+    lambda annotate: models._cnn(0), lambda x: tg.shard(x, mesh, tg.P('data', 'h', None, None))
+  )
   step, executable = train_three(make, mesh, models._images(4)[:STEPS])
   recorded, compiled = check_exported_collectives(step, executable)
   assert 'all-gather' not in recorded
@@ -174,8 +189,11 @@ def test_mixture_of_experts_with_all_to_all():
   assert recorded['all-to-all'] >= 4
   # Measured: 4 exported, 3 after XLA's optimizer (it merges two identical ones).
   assert compiled['all-to-all'] >= 3
-  a2a_groups = {c.replica_groups for c in pjrt.hlo_collectives(executable.compiled_hlo())
-                if c.kind == 'all-to-all'}
+  a2a_groups = {
+    c.replica_groups
+    for c in pjrt.hlo_collectives(executable.compiled_hlo())
+    if c.kind == 'all-to-all'
+  }
   assert a2a_groups == {((0, 1, 2, 3), (4, 5, 6, 7))}
 
 
@@ -202,13 +220,17 @@ def test_training_loop_inside_one_while():
   w_tensor, w_ref = test_partitioned._mlp(0), test_partitioned._mlp(0)
   tg.shard_variable(w_tensor[0], mesh, tg.P(None, 'model'))
   tg.shard_variable(w_tensor[1], mesh, tg.P('model', None))
-  looped = tg.partition(test_partitioned._loop_training(mesh, *w_tensor, annotate=True), mesh,
-                        backend='xla')
+  looped = tg.partition(
+    test_partitioned._loop_training(mesh, *w_tensor, annotate=True), mesh, backend='xla'
+  )
   reference = test_partitioned._loop_training(mesh, *w_ref, annotate=False)
   for steps in (3, 1):
-    assert_close(looped(x, y, tf.constant(steps)), reference(x, y, tf.constant(steps)),
-                 f'loss after {steps} steps')
-  assert len(looped._compiled) == 1  # pylint: disable=protected-access
+    assert_close(
+      looped(x, y, tf.constant(steps)),
+      reference(x, y, tf.constant(steps)),
+      f'loss after {steps} steps',
+    )
+  assert len(looped._compiled) == 1  # noqa: SLF001
   looped.sync_variables()
   assert_close(list(w_tensor), list(w_ref), 'weights')
 
@@ -222,7 +244,7 @@ def test_an_argument_xla_needs_as_a_constant_is_refused_by_name():
 
   step = tg.partition(weighted, mesh, in_shardings=[tg.P('data'), None])
   # Exported from a tensor, tf2xla would bake in the example value: refused, naming it.
-  with pytest.raises(XlaLoweringError, match=r"n.*compile-time constants"):
+  with pytest.raises(XlaLoweringError, match=r'n.*compile-time constants'):
     step.export_xla(np.ones([8], np.float32), tf.constant(4))
 
 
@@ -247,8 +269,8 @@ def test_variables_stay_on_device_and_user_weights_are_used_after_scatter():
   np.testing.assert_array_equal(w.numpy(), 1.0)  # not written back until sync
   pf.sync_variables()
   np.testing.assert_array_equal(w.numpy(), 2.0)
-  w.assign(np.full((16, 8), 5.0, np.float32))   # the user loads new weights ...
-  pf.scatter_variables()                         # ... and sends them out
+  w.assign(np.full((16, 8), 5.0, np.float32))  # the user loads new weights ...
+  pf.scatter_variables()  # ... and sends them out
   assert_close(pf(x), np.float32(2 * 16 * 8 * 6.0), 'sum after the loaded weights')
   pf.sync_variables()
   np.testing.assert_array_equal(w.numpy(), 6.0)
@@ -266,8 +288,10 @@ def test_export_describes_layouts_and_explain_works():
 
   pf = tg.partition(f, mesh)  # export works from the default backend too
   export = pf.export_xla(np.ones((6, 16), np.float32))
-  assert [(a.kind, a.local_shape) for a in export.args] == [('argument', (3, 16)),
-                                                             ('variable', (16, 2))]
+  assert [(a.kind, a.local_shape) for a in export.args] == [
+    ('argument', (3, 16)),
+    ('variable', (16, 2)),
+  ]
   assert export.args[0].sharding.spec == tg.P('data', None)
   assert [(r.kind, r.shape) for r in export.results] == [('output', (6, 8))]
   assert 'func.func @main' in export.module and 'stablehlo.replica_id' in export.module
@@ -296,11 +320,11 @@ MESH_1D = tg.Mesh.create((8,), ('x',))
 MESH_2D = tg.Mesh.create((2, 4), ('x', 'y'))
 # Replica groups written out by hand (row-major device ids; members in position order).
 GROUPS = {
-    (MESH_1D, ('x',)): [[0, 1, 2, 3, 4, 5, 6, 7]],
-    (MESH_2D, ('y',)): [[0, 1, 2, 3], [4, 5, 6, 7]],
-    (MESH_2D, ('x',)): [[0, 4], [1, 5], [2, 6], [3, 7]],
-    (MESH_2D, ('x', 'y')): [[0, 1, 2, 3, 4, 5, 6, 7]],
-    (MESH_2D, ('y', 'x')): [[0, 4, 1, 5, 2, 6, 3, 7]],
+  (MESH_1D, ('x',)): [[0, 1, 2, 3, 4, 5, 6, 7]],
+  (MESH_2D, ('y',)): [[0, 1, 2, 3], [4, 5, 6, 7]],
+  (MESH_2D, ('x',)): [[0, 4], [1, 5], [2, 6], [3, 7]],
+  (MESH_2D, ('x', 'y')): [[0, 1, 2, 3, 4, 5, 6, 7]],
+  (MESH_2D, ('y', 'x')): [[0, 4, 1, 5, 2, 6, 3, 7]],
 }
 LOCAL_SHAPE = (5, 8)
 OPS = ('sum', 'max', 'min', 'prod')
@@ -313,11 +337,19 @@ def _collective_program(mesh, axes_list):
     for axes in axes_list:
       k = mesh.axes_size(axes)
       out += [c.all_reduce(x, axes, op) for op in OPS]
-      out += [c.reduce_scatter(x, axes, 0), c.all_gather(x, axes, 1),
-              c.all_to_all(x, axes, 1, 0), c.broadcast(x, axes, k - 1)]
-    out += [c.shift(x, mesh.axis_names[-1], 1), c.shift(x, mesh.axis_names[-1], -1, cyclic=True),
-            c.permute(x, PAIRS)]
+      out += [
+        c.reduce_scatter(x, axes, 0),
+        c.all_gather(x, axes, 1),
+        c.all_to_all(x, axes, 1, 0),
+        c.broadcast(x, axes, k - 1),
+      ]
+    out += [
+      c.shift(x, mesh.axis_names[-1], 1),
+      c.shift(x, mesh.axis_names[-1], -1, cyclic=True),
+      c.permute(x, PAIRS),
+    ]
     return out
+
   return fn
 
 
@@ -326,8 +358,9 @@ def collective_run(request):
   """One compiled program per mesh holding every kind over every axis set; run once."""
   mesh = MESH_1D if request.param == '1d' else MESH_2D
   axes_list = [axes for (m, axes) in GROUPS if m is mesh]
-  export = export_per_replica(mesh, _collective_program(mesh, axes_list),
-                              [np.zeros(LOCAL_SHAPE, np.float32)])
+  export = export_per_replica(
+    mesh, _collective_program(mesh, axes_list), [np.zeros(LOCAL_SHAPE, np.float32)]
+  )
   executable = PjrtExecutable(export)
   rng = np.random.default_rng(0)
   inputs = [rng.uniform(0.5, 1.5, LOCAL_SHAPE).astype(np.float32) for _ in range(8)]
@@ -348,10 +381,12 @@ def _expected(mesh, axes_list, x):
       padded = np.pad(stacked, [(0, 0), (0, k * chunk - LOCAL_SHAPE[0]), (0, 0)])
       for pos, member in enumerate(group):
         want[member] += [reduce[op](stacked, axis=0) for op in OPS]
-        want[member].append(padded.sum(0)[pos * chunk:(pos + 1) * chunk])
+        want[member].append(padded.sum(0)[pos * chunk : (pos + 1) * chunk])
         want[member].append(np.concatenate(list(stacked), axis=1))
         cols = LOCAL_SHAPE[1] // k
-        want[member].append(np.concatenate([x[m][:, pos * cols:(pos + 1) * cols] for m in group], 0))
+        want[member].append(
+          np.concatenate([x[m][:, pos * cols : (pos + 1) * cols] for m in group], 0)
+        )
         want[member].append(x[group[-1]])
   last = mesh.axis_names[-1]
   rows = GROUPS[(mesh, (last,))]
@@ -382,8 +417,13 @@ def test_compiled_collectives_carry_hand_written_groups(collective_run):
   mesh, axes_list, _, _, executable = collective_run
   kinds = collections.Counter(stablehlo_collectives(executable.export.module))
   n = len(axes_list)
-  assert kinds == {'all-reduce': 5 * n, 'reduce-scatter': n, 'all-gather': n, 'all-to-all': n,
-                   'collective-permute': 3}
+  assert kinds == {
+    'all-reduce': 5 * n,
+    'reduce-scatter': n,
+    'all-gather': n,
+    'all-to-all': n,
+    'collective-permute': 3,
+  }
   found = pjrt.hlo_collectives(executable.compiled_hlo())
   want = {tuple(map(tuple, GROUPS[(mesh, axes)])) for axes in axes_list}
   assert {c.replica_groups for c in found if c.kind == 'all-gather'} == want

@@ -45,23 +45,31 @@ def _jax_python():
 
 
 def _has_jax(python):
-  return python is not None and subprocess.run(
-      [python, '-c', 'import jax'], capture_output=True).returncode == 0
+  return (
+    python is not None
+    and subprocess.run([python, '-c', 'import jax'], capture_output=True).returncode == 0
+  )
 
 
 JAX_PYTHON = _jax_python()
 needs_jax = pytest.mark.skipif(
-    not _has_jax(JAX_PYTHON),
-    reason='no Python with JAX: set TF_GSPMD_JAX_PYTHON or create /work/jaxenv '
-           '(python3 -m venv /work/jaxenv && /work/jaxenv/bin/pip install jax jaxlib)')
+  not _has_jax(JAX_PYTHON),
+  reason='no Python with JAX: set TF_GSPMD_JAX_PYTHON or create /work/jaxenv '
+  '(python3 -m venv /work/jaxenv && /work/jaxenv/bin/pip install jax jaxlib)',
+)
 
 
 def _run(args, python=None, env_extra=None):
   env = dict(os.environ)
   env.pop('XLA_FLAGS', None)  # the script sets its own device count
   env.update(env_extra or {})
-  proc = subprocess.run([python or JAX_PYTHON, SCRIPT] + list(args), capture_output=True,
-                        text=True, env=env, timeout=600)
+  proc = subprocess.run(
+    [python or JAX_PYTHON, SCRIPT] + list(args),
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=600,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   return json.loads(proc.stdout), proc.stderr
 
@@ -69,6 +77,7 @@ def _run(args, python=None, env_extra=None):
 # ---------------------------------------------------------------------------
 # cases
 # ---------------------------------------------------------------------------
+
 
 def test_cases_cover_the_required_kinds():
   cases = cases_mod.CASES
@@ -80,8 +89,11 @@ def test_cases_cover_the_required_kinds():
   assert any(c['src_partial'] == ('y',) and c['dst_spec'] == ('y', None) for c in cases)
   assert any(c['mesh_shape'] == (8,) for c in cases)
   assert any(c['mesh_shape'] == (2, 2, 2) for c in cases)
-  uneven = {(c['shape'][0], c['mesh_shape'][list(c['axis_names']).index(c['src_spec'][0])])
-            for c in cases if c['name'].startswith('uneven') and isinstance(c['src_spec'][0], str)}
+  uneven = {
+    (c['shape'][0], c['mesh_shape'][list(c['axis_names']).index(c['src_spec'][0])])
+    for c in cases
+    if c['name'].startswith('uneven') and isinstance(c['src_spec'][0], str)
+  }
   assert {(10, 4), (7, 8), (1, 2)} <= uneven
 
 
@@ -99,27 +111,37 @@ def test_case_validation_names_the_problem():
 # HLO reader (pure Python)
 # ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize('attrs, groups', [
+
+@pytest.mark.parametrize(
+  'attrs, groups',
+  [
     # Mesh form with an iota device order and a minor sub-axis (from this XLA's
     # P('x','y') -> P('y','x') on 2x4): devices arange(8).reshape(2,2,2)
     # .transpose(0,2,1) laid out as 4x2; axis_0 splits into 2x2 and the groups
     # span its minor half.
-    ("replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,2,2]T(0,2,1)) "
-     "{'axis_0':(2)2}", [[0, 1], [2, 3], [4, 5], [6, 7]]),
-    ("replica_groups=mesh['axis_0'=1,'axis_1'=4,'axis_2'=2], device_ids=([2,4]T(1,0)) "
-     "{'axis_1'}, dimensions={0}", [[0, 1, 2, 3], [4, 5, 6, 7]]),
-    ("replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=4] {'axis_1'}",
-     [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    (
+      "replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,2,2]T(0,2,1)) {'axis_0':(2)2}",
+      [[0, 1], [2, 3], [4, 5], [6, 7]],
+    ),
+    (
+      "replica_groups=mesh['axis_0'=1,'axis_1'=4,'axis_2'=2], device_ids=([2,4]T(1,0)) "
+      "{'axis_1'}, dimensions={0}",
+      [[0, 1, 2, 3], [4, 5, 6, 7]],
+    ),
+    (
+      "replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=4] {'axis_1'}",
+      [[0, 4], [1, 5], [2, 6], [3, 7]],
+    ),
     # two sub-axes of one axis, in both orders: 8 -> 2x2x2, groups over dims 0 and 2
     ("replica_groups=mesh['a'=8] {'a':(1)2,'a':(4)2}", [[0, 1, 4, 5], [2, 3, 6, 7]]),
     ("replica_groups=mesh['a'=8] {'a':(4)2,'a':(1)2}", [[0, 4, 1, 5], [2, 6, 3, 7]]),
     ("replica_groups=mesh['a'=2,'b'=4] {'b','a'}", [[0, 4, 1, 5, 2, 6, 3, 7]]),
     ('replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}', [[0, 2, 4, 6], [1, 3, 5, 7]]),
     ('replica_groups=[4,2]<=[8], to_apply=%add', [[0, 1], [2, 3], [4, 5], [6, 7]]),
-    ('replica_groups={{0,2},{1,3},{4,6},{5,7}}, dimensions={1}',
-     [[0, 2], [1, 3], [4, 6], [5, 7]]),
+    ('replica_groups={{0,2},{1,3},{4,6},{5,7}}, dimensions={1}', [[0, 2], [1, 3], [4, 6], [5, 7]]),
     ('replica_groups={}, to_apply=%add', [list(range(8))]),
-])
+  ],
+)
 def test_replica_group_forms(attrs, groups):
   assert xr.parse_replica_groups(attrs, 8) == groups
 
@@ -131,7 +153,9 @@ def test_unreadable_replica_groups_raise():
     xr.parse_replica_groups("replica_groups=mesh['a'=2], device_ids=({1,0}) {'a'}", 2)
 
 
-@pytest.mark.parametrize('op, operands, results, g, expected', [
+@pytest.mark.parametrize(
+  'op, operands, results, g, expected',
+  [
     ('all-gather', ['f32[128,1024]'], ['f32[1024,1024]'], 8, 7 * 128 * 1024 * 4),
     ('all-to-all', ['f32[128,1,128]'] * 8, ['(...)'], 8, 7 * 128 * 128 * 4),
     ('all-to-all', ['f32[8,8]'], ['f32[8,8]'], 2, 128),
@@ -139,7 +163,8 @@ def test_unreadable_replica_groups_raise():
     ('all-reduce', ['f32[1024,1024]'], ['f32[1024,1024]'], 4, 2 * 3 * MIB4 // 4),
     ('all-reduce', ['f32[10]'], ['f32[10]'], 4, 2 * 3 * 3 * 4),  # ceil(10/4) = 3 elems/piece
     ('all-gather', ['f32[4]'], ['f32[4]'], 1, 0),
-])
+  ],
+)
 def test_bytes_rules(op, operands, results, g, expected):
   assert xr.received_bytes(op, operands, results, g) == expected
 
@@ -178,10 +203,11 @@ def test_analyze_hlo_counts_async_once_and_permute_receivers_only():
 
 
 def test_unmeasured_communication_is_an_error():
-  hlo = ASYNC_HLO.replace('%cp = f32[16,8]{1,0} collective-permute(%agd), channel_id=2, '
-                          'source_target_pairs={{0,0},{1,2},{2,1}}',
-                          '%cp = f32[16,8]{1,0} collective-broadcast(%agd), channel_id=2, '
-                          'replica_groups={}')
+  hlo = ASYNC_HLO.replace(
+    '%cp = f32[16,8]{1,0} collective-permute(%agd), channel_id=2, '
+    'source_target_pairs={{0,0},{1,2},{2,1}}',
+    '%cp = f32[16,8]{1,0} collective-broadcast(%agd), channel_id=2, replica_groups={}',
+  )
   with pytest.raises(ValueError, match='collective-broadcast'):
     xr.analyze_hlo(hlo, 8)
 
@@ -189,6 +215,7 @@ def test_unmeasured_communication_is_an_error():
 # ---------------------------------------------------------------------------
 # XLA measurements (need JAX)
 # ---------------------------------------------------------------------------
+
 
 @pytest.fixture(scope='module')
 def records():
@@ -206,8 +233,9 @@ def test_every_case_is_measured_and_numerically_checked(records):
   for name, r in records.items():
     assert r['checked'] in ('exact', 'normwise<=1e-05'), name
     assert r['xla_peak'] >= max(r['src_shard_bytes'], r['dst_shard_bytes']), name
-    assert r['xla_bytes'] >= max((c['bytes_received_per_device'] for c in r['xla_collectives']),
-                                 default=0), name
+    assert r['xla_bytes'] >= max(
+      (c['bytes_received_per_device'] for c in r['xla_collectives']), default=0
+    ), name
   # Both checks ran: pending sums against numpy's float64 sum by the oracle, the rest exactly.
   assert {r['checked'] for r in records.values()} == {'exact', 'normwise<=1e-05'}
 
@@ -276,8 +304,11 @@ def test_uneven_sizes_use_ceil_shards(records):
 @needs_jax
 def test_uneven_control_programs_emit_no_collectives(tmp_path):
   # src -> src through the same pad/slice wrapper: anything counted would be overhead.
-  control = [dict(c, name=c['name'] + '_control', dst_spec=c['src_spec'])
-             for c in cases_mod.CASES if c['name'].startswith('uneven')]
+  control = [
+    dict(c, name=c['name'] + '_control', dst_spec=c['src_spec'])
+    for c in cases_mod.CASES
+    if c['name'].startswith('uneven')
+  ]
   path = tmp_path / 'control.json'
   path.write_text(json.dumps(control))
   out, _ = _run(['--cases-json', str(path)])
@@ -289,6 +320,7 @@ def test_uneven_control_programs_emit_no_collectives(tmp_path):
 @needs_jax
 def test_script_reexecutes_under_the_jax_python():
   # As `make bench` runs it: with a Python that has no JAX (this test's own).
-  out, _ = _run(['--cases', '1d_gather'], python=sys.executable,
-                env_extra={'TF_GSPMD_JAX_PYTHON': JAX_PYTHON})
+  out, _ = _run(
+    ['--cases', '1d_gather'], python=sys.executable, env_extra={'TF_GSPMD_JAX_PYTHON': JAX_PYTHON}
+  )
   assert [r['name'] for r in out] == ['1d_gather'] and out[0]['xla_bytes'] == 7 * MIB4 // 8

@@ -13,39 +13,89 @@ entry point taking a mesh or sharding takes them, and `from_dtensor_mesh` /
 >>> from_dtensor_layout(layout)                                             # doctest: +SKIP
 NamedSharding(Mesh.create((2, 4), ('batch', 'model')), P('batch', None))
 """
-from tf_gspmd import _tf_version  # first: a missing or unsupported TensorFlow says what to install
-from tf_gspmd.mesh import Mesh
-from tf_gspmd.sharding import P, Sharding, NamedSharding, named, named_for_rank
-from tf_gspmd.op_sharding import from_proto, to_proto
-from tf_gspmd.dtensor_compat import from_dtensor_layout, from_dtensor_mesh
-from tf_gspmd.annotations import (
-    annotate, shard, mesh_split, mesh_split_sharding, split, tile, partial_tile, replicate,
-    assign_device, shard_variable, variable_sharding, get_sharding)
-from tf_gspmd.pipeline import bubble_fraction as pipeline_bubble_fraction, pipeline
 
-from tf_gspmd.pictures import visualize
-from tf_gspmd.partitioned import PartitionedFunction, partition
-from tf_gspmd.keras_layout import LayoutMap
-from tf_gspmd.keras_fit import partition_model, unpartition_model
+from tf_gspmd import (
+  _tf_version,  # first: a missing or unsupported TensorFlow says what to install
+  keras,  # keras.distribution on TF: changes nothing until keras.enable()
+  saved_model,  # tg.saved_model.save / load (SavedModel), save_xla / load_xla
+)
+from tf_gspmd.annotations import (
+  annotate,
+  assign_device,
+  get_sharding,
+  mesh_split,
+  mesh_split_sharding,
+  partial_tile,
+  replicate,
+  shard,
+  shard_variable,
+  split,
+  tile,
+  variable_sharding,
+)
 from tf_gspmd.auto_shard import auto_shard
-from tf_gspmd import keras  # keras.distribution on TF: changes nothing until keras.enable()
-from tf_gspmd.propagation.api import Plan, propagate
-from tf_gspmd.planning import PlanReport, abstract_variable, plan
+from tf_gspmd.checkpoint import restore_checkpoint, save_checkpoint
+from tf_gspmd.dtensor_compat import from_dtensor_layout, from_dtensor_mesh
 from tf_gspmd.graph.capture import capture
 from tf_gspmd.graph.rebuild import rebuild
 from tf_gspmd.graph_rewrite.reshard_plan import plan_reshard
+from tf_gspmd.keras_fit import partition_model, unpartition_model
+from tf_gspmd.keras_layout import LayoutMap
+from tf_gspmd.mesh import Mesh
+from tf_gspmd.op_sharding import from_proto, to_proto
+from tf_gspmd.partitioned import PartitionedFunction, partition
+from tf_gspmd.pictures import visualize
+from tf_gspmd.pipeline import bubble_fraction as pipeline_bubble_fraction
+from tf_gspmd.pipeline import pipeline
+from tf_gspmd.planning import PlanReport, abstract_variable, plan
+from tf_gspmd.propagation.api import Plan, propagate
 from tf_gspmd.runtime import CollectiveError, ShardedValue, ShardedVariable, SpmdProgram
-from tf_gspmd.checkpoint import restore_checkpoint, save_checkpoint
-from tf_gspmd import saved_model  # tg.saved_model.save / load (SavedModel), save_xla / load_xla
+from tf_gspmd.sharding import NamedSharding, P, Sharding, named, named_for_rank
 
 __all__ = [
-    'partition', 'PartitionedFunction', 'LayoutMap', 'partition_model', 'unpartition_model', 'Plan', 'propagate', 'plan', 'PlanReport', 'abstract_variable', 'capture', 'rebuild',
-    'plan_reshard', 'CollectiveError', 'ShardedValue', 'ShardedVariable', 'SpmdProgram',
-    'Mesh', 'P', 'Sharding', 'NamedSharding', 'named', 'named_for_rank', 'from_proto', 'to_proto',
-    'annotate', 'shard', 'mesh_split', 'mesh_split_sharding', 'split', 'tile', 'partial_tile',
-    'replicate', 'assign_device', 'shard_variable', 'variable_sharding', 'get_sharding',
-    'save_checkpoint', 'restore_checkpoint', 'pipeline', 'pipeline_bubble_fraction',
-    'from_dtensor_layout', 'from_dtensor_mesh',
-    'auto_shard',
-    'visualize',
+  'partition',
+  'PartitionedFunction',
+  'LayoutMap',
+  'partition_model',
+  'unpartition_model',
+  'Plan',
+  'propagate',
+  'plan',
+  'PlanReport',
+  'abstract_variable',
+  'capture',
+  'rebuild',
+  'plan_reshard',
+  'CollectiveError',
+  'ShardedValue',
+  'ShardedVariable',
+  'SpmdProgram',
+  'Mesh',
+  'P',
+  'Sharding',
+  'NamedSharding',
+  'named',
+  'named_for_rank',
+  'from_proto',
+  'to_proto',
+  'annotate',
+  'shard',
+  'mesh_split',
+  'mesh_split_sharding',
+  'split',
+  'tile',
+  'partial_tile',
+  'replicate',
+  'assign_device',
+  'shard_variable',
+  'variable_sharding',
+  'get_sharding',
+  'save_checkpoint',
+  'restore_checkpoint',
+  'pipeline',
+  'pipeline_bubble_fraction',
+  'from_dtensor_layout',
+  'from_dtensor_mesh',
+  'auto_shard',
+  'visualize',
 ]

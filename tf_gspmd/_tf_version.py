@@ -9,6 +9,7 @@ into one ImportError that says what to install, instead of an error deep inside 
 It imports nothing from tf_gspmd, and imports TensorFlow only when TensorFlow is importable
 but no distribution metadata names its version (a source build on PYTHONPATH).
 """
+
 import importlib
 import importlib.metadata
 import importlib.util
@@ -25,15 +26,29 @@ ALLOW_ANY_ENV = 'TF_GSPMD_ALLOW_ANY_TF'
 # Distributions that install the `tensorflow` package. Checked by name first: asking for a
 # few names is fast, while scanning every installed distribution (the fallback) is not.
 TF_DISTRIBUTIONS = (
-    'tensorflow', 'tensorflow-cpu', 'tensorflow-gpu', 'tensorflow-intel', 'tensorflow-macos',
-    'tensorflow-aarch64', 'tensorflow-cpu-aws', 'tensorflow-rocm', 'tensorflow-tpu',
-    'intel-tensorflow', 'tf-nightly', 'tf-nightly-cpu', 'tf-nightly-gpu', 'tf-nightly-intel',
-    'tf-nightly-macos', 'tf-nightly-tpu')
+  'tensorflow',
+  'tensorflow-cpu',
+  'tensorflow-gpu',
+  'tensorflow-intel',
+  'tensorflow-macos',
+  'tensorflow-aarch64',
+  'tensorflow-cpu-aws',
+  'tensorflow-rocm',
+  'tensorflow-tpu',
+  'intel-tensorflow',
+  'tf-nightly',
+  'tf-nightly-cpu',
+  'tf-nightly-gpu',
+  'tf-nightly-intel',
+  'tf-nightly-macos',
+  'tf-nightly-tpu',
+)
 
 EXTRAS_HELP = (
-    '  pip install "tf_gspmd[cpu]"         # tensorflow-cpu: CPU only\n'
-    '  pip install "tf_gspmd[tensorflow]"  # tensorflow: the standard wheel\n'
-    '  pip install "tf_gspmd[and-cuda]"    # tensorflow[and-cuda]: NVIDIA GPUs\n')
+  '  pip install "tf_gspmd[cpu]"         # tensorflow-cpu: CPU only\n'
+  '  pip install "tf_gspmd[tensorflow]"  # tensorflow: the standard wheel\n'
+  '  pip install "tf_gspmd[and-cuda]"    # tensorflow[and-cuda]: NVIDIA GPUs\n'
+)
 
 
 def _normalize(name: str) -> str:
@@ -94,13 +109,19 @@ def check():
     found = installed_distributions()
     stale = ''
     if found:
-      stale = ('Distribution metadata names ' + ', '.join(f'{n} {v}' for n, v in found)
-               + ' but its files are gone; reinstall it.\n')
+      stale = (
+        'Distribution metadata names '
+        + ', '.join(f'{n} {v}' for n, v in found)
+        + ' but its files are gone; reinstall it.\n'
+      )
     raise ImportError(
-        f'tf_gspmd needs TensorFlow {SUPPORTED_TEXT} and cannot import `tensorflow`.\n'
-        + stale + 'Install tf_gspmd with the TensorFlow build for this machine:\n'
-        + EXTRAS_HELP + f'or install TensorFlow {SUPPORTED_TEXT} another way (a TPU VM image, '
-        'a source build):\na plain `pip install tf_gspmd` keeps it.')
+      f'tf_gspmd needs TensorFlow {SUPPORTED_TEXT} and cannot import `tensorflow`.\n'
+      + stale
+      + 'Install tf_gspmd with the TensorFlow build for this machine:\n'
+      + EXTRAS_HELP
+      + f'or install TensorFlow {SUPPORTED_TEXT} another way (a TPU VM image, '
+      'a source build):\na plain `pip install tf_gspmd` keeps it.'
+    )
 
   found = installed_distributions()
   if not found:
@@ -113,12 +134,18 @@ def check():
     found_text = ', '.join(f'{n} {v}' for n, v in wrong)
     name = wrong[0][0]
     # A nightly is always the next, unreleased line: its fix is a release, not a pin of it.
-    same_build = (f'  pip install "{name}{SPECIFIER}"\nor one of\n'
-                  if name in TF_DISTRIBUTIONS and not name.startswith('tf-nightly') else '')
+    same_build = (
+      f'  pip install "{name}{SPECIFIER}"\nor one of\n'
+      if name in TF_DISTRIBUTIONS and not name.startswith('tf-nightly')
+      else ''
+    )
     message = (
-        f'tf_gspmd supports TensorFlow {SUPPORTED_TEXT} ({SPECIFIER}); found {found_text}.\n'
-        'Install a supported one:\n' + same_build + EXTRAS_HELP
-        + f'Set {ALLOW_ANY_ENV}=1 to import tf_gspmd anyway (untested with that TensorFlow).')
+      f'tf_gspmd supports TensorFlow {SUPPORTED_TEXT} ({SPECIFIER}); found {found_text}.\n'
+      'Install a supported one:\n'
+      + same_build
+      + EXTRAS_HELP
+      + f'Set {ALLOW_ANY_ENV}=1 to import tf_gspmd anyway (untested with that TensorFlow).'
+    )
     if not _allow_any():
       raise ImportError(message)
     warnings.warn(message, RuntimeWarning, stacklevel=2)
@@ -127,9 +154,12 @@ def check():
     owners = [n for n, _ in found if _files_owned(n)]
     if len(owners) > 1:
       warnings.warn(
-          f'{" and ".join(owners)} are both installed and write the same `tensorflow` '
-          'package, so files of one overwrote the other. Keep one: pip uninstall both, '
-          'then install one of them again.', RuntimeWarning, stacklevel=2)
+        f'{" and ".join(owners)} are both installed and write the same `tensorflow` '
+        'package, so files of one overwrote the other. Keep one: pip uninstall both, '
+        'then install one of them again.',
+        RuntimeWarning,
+        stacklevel=2,
+      )
 
 
 check()

@@ -67,7 +67,8 @@ def annotate(x, sharding: Sharding, unspecified_dims: Optional[Sequence[int]] = 
     return x  # no graph to annotate; documented behaviour
   proto = op_sharding.to_proto(sharding)
   return tf_xla_sharding.Sharding(proto).apply_to_tensor(
-      x, use_sharding_op=True, unspecified_dims=list(unspecified_dims or []))
+    x, use_sharding_op=True, unspecified_dims=list(unspecified_dims or [])
+  )
 
 
 @_plain_python
@@ -81,9 +82,13 @@ def shard(x, mesh_or_sharding, spec=None, unspecified_dims: Optional[Sequence[in
 
 
 @_plain_python
-def mesh_split(x, device_mesh, dims_mapping: Sequence[int],
-               manual_mesh_dims: Optional[Sequence[int]] = None,
-               unspecified_dims: Optional[Sequence[int]] = None):
+def mesh_split(
+  x,
+  device_mesh,
+  dims_mapping: Sequence[int],
+  manual_mesh_dims: Optional[Sequence[int]] = None,
+  unspecified_dims: Optional[Sequence[int]] = None,
+):
   """TF's `xla_sharding.mesh_split`: dim i of `x` split along mesh dim `dims_mapping[i]` (-1: not split)."""
   sharding = mesh_split_sharding(device_mesh, dims_mapping, manual_mesh_dims)
   return annotate(x, sharding, unspecified_dims)
@@ -99,13 +104,15 @@ def split(x, split_dimension: int, num_devices: int, input_shape: Optional[Seque
   shape = list(input_shape) if input_shape is not None else _static_shape(x)
   if shape is None:
     raise ValueError(
-        f'split: tensor {_name(x)} has unknown rank; pass input_shape so the split '
-        'sharding can name every dim.')
+      f'split: tensor {_name(x)} has unknown rank; pass input_shape so the split '
+      'sharding can name every dim.'
+    )
   rank = len(shape)
   if not -rank <= split_dimension < rank:
     raise ValueError(
-        f'split: split_dimension {split_dimension} is out of range for tensor {_name(x)} of '
-        f'shape {tuple(shape)}; use a dim in [{-rank}, {rank}).')
+      f'split: split_dimension {split_dimension} is out of range for tensor {_name(x)} of '
+      f'shape {tuple(shape)}; use a dim in [{-rank}, {rank}).'
+    )
   dims = [1] * rank
   dims[split_dimension] = int(num_devices)
   sharding = Sharding.tiled(np.arange(int(num_devices)).reshape(dims))
@@ -139,8 +146,9 @@ def assign_device(x, device: int):
 
 
 @_plain_python
-def mesh_split_sharding(device_mesh, dims_mapping: Sequence[int],
-                        manual_mesh_dims: Optional[Sequence[int]] = None) -> Sharding:
+def mesh_split_sharding(
+  device_mesh, dims_mapping: Sequence[int], manual_mesh_dims: Optional[Sequence[int]] = None
+) -> Sharding:
   """The `Sharding` TF's `mesh_split` means, with errors for bad mappings.
 
   Tensor dim i is split along mesh dim `dims_mapping[i]` (-1: not split);
@@ -156,13 +164,15 @@ def mesh_split_sharding(device_mesh, dims_mapping: Sequence[int],
   for d in mapping + manual:
     if not -1 <= d < mesh.ndim or (d == -1 and d in manual):
       raise ValueError(
-          f'{what}: mesh dim {d} does not exist; use 0..{mesh.ndim - 1} (or -1 in '
-          'dims_mapping for a dim that is not split).')
+        f'{what}: mesh dim {d} does not exist; use 0..{mesh.ndim - 1} (or -1 in '
+        'dims_mapping for a dim that is not split).'
+      )
   repeated = sorted({d for d in used if used.count(d) > 1})
   if repeated:
     raise ValueError(
-        f'{what}: mesh dims {repeated} are used twice; each mesh dim may split one tensor '
-        'dim or be manual, once.')
+      f'{what}: mesh dims {repeated} are used twice; each mesh dim may split one tensor '
+      'dim or be manual, once.'
+    )
   rest = [d for d in range(mesh.ndim) if d not in used]
   tile_dims = [1 if d < 0 else mesh.shape[d] for d in mapping] + [mesh.shape[d] for d in manual]
   subgroups = [MANUAL] * len(manual)
@@ -190,7 +200,7 @@ def shard_variable(v, mesh_or_sharding, spec=None):
   sharding.check_shape(var.shape.as_list(), what=f'shard_variable({var.name})')
   proto = op_sharding.to_proto(sharding)
   if hasattr(var, '_set_xla_sharding'):
-    var._set_xla_sharding(proto)  # pylint: disable=protected-access
+    var._set_xla_sharding(proto)  # noqa: SLF001
   setattr(var, _VARIABLE_ATTR, sharding)
   _ANNOTATED_VARIABLES[id(var.handle)] = var
   return v
@@ -203,7 +213,7 @@ def variable_sharding(v) -> Optional[Sharding]:
   stored = getattr(var, _VARIABLE_ATTR, None)
   if stored is not None:
     return stored
-  proto = var._get_xla_sharding() if hasattr(var, '_get_xla_sharding') else None  # pylint: disable=protected-access
+  proto = var._get_xla_sharding() if hasattr(var, '_get_xla_sharding') else None  # noqa: SLF001
   return None if proto is None else op_sharding.from_proto(proto, tuple_index=0)
 
 
@@ -261,8 +271,9 @@ def _variable_of_handle(handle):
   while True:
     graph = getattr(handle, 'graph', None)
     graphs.append(graph)
-    outer = next((ext for ext, internal in getattr(graph, 'captures', ()) if internal is handle),
-                 None)
+    outer = next(
+      (ext for ext, internal in getattr(graph, 'captures', ()) if internal is handle), None
+    )
     if outer is None:
       break
     handle = outer
@@ -281,15 +292,21 @@ def _variable_of_handle(handle):
 def _check_annotatable(x, sharding) -> None:
   """TypeErrors for what `annotate` cannot mean: a Python value, or a sharding of another type."""
   if not isinstance(sharding, Sharding):
-    hint = (' Build one with NamedSharding(mesh, spec), or call shard(x, mesh, spec).'
-            if isinstance(sharding, tuple) else '')
-    raise TypeError(f'annotate: tensor {_name(x)} needs a Sharding, got '
-                    f'{type(sharding).__name__} {sharding!r}.{hint}')
+    hint = (
+      ' Build one with NamedSharding(mesh, spec), or call shard(x, mesh, spec).'
+      if isinstance(sharding, tuple)
+      else ''
+    )
+    raise TypeError(
+      f'annotate: tensor {_name(x)} needs a Sharding, got '
+      f'{type(sharding).__name__} {sharding!r}.{hint}'
+    )
   if isinstance(x, (bool, int, float, complex, str, bytes, list, tuple)):
     raise TypeError(
-        f'annotate: got the Python {type(x).__name__} {x!r} for sharding {sharding}, not a '
-        'tensor; an annotation marks a tensor of the traced function. Pass a tensor, e.g. '
-        'tf.constant(value), if you mean a constant.')
+      f'annotate: got the Python {type(x).__name__} {x!r} for sharding {sharding}, not a '
+      'tensor; an annotation marks a tensor of the traced function. Pass a tensor, e.g. '
+      'tf.constant(value), if you mean a constant.'
+    )
 
 
 def _sharding_of(mesh_or_sharding, spec, what: str = 'shard_variable') -> Sharding:
@@ -302,7 +319,8 @@ def _sharding_of(mesh_or_sharding, spec, what: str = 'shard_variable') -> Shardi
   if isinstance(mesh_or_sharding, Sharding) and spec is None:
     return mesh_or_sharding
   raise TypeError(
-      f'{what}: expected (mesh, P(...)) or a Sharding, got {mesh_or_sharding!r}, {spec!r}.')
+    f'{what}: expected (mesh, P(...)) or a Sharding, got {mesh_or_sharding!r}, {spec!r}.'
+  )
 
 
 def _tf_variable_or_none(v):
@@ -314,8 +332,9 @@ def _tf_variable_or_none(v):
     return inner
   if hasattr(v, 'path') and hasattr(v, 'assign') and hasattr(v, '_value'):
     raise ValueError(
-        f'Keras variable {v.path} is not created yet (deferred initialization); build the '
-        'layer or model before annotating its variables.')
+      f'Keras variable {v.path} is not created yet (deferred initialization); build the '
+      'layer or model before annotating its variables.'
+    )
   return None
 
 
@@ -343,6 +362,16 @@ def _name(x) -> str:
 
 
 __all__ = [
-    'annotate', 'shard', 'mesh_split', 'mesh_split_sharding', 'split', 'tile', 'partial_tile',
-    'replicate', 'assign_device', 'shard_variable', 'variable_sharding', 'get_sharding',
+  'annotate',
+  'shard',
+  'mesh_split',
+  'mesh_split_sharding',
+  'split',
+  'tile',
+  'partial_tile',
+  'replicate',
+  'assign_device',
+  'shard_variable',
+  'variable_sharding',
+  'get_sharding',
 ]

@@ -85,7 +85,7 @@ from tf_gspmd.planning import PlanReport, plan
 from tf_gspmd.sharding import NamedSharding, P, Sharding, named_for_rank
 
 AUTO = 'auto'  # a group left to propagation
-TIE = 1e-3     # relative cost difference below which the descent does not move
+TIE = 1e-3  # relative cost difference below which the descent does not move
 SWEEP_GAIN = 0.01  # a sweep (within the budget) gaining less than this is the last one
 SHORTLIST = 4  # after the first sweep a group tries only its best options of the last one
 SMALL_SEARCH = 32  # candidates a sweep up to which a third start (batch unsplit) is cheap
@@ -97,6 +97,7 @@ DEFAULT_CONSTANTS_FILE = os.path.join(os.path.dirname(__file__), 'auto_shard_con
 @dataclasses.dataclass
 class Constants:
   """Measured collective latency (s) and bandwidth (bytes/s) per kind and group size; flops/s."""
+
   collectives: Dict[str, Dict[int, Tuple[float, float]]]  # kind -> g -> (latency, bandwidth)
   matmul_flops: float
   source: str = ''
@@ -107,9 +108,13 @@ class Constants:
     return latency + nbytes * (group - 1) / group / bandwidth
 
   def to_json(self) -> dict:
-    return {'collectives': {k: {str(g): list(v) for g, v in t.items()}
-                            for k, t in self.collectives.items()},
-            'matmul_flops': self.matmul_flops, 'source': self.source}
+    return {
+      'collectives': {
+        k: {str(g): list(v) for g, v in t.items()} for k, t in self.collectives.items()
+      },
+      'matmul_flops': self.matmul_flops,
+      'source': self.source,
+    }
 
   @classmethod
   def from_json(cls, data: dict) -> 'Constants':
@@ -125,7 +130,8 @@ def _nearest(table: dict, group: int) -> int:
 def constants_path() -> str:
   """Where `calibrate()` stores its measurement: $TF_GSPMD_CACHE or ~/.cache/tf_gspmd."""
   root = os.environ.get('TF_GSPMD_CACHE') or os.path.join(
-      os.path.expanduser('~'), '.cache', 'tf_gspmd')
+    os.path.expanduser('~'), '.cache', 'tf_gspmd'
+  )
   return os.path.join(root, 'auto_shard_constants.json')
 
 
@@ -135,12 +141,15 @@ def load_constants() -> Constants:
     if os.path.exists(path):
       with open(path) as f:
         return Constants.from_json(json.load(f))
-  raise FileNotFoundError(f'auto_shard: no constants at {constants_path()} or '
-                          f'{DEFAULT_CONSTANTS_FILE}; run tf_gspmd.auto_shard.calibrate().')
+  raise FileNotFoundError(
+    f'auto_shard: no constants at {constants_path()} or '
+    f'{DEFAULT_CONSTANTS_FILE}; run tf_gspmd.auto_shard.calibrate().'
+  )
 
 
-def calibrate(groups: Sequence[int] = (2, 4, 8), path: Optional[str] = None,
-              repeats: int = 9) -> Constants:
+def calibrate(
+  groups: Sequence[int] = (2, 4, 8), path: Optional[str] = None, repeats: int = 9
+) -> Constants:
   """Measure collective latency/bandwidth over `groups` logical CPU devices and matmul flops.
 
   Each kind runs `_CHAIN` times inside one SPMD program (as a step's
@@ -159,8 +168,8 @@ def calibrate(groups: Sequence[int] = (2, 4, 8), path: Optional[str] = None,
   return measured
 
 
-_CHAIN = 8                         # collectives per measured program
-_SIZES = (64, 256 * 1024)          # float32 elements of one device's operand: 256 B, 1 MB
+_CHAIN = 8  # collectives per measured program
+_SIZES = (64, 256 * 1024)  # float32 elements of one device's operand: 256 B, 1 MB
 
 
 def _latency_and_bandwidth(kind: str, group: int, repeats: int) -> Tuple[float, float]:
@@ -174,8 +183,9 @@ def _latency_and_bandwidth(kind: str, group: int, repeats: int) -> Tuple[float, 
 
 def _collective_seconds(kind: str, group: int, elements: int, repeats: int) -> float:
   """Seconds one collective of `kind` adds to a program, operand `elements` floats per device."""
-  from tf_gspmd.runtime import ShardedValue, SpmdProgram, split  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.runtime.launcher import default_devices  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.runtime import ShardedValue, SpmdProgram, split
+  from tf_gspmd.runtime.launcher import default_devices
+
   mesh = Mesh.create((group,), ('d',))
   sharding = NamedSharding(mesh, P('d'))
   with_it = SpmdProgram(mesh, _chained(kind, True), [sharding], keep_sharded=True)
@@ -194,6 +204,7 @@ def _chained(kind: str, collective: bool):
         y = _one(c, kind, y)
       total += y[0]
     return total
+
   return run
 
 
@@ -221,7 +232,8 @@ def _median_call(program, x, repeats: int) -> float:
 def _matmul_flops(devices: int, n: int = 256, chain: int = 16, repeats: int = 9) -> float:
   """Flops/s of one device while all `devices` multiply at once (logical CPU devices share
   the machine's cores: what a device computes costs what the whole step pays for it)."""
-  from tf_gspmd.runtime import SpmdProgram  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.runtime import SpmdProgram
+
   mesh = Mesh.create((devices,), ('d',))
 
   def run(ctx, x):
@@ -229,17 +241,19 @@ def _matmul_flops(devices: int, n: int = 256, chain: int = 16, repeats: int = 9)
     for _ in range(chain):
       x = tf.matmul(x, x) * (1.0 / n)
     return x[0, 0]
+
   program = SpmdProgram(mesh, run, [None], keep_sharded=True)
   x = np.eye(n, dtype=np.float32)
-  return 2.0 * n ** 3 * chain / _median_call(program, x, repeats)
+  return 2.0 * n**3 * chain / _median_call(program, x, repeats)
 
 
 # --- the variables and their groups ----------------------------------------------------------
 @dataclasses.dataclass
 class _Var:
   """One variable the step touches."""
-  variable: Any        # the tf.Variable
-  name: str            # Keras path or TF name without ':0'
+
+  variable: Any  # the tf.Variable
+  name: str  # Keras path or TF name without ':0'
   shape: tuple
   dtype: str
   trainable: bool
@@ -256,11 +270,12 @@ class _Var:
 @dataclasses.dataclass
 class Group:
   """Variables that share one layout decision: members, and who follows them."""
-  key: str                                  # the role: shape, dtype and name, digits stripped
+
+  key: str  # the role: shape, dtype and name, digits stripped
   members: List[_Var]
   followers: List[Tuple[_Var, int]] = dataclasses.field(default_factory=list)  # (var, dims kept)
   candidates: List[Any] = dataclasses.field(default_factory=list)  # P specs, or AUTO
-  fixed: Optional[P] = None                 # the user's layout: not searched
+  fixed: Optional[P] = None  # the user's layout: not searched
 
   @property
   def nbytes(self) -> int:
@@ -279,15 +294,27 @@ def _variables_of(fn, arg_specs) -> List[_Var]:
   out = []
   for var in program.variables.values():
     name = getattr(var, 'path', None) or var.name.split(':')[0]
-    out.append(_Var(var, name, tuple(int(d) for d in var.shape), var.dtype.name,
-                    bool(getattr(var, 'trainable', True))))
+    out.append(
+      _Var(
+        var,
+        name,
+        tuple(int(d) for d in var.shape),
+        var.dtype.name,
+        bool(getattr(var, 'trainable', True)),
+      )
+    )
   return out
 
 
 def _leader_of(slot: _Var, candidates: List[_Var]) -> Optional[_Var]:
   """The variable `slot` is optimizer state of: named after it, else same shape and prefix."""
-  named = [v for v in candidates if v is not slot and v.shape == slot.shape and
-           re.search(rf'(^|_){re.escape(v.flat_name)}(_|$)', slot.flat_name)]
+  named = [
+    v
+    for v in candidates
+    if v is not slot
+    and v.shape == slot.shape
+    and re.search(rf'(^|_){re.escape(v.flat_name)}(_|$)', slot.flat_name)
+  ]
   if named:
     return max(named, key=lambda v: len(v.flat_name))
   if slot.trainable:
@@ -301,9 +328,13 @@ def _owner_of(var: _Var, leaders: List[_Var]) -> Optional[_Var]:
   parent = var.name.rsplit('/', 1)[0] if '/' in var.name else None
   if parent is None:
     return None
-  owners = [v for v in leaders if len(v.shape) > len(var.shape) and
-            v.shape[len(v.shape) - len(var.shape):] == var.shape and
-            v.name.rsplit('/', 1)[0] == parent]
+  owners = [
+    v
+    for v in leaders
+    if len(v.shape) > len(var.shape)
+    and v.shape[len(v.shape) - len(var.shape) :] == var.shape
+    and v.name.rsplit('/', 1)[0] == parent
+  ]
   return owners[0] if owners else None
 
 
@@ -319,8 +350,7 @@ def _role(var: _Var) -> str:
   return f'{"/".join(parts)} {list(var.shape)} {var.dtype}'
 
 
-def group_variables(variables: List[_Var], fixed: Optional[Dict[int, Any]] = None
-                    ) -> List[Group]:
+def group_variables(variables: List[_Var], fixed: Optional[Dict[int, Any]] = None) -> List[Group]:
   """Groups of layout decisions: slots follow their variable, biases their kernel.
 
   `fixed`: id(_Var) -> the user's layout; such a variable is a group of
@@ -399,13 +429,14 @@ def _input_candidates(arg_specs, mesh: Mesh) -> List[Optional[Tuple[str, ...]]]:
 @dataclasses.dataclass
 class Evaluation:
   """One planned layout and the cost model's terms."""
-  choice: tuple                 # per group: a P or AUTO; last: the inputs' batch axes (or None)
+
+  choice: tuple  # per group: a P or AUTO; last: the inputs' batch axes (or None)
   report: PlanReport
-  memory: int                   # per-device bytes: parameters + optimizer state + activation peak
+  memory: int  # per-device bytes: parameters + optimizer state + activation peak
   collective_seconds: float
-  collective_bytes: Dict[str, int]   # per kind, one device, per step
-  repeated_work: int            # iteration-space points each device computes beyond its 1/N
-  compute_seconds: float        # all the points one device computes, at the matmul rate
+  collective_bytes: Dict[str, int]  # per kind, one device, per step
+  repeated_work: int  # iteration-space points each device computes beyond its 1/N
+  compute_seconds: float  # all the points one device computes, at the matmul rate
 
   @property
   def cost(self) -> float:
@@ -420,7 +451,8 @@ class Evaluation:
 
 
 def _axes_size(mesh: Mesh, axes) -> int:
-  from tf_gspmd.graph_rewrite.reshard_plan import refined_mesh  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.graph_rewrite.reshard_plan import refined_mesh
+
   names = set(mesh.axis_names)
   source = mesh if all(a in names for a in axes) else refined_mesh(mesh)[0]
   return int(np.prod([source.axis_size(a) for a in axes], dtype=np.int64))
@@ -459,34 +491,42 @@ def work_per_device(propagation_plan, mesh: Mesh) -> Tuple[int, int]:
       axes = rule.factor_axes([_per_dim_axes(shardings.get(t)) for t in tensors], result.mesh)
       for space in _independent_spaces(rule, sizes):
         work = float(np.prod([sizes[f] for f in space], dtype=np.float64))
-        local = float(np.prod([-(-sizes[f] // _axes_size(result.mesh, axes.get(f, ())))
-                               for f in space], dtype=np.float64))
+        local = float(
+          np.prod(
+            [-(-sizes[f] // _axes_size(result.mesh, axes.get(f, ()))) for f in space],
+            dtype=np.float64,
+          )
+        )
         local_total += local
         repeated += max(0.0, local - work / mesh.size)
   return int(local_total), int(repeated)
 
 
-def estimate(report: PlanReport, constants: Optional[Constants] = None,
-             choice: tuple = ()) -> 'Evaluation':
+def estimate(
+  report: PlanReport, constants: Optional[Constants] = None, choice: tuple = ()
+) -> 'Evaluation':
   """The cost model's terms for one planned step (see the module doc)."""
   constants = constants or load_constants()
   seconds, by_kind = collective_cost(report, constants)
   local, repeated = work_per_device(report.plan, report.mesh)
   memory = report.parameter_bytes + report.optimizer_bytes + report.activation_peak
-  return Evaluation(choice, report, memory, seconds, by_kind, repeated,
-                    2.0 * local / constants.matmul_flops)
+  return Evaluation(
+    choice, report, memory, seconds, by_kind, repeated, 2.0 * local / constants.matmul_flops
+  )
 
 
 def _independent_spaces(rule, sizes: Dict[str, int]) -> List[List[str]]:
   """Factors joined by a common tensor: one iteration space each (IdentityN's operands are
   several independent spaces, a matmul's one)."""
-  from tf_gspmd.propagation.rule import dim_factors  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.propagation.rule import dim_factors
+
   root = {f: f for f in sizes}
 
   def find(f):
     while root[f] != f:
       f = root[f]
     return f
+
   for dims in rule.tensor_dims():
     present = [f for e in dims or () for f in dim_factors(e) if f in sizes]
     for f in present[1:]:
@@ -498,7 +538,8 @@ def _independent_spaces(rule, sizes: Dict[str, int]) -> List[List[str]]:
 
 
 def _factor_sizes(rule, shapes) -> Dict[str, int]:
-  from tf_gspmd.propagation.rule import dim_factors  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.propagation.rule import dim_factors
+
   sizes = {}
   for dims, shape in zip(rule.tensor_dims(), shapes):
     if dims is None or shape is None or len(shape) != len(dims):
@@ -524,8 +565,16 @@ def _per_dim_axes(sharding) -> Optional[list]:
 class _Search:
   """Plans layouts of `fn` (memoized) and walks the candidates."""
 
-  def __init__(self, fn, arg_specs, mesh: Mesh, budget: int, groups: List[Group],
-               inputs: list, constants: Constants):
+  def __init__(
+    self,
+    fn,
+    arg_specs,
+    mesh: Mesh,
+    budget: int,
+    groups: List[Group],
+    inputs: list,
+    constants: Constants,
+  ):
     self.fn, self.arg_specs, self.mesh, self.budget = fn, list(arg_specs), mesh, budget
     self.groups, self.inputs, self.constants = groups, inputs, constants
     self.seen: Dict[tuple, Evaluation] = {}
@@ -537,8 +586,9 @@ class _Search:
   def evaluate(self, choice: tuple) -> Evaluation:
     if choice not in self.seen:
       self._annotate(choice)
-      report = plan(self.fn, *self.arg_specs, mesh=self.mesh,
-                    in_shardings=self.input_shardings(choice[-1]))
+      report = plan(
+        self.fn, *self.arg_specs, mesh=self.mesh, in_shardings=self.input_shardings(choice[-1])
+      )
       self.seen[choice] = estimate(report, self.constants, choice)
     return self.seen[choice]
 
@@ -559,8 +609,11 @@ class _Search:
       for var in group.members:
         _set_layout(var.variable, self.mesh, spec)
       for var, rank in group.followers:
-        _set_layout(var.variable, self.mesh, spec if rank is None or spec is AUTO else
-                    _trailing(spec, len(group.shape), rank))
+        _set_layout(
+          var.variable,
+          self.mesh,
+          spec if rank is None or spec is AUTO else _trailing(spec, len(group.shape), rank),
+        )
 
   # --- the two searches ------------------------------------------------------------------------
   def descend(self, starts: List[tuple]) -> Evaluation:
@@ -582,9 +635,10 @@ class _Search:
     for _ in range(max_sweeps):
       before = best
       for i in order:
-        choices = [best.choice[:i] + (option,) + best.choice[i + 1:] for option in shortlist[i]]
-        trials = [self.evaluate(c) for c in choices
-                  if c != best.choice and not self.cannot_beat(c, best)]
+        choices = [best.choice[:i] + (option,) + best.choice[i + 1 :] for option in shortlist[i]]
+        trials = [
+          self.evaluate(c) for c in choices if c != best.choice and not self.cannot_beat(c, best)
+        ]
         shortlist[i] = self._shortlist(best, i, trials)
         best = self._pick(best, trials)
       settled = before.memory <= self.budget and best.cost > before.cost * (1 - SWEEP_GAIN)
@@ -630,8 +684,11 @@ class _Search:
       return 0
     total = 0
     for var, rank in [(v, None) for v in group.members] + group.followers:
-      kept = spec if rank is None or isinstance(spec, Sharding) else _trailing(
-          spec, len(group.shape), rank)
+      kept = (
+        spec
+        if rank is None or isinstance(spec, Sharding)
+        else _trailing(spec, len(group.shape), rank)
+      )
       sharding = kept if isinstance(kept, Sharding) else NamedSharding(self.mesh, kept)
       size = tf.as_dtype(var.dtype).size
       total += int(np.prod(sharding.shard_shape(var.shape), dtype=np.int64)) * size
@@ -651,14 +708,18 @@ class _Search:
 
   def group_runner_up(self, best: Evaluation, i: int) -> Optional[Evaluation]:
     """The best planned layout that differs from `best` in group `i` only."""
-    others = [e for e in self.seen.values() if e.choice[i] != best.choice[i] and
-              all(a == b for j, (a, b) in enumerate(zip(e.choice, best.choice)) if j != i)]
+    others = [
+      e
+      for e in self.seen.values()
+      if e.choice[i] != best.choice[i]
+      and all(a == b for j, (a, b) in enumerate(zip(e.choice, best.choice)) if j != i)
+    ]
     return min(others, key=lambda e: e.key(self.budget), default=None)
 
 
 def _trailing(spec: P, rank: int, kept: int) -> P:
   entries = list(spec) + [None] * (rank - len(spec))
-  return P(*entries[rank - kept:])
+  return P(*entries[rank - kept :])
 
 
 def _set_layout(variable, mesh: Mesh, spec) -> None:
@@ -672,15 +733,22 @@ def _set_layout(variable, mesh: Mesh, spec) -> None:
 
 def _clear_layout(variable) -> None:
   """No annotation at all: propagation decides (TF's own proto and tf_gspmd's attribute)."""
-  setattr(variable, annotations._VARIABLE_ATTR, None)  # pylint: disable=protected-access
+  setattr(variable, annotations._VARIABLE_ATTR, None)  # noqa: SLF001
   if hasattr(variable, '_set_xla_sharding'):
-    variable._set_xla_sharding(None)  # pylint: disable=protected-access
+    variable._set_xla_sharding(None)  # noqa: SLF001
 
 
 # --- the entry point ------------------------------------------------------------------------------
-def auto_shard(fn, *arg_specs, mesh: Mesh, memory_budget: int, fixed: Optional[dict] = None,
-               search: str = 'descent', constants: Optional[Constants] = None,
-               min_group_fraction: float = 0.01) -> 'AutoShardResult':
+def auto_shard(
+  fn,
+  *arg_specs,
+  mesh: Mesh,
+  memory_budget: int,
+  fixed: Optional[dict] = None,
+  search: str = 'descent',
+  constants: Optional[Constants] = None,
+  min_group_fraction: float = 0.01,
+) -> 'AutoShardResult':
   """Choose a layout for every variable of `fn` and the inputs' batch dim (see the module doc).
 
   `arg_specs`: `tf.TensorSpec`s (or values) of `fn`'s tensor arguments, dim 0
@@ -702,24 +770,29 @@ def auto_shard(fn, *arg_specs, mesh: Mesh, memory_budget: int, fixed: Optional[d
   groups = group_variables(variables, _fixed_layouts(variables, saved, fixed))
   _give_candidates(groups, mesh, min_group_fraction)
   inputs = _input_candidates(arg_specs, mesh)
-  searcher = _Search(fn, arg_specs, mesh, int(memory_budget), groups, inputs,
-                     constants or load_constants())
+  searcher = _Search(
+    fn, arg_specs, mesh, int(memory_budget), groups, inputs, constants or load_constants()
+  )
   try:
-    best = searcher.exhaustive() if search == 'exhaustive' else searcher.descend(
-        _starts(groups, inputs))
+    best = (
+      searcher.exhaustive() if search == 'exhaustive' else searcher.descend(_starts(groups, inputs))
+    )
   finally:
     for var in variables:
-      _set_layout(var.variable, mesh, AUTO if saved[id(var.variable)] is None else
-                  saved[id(var.variable)])
+      _set_layout(
+        var.variable, mesh, AUTO if saved[id(var.variable)] is None else saved[id(var.variable)]
+      )
   if best.overflow(searcher.budget):
     raise ValueError(
-        f'auto_shard: no layout of {len(groups)} variable groups over {mesh.size} devices fits '
-        f'{searcher.budget:,} bytes per device; the smallest found needs {best.memory:,} bytes '
-        f'(parameters {best.report.parameter_bytes:,} + optimizer state '
-        f'{best.report.optimizer_bytes:,} + activation peak {best.report.activation_peak:,}). '
-        'Raise the budget, use a larger mesh or a smaller batch.')
-  return AutoShardResult(mesh, searcher.budget, best, searcher, variables, search,
-                         time.perf_counter() - started)
+      f'auto_shard: no layout of {len(groups)} variable groups over {mesh.size} devices fits '
+      f'{searcher.budget:,} bytes per device; the smallest found needs {best.memory:,} bytes '
+      f'(parameters {best.report.parameter_bytes:,} + optimizer state '
+      f'{best.report.optimizer_bytes:,} + activation peak {best.report.activation_peak:,}). '
+      'Raise the budget, use a larger mesh or a smaller batch.'
+    )
+  return AutoShardResult(
+    mesh, searcher.budget, best, searcher, variables, search, time.perf_counter() - started
+  )
 
 
 def _fixed_layouts(variables: List[_Var], saved: dict, fixed: Optional[dict]) -> Dict[int, Any]:
@@ -729,8 +802,10 @@ def _fixed_layouts(variables: List[_Var], saved: dict, fixed: Optional[dict]) ->
     layout = layout if isinstance(layout, (P, Sharding)) else P(*layout)
     matched = [v for v in variables if re.fullmatch(pattern, v.name) or v.name == pattern]
     if not matched:
-      raise ValueError(f'auto_shard: fixed layout {pattern!r} matches no variable of the step '
-                       f'(names: {sorted(v.name for v in variables)[:8]} ...).')
+      raise ValueError(
+        f'auto_shard: fixed layout {pattern!r} matches no variable of the step '
+        f'(names: {sorted(v.name for v in variables)[:8]} ...).'
+      )
     for var in matched:
       out[id(var)] = layout
   return out
@@ -766,15 +841,24 @@ def _give_candidates(groups: List[Group], mesh: Mesh, min_fraction: float) -> No
 class AutoShardResult:
   """What `auto_shard` chose: layouts, input shardings, and `report()` saying why."""
 
-  def __init__(self, mesh: Mesh, budget: int, best: Evaluation, searcher: _Search,
-               variables: List[_Var], search: str, seconds: float):
+  def __init__(
+    self,
+    mesh: Mesh,
+    budget: int,
+    best: Evaluation,
+    searcher: _Search,
+    variables: List[_Var],
+    search: str,
+    seconds: float,
+  ):
     self.mesh, self.budget, self.best, self.search = mesh, budget, best, search
     self._searcher, self._variables, self.seconds = searcher, variables, seconds
     self.groups = searcher.groups
     self.runner_up = searcher.runner_up(best)
     names = {v.variable.name: v.name for v in variables}
     self.shardings: Dict[str, NamedSharding] = {
-        names.get(v.name, v.name): v.sharding for v in best.report.variables}
+      names.get(v.name, v.name): v.sharding for v in best.report.variables
+    }
     self.input_shardings: List[NamedSharding] = searcher.input_shardings(best.choice[-1])
 
   @property
@@ -809,10 +893,13 @@ class AutoShardResult:
 
   def keras_layout_map(self):
     """A `keras.distribution.LayoutMap` keyed by variable path, on a DeviceMesh of this mesh."""
-    import keras  # pylint: disable=g-import-not-at-top
+    import keras
+
     device_mesh = keras.distribution.DeviceMesh(
-        tuple(self.mesh.shape.values()), list(self.mesh.axis_names),
-        [f'cpu:{d}' for d in np.ravel(self.mesh.device_ids)])
+      tuple(self.mesh.shape.values()),
+      list(self.mesh.axis_names),
+      [f'cpu:{d}' for d in np.ravel(self.mesh.device_ids)],
+    )
     layout = keras.distribution.LayoutMap(device_mesh)
     for name, sharding in self.model_shardings.items():
       layout[name] = tuple(sharding.spec) + (None,) * (sharding.rank - len(sharding.spec))
@@ -831,21 +918,31 @@ class AutoShardResult:
 def _format_report(result: AutoShardResult) -> str:
   best, budget, mesh = result.best, result.budget, result.mesh
   axes = ' x '.join(f'{a}={s}' for a, s in mesh.shape.items())
-  lines = [f'auto_shard {best.report.name}: {mesh.size} devices ({axes}), budget '
-           f'{budget:,} bytes per device; {result.evaluations} layouts planned in '
-           f'{result.seconds:.1f} s ({result.search})',
-           f'chosen: {_summary(best, budget)}',
-           f'  {_terms(best)}']
+  lines = [
+    f'auto_shard {best.report.name}: {mesh.size} devices ({axes}), budget '
+    f'{budget:,} bytes per device; {result.evaluations} layouts planned in '
+    f'{result.seconds:.1f} s ({result.search})',
+    f'chosen: {_summary(best, budget)}',
+    f'  {_terms(best)}',
+  ]
   if result.runner_up is not None:
-    lines += [f'runner-up: {_summary(result.runner_up, budget)}',
-              f'  differs in: {_difference(result, result.runner_up)}']
+    lines += [
+      f'runner-up: {_summary(result.runner_up, budget)}',
+      f'  differs in: {_difference(result, result.runner_up)}',
+    ]
   lines.append(f'{"group":<40}{"vars":>5}  {"chosen":<26}runner-up (cost, bytes per device)')
   for i, group in enumerate(result.groups + [None]):
     name = INPUTS if group is None else group.key
     count = '' if group is None else str(len(group.members) + len(group.followers))
-    other = result._searcher.group_runner_up(best, i)  # pylint: disable=protected-access
-    alt = '-' if other is None else (f'{_spec_text(other.choice[i])} ({_ms(other.cost)}, '
-                                     f'{other.memory:,}{"" if other.memory <= budget else " over"})')
+    other = result._searcher.group_runner_up(best, i)  # noqa: SLF001
+    alt = (
+      '-'
+      if other is None
+      else (
+        f'{_spec_text(other.choice[i])} ({_ms(other.cost)}, '
+        f'{other.memory:,}{"" if other.memory <= budget else " over"})'
+      )
+    )
     lines.append(f'{name[:39]:<40}{count:>5}  {_spec_text(best.choice[i]):<26}{alt}')
   return '\n'.join(lines)
 
@@ -853,22 +950,27 @@ def _format_report(result: AutoShardResult) -> str:
 def _summary(e: Evaluation, budget: int) -> str:
   r = e.report
   fits = 'fits' if e.memory <= budget else 'over budget'
-  return (f'predicted {_ms(e.cost)} per step; {e.memory:,} bytes per device ({fits}: '
-          f'parameters {r.parameter_bytes:,} + optimizer {r.optimizer_bytes:,} + activations '
-          f'{r.activation_peak:,})')
+  return (
+    f'predicted {_ms(e.cost)} per step; {e.memory:,} bytes per device ({fits}: '
+    f'parameters {r.parameter_bytes:,} + optimizer {r.optimizer_bytes:,} + activations '
+    f'{r.activation_peak:,})'
+  )
 
 
 def _terms(e: Evaluation) -> str:
   kinds = ', '.join(f'{k} {b:,}' for k, b in sorted(e.collective_bytes.items())) or 'none'
-  return (f'collectives {_ms(e.collective_seconds)}: {len(e.report.collective_records)} per '
-          f'step, bytes {kinds}; compute {_ms(e.compute_seconds)} of which repeated work '
-          f'{e.repeated_work:,} points')
+  return (
+    f'collectives {_ms(e.collective_seconds)}: {len(e.report.collective_records)} per '
+    f'step, bytes {kinds}; compute {_ms(e.compute_seconds)} of which repeated work '
+    f'{e.repeated_work:,} points'
+  )
 
 
 def _difference(result: AutoShardResult, other: Evaluation) -> str:
   names = [g.key for g in result.groups] + [INPUTS]
-  diffs = [f'{n}: {_spec_text(b)}' for n, a, b in zip(names, result.best.choice, other.choice)
-           if a != b]
+  diffs = [
+    f'{n}: {_spec_text(b)}' for n, a, b in zip(names, result.best.choice, other.choice) if a != b
+  ]
   return '; '.join(diffs)
 
 

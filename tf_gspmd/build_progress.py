@@ -20,8 +20,8 @@ import threading
 import time
 from typing import Dict, List, Optional, TextIO
 
-DELAY = 3.0      # seconds of build before anything is shown
-POLL = 0.25      # seconds between updates of the line
+DELAY = 3.0  # seconds of build before anything is shown
+POLL = 0.25  # seconds between updates of the line
 _LOG = logging.getLogger('tf_gspmd')
 
 
@@ -35,8 +35,13 @@ class BuildProgress:
   `phases` holds (phase, seconds) in order once the build ends, shown or not.
   """
 
-  def __init__(self, name: str, enabled: bool = True, stream: Optional[TextIO] = None,
-               delay: Optional[float] = None):
+  def __init__(
+    self,
+    name: str,
+    enabled: bool = True,
+    stream: Optional[TextIO] = None,
+    delay: Optional[float] = None,
+  ):
     self.name = name
     self.enabled = enabled
     self.stream = stream if stream is not None else sys.stderr
@@ -70,8 +75,12 @@ class BuildProgress:
     if self._thread is not None:
       self._thread.join()
     if self._shown and exc[0] is None:
-      self._show(f'built in {time.perf_counter() - self._start:.1f} s (' + ', '.join(
-          f'{p} {s:.1f} s' for p, s in self.phases) + ')', final=True)
+      self._show(
+        f'built in {time.perf_counter() - self._start:.1f} s ('
+        + ', '.join(f'{p} {s:.1f} s' for p, s in self.phases)
+        + ')',
+        final=True,
+      )
     elif self._shown and self._is_terminal():
       self.stream.write('\n')
       self.stream.flush()
@@ -89,8 +98,7 @@ class BuildProgress:
       with self._lock:
         phase, since = self._phase, self._phase_start
       if phase:
-        self._show(f'{phase} ({now - since:.0f} s; {now - self._start:.0f} s in all)',
-                   phase=phase)
+        self._show(f'{phase} ({now - since:.0f} s; {now - self._start:.0f} s in all)', phase=phase)
 
   def _show(self, text: str, phase: str = '', final: bool = False) -> None:
     line = f'tf_gspmd: building {self.name}: {text}'

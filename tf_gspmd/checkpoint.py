@@ -99,7 +99,7 @@ from tensorflow.python.eager import context  # async_wait: see save_checkpoint
 from tf_gspmd.partitioned import PartitionedFunction, VariableStore
 from tf_gspmd.runtime.sharded import ShardedVariable
 
-STATE_FILE = 'checkpoint'   # TF's name: tf.train.latest_checkpoint reads it
+STATE_FILE = 'checkpoint'  # TF's name: tf.train.latest_checkpoint reads it
 PREFIX = 'ckpt'
 _NUMBERED = re.compile(rf'^{PREFIX}-(\d+)(\.index|\.data-\d+-of-\d+)$')
 _TEMP_DIR = '.tmp-'
@@ -115,6 +115,7 @@ class _Entry:
   backend='xla' XlaShardedVariable). A save reads the shards when there are
   any; a restore assigns both, so neither is left stale.
   """
+
   name: str
   shape: Tuple[int, ...]
   dtype: tf.DType
@@ -166,9 +167,10 @@ def _flatten(obj, what: str) -> List[Any]:
   variables = getattr(obj, 'variables', None)
   if variables is None:
     raise TypeError(
-        f'{what}: expected a PartitionedFunction, a VariableStore, a Keras model, layer or '
-        'optimizer, a tf.Module, a list of those or of variables, or a dict {name: variable}; '
-        f'got {type(obj).__name__}.')
+      f'{what}: expected a PartitionedFunction, a VariableStore, a Keras model, layer or '
+      'optimizer, a tf.Module, a list of those or of variables, or a dict {name: variable}; '
+      f'got {type(obj).__name__}.'
+    )
   found = list(variables() if callable(variables) else variables)
   optimizer = getattr(obj, 'optimizer', None)  # a compiled Keras model's optimizer state
   if optimizer is not None and getattr(optimizer, 'variables', None) is not None:
@@ -191,6 +193,7 @@ def _bring_shards_up_to_date(obj) -> None:
 class _ShardsOf:
   """A store consulted only for the shards of variables listed otherwise (a model partitioned
   by partition_model: its weights and optimizer state, not the metric state its steps touch)."""
+
   store: VariableStore
 
 
@@ -199,8 +202,11 @@ def _entries(obj, what: str) -> List[_Entry]:
   if isinstance(obj, dict):
     return [_entry_of(str(name), v) for name, v in obj.items()]
   items = _flatten(obj, what)
-  stores = [item.store if isinstance(item, _ShardsOf) else item for item in items
-            if isinstance(item, (VariableStore, _ShardsOf))]
+  stores = [
+    item.store if isinstance(item, _ShardsOf) else item
+    for item in items
+    if isinstance(item, (VariableStore, _ShardsOf))
+  ]
   variables, seen = [], set()
   for item in items:
     if isinstance(item, _ShardsOf):
@@ -209,10 +215,11 @@ def _entries(obj, what: str) -> List[_Entry]:
       pairs = item.pairs()
       if not pairs and len(items) == 1:
         raise ValueError(
-            f'{what}: the partitioned function has no sharded variables yet (it makes them on '
-            'its first call, from the values of the tf.Variables it uses). Call it once first, '
-            'or use the variables themselves (a Keras model, a list of tf.Variables): their '
-            'values are what the first call shards.')
+          f'{what}: the partitioned function has no sharded variables yet (it makes them on '
+          'its first call, from the values of the tf.Variables it uses). Call it once first, '
+          'or use the variables themselves (a Keras model, a list of tf.Variables): their '
+          'values are what the first call shards.'
+        )
       candidates = [original for original, _ in pairs]
     else:
       candidates = [item]
@@ -233,8 +240,10 @@ def _entries(obj, what: str) -> List[_Entry]:
 def values_by_name(source) -> Dict[str, np.ndarray]:
   """Checkpoint name -> the global value `save_checkpoint(source, ...)` would write now (a
   sharded variable assembled from its shards): what a restore must reproduce bitwise."""
-  return {e.name: (e.sharded.assemble() if e.sharded is not None else e.plain).numpy()
-          for e in _entries(source, 'values_by_name')}
+  return {
+    e.name: (e.sharded.assemble() if e.sharded is not None else e.plain).numpy()
+    for e in _entries(source, 'values_by_name')
+  }
 
 
 def _entry_of(name: str, variable) -> _Entry:
@@ -247,8 +256,10 @@ def _entry_of(name: str, variable) -> _Entry:
 # --- slices ---------------------------------------------------------------------------------
 def _slice_spec(shape: Sequence[int], bounds: Sequence[Tuple[int, int]]) -> str:
   """TF's shape-and-slice string: '' for the whole tensor, else 'd0 d1 start,len:-'."""
-  parts = ['-' if (start, stop) == (0, size) else f'{start},{stop - start}'
-           for size, (start, stop) in zip(shape, bounds)]
+  parts = [
+    '-' if (start, stop) == (0, size) else f'{start},{stop - start}'
+    for size, (start, stop) in zip(shape, bounds)
+  ]
   if all(p == '-' for p in parts):
     return ''
   return ' '.join(str(int(s)) for s in shape) + ' ' + ':'.join(parts)
@@ -271,11 +282,12 @@ def _is_xla(sharded) -> bool:
 @dataclasses.dataclass
 class _Piece:
   """One slice moving between one device and the checkpoint."""
+
   name: str
   spec: str
   dtype: tf.DType
-  sizes: Tuple[int, ...]   # the slice's shape
-  local: Any = None        # save: fn() -> the slice as a tensor; restore: fn(tensor) to place it
+  sizes: Tuple[int, ...]  # the slice's shape
+  local: Any = None  # save: fn() -> the slice as a tensor; restore: fn(tensor) to place it
 
   @property
   def nbytes(self) -> int:
@@ -291,6 +303,7 @@ class CheckpointRecord:
   slice a device of the mesh wrote or read; `bytes_per_device`: their sums per
   device; `original_bytes`: bytes read into whole (unsharded) variables.
   """
+
   prefix: str
   names: List[str]
   slices: List[Tuple[str, str, str, int]]
@@ -305,9 +318,12 @@ class CheckpointRecord:
 
 
 def _record(prefix: str, entries, by_device: Dict[str, List[_Piece]], original_bytes: int = 0):
-  return CheckpointRecord(prefix, [e.name for e in entries],
-                          [(device, p.name, p.spec, p.nbytes)
-                           for device, pieces in by_device.items() for p in pieces], original_bytes)
+  return CheckpointRecord(
+    prefix,
+    [e.name for e in entries],
+    [(device, p.name, p.spec, p.nbytes) for device, pieces in by_device.items() for p in pieces],
+    original_bytes,
+  )
 
 
 def _writer(sharded, p: int) -> str:
@@ -328,24 +344,33 @@ def _save_pieces(entries: List[_Entry]) -> Dict[str, List[_Piece]]:
     if entry.sharded is None:
       read = entry.plain.read_value
       by_writer.setdefault(entry.plain.device or '/device:CPU:0', []).append(
-          _Piece(entry.name, '', entry.dtype, entry.shape, read))
+        _Piece(entry.name, '', entry.dtype, entry.shape, read)
+      )
       continue
     holders = _holders(entry.sharded)
     if not holders:  # an empty tensor: its (empty) whole value from partition 0
       by_writer.setdefault(_writer(entry.sharded, 0), []).append(
-          _Piece(entry.name, '', entry.dtype, entry.shape, entry.sharded.assemble))
+        _Piece(entry.name, '', entry.dtype, entry.shape, entry.sharded.assemble)
+      )
       continue
     for bounds, partitions in holders.items():
       p = partitions[k % len(partitions)]  # replicas take turns writing, variable by variable
       sizes = tuple(stop - start for start, stop in bounds)
-      by_writer.setdefault(_writer(entry.sharded, p), []).append(_Piece(
-          entry.name, _slice_spec(entry.shape, bounds), entry.dtype, sizes,
-          _shard_reader(entry.sharded, p, sizes)))
+      by_writer.setdefault(_writer(entry.sharded, p), []).append(
+        _Piece(
+          entry.name,
+          _slice_spec(entry.shape, bounds),
+          entry.dtype,
+          sizes,
+          _shard_reader(entry.sharded, p, sizes),
+        )
+      )
   return by_writer
 
 
 def _shard_reader(sharded, p: int, sizes):
   """fn() -> the valid (unpadded) part of partition p's shard, on its device."""
+
   def read():
     if _is_xla(sharded):
       host = np.asarray(sharded.shards[p])
@@ -354,6 +379,7 @@ def _shard_reader(sharded, p: int, sizes):
     if tuple(value.shape) == tuple(sizes):
       return value
     return tf.slice(value, [0] * len(sizes), list(sizes))
+
   return read
 
 
@@ -361,8 +387,12 @@ def _write_device(prefix: str, key: str, pieces: List[_Piece]) -> None:
   """One device's SaveV2 of its own slices into its own bundle."""
   with tf.device(_tf_device(key)):
     tensors = [piece.local() for piece in pieces]
-    tf.raw_ops.SaveV2(prefix=prefix, tensor_names=[p.name for p in pieces],
-                      shape_and_slices=[p.spec for p in pieces], tensors=tensors)
+    tf.raw_ops.SaveV2(
+      prefix=prefix,
+      tensor_names=[p.name for p in pieces],
+      shape_and_slices=[p.spec for p in pieces],
+      tensors=tensors,
+    )
 
 
 def save_checkpoint(source, directory: str, *, max_to_keep: int = 3) -> CheckpointRecord:
@@ -395,8 +425,9 @@ def save_checkpoint(source, directory: str, *, max_to_keep: int = 3) -> Checkpoi
   # wait for every write before merging. context.async_wait is TF-private; it is the one call
   # that also waits for the remote executors.
   context.async_wait()
-  tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=parts, destination_prefix=prefix,
-                                delete_old_dirs=True)
+  tf.raw_ops.MergeV2Checkpoints(
+    checkpoint_prefixes=parts, destination_prefix=prefix, delete_old_dirs=True
+  )
   _flush_bundle(prefix)
   _publish(directory, kept + [os.path.basename(prefix)], max_to_keep)
   shutil.rmtree(temp, ignore_errors=True)
@@ -432,8 +463,11 @@ def _remove_leftovers(directory: str, kept: Sequence[str]) -> None:
 
 def _bundle_files(prefix: str) -> List[str]:
   directory, base = os.path.split(prefix)
-  return [os.path.join(directory, n) for n in os.listdir(directory)
-          if n == f'{base}.index' or n.startswith(f'{base}.data-')]
+  return [
+    os.path.join(directory, n)
+    for n in os.listdir(directory)
+    if n == f'{base}.index' or n.startswith(f'{base}.data-')
+  ]
 
 
 def _fsync(path: str) -> None:
@@ -454,7 +488,8 @@ def _publish(directory: str, names: List[str], max_to_keep: int) -> None:
   """Name `names[-1]` the newest checkpoint (an atomic rename), then drop the oldest."""
   keep, drop = names[-max_to_keep:], names[:-max_to_keep]
   text = f'model_checkpoint_path: "{keep[-1]}"\n' + ''.join(
-      f'all_model_checkpoint_paths: "{n}"\n' for n in keep)
+    f'all_model_checkpoint_paths: "{n}"\n' for n in keep
+  )
   temp = os.path.join(directory, f'{_TEMP_DIR}{STATE_FILE}-{uuid.uuid4().hex[:8]}')
   with open(temp, 'w') as f:
     f.write(text)
@@ -472,12 +507,15 @@ def latest_checkpoint(path: str) -> str:
   if os.path.isdir(path):
     prefix = tf.train.latest_checkpoint(path)
     if prefix is None:
-      raise ValueError(f'restore_checkpoint: no checkpoint in {path} (no {STATE_FILE} file '
-                       'naming one).')
+      raise ValueError(
+        f'restore_checkpoint: no checkpoint in {path} (no {STATE_FILE} file naming one).'
+      )
     return prefix
   if not os.path.exists(f'{path}.index'):
-    raise ValueError(f'restore_checkpoint: {path} is neither a checkpoint directory nor a '
-                     f'checkpoint prefix (no {path}.index).')
+    raise ValueError(
+      f'restore_checkpoint: {path} is neither a checkpoint directory nor a '
+      f'checkpoint prefix (no {path}.index).'
+    )
   return path
 
 
@@ -489,25 +527,28 @@ def _check(entries: List[_Entry], reader, prefix: str) -> None:
       close = [n for n in shapes if n.split('/')[-1] == entry.name.split('/')[-1]][:5]
       hint = f' (names there ending alike: {close})' if close else ''
       raise ValueError(
-          f'restore_checkpoint: variable {entry.name!r} ({entry.dtype.name}{list(entry.shape)}) '
-          f'is not in the checkpoint {prefix}{hint}; it holds {len(shapes)} variables.')
+        f'restore_checkpoint: variable {entry.name!r} ({entry.dtype.name}{list(entry.shape)}) '
+        f'is not in the checkpoint {prefix}{hint}; it holds {len(shapes)} variables.'
+      )
     have_shape, have_dtype = tuple(shapes[entry.name]), dtypes[entry.name].base_dtype
     if have_shape != entry.shape or have_dtype != entry.dtype:
       raise ValueError(
-          f'restore_checkpoint: variable {entry.name!r} is {have_dtype.name}{list(have_shape)} '
-          f'in the checkpoint {prefix} but {entry.dtype.name}{list(entry.shape)} in the target; '
-          'restore into variables of the saved shape and dtype.')
+        f'restore_checkpoint: variable {entry.name!r} is {have_dtype.name}{list(have_shape)} '
+        f'in the checkpoint {prefix} but {entry.dtype.name}{list(entry.shape)} in the target; '
+        'restore into variables of the saved shape and dtype.'
+      )
 
 
 def _restore_pieces(entries: List[_Entry]) -> Tuple[Dict[str, List[_Piece]], Dict[str, list]]:
   """(reader key -> the slices a device reads for its shards,
-      device -> the whole values read for its plain variables)."""
+  device -> the whole values read for its plain variables)."""
   by_reader: Dict[str, List[_Piece]] = {}
   whole: Dict[str, List[_Piece]] = {}
   for entry in entries:
     if entry.plain is not None:
       whole.setdefault(entry.plain.device or '/device:CPU:0', []).append(
-          _Piece(entry.name, '', entry.dtype, entry.shape, entry.plain.assign))
+        _Piece(entry.name, '', entry.dtype, entry.shape, entry.plain.assign)
+      )
     if entry.sharded is None:
       continue
     placed = _ShardPlacer(entry.sharded)
@@ -517,8 +558,9 @@ def _restore_pieces(entries: List[_Entry]) -> Tuple[Dict[str, List[_Piece]], Dic
         placed.zeros(p)  # a device holding nothing (or only padding) keeps zeros, as split does
         continue
       sizes = tuple(stop - start for start, stop in bounds)
-      by_reader.setdefault(_writer(entry.sharded, p), []).append(_Piece(
-          entry.name, _slice_spec(entry.shape, bounds), entry.dtype, sizes, placed.setter(p)))
+      by_reader.setdefault(_writer(entry.sharded, p), []).append(
+        _Piece(entry.name, _slice_spec(entry.shape, bounds), entry.dtype, sizes, placed.setter(p))
+      )
   return by_reader, whole
 
 
@@ -548,17 +590,22 @@ class _ShardPlacer:
       return
     self.host[p] = value.numpy()
     if len(self.host) == len(self.sharded.devices):  # every buffer at once: shards stay whole
-      from tf_gspmd.xla_bridge.pjrt import put_local  # pylint: disable=g-import-not-at-top
-      self.sharded.shards = put_local([self.host[q] for q in range(len(self.host))],
-                                      self.sharded.devices)
+      from tf_gspmd.xla_bridge.pjrt import put_local
+
+      self.sharded.shards = put_local(
+        [self.host[q] for q in range(len(self.host))], self.sharded.devices
+      )
 
 
 def _read_device(prefix: str, key: str, pieces: List[_Piece]) -> None:
   """One device's RestoreV2 of exactly its slices, then each placed into its shard."""
   with tf.device(_tf_device(key)):
-    values = tf.raw_ops.RestoreV2(prefix=prefix, tensor_names=[p.name for p in pieces],
-                                  shape_and_slices=[p.spec for p in pieces],
-                                  dtypes=[p.dtype for p in pieces])
+    values = tf.raw_ops.RestoreV2(
+      prefix=prefix,
+      tensor_names=[p.name for p in pieces],
+      shape_and_slices=[p.spec for p in pieces],
+      dtypes=[p.dtype for p in pieces],
+    )
     for piece, value in zip(pieces, values):
       piece.local(value)
 
@@ -579,5 +626,6 @@ def restore_checkpoint(path: str, target) -> CheckpointRecord:
   by_reader, whole = _restore_pieces(entries)
   for key, pieces in list(by_reader.items()) + list(whole.items()):
     _read_device(prefix, key, pieces)
-  return _record(prefix, entries, by_reader,
-                 sum(p.nbytes for pieces in whole.values() for p in pieces))
+  return _record(
+    prefix, entries, by_reader, sum(p.nbytes for pieces in whole.values() for p in pieces)
+  )

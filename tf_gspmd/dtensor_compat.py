@@ -30,10 +30,10 @@ from tf_gspmd.sharding import NamedSharding, P, Sharding
 
 # Public tf.experimental.dtensor names only: its modules (tensorflow.dtensor.python.*) are
 # private. TF imports them anyway, so reading these names costs nothing at import.
-_DTensorMesh = tf.experimental.dtensor.Mesh      # to recognise a DTensor mesh
+_DTensorMesh = tf.experimental.dtensor.Mesh  # to recognise a DTensor mesh
 _DTensorLayout = tf.experimental.dtensor.Layout  # to recognise a DTensor layout
-_UNSHARDED = tf.experimental.dtensor.UNSHARDED   # the spec of a tensor dim no mesh dim splits
-_MATCH = tf.experimental.dtensor.MATCH           # a placeholder spec DTensor resolves: refused
+_UNSHARDED = tf.experimental.dtensor.UNSHARDED  # the spec of a tensor dim no mesh dim splits
+_MATCH = tf.experimental.dtensor.MATCH  # a placeholder spec DTensor resolves: refused
 
 # The layout kinds a tf_gspmd sharding says exactly (names of DTensor's LayoutType, which the
 # public namespace does not export; read from `layout.type.name`).
@@ -61,13 +61,16 @@ def from_dtensor_mesh(mesh) -> Mesh:
   Mesh.create((2, 4), ('batch', 'model'))
   """
   if not is_dtensor_mesh(mesh):
-    raise TypeError(f'from_dtensor_mesh: expected a tf.experimental.dtensor.Mesh, got '
-                    f'{type(mesh).__name__} {mesh!r}.')
+    raise TypeError(
+      f'from_dtensor_mesh: expected a tf.experimental.dtensor.Mesh, got '
+      f'{type(mesh).__name__} {mesh!r}.'
+    )
   if mesh.is_single_device():
     raise ValueError(
-        f'from_dtensor_mesh: {mesh!r} is a single-device mesh: it has no dims to name. '
-        'Its layout (Layout.from_single_device_mesh) converts with from_dtensor_layout, to '
-        'a sharding on that one device; partition over a mesh of several devices.')
+      f'from_dtensor_mesh: {mesh!r} is a single-device mesh: it has no dims to name. '
+      'Its layout (Layout.from_single_device_mesh) converts with from_dtensor_layout, to '
+      'a sharding on that one device; partition over a mesh of several devices.'
+    )
   ids = mesh.global_device_ids()
   return Mesh(ids - ids.min(), mesh.dim_names)
 
@@ -80,8 +83,10 @@ def mesh_devices(mesh) -> Optional[tuple]:
   tf_gspmd's own default devices stand in.
   """
   first = mesh.min_global_device_id()
-  by_id = {i - first: tf.DeviceSpec.from_string(d).to_string()
-           for i, d in zip(mesh.local_device_ids(), mesh.local_devices())}
+  by_id = {
+    i - first: tf.DeviceSpec.from_string(d).to_string()
+    for i, d in zip(mesh.local_device_ids(), mesh.local_devices())
+  }
   devices = tuple(by_id.get(i) for i in range(mesh.size))
   return devices if None not in devices and len(set(devices)) == len(devices) else None
 
@@ -100,21 +105,35 @@ def from_dtensor_layout(layout) -> Sharding:
   Sharding.maximal(3)
   """
   if not is_dtensor_layout(layout):
-    raise TypeError(f'from_dtensor_layout: expected a tf.experimental.dtensor.Layout, got '
-                    f'{type(layout).__name__} {layout!r}.')
+    raise TypeError(
+      f'from_dtensor_layout: expected a tf.experimental.dtensor.Layout, got '
+      f'{type(layout).__name__} {layout!r}.'
+    )
   kind = layout.type.name
   if kind == _SINGLE_DEVICE:
     return Sharding.maximal(_device_index(layout))
   if kind != _STATIC:
-    raise ValueError(_refusal(layout, (
-        f'DTensor treats the sharded dims of a {kind.lower()} layout as independent of each '
-        'other, which no tf_gspmd sharding (slices of one global tensor) says; give the static '
-        'layout Layout(layout.sharding_specs, layout.mesh) instead')))
+    raise ValueError(
+      _refusal(
+        layout,
+        (
+          f'DTensor treats the sharded dims of a {kind.lower()} layout as independent of each '
+          'other, which no tf_gspmd sharding (slices of one global tensor) says; give the static '
+          'layout Layout(layout.sharding_specs, layout.mesh) instead'
+        ),
+      )
+    )
   specs = list(layout.sharding_specs)
   if _MATCH in specs:
-    raise ValueError(_refusal(layout, (
-        f'{_MATCH!r} stands for the layout of another tensor, chosen by DTensor at '
-        'run time; give the mesh dim (or UNSHARDED) that dim should have')))
+    raise ValueError(
+      _refusal(
+        layout,
+        (
+          f'{_MATCH!r} stands for the layout of another tensor, chosen by DTensor at '
+          'run time; give the mesh dim (or UNSHARDED) that dim should have'
+        ),
+      )
+    )
   spec = P(*(None if s == _UNSHARDED else s for s in specs))
   return NamedSharding(from_dtensor_mesh(layout.mesh), spec)
 
@@ -128,7 +147,7 @@ def converted(value):
     return from_dtensor_mesh(value)
   if is_dtensor_layout(value):
     return from_dtensor_layout(value)
-  if type(value) in (list, tuple):  # pylint: disable=unidiomatic-typecheck
+  if type(value) in (list, tuple):
     return type(value)(converted(v) for v in value)
   return value
 
@@ -154,5 +173,11 @@ def _describe(layout) -> str:
   return f'{layout.type.name.lower()} layout {list(layout.sharding_specs)} on mesh {where}'
 
 
-__all__ = ['from_dtensor_layout', 'from_dtensor_mesh', 'is_dtensor_layout', 'is_dtensor_mesh',
-           'converted', 'mesh_devices']
+__all__ = [
+  'from_dtensor_layout',
+  'from_dtensor_mesh',
+  'is_dtensor_layout',
+  'is_dtensor_mesh',
+  'converted',
+  'mesh_devices',
+]

@@ -59,12 +59,14 @@ def backing(variable):
 
 def _batch_split(mesh: Mesh, axes, lead: int = 0):
   """Annotate each tensor's dim `lead` (its batch dim) as split over `axes`."""
+
   def split(t):
     if not isinstance(t, tf.Tensor) or t.shape.rank is None or t.shape.rank <= lead:
       return t
     spec = [None] * t.shape.rank
     spec[lead] = axes
     return shard(t, mesh, P(*spec))
+
   return lambda data: tf.nest.map_structure(split, data)
 
 
@@ -78,8 +80,9 @@ def _next_batch(iterator):
 
 
 def _signature(batch) -> tuple:
-  return tuple((tuple(t.shape), t.dtype) if hasattr(t, 'shape') else repr(t)
-               for t in tf.nest.flatten(batch))
+  return tuple(
+    (tuple(t.shape), t.dtype) if hasattr(t, 'shape') else repr(t) for t in tf.nest.flatten(batch)
+  )
 
 
 def _fingerprint(value) -> tf.Tensor:
@@ -107,8 +110,9 @@ class _Mirror:
     costs a call V argument checks."""
     captured = list(originals)
     return self._compiled_once(
-        ('fingerprints',) + tuple(id(o) for o in captured),
-        lambda: tf.concat([_fingerprint(read(v)) for v in captured], 0))
+      ('fingerprints',) + tuple(id(o) for o in captured),
+      lambda: tf.concat([_fingerprint(read(v)) for v in captured], 0),
+    )
 
   def _compiled_once(self, key: tuple, body):
     """`tf.function(body)`, made once per key (ids of the variables it captures, which the
@@ -182,6 +186,7 @@ class _Mirror:
       for original, value in zip(originals, values):
         original.assign(value, read_value=False)
       return tf.concat([_fingerprint(v) for v in values], 0)
+
     return self._compiled_once(('assign',) + tuple(id(o) for o in originals), assign)
 
   def _copy_back(self, pairs):
@@ -189,6 +194,7 @@ class _Mirror:
     the fingerprints of the values assigned (the agreement). Eagerly, each pair cost an
     assemble and an assign from Python: 83 ms per train_on_batch of a 2-layer transformer
     whose step is 140 ms. Cached per list of pairs: a model pulls the same lists each call."""
+
     def copy_back():  # few ops per variable: tracing it is part of the first step
       fingerprints = []
       for original, sharded in pairs:
@@ -196,8 +202,8 @@ class _Mirror:
         original.assign(value, read_value=False)
         fingerprints.append(_fingerprint(value))
       return tf.concat(fingerprints, 0)
-    return self._compiled_once(('copy back',) + tuple((id(o), id(s)) for o, s in pairs),
-                               copy_back)
+
+    return self._compiled_once(('copy back',) + tuple((id(o), id(s)) for o, s in pairs), copy_back)
 
 
 class _Sync(keras.callbacks.Callback):
@@ -216,18 +222,27 @@ def _refuse_keras2(model) -> None:
   modules = [c.__module__ or '' for c in type(model).__mro__]
   if any(m.split('.')[0] == 'tf_keras' for m in modules) or not isinstance(model, keras.Model):
     raise TypeError(
-        f'partition_model: {type(model).__module__}.{type(model).__name__} is not a Keras 3 '
-        f'model (keras {keras.__version__}); tf_keras (Keras 2) models are not supported: '
-        'their Model.fit, train_function and optimizer state follow Keras 2, which '
-        'partition_model does not drive. Build the model with `import keras` (Keras 3), or '
-        'partition its training step yourself with tf_gspmd.partition.')
+      f'partition_model: {type(model).__module__}.{type(model).__name__} is not a Keras 3 '
+      f'model (keras {keras.__version__}); tf_keras (Keras 2) models are not supported: '
+      'their Model.fit, train_function and optimizer state follow Keras 2, which '
+      'partition_model does not drive. Build the model with `import keras` (Keras 3), or '
+      'partition its training step yourself with tf_gspmd.partition.'
+    )
 
 
 class _Launcher:
   """The partitioned steps of one model and the bookkeeping around each launch."""
 
-  def __init__(self, model, mesh: Mesh, axes, replicate_unannotated: bool, kwargs,
-               pull_every_step: bool = False, strategy=None):
+  def __init__(
+    self,
+    model,
+    mesh: Mesh,
+    axes,
+    replicate_unannotated: bool,
+    kwargs,
+    pull_every_step: bool = False,
+    strategy=None,
+  ):
     self.model = model
     self.pull_every_step = pull_every_step
     self.mesh = mesh
@@ -239,12 +254,13 @@ class _Launcher:
     self.strategy = None  # with a tf.distribute strategy: the steps run by strategy.run
     if strategy is not None:
       # Imported here: tf_gspmd.keras (the package) imports this module.
-      from tf_gspmd.keras.strategy import StrategySteps  # pylint: disable=g-import-not-at-top
+      from tf_gspmd.keras.strategy import StrategySteps
+
       self.strategy = StrategySteps(model, strategy, self.store)
     self.launches = 0  # partitioned programs run (one per step, or per chunk of steps)
     self.functions: Dict[str, PartitionedFunction] = {}  # e.g. 'train_step', 'train_step_looped'
     self.check_seconds: List[float] = []  # per launch: the write check before it
-    self.pull_seconds: List[float] = []   # per launch with pull_every_step: the pull after it
+    self.pull_seconds: List[float] = []  # per launch with pull_every_step: the pull after it
     self._annotated_for = set()  # id of each partitioned function whose variables were annotated
 
   # --- layouts ------------------------------------------------------------------
@@ -302,7 +318,7 @@ class _Launcher:
     rows = _rows(data)
     if isinstance(data, tf.data.Dataset):
       batch = tf.nest.flatten(data.element_spec)[0].shape[0] if data.element_spec else None
-      declared = f'the dataset\'s batches of {batch} rows (batched with drop_remainder=True)'
+      declared = f"the dataset's batches of {batch} rows (batched with drop_remainder=True)"
     else:
       # Keras' own default of 32 applies to array inputs only; a generator makes its batches.
       given = kwargs.get('batch_size')
@@ -315,10 +331,11 @@ class _Launcher:
     if batch is None or batch % size == 0:
       return
     raise ValueError(
-        f'{self.model.name}.{call}: {declared} do not split over the batch axis {self.axes!r} '
-        f'of {size} devices ({batch} is not a multiple of {size}), so every batch would run '
-        f'padded. Use a batch size that is a multiple of {size}; only the last batch of an '
-        'epoch may be shorter.')
+      f'{self.model.name}.{call}: {declared} do not split over the batch axis {self.axes!r} '
+      f'of {size} devices ({batch} is not a multiple of {size}), so every batch would run '
+      f'padded. Use a batch size that is a multiple of {size}; only the last batch of an '
+      'epoch may be shorter.'
+    )
 
   def pull_metrics(self) -> None:
     """Keras reads metric results from the originals (at an epoch's or evaluation's end)."""
@@ -354,6 +371,7 @@ class _Launcher:
           stacked = tf.nest.map_structure(lambda *ts: tf.stack(ts), *group)
           logs = self.launch(many, stacked)
       return logs
+
     return function
 
   def _looped(self, step_method):
@@ -371,9 +389,12 @@ class _Launcher:
       def body(i, logs):
         del logs  # the last step's logs are the chunk's logs
         return i + 1, step_method(split(nth(i)))
-      _, logs = tf.while_loop(lambda i, _: i < k, body, (tf.constant(1), first_logs),
-                              name='steps_per_execution')
+
+      _, logs = tf.while_loop(
+        lambda i, _: i < k, body, (tf.constant(1), first_logs), name='steps_per_execution'
+      )
       return logs
+
     return looped_steps
 
   def predict_function(self):
@@ -388,6 +409,7 @@ class _Launcher:
     def function(data):
       outputs = [self.launch(fn, batch) for batch in data]
       return tf.nest.map_structure(lambda *ts: tf.concat(ts, 0), *outputs)
+
     return function
 
 
@@ -403,8 +425,15 @@ def _rows(data):
 
 
 # Per MultiHeadAttention weight (its path inside the layer): the dim that counts heads.
-_HEAD_DIM = {'query/kernel': 1, 'key/kernel': 1, 'value/kernel': 1, 'query/bias': 0,
-             'key/bias': 0, 'value/bias': 0, 'attention_output/kernel': 0}
+_HEAD_DIM = {
+  'query/kernel': 1,
+  'key/kernel': 1,
+  'value/kernel': 1,
+  'query/bias': 0,
+  'key/bias': 0,
+  'value/bias': 0,
+  'attention_output/kernel': 0,
+}
 
 
 def _attention_layers(layers) -> list:
@@ -421,7 +450,7 @@ def _check_attention_heads(model) -> None:
   device would hold a different number of heads and pad the rest."""
   for layer in _attention_layers(model.layers):
     for weight in layer.weights:
-      dim = _HEAD_DIM.get(weight.path[len(layer.path) + 1:])
+      dim = _HEAD_DIM.get(weight.path[len(layer.path) + 1 :])
       sharding = variable_sharding(weight) if dim is not None else None
       spec = getattr(sharding, 'spec', None)  # a NamedSharding's; other tilings are not checked
       axes = spec[dim] if spec is not None and dim < len(spec) else None
@@ -430,10 +459,11 @@ def _check_attention_heads(model) -> None:
       size = sharding.mesh.axis_size(axes)
       if layer.num_heads % size:
         raise ValueError(
-            f'{model.name}: MultiHeadAttention layer {layer.path!r} has {layer.num_heads} heads, '
-            f'but the layout {sharding.spec} of {weight.path} splits them over {axes!r} of '
-            f'{size} devices; {layer.num_heads} is not divisible by {size}. Use a head count '
-            f'divisible by {size}, or split another dim (the model dim) of this weight.')
+          f'{model.name}: MultiHeadAttention layer {layer.path!r} has {layer.num_heads} heads, '
+          f'but the layout {sharding.spec} of {weight.path} splits them over {axes!r} of '
+          f'{size} devices; {layer.num_heads} is not divisible by {size}. Use a head count '
+          f'divisible by {size}, or split another dim (the model dim) of this weight.'
+        )
 
 
 def layer_paths(model) -> set:
@@ -447,7 +477,7 @@ def layer_paths(model) -> set:
 
 
 def _in_layers(model, message: str) -> str:
-  """" In Keras layer 'a/b', ... of model 'm'." for the nodes a lowering error names, by their name scopes.
+  """ " In Keras layer 'a/b', ... of model 'm'." for the nodes a lowering error names, by their name scopes.
 
   TF names a layer's scope by the layer's name, uniquified with a '_<n>' suffix per trace."""
   found = []
@@ -493,9 +523,16 @@ def _same_shape_runs(batches) -> List[list]:
   return groups
 
 
-def partition_model(model, mesh: Mesh, batch_axes: Union[str, Sequence[str]] = 'data', *,
-                    replicate_unannotated: bool = True, pull_every_step: bool = False,
-                    strategy=None, **kwargs):
+def partition_model(
+  model,
+  mesh: Mesh,
+  batch_axes: Union[str, Sequence[str]] = 'data',
+  *,
+  replicate_unannotated: bool = True,
+  pull_every_step: bool = False,
+  strategy=None,
+  **kwargs,
+):
   """Make `fit`, `evaluate`, `predict` and `*_on_batch` run partitioned over `mesh`; returns `model`.
 
   The model's variables are annotated as usual (`shard_variable`, `LayoutMap`)
@@ -517,8 +554,7 @@ def partition_model(model, mesh: Mesh, batch_axes: Union[str, Sequence[str]] = '
   _refuse_keras2(model)
   unpartition_model(model)  # partitioned before: its trained values back, Keras' methods back
   axes = batch_axes if isinstance(batch_axes, str) else tuple(batch_axes)
-  launcher = _Launcher(model, mesh, axes, replicate_unannotated, kwargs, pull_every_step,
-                       strategy)
+  launcher = _Launcher(model, mesh, axes, replicate_unannotated, kwargs, pull_every_step, strategy)
   mirror = launcher.mirror
 
   def make_train_function(force=False):
@@ -537,8 +573,10 @@ def partition_model(model, mesh: Mesh, batch_axes: Union[str, Sequence[str]] = '
       model.predict_function = launcher.predict_function()
     return model.predict_function
 
-  replaced = {name: model.__dict__.get(name)  # what the instance held before (None: nothing)
-              for name in ('make_train_function', 'make_test_function', 'make_predict_function')}
+  replaced = {
+    name: model.__dict__.get(name)  # what the instance held before (None: nothing)
+    for name in ('make_train_function', 'make_test_function', 'make_predict_function')
+  }
   model.make_train_function = make_train_function
   model.make_test_function = make_test_function
   model.make_predict_function = make_predict_function
@@ -563,13 +601,19 @@ def partition_model(model, mesh: Mesh, batch_axes: Union[str, Sequence[str]] = '
       if after:
         after()
       return result
+
     wrapped.__name__ = name
     wrapped.__doc__ = original.__doc__
     setattr(model, name, wrapped)
 
   for name in ('fit', 'evaluate', 'predict'):
-    wrap(name, before=functools.partial(launcher.check_batch_size, name), after=mirror.pull,
-         add_callback=True, with_arguments=True)
+    wrap(
+      name,
+      before=functools.partial(launcher.check_batch_size, name),
+      after=mirror.pull,
+      add_callback=True,
+      with_arguments=True,
+    )
   for name in ('train_on_batch', 'test_on_batch', 'predict_on_batch'):
     # Keras writes no variable between the launch (which pushed every earlier write) and
     # the return of a *_on_batch call.
@@ -580,8 +624,8 @@ def partition_model(model, mesh: Mesh, batch_axes: Union[str, Sequence[str]] = '
   for name in ('set_weights', 'load_weights'):  # an explicit write of every weight: push it
     wrap(name, after=lambda: mirror.push([backing(v) for v in model.weights]))
   launcher.replaced = replaced
-  model._tf_gspmd_store = launcher.store  # pylint: disable=protected-access
-  model._tf_gspmd_launcher = launcher  # pylint: disable=protected-access
+  model._tf_gspmd_store = launcher.store  # noqa: SLF001
+  model._tf_gspmd_launcher = launcher  # noqa: SLF001
   return model
 
 
@@ -600,5 +644,5 @@ def unpartition_model(model):
     else:
       setattr(model, name, held)
   model.train_function = model.test_function = model.predict_function = None
-  del model._tf_gspmd_launcher, model._tf_gspmd_store  # pylint: disable=protected-access
+  del model._tf_gspmd_launcher, model._tf_gspmd_store  # noqa: SLF001
   return model

@@ -44,9 +44,10 @@ class LayoutMap:
     sharding = dtensor_compat.from_dtensor_layout(layout)
     if not isinstance(sharding, NamedSharding) or sharding.mesh != self.mesh:
       raise ValueError(
-          f'LayoutMap: the DTensor layout for {pattern!r} gives {sharding!r}, not a spec on '
-          f'this map\'s mesh {self.mesh!r}; a LayoutMap holds specs on its own mesh (use '
-          'tg.shard_variable(v, layout) for a variable laid out elsewhere).')
+        f'LayoutMap: the DTensor layout for {pattern!r} gives {sharding!r}, not a spec on '
+        f"this map's mesh {self.mesh!r}; a LayoutMap holds specs on its own mesh (use "
+        'tg.shard_variable(v, layout) for a variable laid out elsewhere).'
+      )
     return sharding.spec
 
   def __getitem__(self, path: str):
@@ -54,8 +55,7 @@ class LayoutMap:
     return matched[0][1] if matched else None
 
   def _matching(self, path: str) -> List[Tuple[str, P]]:
-    return [(pattern, spec) for pattern, spec in self._rules.items()
-            if re.fullmatch(pattern, path)]
+    return [(pattern, spec) for pattern, spec in self._rules.items() if re.fullmatch(pattern, path)]
 
   def apply(self, model) -> List[Tuple[str, P]]:
     """Annotate every variable of `model` that a rule matches; returns (path, spec) pairs.
@@ -73,16 +73,21 @@ class LayoutMap:
       spec = self._one_spec(path, matched)
       if len(spec) != len(variable.shape):
         raise ValueError(
-            f'LayoutMap: rule {spec} matches {path} of shape {tuple(variable.shape)} '
-            f'(rank {len(variable.shape)}); give one spec entry per dim.')
+          f'LayoutMap: rule {spec} matches {path} of shape {tuple(variable.shape)} '
+          f'(rank {len(variable.shape)}); give one spec entry per dim.'
+        )
       try:
         shard_variable(variable, self.mesh, spec)
       except ValueError as error:
-        raise ValueError(f'LayoutMap: rule {matched[0][0]!r} -> {spec} for variable {path}: '
-                         f'{error}') from None
+        raise ValueError(
+          f'LayoutMap: rule {matched[0][0]!r} -> {spec} for variable {path}: {error}'
+        ) from None
       applied.append((path, spec))
-    warn_unused([p for p in self._rules if p not in used],
-                [getattr(v, 'path', v.name) for v in model.variables], 'LayoutMap')
+    warn_unused(
+      [p for p in self._rules if p not in used],
+      [getattr(v, 'path', v.name) for v in model.variables],
+      'LayoutMap',
+    )
     return applied
 
   @staticmethod
@@ -91,8 +96,9 @@ class LayoutMap:
     if len(specs) > 1:
       rules = ', '.join(f'{pattern!r} -> {spec}' for pattern, spec in matched)
       raise ValueError(
-          f'LayoutMap: variable {path} is matched by several rules that disagree: {rules}. '
-          'Make the patterns exclusive so that one key matches each variable.')
+        f'LayoutMap: variable {path} is matched by several rules that disagree: {rules}. '
+        'Make the patterns exclusive so that one key matches each variable.'
+      )
     return matched[0][1]
 
 
@@ -101,7 +107,13 @@ def warn_unused(patterns, paths, what: str) -> None:
   for pattern in patterns:
     plain = re.sub(r'[.*+?^$()\[\]|\\]', '', pattern)  # the key's literal text, to compare
     near = difflib.get_close_matches(plain, paths, n=3, cutoff=0.6)
-    hint = f'; did you mean {", ".join(repr(p) for p in near)}?' if near else (
-        f'; the model has {len(paths)} variables, e.g. {paths[:3]}.')
-    warnings.warn(f'{what}: key {pattern!r} matches no variable of the model, so its layout '
-                  f'is not used{hint}', UserWarning, stacklevel=3)
+    hint = (
+      f'; did you mean {", ".join(repr(p) for p in near)}?'
+      if near
+      else (f'; the model has {len(paths)} variables, e.g. {paths[:3]}.')
+    )
+    warnings.warn(
+      f'{what}: key {pattern!r} matches no variable of the model, so its layout is not used{hint}',
+      UserWarning,
+      stacklevel=3,
+    )

@@ -27,8 +27,9 @@ class Mesh:
     axis_names = tuple(axis_names)
     if devices.ndim != len(axis_names):
       raise ValueError(
-          f'Mesh: device array has rank {devices.ndim} (shape {devices.shape}) but '
-          f'{len(axis_names)} axis names were given {axis_names}; give one name per axis.')
+        f'Mesh: device array has rank {devices.ndim} (shape {devices.shape}) but '
+        f'{len(axis_names)} axis names were given {axis_names}; give one name per axis.'
+      )
     if len(set(axis_names)) != len(axis_names):
       raise ValueError(f'Mesh: axis names must be distinct, got {axis_names}.')
     for name in axis_names:
@@ -38,9 +39,12 @@ class Mesh:
     if len(set(flat)) != len(flat) or min(flat, default=0) < 0:
       raise ValueError(f'Mesh: device ids must be distinct and non-negative, got {flat}.')
     devices.setflags(write=False)
-    values = dict(_devices=devices, _axis_names=axis_names,
-                  _hash=hash((axis_names, devices.shape, tuple(flat))),
-                  _coords={int(d): idx for idx, d in np.ndenumerate(devices)})
+    values = dict(
+      _devices=devices,
+      _axis_names=axis_names,
+      _hash=hash((axis_names, devices.shape, tuple(flat))),
+      _coords={int(d): idx for idx, d in np.ndenumerate(devices)},
+    )
     for name, value in values.items():
       object.__setattr__(self, name, value)
 
@@ -92,8 +96,9 @@ class Mesh:
       return self._axis_names.index(axis)
     except ValueError:
       raise ValueError(
-          f'Unknown mesh axis {axis!r}; this mesh has axes {self._axis_names} '
-          f'with shape {self.shape}. Use one of those names.') from None
+        f'Unknown mesh axis {axis!r}; this mesh has axes {self._axis_names} '
+        f'with shape {self.shape}. Use one of those names.'
+      ) from None
 
   # --- groups and coordinates -------------------------------------------
   def groups(self, axes: Sequence[str]) -> tuple:
@@ -105,7 +110,9 @@ class Mesh:
     axes = tuple(axes)
     idx = [self.axis_index(a) for a in axes]
     if len(set(idx)) != len(idx):
-      raise ValueError(f'Mesh.groups: an axis is used twice in {axes} on mesh {self}; name each axis once.')
+      raise ValueError(
+        f'Mesh.groups: an axis is used twice in {axes} on mesh {self}; name each axis once.'
+      )
     rest = [i for i in range(self._devices.ndim) if i not in idx]
     arr = self._devices.transpose(rest + idx).reshape(-1, self.axes_size(axes))
     return tuple(tuple(int(d) for d in row) for row in arr)
@@ -141,22 +148,29 @@ class Mesh:
   # --- device orders -----------------------------------------------------
   def reordered(self, device_ids) -> 'Mesh':
     """The same axes (names and sizes) over the same devices in another order."""
-    other = Mesh(np.asarray(device_ids, dtype=np.int64).reshape(self._devices.shape),
-                 self._axis_names)
+    other = Mesh(
+      np.asarray(device_ids, dtype=np.int64).reshape(self._devices.shape), self._axis_names
+    )
     if sorted(other.devices) != sorted(self.devices):
       raise ValueError(f'Mesh.reordered: {other!r} does not hold the devices of {self!r}.')
     return other
 
   def is_reordering_of(self, other: 'Mesh') -> bool:
     """Whether both have the same axes (names and sizes) over the same set of devices."""
-    return (isinstance(other, Mesh) and self._axis_names == other._axis_names and
-            self._devices.shape == other._devices.shape and
-            sorted(self.devices) == sorted(other.devices))
+    return (
+      isinstance(other, Mesh)
+      and self._axis_names == other._axis_names
+      and self._devices.shape == other._devices.shape
+      and sorted(self.devices) == sorted(other.devices)
+    )
 
   # --- value semantics ---------------------------------------------------
   def __eq__(self, other):
-    return (isinstance(other, Mesh) and self._axis_names == other._axis_names and
-            np.array_equal(self._devices, other._devices))
+    return (
+      isinstance(other, Mesh)
+      and self._axis_names == other._axis_names
+      and np.array_equal(self._devices, other._devices)
+    )
 
   def __hash__(self):
     return self._hash

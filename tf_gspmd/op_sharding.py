@@ -11,7 +11,8 @@ from tf_gspmd.sharding import MANUAL, REPLICATED, NamedSharding, Sharding, named
 
 
 def _pb():
-  from tensorflow.compiler.xla import xla_data_pb2  # pylint: disable=g-import-not-at-top
+  from tensorflow.compiler.xla import xla_data_pb2
+
   return xla_data_pb2
 
 
@@ -32,11 +33,14 @@ def from_proto(proto, tuple_index: Optional[int] = None, mesh: Optional[Mesh] = 
   t = pb.OpSharding
   if proto.type == t.TUPLE:
     if tuple_index is None:
-      raise ValueError('from_proto: a TUPLE OpSharding describes several outputs; pass tuple_index.')
+      raise ValueError(
+        'from_proto: a TUPLE OpSharding describes several outputs; pass tuple_index.'
+      )
     if not 0 <= tuple_index < len(proto.tuple_shardings):
       raise ValueError(
-          f'from_proto: tuple_index {tuple_index} is out of range for a TUPLE OpSharding of '
-          f'{len(proto.tuple_shardings)} outputs.')
+        f'from_proto: tuple_index {tuple_index} is out of range for a TUPLE OpSharding of '
+        f'{len(proto.tuple_shardings)} outputs.'
+      )
     return from_proto(proto.tuple_shardings[tuple_index], mesh=mesh)
   plain = _from_single_proto(proto)
   if mesh is None or plain.kind != 'tiled':
@@ -65,8 +69,9 @@ def _from_single_proto(proto) -> Sharding:
   devices = _devices(proto)
   if int(np.prod(dims, dtype=np.int64)) != len(devices):
     raise ValueError(
-        f'from_proto: tile assignment dims {list(dims)} hold {int(np.prod(dims))} devices but '
-        f'{len(devices)} device ids were given.')
+      f'from_proto: tile assignment dims {list(dims)} hold {int(np.prod(dims))} devices but '
+      f'{len(devices)} device ids were given.'
+    )
   if proto.replicate_on_last_tile_dim:
     subgroups, style_last = (REPLICATED,), False
   else:
@@ -74,8 +79,9 @@ def _from_single_proto(proto) -> Sharding:
     unknown = [t.Type.Name(k) for k in proto.last_tile_dims if k not in kinds]
     if unknown:
       raise ValueError(
-          f'from_proto: last_tile_dims {unknown} in tile assignment dims {list(dims)}; '
-          'subgroup dims can only be REPLICATED or MANUAL.')
+        f'from_proto: last_tile_dims {unknown} in tile assignment dims {list(dims)}; '
+        'subgroup dims can only be REPLICATED or MANUAL.'
+      )
     subgroups, style_last = tuple(kinds[k] for k in proto.last_tile_dims), True
   iota = None
   if proto.iota_reshape_dims:
@@ -97,12 +103,15 @@ def to_proto(s: Sharding, iota: Optional[bool] = None):
   if s.kind == 'manual':
     return t(type=t.MANUAL)
   if s.kind == 'maximal':
-    return t(type=t.MAXIMAL, tile_assignment_dimensions=[1], tile_assignment_devices=list(s.devices))
+    return t(
+      type=t.MAXIMAL, tile_assignment_dimensions=[1], tile_assignment_devices=list(s.devices)
+    )
   if s.partial is not None:
     raise ValueError(
-        f'to_proto: {s} holds a pending {s.partial} reduction, which OpSharding cannot say; '
-        'resolve it (all-reduce) first.')
-  iota_form, style_last = s._proto_style or (None, False)  # pylint: disable=protected-access
+      f'to_proto: {s} holds a pending {s.partial} reduction, which OpSharding cannot say; '
+      'resolve it (all-reduce) first.'
+    )
+  iota_form, style_last = s._proto_style or (None, False)  # noqa: SLF001
   tile = s.tile_assignment
   proto = t(type=t.OTHER, tile_assignment_dimensions=list(tile.shape))
   if iota is None:
@@ -123,9 +132,11 @@ def to_proto(s: Sharding, iota: Optional[bool] = None):
 
 def _with_proto_style(on_mesh: NamedSharding, plain: Sharding) -> NamedSharding:
   """`on_mesh` carrying how `plain`'s proto was spelled, when both use the same tile assignment."""
-  if (np.array_equal(on_mesh.tile_assignment, plain.tile_assignment) and
-      on_mesh.subgroups == plain.subgroups):
-    object.__setattr__(on_mesh, '_proto_style', plain._proto_style)  # pylint: disable=protected-access
+  if (
+    np.array_equal(on_mesh.tile_assignment, plain.tile_assignment)
+    and on_mesh.subgroups == plain.subgroups
+  ):
+    object.__setattr__(on_mesh, '_proto_style', plain._proto_style)  # noqa: SLF001
   return on_mesh
 
 
@@ -149,11 +160,13 @@ def _find_iota(s: Sharding):
   if np.array_equal(tile.reshape(-1), np.arange(tile.size)):
     return (tile.size,), (0,)
   if isinstance(s, NamedSharding) and np.array_equal(
-      s.mesh.device_ids.reshape(-1), np.arange(s.mesh.size)):
+    s.mesh.device_ids.reshape(-1), np.arange(s.mesh.size)
+  ):
     spec, mesh = s.spec, s.mesh
     used = spec.used_axes() + s.partial_axes
     order = [mesh.axis_index(a) for a in used] + [
-        mesh.axis_index(a) for a in mesh.axis_names if a not in used]
+      mesh.axis_index(a) for a in mesh.axis_names if a not in used
+    ]
     form = (tuple(mesh.device_ids.shape), tuple(order))
     if np.array_equal(_iota_devices(form, tile.shape), tile):
       return form

@@ -35,7 +35,7 @@ class VariableStore:
   """
 
   def __init__(self):
-    self.sharded: Dict[int, Any] = {}    # id(tf.Variable) -> ShardedVariable
+    self.sharded: Dict[int, Any] = {}  # id(tf.Variable) -> ShardedVariable
     self.originals: Dict[int, Any] = {}  # id(tf.Variable) -> tf.Variable
     # id(tf.Variable) -> its shard_variable annotation when its shards were made (None: none),
     # so an annotation changed afterwards is refused instead of silently ignored.
@@ -43,19 +43,23 @@ class VariableStore:
 
   def check_annotations(self, variables) -> None:
     """Raise a ValueError for a variable annotated differently since its shards were made."""
-    from tf_gspmd.annotations import variable_sharding  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.annotations import variable_sharding
+
     for var in variables:
       then, now = self.annotations.get(id(var)), variable_sharding(var)
       if now is not None and (then is None or now != then):
         raise ValueError(
-            f'partition: variable {var.name} was annotated {now} after partitioning; its shards '
-            f'already live as {self.sharded[id(var)].sharding} (annotated {then} then). '
-            'Annotate variables before the first call, or partition the function again '
-            '(with a new VariableStore) to use the new layout.')
+          f'partition: variable {var.name} was annotated {now} after partitioning; its shards '
+          f'already live as {self.sharded[id(var)].sharding} (annotated {then} then). '
+          'Annotate variables before the first call, or partition the function again '
+          '(with a new VariableStore) to use the new layout.'
+        )
 
   def pairs(self, variables=None) -> List[tuple]:
     """(original, sharded) pairs, of `variables` only when given."""
-    keys = self.sharded if variables is None else [id(v) for v in variables if id(v) in self.sharded]
+    keys = (
+      self.sharded if variables is None else [id(v) for v in variables if id(v) in self.sharded]
+    )
     return [(self.originals[k], self.sharded[k]) for k in keys]
 
   def sync(self, variables=None) -> None:
@@ -75,26 +79,27 @@ BACKENDS = ('tf', 'xla')  # TF collectives on TF devices (default); XLA through 
 @dataclasses.dataclass
 class _XlaRun:
   """backend='xla': the exported module, compiled, and the device buffers of its captures."""
-  export: Any                    # xla_bridge.XlaExport
-  executable: Any                # xla_bridge.PjrtExecutable
+
+  export: Any  # xla_bridge.XlaExport
+  executable: Any  # xla_bridge.PjrtExecutable
   capture_buffers: List[list]
 
 
 @dataclasses.dataclass
 class _Compiled:
   program: ir.Program
-  plan: Any                      # propagation.api.Plan
-  spmd: Any                      # runtime.SpmdProgram
+  plan: Any  # propagation.api.Plan
+  spmd: Any  # runtime.SpmdProgram
   arg_shardings: List[NamedSharding]
   capture_values: List[Any]
-  variables: List[Any]           # the original tf.Variables, in program order
+  variables: List[Any]  # the original tf.Variables, in program order
   op_records: List[OpRecord]
-  per_partition: Any = None      # fn(ctx, *local args, captures, variables): the SPMD program
+  per_partition: Any = None  # fn(ctx, *local args, captures, variables): the SPMD program
   local_specs: List[Any] = dataclasses.field(default_factory=list)  # shard specs of args+captures
   out_shardings: List[Any] = dataclasses.field(default_factory=list)
   out_shapes: List[tuple] = dataclasses.field(default_factory=list)
-  xla: Any = None                # backend='xla': the _XlaRun (export, executable, capture buffers)
-  mesh: Optional[Mesh] = None    # the mesh the program computes on (see _program_mesh)
+  xla: Any = None  # backend='xla': the _XlaRun (export, executable, capture buffers)
+  mesh: Optional[Mesh] = None  # the mesh the program computes on (see _program_mesh)
 
 
 class PartitionedFunction:
@@ -103,11 +108,21 @@ class PartitionedFunction:
   See `partition` for the arguments.
   """
 
-  def __init__(self, fn, mesh: Mesh, in_shardings=None, out_shardings=None, *,
-               devices: Optional[Sequence[str]] = None, timeout: Optional[float] = None,
-               store: Optional[VariableStore] = None, backend: str = 'tf',
-               progress: Optional[bool] = None):
-    from tf_gspmd import dtensor_compat  # pylint: disable=g-import-not-at-top
+  def __init__(
+    self,
+    fn,
+    mesh: Mesh,
+    in_shardings=None,
+    out_shardings=None,
+    *,
+    devices: Optional[Sequence[str]] = None,
+    timeout: Optional[float] = None,
+    store: Optional[VariableStore] = None,
+    backend: str = 'tf',
+    progress: Optional[bool] = None,
+  ):
+    from tf_gspmd import dtensor_compat
+
     if dtensor_compat.is_dtensor_mesh(mesh) and devices is None and backend == 'tf':
       devices = dtensor_compat.mesh_devices(mesh)  # a DTensor mesh runs on the devices it names
     mesh = dtensor_compat.converted(mesh)
@@ -159,12 +174,16 @@ class PartitionedFunction:
     flat_args = [a for a in tf.nest.flatten(args) if _is_tensor_like(a)]
     if self.backend == 'xla':
       return self._call_xla(compiled, flat_args)
-    inputs = list(flat_args) + list(compiled.capture_values) + [
-        self._sharded_variables[id(v)] for v in compiled.variables]
+    inputs = (
+      list(flat_args)
+      + list(compiled.capture_values)
+      + [self._sharded_variables[id(v)] for v in compiled.variables]
+    )
     try:
       flat = compiled.spmd(*inputs)
     except tf.errors.UnavailableError as error:  # a task of a cluster died: say which
-      from tf_gspmd.runtime import cluster  # pylint: disable=g-import-not-at-top
+      from tf_gspmd.runtime import cluster
+
       cluster.raise_if_task_lost(compiled.spmd.devices, error, f'partition({_name_of(self.fn)!r})')
       raise
     flat = list(flat) if isinstance(flat, (list, tuple)) else [flat]
@@ -205,8 +224,10 @@ class PartitionedFunction:
         k += 1
         name = f'{self._originals[key].name}#{k}'
       size = sharded.dtype.size
-      out[name] = {'total': int(np.prod(sharded.shape, dtype=np.int64)) * size,
-                       'per_device': int(np.prod(sharded.local_shape, dtype=np.int64)) * size}
+      out[name] = {
+        'total': int(np.prod(sharded.shape, dtype=np.int64)) * size,
+        'per_device': int(np.prod(sharded.local_shape, dtype=np.int64)) * size,
+      }
     return out
 
   # --- TPU ---------------------------------------------------------------------------
@@ -220,16 +241,23 @@ class PartitionedFunction:
     all-to-all or collective-permute; a program that needs them traces here and
     compiles on TPU).
     """
-    from tf_gspmd.runtime import trace_per_partition  # pylint: disable=g-import-not-at-top
-    from tf_gspmd.xla_bridge import XlaCollectives  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.runtime import trace_per_partition
+    from tf_gspmd.xla_bridge import XlaCollectives
+
     compiled = self._compile(args)
     shard_variables = [_local_variable(self._sharded_variables[id(v)]) for v in compiled.variables]
-    program = trace_per_partition(compiled.mesh, compiled.per_partition,
-                                  compiled.local_specs + shard_variables, backend=XlaCollectives,
-                                  jit_compile=True, name=f'{_name_of(self.fn)}_xla')
+    program = trace_per_partition(
+      compiled.mesh,
+      compiled.per_partition,
+      compiled.local_specs + shard_variables,
+      backend=XlaCollectives,
+      jit_compile=True,
+      name=f'{_name_of(self.fn)}_xla',
+    )
     zeros = [tf.zeros(spec.shape, spec.dtype) for spec in compiled.local_specs]
     hlo = program.tf_function.experimental_get_compiler_ir(
-        tf.constant(partition_id, tf.int32), *zeros, *shard_variables)(stage='hlo')
+      tf.constant(partition_id, tf.int32), *zeros, *shard_variables
+    )(stage='hlo')
     return program, hlo
 
   # --- XLA: export and backend='xla' ---------------------------------------------------
@@ -252,57 +280,88 @@ class PartitionedFunction:
     return self._xla_run(self._compile(args)).executable
 
   def _export_xla(self, compiled: _Compiled):
-    from tf_gspmd.xla_bridge.export import Layout, export_per_replica  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.xla_bridge.export import Layout, export_per_replica
+
     program, main = compiled.program, compiled.program.main
     names = list(program.arg_inputs) + list(program.captures)
     layouts = []
     for i, (name, spec) in enumerate(zip(names, compiled.local_specs)):
       kind = 'argument' if i < len(program.arg_inputs) else 'capture'
-      layouts.append(Layout(name, kind, tuple(main.tensor(name).shape), spec.dtype,
-                            compiled.plan.target(main, name), tuple(spec.shape)))
+      layouts.append(
+        Layout(
+          name,
+          kind,
+          tuple(main.tensor(name).shape),
+          spec.dtype,
+          compiled.plan.target(main, name),
+          tuple(spec.shape),
+        )
+      )
     templates = []
     for var in compiled.variables:
       sharded = self._sharded_variables[id(var)]
-      layouts.append(Layout(var.name, 'variable', sharded.shape, sharded.dtype, sharded.sharding,
-                            tuple(sharded.local_shape)))
+      layouts.append(
+        Layout(
+          var.name,
+          'variable',
+          sharded.shape,
+          sharded.dtype,
+          sharded.sharding,
+          tuple(sharded.local_shape),
+        )
+      )
       templates.append(_local_variable(sharded))
-    outputs = [Layout(t, 'output', shape, main.tensor(t).dtype, sharding,
-                      tuple(sharding.shard_shape(shape)))
-               for t, sharding, shape in zip(main.outputs, compiled.out_shardings,
-                                             compiled.out_shapes)]
+    outputs = [
+      Layout(t, 'output', shape, main.tensor(t).dtype, sharding, tuple(sharding.shard_shape(shape)))
+      for t, sharding, shape in zip(main.outputs, compiled.out_shardings, compiled.out_shapes)
+    ]
     examples = [tf.zeros(spec.shape, spec.dtype) for spec in compiled.local_specs] + templates
-    return export_per_replica(compiled.mesh, compiled.per_partition, examples,
-                              name=f'{_name_of(self.fn)}_per_replica', arg_layouts=layouts,
-                              output_layouts=outputs)
+    return export_per_replica(
+      compiled.mesh,
+      compiled.per_partition,
+      examples,
+      name=f'{_name_of(self.fn)}_per_replica',
+      arg_layouts=layouts,
+      output_layouts=outputs,
+    )
 
   def _xla_devices(self) -> list:
-    from tf_gspmd.xla_bridge.pjrt import jax_devices  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.xla_bridge.pjrt import jax_devices
+
     if self.devices is None:
       return jax_devices(self.mesh.size)
     if any(isinstance(d, str) for d in self.devices):
-      raise ValueError("partition: with backend='xla', devices are jax devices (jax.devices()), "
-                       f'not TF device names such as {self.devices[0]!r}.')
+      raise ValueError(
+        "partition: with backend='xla', devices are jax devices (jax.devices()), "
+        f'not TF device names such as {self.devices[0]!r}.'
+      )
     return list(self.devices)
 
   def _xla_run(self, compiled: _Compiled) -> _XlaRun:
     if compiled.xla is None:
-      from tf_gspmd.xla_bridge import pjrt  # pylint: disable=g-import-not-at-top
+      from tf_gspmd.xla_bridge import pjrt
+
       export = self._export_xla(compiled)
       executable = pjrt.PjrtExecutable(export, self._xla_devices())
       n_args = len(compiled.program.arg_inputs)
-      captures = [pjrt.put_global(value, layout, executable.devices)
-                  for value, layout in zip(compiled.capture_values,
-                                           export.args[n_args:n_args + len(compiled.capture_values)])]
+      captures = [
+        pjrt.put_global(value, layout, executable.devices)
+        for value, layout in zip(
+          compiled.capture_values, export.args[n_args : n_args + len(compiled.capture_values)]
+        )
+      ]
       compiled.xla = _XlaRun(export, executable, captures)
     return compiled.xla
 
   def _call_xla(self, compiled: _Compiled, flat_args):
     """Run the compiled module once: arguments split to device buffers, variables stay resident."""
-    from tf_gspmd.xla_bridge import pjrt  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.xla_bridge import pjrt
+
     run = self._xla_run(compiled)
     devices = run.executable.devices
-    inputs = [pjrt.put_global(value, layout, devices)
-              for value, layout in zip(flat_args, run.export.args)]
+    inputs = [
+      pjrt.put_global(value, layout, devices) for value, layout in zip(flat_args, run.export.args)
+    ]
     inputs += run.capture_buffers
     inputs += [self._sharded_variables[id(v)].shards for v in compiled.variables]
     first_variable = len(flat_args) + len(run.capture_buffers)
@@ -354,7 +413,8 @@ class PartitionedFunction:
     ...
     """
     self._require_compiled('visualize')
-    from tf_gspmd.pictures import sources  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.pictures import sources
+
     return sources.visualize_named(self, name)
 
   def report(self, path) -> str:
@@ -369,13 +429,15 @@ class PartitionedFunction:
     'report.html'
     """
     self._require_compiled('report')
-    from tf_gspmd.pictures import sources  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.pictures import sources
+
     return sources.write_report(self, path, 'function')
 
   # --- building ---------------------------------------------------------------------
   def _compile(self, args) -> _Compiled:
-    from tf_gspmd.graph.capture import capture  # pylint: disable=g-import-not-at-top
-    from tf_gspmd.propagation.api import propagate_captured  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.graph.capture import capture
+    from tf_gspmd.propagation.api import propagate_captured
+
     key = _signature_key(args)
     if key in self._compiled:
       return self._compiled[key]
@@ -395,8 +457,10 @@ class PartitionedFunction:
   def _boundary_shardings(self, program: ir.Program) -> list:
     """(sharding, rank) of every given in/out sharding (P specs on the partition's mesh)."""
     main, found = program.main, []
-    for given, tensors in ((self.in_shardings, program.arg_inputs),
-                           (self.out_shardings, main.outputs)):
+    for given, tensors in (
+      (self.in_shardings, program.arg_inputs),
+      (self.out_shardings, main.outputs),
+    ):
       if given is None or isinstance(given, (Sharding, P)):
         given = [given] * len(tensors)
       for tensor, sharding in zip(tensors, given if isinstance(given, (list, tuple)) else ()):
@@ -408,8 +472,7 @@ class PartitionedFunction:
   def _annotate_arguments(self, program: ir.Program, mesh: Mesh) -> None:
     if self.in_shardings is None:
       return
-    given = self._one_per(self.in_shardings, program.arg_inputs, 'in_shardings',
-                          'tensor argument')
+    given = self._one_per(self.in_shardings, program.arg_inputs, 'in_shardings', 'tensor argument')
     for tensor, sharding in zip(program.arg_inputs, given):
       if sharding is not None:
         self._annotate(program.main, tensor, sharding, 'in_shardings', mesh)
@@ -428,13 +491,16 @@ class PartitionedFunction:
     if given is None or isinstance(given, (Sharding, P)):
       return [given] * len(tensors)
     if not isinstance(given, (list, tuple)):
-      raise TypeError(f'partition({_name_of(self.fn)!r}): {what} must be a Sharding, a P or a '
-                      f'list of them (None: left to propagation), got {given!r}.')
+      raise TypeError(
+        f'partition({_name_of(self.fn)!r}): {what} must be a Sharding, a P or a '
+        f'list of them (None: left to propagation), got {given!r}.'
+      )
     if len(given) != len(tensors):
       plural = '' if len(tensors) == 1 else 's'
       raise ValueError(
-          f'partition({_name_of(self.fn)!r}): {len(tensors)} {noun}{plural} {list(tensors)} but '
-          f'{len(given)} {what} {list(given)}; give one per {noun} (None: left to propagation).')
+        f'partition({_name_of(self.fn)!r}): {len(tensors)} {noun}{plural} {list(tensors)} but '
+        f'{len(given)} {what} {list(given)}; give one per {noun} (None: left to propagation).'
+      )
     return list(given)
 
   def _annotate(self, graph: ir.Graph, tensor: str, sharding, what: str, mesh: Mesh) -> None:
@@ -446,8 +512,9 @@ class PartitionedFunction:
       except ValueError as e:
         raise ValueError(f'{where}: {e}') from None
     if not isinstance(sharding, Sharding):
-      raise TypeError(f'{where}: expected a Sharding or a P, got {type(sharding).__name__} '
-                      f'{sharding!r}.')
+      raise TypeError(
+        f'{where}: expected a Sharding or a P, got {type(sharding).__name__} {sharding!r}.'
+      )
     if t.shape is not None:
       sharding.check_shape(t.shape, where)  # the rank first: the clearest error
     try:
@@ -456,15 +523,17 @@ class PartitionedFunction:
       raise ValueError(f'{where}: {e}') from None
     if named is None:
       raise ValueError(
-          f'partition: {what} for {tensor} gives {sharding}, which no spec on {self.mesh} says '
-          f'in any device order (its tile dims {list(sharding.tile_shape or ())} are no grouping '
-          'of the mesh axes); annotate with shardings over this mesh.')
+        f'partition: {what} for {tensor} gives {sharding}, which no spec on {self.mesh} says '
+        f'in any device order (its tile dims {list(sharding.tile_shape or ())} are no grouping '
+        'of the mesh axes); annotate with shardings over this mesh.'
+      )
     named.check_shape(t.shape, f'{what} for {tensor}')
     graph.producer(tensor).annotations[t.index] = named
 
   def _build(self, program: ir.Program, plan, program_mesh: Mesh) -> _Compiled:
-    from tf_gspmd.graph_rewrite import coalesce, dispatch, lower_reshard  # pylint: disable=g-import-not-at-top
-    from tf_gspmd.runtime import ShardedVariable, SpmdProgram  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.graph_rewrite import coalesce, dispatch, lower_reshard
+    from tf_gspmd.runtime import ShardedVariable, SpmdProgram
+
     main = program.main
     arg_names = list(program.arg_inputs)
     capture_names = list(program.captures)
@@ -480,7 +549,8 @@ class PartitionedFunction:
     capture_shardings = [target(main, n) for n in capture_names]
     sharded_cls = ShardedVariable
     if self.backend == 'xla':
-      from tf_gspmd.xla_bridge.pjrt import XlaShardedVariable  # pylint: disable=g-import-not-at-top
+      from tf_gspmd.xla_bridge.pjrt import XlaShardedVariable
+
       sharded_cls = XlaShardedVariable
     for name, var in zip(var_names, variables):
       self._shard_variable(var, target(main, name), sharded_cls)
@@ -491,9 +561,10 @@ class PartitionedFunction:
       if shape is None or None in shape:
         maker = _through_identities(main, t)
         raise ValueError(
-            f'partition: output {t} ({main.producer(t).op}, made by {maker.name} of type '
-            f'{maker.op}) has shape {shape}, known only at run time; a partitioned function '
-            'returns tensors of static shape.')
+          f'partition: output {t} ({main.producer(t).op}, made by {maker.name} of type '
+          f'{maker.op}) has shape {shape}, known only at run time; a partitioned function '
+          'returns tensors of static shape.'
+        )
     out_targets = [target(main, t) for t in main.outputs]
     out_shardings = [_boundary_layout(main, t, s, mesh) for t, s in zip(main.outputs, out_targets)]
     out_shapes = [tuple(main.tensor(t).shape) for t in main.outputs]
@@ -503,57 +574,104 @@ class PartitionedFunction:
     def per_partition(ctx, *local):
       self._phase('partitioning the program')
       n_args = len(arg_shapes)
-      values = [Local(t, s, shape) for t, s, shape in
-                zip(local[:n_args], arg_shardings + capture_shardings, arg_shapes)]
-      bound = {name: Local(v.handle, s, shape)
-               for name, v, (s, shape) in zip(var_names, local[n_args:], var_layouts)}
-      partitioner = Partitioner(program, target, mesh, ctx.collectives, lower_reshard.reshard,
-                                dispatch.lookup, coalesce.coalescer())
+      values = [
+        Local(t, s, shape)
+        for t, s, shape in zip(local[:n_args], arg_shardings + capture_shardings, arg_shapes)
+      ]
+      bound = {
+        name: Local(v.handle, s, shape)
+        for name, v, (s, shape) in zip(var_names, local[n_args:], var_layouts)
+      }
+      partitioner = Partitioner(
+        program,
+        target,
+        mesh,
+        ctx.collectives,
+        lower_reshard.reshard,
+        dispatch.lookup,
+        coalesce.coalescer(),
+      )
       move = _BoundaryMove(ctx.collectives, lower_reshard.reshard)
-      values = [move(main, n, v, s, 'argument') for n, v, s in
-                zip(arg_names + capture_names, values, arg_targets + capture_shardings)]
+      values = [
+        move(main, n, v, s, 'argument')
+        for n, v, s in zip(arg_names + capture_names, values, arg_targets + capture_shardings)
+      ]
       bound.update(zip(arg_names + capture_names, values))
       outs = partitioner.run_graph(main, [], bound)
       entry = list(move.records)
       outs = [move(main, t, v, s, 'output') for t, v, s in zip(main.outputs, outs, out_shardings)]
-      op_records[:] = entry + partitioner.records + move.records[len(entry):]
-      self._phase('compiling with XLA and running the first step' if self.backend == 'xla' else
-                  f'instantiating on {mesh.size} devices and running the first step')
+      op_records[:] = entry + partitioner.records + move.records[len(entry) :]
+      self._phase(
+        'compiling with XLA and running the first step'
+        if self.backend == 'xla'
+        else f'instantiating on {mesh.size} devices and running the first step'
+      )
       return [o.tensor for o in outs]
 
     per_partition.__name__ = _name_of(self.fn)
     kwargs = {} if self.timeout is None else {'timeout': self.timeout}
-    spmd = None if self.backend == 'xla' else SpmdProgram(
-        mesh, per_partition,
+    spmd = (
+      None
+      if self.backend == 'xla'
+      else SpmdProgram(
+        mesh,
+        per_partition,
         in_shardings=arg_shardings + capture_shardings + [None] * len(variables),
-        out_shardings=out_shardings, out_shapes=out_shapes, devices=self.devices, **kwargs)
+        out_shardings=out_shardings,
+        out_shapes=out_shapes,
+        devices=self.devices,
+        **kwargs,
+      )
+    )
     capture_values = [program.captures[n] for n in capture_names]
-    local_specs = [tf.TensorSpec(s.shard_shape(shape), main.tensor(n).dtype)
-                   for n, s, shape in zip(arg_names + capture_names,
-                                          arg_shardings + capture_shardings, arg_shapes)]
-    return _Compiled(program, plan, spmd, arg_shardings, capture_values, variables, op_records,
-                     per_partition, local_specs, out_shardings, out_shapes, mesh=mesh)
+    local_specs = [
+      tf.TensorSpec(s.shard_shape(shape), main.tensor(n).dtype)
+      for n, s, shape in zip(
+        arg_names + capture_names, arg_shardings + capture_shardings, arg_shapes
+      )
+    ]
+    return _Compiled(
+      program,
+      plan,
+      spmd,
+      arg_shardings,
+      capture_values,
+      variables,
+      op_records,
+      per_partition,
+      local_specs,
+      out_shardings,
+      out_shapes,
+      mesh=mesh,
+    )
 
   def _shard_variable(self, var, sharding: NamedSharding, sharded_cls) -> None:
     key = id(var)
     existing = self._sharded_variables.get(key)
     if existing is not None and not isinstance(existing, sharded_cls):
       raise ValueError(
-          f'partition: variable {var.name} is held by another backend ({type(existing).__name__}) '
-          f"in this VariableStore; functions with backend={self.backend!r} need their own store.")
+        f'partition: variable {var.name} is held by another backend ({type(existing).__name__}) '
+        f'in this VariableStore; functions with backend={self.backend!r} need their own store.'
+      )
     if existing is not None:
       if existing.sharding != sharding:
         raise ValueError(
-            f'partition: variable {var.name} is sharded {existing.sharding} by an earlier trace '
-            f'but {sharding} by this one; annotate it with shard_variable to fix its layout.')
+          f'partition: variable {var.name} is sharded {existing.sharding} by an earlier trace '
+          f'but {sharding} by this one; annotate it with shard_variable to fix its layout.'
+        )
       return
     self._originals[key] = var
-    from tf_gspmd.annotations import variable_sharding  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.annotations import variable_sharding
+
     self.store.annotations[key] = variable_sharding(var)
     devices = self._xla_devices() if self.backend == 'xla' else self.devices
     self._sharded_variables[key] = sharded_cls(
-        var.read_value(), sharding, devices=devices, name=var.name.split(':')[0],
-        trainable=getattr(var, 'trainable', True))
+      var.read_value(),
+      sharding,
+      devices=devices,
+      name=var.name.split(':')[0],
+      trainable=getattr(var, 'trainable', True),
+    )
 
 
 def _check_annotation_devices(program: ir.Program, mesh: Mesh) -> None:
@@ -565,13 +683,13 @@ def _check_annotation_devices(program: ir.Program, mesh: Mesh) -> None:
         used = sorted(s.devices)
         if not used or s.is_manual or (s.is_maximal and used[0] in devices) or used == devices:
           continue
-        what = (f'device {used[0]}' if s.kind == 'maximal' else
-                f'{len(used)} devices {_brief(used)}')
+        what = f'device {used[0]}' if s.kind == 'maximal' else f'{len(used)} devices {_brief(used)}'
         raise ValueError(
-            f'partition: the annotation {s} on {node.name}:{index} ({node.op}) puts the tensor on '
-            f'{what}, but the function is partitioned over {mesh} of {mesh.size} devices '
-            f'{_brief(devices)}; annotate over exactly the mesh\'s devices, each once (or one '
-            'of them for a single-device sharding).')
+          f'partition: the annotation {s} on {node.name}:{index} ({node.op}) puts the tensor on '
+          f'{what}, but the function is partitioned over {mesh} of {mesh.size} devices '
+          f"{_brief(devices)}; annotate over exactly the mesh's devices, each once (or one "
+          'of them for a single-device sharding).'
+        )
 
 
 def _brief(devices, limit: int = 16) -> str:
@@ -588,8 +706,9 @@ def _program_mesh(program: ir.Program, mesh: Mesh, boundary: list) -> Mesh:
   refined mesh (a P('y') elsewhere is P(('y#0', 'y#1')), the same layout), and
   its collectives name sub-axes.
   """
-  from tf_gspmd.annotations import variable_sharding  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.graph_rewrite.reshard_plan import refined_mesh  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.annotations import variable_sharding
+  from tf_gspmd.graph_rewrite.reshard_plan import refined_mesh
+
   fine, _ = refined_mesh(mesh)
   if fine == mesh:
     return mesh
@@ -605,8 +724,10 @@ def _program_mesh(program: ir.Program, mesh: Mesh, boundary: list) -> Mesh:
       found.append((sharding, len(var.shape)))
   # The mesh itself first: a search over the refined mesh's many sub-axes is slow (minutes on
   # 64 x 32), and most annotations are spelled on the mesh.
-  needs_sub_axes = any(rank is not None and not _spelled_on(s, mesh, rank) and _spelled_on(s, fine, rank)
-                       for s, rank in found)
+  needs_sub_axes = any(
+    rank is not None and not _spelled_on(s, mesh, rank) and _spelled_on(s, fine, rank)
+    for s, rank in found
+  )
   return fine if needs_sub_axes else mesh
 
 
@@ -637,11 +758,19 @@ def _working_order(graph: ir.Graph, plan, mesh: Mesh, args, variables) -> Mesh:
   is still device p, it just sits elsewhere in the mesh. Those inputs and
   outputs then need no permute at all.
   """
-  from tf_gspmd.annotations import variable_sharding  # pylint: disable=g-import-not-at-top
-  layouts = [(_in_given_order(variable_sharding(var), plan.target(graph, name), mesh), True)
-             for name, var in variables.items()]
-  layouts += [(_boundary_layout(graph, name, plan.target(graph, name), mesh),
-               _annotation(graph, name) is not None) for name in list(args) + list(graph.outputs)]
+  from tf_gspmd.annotations import variable_sharding
+
+  layouts = [
+    (_in_given_order(variable_sharding(var), plan.target(graph, name), mesh), True)
+    for name, var in variables.items()
+  ]
+  layouts += [
+    (
+      _boundary_layout(graph, name, plan.target(graph, name), mesh),
+      _annotation(graph, name) is not None,
+    )
+    for name in list(args) + list(graph.outputs)
+  ]
   orders = {layout.mesh for layout, _ in layouts if layout.mesh != mesh}
   pinned = [layout for layout, fixed in layouts if fixed and layout.mesh == mesh]
   if len(orders) != 1:
@@ -667,8 +796,9 @@ def _annotation(graph: ir.Graph, tensor: str):
   return graph.producer(tensor).annotations.get(t.index)
 
 
-def _boundary_layout(graph: ir.Graph, tensor: str, target: NamedSharding,
-                     mesh: Mesh) -> NamedSharding:
+def _boundary_layout(
+  graph: ir.Graph, tensor: str, target: NamedSharding, mesh: Mesh
+) -> NamedSharding:
   """How the program takes or returns `tensor`: `target` in its annotation's device order.
 
   An argument or output annotated with a tile assignment in another device
@@ -711,15 +841,18 @@ class _BoundaryMove:
   def note_collective(self, record: dict) -> None:
     self.records[-1].collectives.append(record)
 
-  def __call__(self, graph: ir.Graph, tensor: str, value: Local, target: NamedSharding,
-               what: str) -> Local:
+  def __call__(
+    self, graph: ir.Graph, tensor: str, value: Local, target: NamedSharding, what: str
+  ) -> Local:
     if value.sharding is target:
       return value
     self.records.append(OpRecord(graph.name, tensor, what, 'device order of its annotation'))
     return self._resharder(self, value, target, f'{what} {tensor}: device order')
 
 
-def partition(fn=None, mesh: Optional[Mesh] = None, in_shardings=None, out_shardings=None, **kwargs):
+def partition(
+  fn=None, mesh: Optional[Mesh] = None, in_shardings=None, out_shardings=None, **kwargs
+):
   """Partition an annotated tf.function over `mesh`; usable as a decorator.
 
   `in_shardings`/`out_shardings`: one Sharding (or None: leave it to
@@ -747,16 +880,22 @@ def _local_variable(sharded) -> tf.Variable:
 
 def _is_tensor_like(value) -> bool:
   return isinstance(value, (tf.Tensor, tf.Variable, np.ndarray, np.generic)) or (
-      hasattr(value, 'dtype') and hasattr(value, 'shape'))
+    hasattr(value, 'dtype') and hasattr(value, 'shape')
+  )
 
 
 def _signature_key(args):
   flat = tf.nest.flatten(args)
-  return tuple((tuple(np.shape(a)), str(getattr(a, 'dtype', type(a).__name__)))
-               if _is_tensor_like(a) else ('py', repr(a)) for a in flat)
+  return tuple(
+    (tuple(np.shape(a)), str(getattr(a, 'dtype', type(a).__name__)))
+    if _is_tensor_like(a)
+    else ('py', repr(a))
+    for a in flat
+  )
 
 
 def _name_of(fn) -> str:
-  name = getattr(fn, '__name__', None) or getattr(getattr(fn, 'python_function', None),
-                                                  '__name__', 'fn')
+  name = getattr(fn, '__name__', None) or getattr(
+    getattr(fn, 'python_function', None), '__name__', 'fn'
+  )
   return ''.join(c if c.isalnum() or c == '_' else '_' for c in name)

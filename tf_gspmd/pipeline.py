@@ -47,12 +47,15 @@ def _check(stage_params, x, mesh: Mesh, stage_axis: str, num_microbatches: int) 
   for p in tf.nest.flatten(stage_params):
     if p.shape.rank is None or p.shape.rank == 0 or p.shape[0] != stages:
       raise ValueError(
-          f'pipeline: stage parameter {getattr(p, "name", p)} has shape {p.shape}; every stage '
-          f'parameter needs a leading dim of {stages} (one slice per stage of {stage_axis!r}).')
+        f'pipeline: stage parameter {getattr(p, "name", p)} has shape {p.shape}; every stage '
+        f'parameter needs a leading dim of {stages} (one slice per stage of {stage_axis!r}).'
+      )
   batch = x.shape[0]
   if batch is None or batch % num_microbatches:
-    raise ValueError(f'pipeline: batch {batch} of x (shape {x.shape}) is not divisible into '
-                     f'{num_microbatches} microbatches.')
+    raise ValueError(
+      f'pipeline: batch {batch} of x (shape {x.shape}) is not divisible into '
+      f'{num_microbatches} microbatches.'
+    )
   return stages
 
 
@@ -60,8 +63,14 @@ def _stage_spec(stage_axis: str, rank: int) -> P:
   return P(stage_axis, *([None] * (rank - 1)))
 
 
-def pipeline(stage_fn: Callable, stage_params, x, mesh: Mesh, stage_axis: str = 'stage',
-             num_microbatches: int = 1):
+def pipeline(
+  stage_fn: Callable,
+  stage_params,
+  x,
+  mesh: Mesh,
+  stage_axis: str = 'stage',
+  num_microbatches: int = 1,
+):
   """Run `stage_fn` S times in sequence on `x`, as S pipelined stages over `stage_axis`.
 
   `stage_fn(params, h) -> h'` is one stage: `params` has the structure of
@@ -86,8 +95,14 @@ def pipeline(stage_fn: Callable, stage_params, x, mesh: Mesh, stage_axis: str = 
   # stays on the microbatch rows, and picking microbatch m slices an unsplit dim.
   chunks = tf.reshape(x, [micro, num_microbatches] + rest)
   params = tf.nest.map_structure(
-      lambda p: shard(tf.convert_to_tensor(p), mesh, _stage_spec(stage_axis, p.shape.rank),
-                      unspecified_dims=list(range(1, p.shape.rank))), stage_params)
+    lambda p: shard(
+      tf.convert_to_tensor(p),
+      mesh,
+      _stage_spec(stage_axis, p.shape.rank),
+      unspecified_dims=list(range(1, p.shape.rank)),
+    ),
+    stage_params,
+  )
   stage_ids = tf.reshape(tf.range(stages), [stages] + [1] * (rank - 1))
   first, last = tf.equal(stage_ids, 0), tf.equal(stage_ids, stages - 1)
   open_dims = list(range(1, rank))
@@ -102,13 +117,16 @@ def pipeline(stage_fn: Callable, stage_params, x, mesh: Mesh, stage_axis: str = 
     entering = chunks[:, step] if step < num_microbatches else tf.zeros([micro] + rest, x.dtype)
     state = tf.where(first, entering[tf.newaxis], state)
     state = shard(state, mesh, _stage_spec(stage_axis, rank), unspecified_dims=open_dims)
-    out = tf.vectorized_map(lambda a: stage_fn(a[0], a[1]), (params, state),
-                            fallback_to_while_loop=False)
+    out = tf.vectorized_map(
+      lambda a: stage_fn(a[0], a[1]), (params, state), fallback_to_while_loop=False
+    )
     out = shard(out, mesh, _stage_spec(stage_axis, rank), unspecified_dims=open_dims)
     done = step - (stages - 1)  # the microbatch leaving the last stage
     if done >= 0:
-      slot = tf.reshape(tf.one_hot(done, num_microbatches, dtype=x.dtype),
-                        [1, 1, num_microbatches] + [1] * len(rest))
+      slot = tf.reshape(
+        tf.one_hot(done, num_microbatches, dtype=x.dtype),
+        [1, 1, num_microbatches] + [1] * len(rest),
+      )
       collected += tf.where(last, out, tf.zeros_like(out))[:, :, tf.newaxis] * slot
     state = tf.roll(out, 1, axis=0)  # every stage hands its activation to the next
   outputs = tf.reduce_sum(collected, axis=0)

@@ -32,6 +32,7 @@ from typing import Any, Dict, List
 
 import numpy as np
 import tensorflow as tf
+
 # UninitializedVariable is the only TF variable that has a shape and a dtype but never
 # allocates its value (tf.Variable's public constructor always materializes an initial
 # value, which for a planned 2048-way model would be tens of GB).
@@ -44,8 +45,9 @@ from tf_gspmd.mesh import Mesh
 from tf_gspmd.sharding import NamedSharding
 
 
-def abstract_variable(shape, dtype=tf.float32, sharding=None, *, name: str = 'variable',
-                      trainable: bool = True) -> tf.Variable:
+def abstract_variable(
+  shape, dtype=tf.float32, sharding=None, *, name: str = 'variable', trainable: bool = True
+) -> tf.Variable:
   """A tf.Variable of `shape` and `dtype` with no value, for `plan`.
 
   `sharding`: a Sharding (or None: left to propagation), stored as
@@ -62,25 +64,27 @@ def abstract_variable(shape, dtype=tf.float32, sharding=None, *, name: str = 'va
 @dataclasses.dataclass
 class VariableBytes:
   """One variable of the plan: its layout and what it costs."""
+
   name: str
   shape: tuple
   dtype: str
   sharding: NamedSharding
   trainable: bool
-  total: int       # bytes of the global value
+  total: int  # bytes of the global value
   per_device: int  # bytes of one (ceil-sized) shard
 
 
 @dataclasses.dataclass
 class PlanReport:
   """What one step partitioned over `mesh` costs on each device; `str()` gives a table."""
+
   name: str
   mesh: Mesh
   variables: List[VariableBytes]
-  activation_peak: int          # bytes, one device (see `activation_peak`)
-  activation_tensors: int       # tensors the liveness pass counted
+  activation_peak: int  # bytes, one device (see `activation_peak`)
+  activation_tensors: int  # tensors the liveness pass counted
   collective_records: List[dict]
-  seconds: Dict[str, float]     # build time per phase: capture, propagate, partition
+  seconds: Dict[str, float]  # build time per phase: capture, propagate, partition
   op_records: List[OpRecord] = dataclasses.field(default_factory=list, repr=False)
   plan: Any = dataclasses.field(default=None, repr=False)  # the propagation Plan
 
@@ -139,30 +143,41 @@ class PlanReport:
     >>> tg.plan(step, *specs, mesh=mesh).report('plan.html')          # doctest: +SKIP
     'plan.html'
     """
-    from tf_gspmd.pictures import sources  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.pictures import sources
+
     return sources.write_report(self, path, 'plan')
 
   def __str__(self) -> str:
     axes = ' x '.join(f'{a}={s}' for a, s in self.mesh.shape.items())
-    lines = [f'plan {self.name}: {self.mesh.size} devices ({axes}); built in '
-             f'{self.build_seconds:.2f} s (' +
-             ', '.join(f'{k} {v:.2f} s' for k, v in self.seconds.items()) + ')',
-             f'{"per device":<28}{"bytes":>16}{"global bytes":>18}']
+    lines = [
+      f'plan {self.name}: {self.mesh.size} devices ({axes}); built in '
+      f'{self.build_seconds:.2f} s ('
+      + ', '.join(f'{k} {v:.2f} s' for k, v in self.seconds.items())
+      + ')',
+      f'{"per device":<28}{"bytes":>16}{"global bytes":>18}',
+    ]
     n_params = sum(v.trainable for v in self.variables)
-    lines.append(f'{f"parameters ({n_params} vars)":<28}{_b(self.parameter_bytes):>16}'
-                 f'{_b(self.global_parameter_bytes):>18}')
-    lines.append(f'{f"optimizer state ({len(self.variables) - n_params} vars)":<28}'
-                 f'{_b(self.optimizer_bytes):>16}'
-                 f'{_b(sum(v.total for v in self.variables if not v.trainable)):>18}')
+    lines.append(
+      f'{f"parameters ({n_params} vars)":<28}{_b(self.parameter_bytes):>16}'
+      f'{_b(self.global_parameter_bytes):>18}'
+    )
+    lines.append(
+      f'{f"optimizer state ({len(self.variables) - n_params} vars)":<28}'
+      f'{_b(self.optimizer_bytes):>16}'
+      f'{_b(sum(v.total for v in self.variables if not v.trainable)):>18}'
+    )
     lines.append(f'{"activation peak":<28}{_b(self.activation_peak):>16}')
     total = self.parameter_bytes + self.optimizer_bytes + self.activation_peak
     lines.append(f'{"total":<28}{_b(total):>16}')
-    lines.append(f'collectives per step: {len(self.collective_records)}, '
-                 f'{_b(self.collective_bytes)} bytes per device')
+    lines.append(
+      f'collectives per step: {len(self.collective_records)}, '
+      f'{_b(self.collective_bytes)} bytes per device'
+    )
     lines.append(f'  {"kind":<16}{"axes":<22}{"count":>6}{"bytes":>16}')
     for (kind, axes_of), entry in sorted(self.collective_summary().items()):
-      lines.append(f'  {kind:<16}{",".join(axes_of):<22}{entry["count"]:>6}'
-                   f'{_b(entry["bytes"]):>16}')
+      lines.append(
+        f'  {kind:<16}{",".join(axes_of):<22}{entry["count"]:>6}{_b(entry["bytes"]):>16}'
+      )
     return '\n'.join(lines)
 
 
@@ -185,13 +200,26 @@ def plan(fn, *arg_specs, mesh: Mesh, in_shardings=None, out_shardings=None) -> P
   compiled = planner.get_program(*arg_specs)
   traced = planner.trace(compiled)
   done = time.perf_counter()
-  seconds = {'capture+propagate': planner.build_started - start,
-             'partition': done - planner.build_started}
-  report = [_variable_bytes(v, planner.sharded_variables_of(compiled)[i])
-            for i, v in enumerate(compiled.variables)]
+  seconds = {
+    'capture+propagate': planner.build_started - start,
+    'partition': done - planner.build_started,
+  }
+  report = [
+    _variable_bytes(v, planner.sharded_variables_of(compiled)[i])
+    for i, v in enumerate(compiled.variables)
+  ]
   peak, counted = activation_peak(traced.function.graph)
-  return PlanReport(partitioned._name_of(fn), mesh, report, peak, counted,  # pylint: disable=protected-access
-                    planner.collectives(), seconds, planner.op_records(), compiled.plan)
+  return PlanReport(
+    partitioned._name_of(fn),
+    mesh,
+    report,
+    peak,
+    counted,  # noqa: SLF001
+    planner.collectives(),
+    seconds,
+    planner.op_records(),
+    compiled.plan,
+  )
 
 
 class _AbstractShards:
@@ -206,8 +234,9 @@ class _AbstractShards:
     self.shape = tuple(int(s) for s in variable.shape)
     self.dtype = variable.dtype
     self.local_shape = tuple(sharding.shard_shape(self.shape))
-    self.template = UninitializedVariable(shape=self.local_shape, dtype=variable.dtype,
-                                          name=f'{variable.name.split(":")[0]}_shard')
+    self.template = UninitializedVariable(
+      shape=self.local_shape, dtype=variable.dtype, name=f'{variable.name.split(":")[0]}_shard'
+    )
 
 
 class _Planner(partitioned.PartitionedFunction):
@@ -220,13 +249,13 @@ class _Planner(partitioned.PartitionedFunction):
 
   build_started = 0.0
 
-  def _shard_variable(self, var, sharding, *unused):  # pylint: disable=arguments-differ
+  def _shard_variable(self, var, sharding, *unused):
     key = id(var)
     if key not in self._sharded_variables:
       self._originals[key] = var
       self._sharded_variables[key] = _AbstractShards(var, sharding)
 
-  def _build(self, *args, **kwargs):  # pylint: disable=arguments-differ
+  def _build(self, *args, **kwargs):
     self.build_started = time.perf_counter()
     return super()._build(*args, **kwargs)
 
@@ -235,26 +264,47 @@ class _Planner(partitioned.PartitionedFunction):
 
   def trace(self, compiled):
     """The per-partition program traced for its local shapes (what each device would run)."""
-    from tf_gspmd.runtime import trace_per_partition  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.runtime import trace_per_partition
+
     templates = [shards.template for shards in self.sharded_variables_of(compiled)]
     self._last = compiled
-    return trace_per_partition(compiled.spmd.mesh, compiled.per_partition,
-                               list(compiled.local_specs) + templates, autograph=False,
-                               name=f'{partitioned._name_of(self.fn)}_plan')  # pylint: disable=protected-access
+    return trace_per_partition(
+      compiled.spmd.mesh,
+      compiled.per_partition,
+      list(compiled.local_specs) + templates,
+      autograph=False,
+      name=f'{partitioned._name_of(self.fn)}_plan',
+    )  # noqa: SLF001
 
 
 def _variable_bytes(variable, shards: _AbstractShards) -> VariableBytes:
   size = variable.dtype.size
-  return VariableBytes(variable.name, shards.shape, variable.dtype.name,
-                       shards.sharding, bool(getattr(variable, 'trainable', True)),
-                       int(np.prod(shards.shape, dtype=np.int64)) * size,
-                       int(np.prod(shards.local_shape, dtype=np.int64)) * size)
+  return VariableBytes(
+    variable.name,
+    shards.shape,
+    variable.dtype.name,
+    shards.sharding,
+    bool(getattr(variable, 'trainable', True)),
+    int(np.prod(shards.shape, dtype=np.int64)) * size,
+    int(np.prod(shards.local_shape, dtype=np.int64)) * size,
+  )
 
 
 # Ops whose outputs alias memory held elsewhere (a variable's buffer, their input),
 # so the liveness pass gives them no bytes of their own.
-_ALIASING_OPS = frozenset({'ReadVariableOp', 'Identity', 'IdentityN', 'Reshape', 'Squeeze',
-                           'ExpandDims', 'StopGradient', 'Snapshot', 'Placeholder'})
+_ALIASING_OPS = frozenset(
+  {
+    'ReadVariableOp',
+    'Identity',
+    'IdentityN',
+    'Reshape',
+    'Squeeze',
+    'ExpandDims',
+    'StopGradient',
+    'Snapshot',
+    'Placeholder',
+  }
+)
 
 
 def activation_peak(graph: tf.Graph) -> tuple:

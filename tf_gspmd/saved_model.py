@@ -84,12 +84,13 @@ _READ_ONLY_OPS = frozenset({'ReadVariableOp', 'VarIsInitializedOp', 'VariableSha
 @dataclasses.dataclass
 class ExportInfo:
   """What `save` wrote: signature names, devices, and the variable bytes stored vs held."""
+
   export_dir: str
   signatures: List[str]
   num_partitions: int
   devices: List[str]
-  total_bytes: int        # global bytes of every variable
-  stored_bytes: int       # bytes of the shard variables written (distinct shards, padding)
+  total_bytes: int  # global bytes of every variable
+  stored_bytes: int  # bytes of the shard variables written (distinct shards, padding)
   per_partition_bytes: int  # what one device would hold (one shard of each variable)
 
 
@@ -118,15 +119,20 @@ def save(fn, export_dir: str, signatures=None) -> ExportInfo:
   stored = list(by_variable.values())
   module.shards = stored  # tracked: the variables SavedModel writes
   options = tf.saved_model.SaveOptions(
-      experimental_variable_policy=tf.saved_model.experimental.VariablePolicy.SAVE_VARIABLE_DEVICES)
+    experimental_variable_policy=tf.saved_model.experimental.VariablePolicy.SAVE_VARIABLE_DEVICES
+  )
   tf.saved_model.save(module, export_dir, signatures=functions, options=options)
   _add_session_collective_key(export_dir)
   spmd = next(iter(described.values()))['spmd']
   info = ExportInfo(
-      export_dir, list(functions), spmd.mesh.size, list(spmd.devices),
-      total_bytes=sum(s.total_bytes for s in stored),
-      stored_bytes=sum(s.stored_bytes for s in stored),
-      per_partition_bytes=sum(s.local_bytes for s in stored))
+    export_dir,
+    list(functions),
+    spmd.mesh.size,
+    list(spmd.devices),
+    total_bytes=sum(s.total_bytes for s in stored),
+    stored_bytes=sum(s.stored_bytes for s in stored),
+    per_partition_bytes=sum(s.local_bytes for s in stored),
+  )
   _write_metadata(export_dir, info, spmd.mesh, described, stored)
   return info
 
@@ -138,14 +144,18 @@ def _function_and_examples(fn, signatures):
   elif hasattr(fn, '_tf_gspmd_launcher'):
     pf = _keras_forward(fn)
   else:
-    raise TypeError(f'saved_model: expected a tf_gspmd.PartitionedFunction or a Keras model '
-                    f'prepared with partition_model, got {type(fn).__name__}.')
+    raise TypeError(
+      f'saved_model: expected a tf_gspmd.PartitionedFunction or a Keras model '
+      f'prepared with partition_model, got {type(fn).__name__}.'
+    )
   if signatures is None:
-    compiled = list(pf._compiled.values())  # pylint: disable=protected-access
+    compiled = list(pf._compiled.values())  # noqa: SLF001
     if not compiled:
-      raise ValueError('saved_model.save: the function has no argument signature yet; call it (or '
-                       'get_program) once, or pass signatures=(example args or TensorSpecs).')
-    last = pf._last if pf._last is not None else compiled[-1]  # pylint: disable=protected-access
+      raise ValueError(
+        'saved_model.save: the function has no argument signature yet; call it (or '
+        'get_program) once, or pass signatures=(example args or TensorSpecs).'
+      )
+    last = pf._last if pf._last is not None else compiled[-1]  # noqa: SLF001
     ordered = [last] + [c for c in compiled if c is not last]
     names = [DEFAULT_SIGNATURE] + [f'serving_{k}' for k in range(1, len(ordered))]
     return pf, {n: _example_args(c) for n, c in zip(names, ordered)}
@@ -162,14 +172,16 @@ def _as_examples(args) -> tuple:
 def _example_args(compiled: _Compiled) -> tuple:
   """Zeros in the shapes of a compiled program's arguments (it was compiled from such args)."""
   main = compiled.program.main
-  return tuple(tf.zeros(main.tensor(n).shape, main.tensor(n).dtype)
-               for n in compiled.program.arg_inputs)
+  return tuple(
+    tf.zeros(main.tensor(n).shape, main.tensor(n).dtype) for n in compiled.program.arg_inputs
+  )
 
 
 def _keras_forward(model) -> PartitionedFunction:
   """`model(x, training=False)` partitioned over the mesh and variables `partition_model` uses."""
-  from tf_gspmd.annotations import shard  # pylint: disable=g-import-not-at-top
-  launcher = model._tf_gspmd_launcher  # pylint: disable=protected-access
+  from tf_gspmd.annotations import shard
+
+  launcher = model._tf_gspmd_launcher  # noqa: SLF001
   launcher.mirror.push_changed()  # a weight set on the model since the last step wins
   mesh, axes = launcher.mesh, launcher.axes
 
@@ -197,7 +209,7 @@ class _StoredShards(ShardedVariable):
   """
 
   def __init__(self, sharded: ShardedVariable, distinct: bool):
-    tf.Module.__init__(self, name=sharded.name)  # pylint: disable=non-parent-init-called
+    tf.Module.__init__(self, name=sharded.name)
     self.sharding, self.shape, self.label = sharded.sharding, sharded.shape, sharded.label
     self.devices = sharded.devices
     owner = list(range(len(sharded.shards)))
@@ -245,17 +257,30 @@ def _signature_function(pf, compiled: _Compiled, by_variable, name: str):
   """The serving tf.function of one compiled program (flat inputs -> dict of outputs)."""
   spmd = compiled.spmd
   if spmd is None:
-    raise ValueError("saved_model.save: the function was partitioned with backend='xla'; a "
-                     'SavedModel serves the TF backend (use save_xla for the XLA module).')
-  served = SpmdProgram(spmd.mesh, spmd.fn, spmd.in_shardings, spmd.out_shardings,
-                       out_shapes=spmd.out_shapes, devices=spmd.devices, timeout=None,
-                       progress_markers=False, name=f'{pf_name(pf)}_{name}')
+    raise ValueError(
+      "saved_model.save: the function was partitioned with backend='xla'; a "
+      'SavedModel serves the TF backend (use save_xla for the XLA module).'
+    )
+  served = SpmdProgram(
+    spmd.mesh,
+    spmd.fn,
+    spmd.in_shardings,
+    spmd.out_shardings,
+    out_shapes=spmd.out_shapes,
+    devices=spmd.devices,
+    timeout=None,
+    progress_markers=False,
+    name=f'{pf_name(pf)}_{name}',
+  )
   stored = [_stored(pf, compiled, by_variable, v) for v in compiled.variables]
   main = compiled.program.main
-  input_specs = [tf.TensorSpec(main.tensor(n).shape, main.tensor(n).dtype, name=arg_name)
-                 for n, arg_name in zip(compiled.program.arg_inputs, _input_names(compiled))]
-  captures = [tf.constant(v) if not isinstance(v, tf.Tensor) else v
-              for v in compiled.capture_values]
+  input_specs = [
+    tf.TensorSpec(main.tensor(n).shape, main.tensor(n).dtype, name=arg_name)
+    for n, arg_name in zip(compiled.program.arg_inputs, _input_names(compiled))
+  ]
+  captures = [
+    tf.constant(v) if not isinstance(v, tf.Tensor) else v for v in compiled.capture_values
+  ]
   launch = served.trace(*input_specs, *captures, *stored)
   output_names = _output_names(compiled)
   devices = spmd.devices
@@ -269,17 +294,28 @@ def _signature_function(pf, compiled: _Compiled, by_variable, name: str):
   serve.__name__ = re.sub(r'\W', '_', f'{pf_name(pf)}_{name}')
   function = tf.function(serve, input_signature=input_specs, autograph=False)
   layouts = {
-      'inputs': [_layout_json(s.name, tuple(s.shape), s.dtype, sh)
-                 for s, sh in zip(input_specs, compiled.arg_shardings)],
-      'outputs': [_layout_json(k, shape, main.tensor(t).dtype, sh) for k, t, shape, sh in
-                  zip(output_names, main.outputs, compiled.out_shapes, compiled.out_shardings)],
-      'spmd': spmd}
+    'inputs': [
+      _layout_json(s.name, tuple(s.shape), s.dtype, sh)
+      for s, sh in zip(input_specs, compiled.arg_shardings)
+    ],
+    'outputs': [
+      _layout_json(k, shape, main.tensor(t).dtype, sh)
+      for k, t, shape, sh in zip(
+        output_names, main.outputs, compiled.out_shapes, compiled.out_shardings
+      )
+    ],
+    'spmd': spmd,
+  }
   return function, layouts
 
 
 def pf_name(pf) -> str:
-  return re.sub(r'\W', '_', getattr(pf.fn, '__name__', None) or
-                getattr(getattr(pf.fn, 'python_function', None), '__name__', 'fn'))
+  return re.sub(
+    r'\W',
+    '_',
+    getattr(pf.fn, '__name__', None)
+    or getattr(getattr(pf.fn, 'python_function', None), '__name__', 'fn'),
+  )
 
 
 def _input_names(compiled: _Compiled) -> List[str]:
@@ -299,8 +335,11 @@ def _output_names(compiled: _Compiled) -> List[str]:
   """Keys of the signature's outputs: the function's dict keys, else output_0, output_1, ..."""
   structure = compiled.program.structured_outputs
   count = len(compiled.program.main.outputs)
-  if isinstance(structure, dict) and len(structure) == count and all(
-      isinstance(k, str) for k in structure):
+  if (
+    isinstance(structure, dict)
+    and len(structure) == count
+    and all(isinstance(k, str) for k in structure)
+  ):
     flat_keys = [k for k, _ in sorted(structure.items())]  # tf.nest flattens dicts by sorted key
     if all(re.fullmatch(r'[A-Za-z_]\w*', k) for k in flat_keys):
       return flat_keys
@@ -319,25 +358,36 @@ def _device_tokens(devices: Sequence[str]) -> List[tf.Tensor]:
   handles, placed = [], []
   for p, device in enumerate(devices):
     with tf.device(device):
-      handle = tf.raw_ops.VarHandleOp(dtype=tf.float64, shape=[2],
-                                      shared_name=f'tf_gspmd_token_{p}', name=f'token_{p}')
+      handle = tf.raw_ops.VarHandleOp(
+        dtype=tf.float64, shape=[2], shared_name=f'tf_gspmd_token_{p}', name=f'token_{p}'
+      )
       # The serialized ResourceHandleProto starts with its device name (field 1), followed by
       # the container (field 2, tag byte 0x12): a device with its own name found there got
       # partition p.
       serialized = tf.raw_ops.SerializeTensor(tensor=handle, name=f'token_{p}_device')
-    own = '/device:' + tf.DeviceSpec.from_string(device).device_type + ':' + str(
-        tf.DeviceSpec.from_string(device).device_index or 0) + '\x12'
+    own = (
+      '/device:'
+      + tf.DeviceSpec.from_string(device).device_type
+      + ':'
+      + str(tf.DeviceSpec.from_string(device).device_index or 0)
+      + '\x12'
+    )
     placed.append(tf.size(tf.strings.split(serialized, sep=own)) > 1)
     handles.append(handle)
   found = tf.reduce_sum(tf.cast(tf.stack(placed), tf.int32))
   check = tf.debugging.Assert(
-      tf.equal(found, len(devices)),
-      [f'tf_gspmd export: this SavedModel runs {len(devices)} partitions, one on each of the '
-       f'devices {devices[0]} .. {devices[-1]}, but only', found, f'of those {len(devices)} '
-       'devices exist in this process. Configure them before loading, e.g. '
-       f'tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0], '
-       f'[tf.config.LogicalDeviceConfiguration()] * {len(devices)}).'],
-      name='device_check')
+    tf.equal(found, len(devices)),
+    [
+      f'tf_gspmd export: this SavedModel runs {len(devices)} partitions, one on each of the '
+      f'devices {devices[0]} .. {devices[-1]}, but only',
+      found,
+      f'of those {len(devices)} '
+      'devices exist in this process. Configure them before loading, e.g. '
+      f'tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0], '
+      f'[tf.config.LogicalDeviceConfiguration()] * {len(devices)}).',
+    ],
+    name='device_check',
+  )
   tokens = []
   with tf.control_dependencies([check]):
     for device, handle in zip(devices, handles):
@@ -364,15 +414,19 @@ def _add_session_collective_key(export_dir: str) -> None:
   marker is such a top-level V1 op on a group of one (it only copies a scalar).
   TF2 loading rebuilds signatures from the function library and ignores it.
   """
-  from tensorflow.core.framework import types_pb2  # pylint: disable=g-import-not-at-top
-  from tensorflow.core.protobuf import saved_model_pb2  # pylint: disable=g-import-not-at-top
+  from tensorflow.core.framework import types_pb2
+  from tensorflow.core.protobuf import saved_model_pb2
+
   path = os.path.join(export_dir, 'saved_model.pb')
   with open(path, 'rb') as f:
     proto = saved_model_pb2.SavedModel.FromString(f.read())
   for meta_graph in proto.meta_graphs:
     graph = meta_graph.graph_def
-    callers = {info.name.split(':')[0].lstrip('^') for signature in
-               meta_graph.signature_def.values() for info in signature.outputs.values()}
+    callers = {
+      info.name.split(':')[0].lstrip('^')
+      for signature in meta_graph.signature_def.values()
+      for info in signature.outputs.values()
+    }
     if not callers:
       continue
     value = graph.node.add(name=f'{SESSION_KEY_NODE}/value', op='Const')
@@ -407,23 +461,37 @@ def _sharding_json(sharding: Sharding) -> Dict[str, Any]:
 
 def _layout_json(name, shape, dtype, sharding: Sharding) -> Dict[str, Any]:
   shape = tuple(int(s) for s in shape)
-  return {'name': name, 'shape': list(shape), 'dtype': tf.as_dtype(dtype).name,
-          'sharding': _sharding_json(sharding),
-          'local_shape': [int(s) for s in sharding.shard_shape(shape)]}
+  return {
+    'name': name,
+    'shape': list(shape),
+    'dtype': tf.as_dtype(dtype).name,
+    'sharding': _sharding_json(sharding),
+    'local_shape': [int(s) for s in sharding.shard_shape(shape)],
+  }
 
 
 def _write_metadata(export_dir, info: ExportInfo, mesh: Mesh, described, stored) -> None:
   data = {
-      'format': 'tf_gspmd.saved_model/1',
-      'num_partitions': info.num_partitions,
-      'devices': info.devices,
-      'mesh': _mesh_json(mesh),
-      'signatures': {n: {'inputs': d['inputs'], 'outputs': d['outputs']}
-                     for n, d in described.items()},
-      'variables': [dict(_layout_json(s.label, s.shape, s.dtype, s.sharding),
-                         stored_shards=len(set(s.owner)), owner=s.owner) for s in stored],
-      'bytes': {'total': info.total_bytes, 'stored': info.stored_bytes,
-                'per_partition': info.per_partition_bytes},
+    'format': 'tf_gspmd.saved_model/1',
+    'num_partitions': info.num_partitions,
+    'devices': info.devices,
+    'mesh': _mesh_json(mesh),
+    'signatures': {
+      n: {'inputs': d['inputs'], 'outputs': d['outputs']} for n, d in described.items()
+    },
+    'variables': [
+      dict(
+        _layout_json(s.label, s.shape, s.dtype, s.sharding),
+        stored_shards=len(set(s.owner)),
+        owner=s.owner,
+      )
+      for s in stored
+    ],
+    'bytes': {
+      'total': info.total_bytes,
+      'stored': info.stored_bytes,
+      'per_partition': info.per_partition_bytes,
+    },
   }
   path = os.path.join(export_dir, METADATA)
   os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -435,8 +503,10 @@ def metadata(export_dir: str) -> Dict[str, Any]:
   """The layouts and devices `save` recorded (`assets.extra/tf_gspmd.json`)."""
   path = os.path.join(export_dir, METADATA)
   if not os.path.exists(path):
-    raise ValueError(f'saved_model: {export_dir} has no {METADATA}; it was not written by '
-                     'tf_gspmd.saved_model.save.')
+    raise ValueError(
+      f'saved_model: {export_dir} has no {METADATA}; it was not written by '
+      'tf_gspmd.saved_model.save.'
+    )
   with open(path) as f:
     return json.load(f)
 
@@ -452,11 +522,12 @@ def check_devices(export_dir: str) -> List[str]:
   if missing:
     have = sum(len(tf.config.list_logical_devices(k)) for k in kinds)
     raise ValueError(
-        f'saved_model.load: {export_dir} runs {len(devices)} partitions on {len(devices)} '
-        f'devices ({devices[0]} .. {devices[-1]}), but this process has {have} '
-        f'{"/".join(sorted(kinds))} device(s); missing {missing[:4]}'
-        f'{" ..." if len(missing) > 4 else ""}. Configure {len(devices)} logical devices with '
-        'tf.config.set_logical_device_configuration before TensorFlow starts.')
+      f'saved_model.load: {export_dir} runs {len(devices)} partitions on {len(devices)} '
+      f'devices ({devices[0]} .. {devices[-1]}), but this process has {have} '
+      f'{"/".join(sorted(kinds))} device(s); missing {missing[:4]}'
+      f'{" ..." if len(missing) > 4 else ""}. Configure {len(devices)} logical devices with '
+      'tf.config.set_logical_device_configuration before TensorFlow starts.'
+    )
   return devices
 
 
@@ -464,15 +535,20 @@ def load(export_dir: str):
   """`tf.saved_model.load` after checking the device count, variables on their saved devices."""
   check_devices(export_dir)
   options = tf.saved_model.LoadOptions(
-      experimental_variable_policy=tf.saved_model.experimental.VariablePolicy.SAVE_VARIABLE_DEVICES)
+    experimental_variable_policy=tf.saved_model.experimental.VariablePolicy.SAVE_VARIABLE_DEVICES
+  )
   return tf.saved_model.load(export_dir, options=options)
 
 
 def _full_name(device: str) -> str:
   spec = tf.DeviceSpec.from_string(device)
-  return tf.DeviceSpec(job=spec.job or 'localhost', replica=spec.replica or 0,
-                       task=spec.task or 0, device_type=spec.device_type,
-                       device_index=spec.device_index or 0).to_string()
+  return tf.DeviceSpec(
+    job=spec.job or 'localhost',
+    replica=spec.replica or 0,
+    task=spec.task or 0,
+    device_type=spec.device_type,
+    device_index=spec.device_index or 0,
+  ).to_string()
 
 
 # --- XLA / TPU export --------------------------------------------------------------------------
@@ -505,53 +581,84 @@ def save_xla(pf, export_dir: str, *example_args):
   with open(os.path.join(export_dir, XLA_MODULE), 'w') as f:
     f.write(export.module)
   mesh = export.mesh
-  data = {'format': 'tf_gspmd.xla/1', 'name': export.name, 'num_replicas': export.num_replicas,
-          'mesh': _mesh_json(mesh),
-          'args': [_xla_layout_json(a) for a in export.args],
-          'results': [_xla_layout_json(r) for r in export.results]}
+  data = {
+    'format': 'tf_gspmd.xla/1',
+    'name': export.name,
+    'num_replicas': export.num_replicas,
+    'mesh': _mesh_json(mesh),
+    'args': [_xla_layout_json(a) for a in export.args],
+    'results': [_xla_layout_json(r) for r in export.results],
+  }
   with open(os.path.join(export_dir, XLA_LAYOUTS), 'w') as f:
     json.dump(data, f, indent=1)
   n_args = len(compiled.program.arg_inputs)
   values = [np.asarray(v) for v in compiled.capture_values]
   values += [pf.store.sharded[id(v)].assemble().numpy() for v in compiled.variables]
-  np.savez(os.path.join(export_dir, XLA_VALUES),
-           **{f'arg{n_args + i}': v for i, v in enumerate(values)})
+  np.savez(
+    os.path.join(export_dir, XLA_VALUES), **{f'arg{n_args + i}': v for i, v in enumerate(values)}
+  )
   _save_annotated(pf, compiled, os.path.join(export_dir, ANNOTATED))
   return export
 
 
 def load_xla(export_dir: str):
   """(XlaExport, {parameter index: global value}) read back from `save_xla`'s files."""
-  from tf_gspmd.xla_bridge.export import Layout, XlaExport  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.xla_bridge.export import Layout, XlaExport
+
   with open(os.path.join(export_dir, XLA_LAYOUTS)) as f:
     data = json.load(f)
   with open(os.path.join(export_dir, XLA_MODULE)) as f:
     module = f.read()
-  mesh = Mesh(np.asarray(data['mesh']['devices']).reshape(data['mesh']['shape']),
-              data['mesh']['axis_names'])
+  mesh = Mesh(
+    np.asarray(data['mesh']['devices']).reshape(data['mesh']['shape']), data['mesh']['axis_names']
+  )
 
   def layout(d):
-    sharding = None if d['sharding'] is None else op_sharding.from_proto(
-        bytes.fromhex(d['sharding']['op_sharding']), mesh=mesh)
-    return Layout(d['name'], d['kind'], tuple(d['shape']), tf.as_dtype(d['dtype']), sharding,
-                  tuple(d['local_shape']), d['updates'])
-  export = XlaExport(module, mesh, [layout(a) for a in data['args']],
-                     [layout(r) for r in data['results']], data['name'])
+    sharding = (
+      None
+      if d['sharding'] is None
+      else op_sharding.from_proto(bytes.fromhex(d['sharding']['op_sharding']), mesh=mesh)
+    )
+    return Layout(
+      d['name'],
+      d['kind'],
+      tuple(d['shape']),
+      tf.as_dtype(d['dtype']),
+      sharding,
+      tuple(d['local_shape']),
+      d['updates'],
+    )
+
+  export = XlaExport(
+    module,
+    mesh,
+    [layout(a) for a in data['args']],
+    [layout(r) for r in data['results']],
+    data['name'],
+  )
   with np.load(os.path.join(export_dir, XLA_VALUES)) as stored:
     values = {int(k[3:]): stored[k] for k in stored.files}
   return export, values
 
 
 def _mesh_json(mesh: Mesh) -> Dict[str, Any]:
-  return {'shape': [mesh.shape[a] for a in mesh.axis_names], 'axis_names': list(mesh.axis_names),
-          'devices': np.asarray(mesh.device_ids).reshape(-1).tolist()}
+  return {
+    'shape': [mesh.shape[a] for a in mesh.axis_names],
+    'axis_names': list(mesh.axis_names),
+    'devices': np.asarray(mesh.device_ids).reshape(-1).tolist(),
+  }
 
 
 def _xla_layout_json(layout) -> Dict[str, Any]:
-  return {'name': layout.name, 'kind': layout.kind, 'shape': [int(s) for s in layout.shape],
-          'dtype': tf.as_dtype(layout.dtype).name,
-          'sharding': None if layout.sharding is None else _sharding_json(layout.sharding),
-          'local_shape': [int(s) for s in layout.local_shape], 'updates': layout.updates}
+  return {
+    'name': layout.name,
+    'kind': layout.kind,
+    'shape': [int(s) for s in layout.shape],
+    'dtype': tf.as_dtype(layout.dtype).name,
+    'sharding': None if layout.sharding is None else _sharding_json(layout.sharding),
+    'local_shape': [int(s) for s in layout.local_shape],
+    'updates': layout.updates,
+  }
 
 
 def resolved(sharding: NamedSharding) -> NamedSharding:
@@ -590,11 +697,13 @@ def _node_shardings(compiled: _Compiled) -> Dict[str, Any]:
 
 
 def _sharding_attr(shardings):
-  from tensorflow.core.framework import attr_value_pb2  # pylint: disable=g-import-not-at-top
+  from tensorflow.core.framework import attr_value_pb2
+
   if isinstance(shardings, tuple):
-    proto = op_sharding._pb().OpSharding(  # pylint: disable=protected-access
-        type=op_sharding._pb().OpSharding.TUPLE,  # pylint: disable=protected-access
-        tuple_shardings=[op_sharding.to_proto(s) for s in shardings])
+    proto = op_sharding._pb().OpSharding(  # noqa: SLF001
+      type=op_sharding._pb().OpSharding.TUPLE,  # noqa: SLF001
+      tuple_shardings=[op_sharding.to_proto(s) for s in shardings],
+    )
   else:
     proto = op_sharding.to_proto(shardings)
   return attr_value_pb2.AttrValue(s=proto.SerializeToString())
@@ -602,15 +711,18 @@ def _sharding_attr(shardings):
 
 def _save_annotated(pf, compiled: _Compiled, export_dir: str) -> None:
   """The unpartitioned function, every op annotated with `_XlaSharding`, as a SavedModel."""
-  import copy  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.graph.rebuild import rebuild  # pylint: disable=g-import-not-at-top
+  import copy
+
+  from tf_gspmd.graph.rebuild import rebuild
+
   program = compiled.program
   annotations = _node_shardings(compiled)
   nodes = []
   for node in program.main.nodes:
     if node.name in annotations:
-      node = dataclasses.replace(node, attrs=dict(node.attrs,
-                                                  _XlaSharding=_sharding_attr(annotations[node.name])))
+      node = dataclasses.replace(
+        node, attrs=dict(node.attrs, _XlaSharding=_sharding_attr(annotations[node.name]))
+      )
     nodes.append(node)
   annotated = copy.copy(program)
   annotated.main = dataclasses.replace(program.main, nodes=nodes)
@@ -623,9 +735,12 @@ def _save_annotated(pf, compiled: _Compiled, export_dir: str) -> None:
   annotated.variables = replaced
   module.held = list(replaced.values())
   main = program.main
-  specs = [tf.TensorSpec(main.tensor(n).shape, main.tensor(n).dtype,
-                         name=re.sub(r'\W', '_', n.split(':')[0]))
-           for n in program.arg_inputs]
+  specs = [
+    tf.TensorSpec(
+      main.tensor(n).shape, main.tensor(n).dtype, name=re.sub(r'\W', '_', n.split(':')[0])
+    )
+    for n in program.arg_inputs
+  ]
   body = rebuild(annotated, name=f'{pf_name(pf)}_annotated')
 
   @tf.function(input_signature=specs, autograph=False)

@@ -52,22 +52,28 @@ def start(devices: int, port: int = 0) -> tf.distribute.Server:
 
 def devices_of_export(export_dir: str) -> int:
   """How many devices the tf_gspmd SavedModel in `export_dir` runs on (its metadata says)."""
-  from tf_gspmd.saved_model import metadata  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.saved_model import metadata
+
   meta = metadata(export_dir)
   kinds = {tf.DeviceSpec.from_string(d).device_type for d in meta['devices']}
   if kinds != {'CPU'}:
-    raise ValueError(f'tf_gspmd.serve: {export_dir} runs on {sorted(kinds)} devices; this server '
-                     'provides CPU devices only.')
+    raise ValueError(
+      f'tf_gspmd.serve: {export_dir} runs on {sorted(kinds)} devices; this server '
+      'provides CPU devices only.'
+    )
   return int(meta['num_partitions'])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
   parser = argparse.ArgumentParser(
-      prog='python -m tf_gspmd.serve',
-      description='A local TF gRPC server with N CPU devices for saved_model_cli run --worker.')
+    prog='python -m tf_gspmd.serve',
+    description='A local TF gRPC server with N CPU devices for saved_model_cli run --worker.',
+  )
   count = parser.add_mutually_exclusive_group(required=True)
   count.add_argument('--devices', type=int, help='number of CPU devices')
-  count.add_argument('--export', help='a tf_gspmd SavedModel directory: as many devices as it needs')
+  count.add_argument(
+    '--export', help='a tf_gspmd SavedModel directory: as many devices as it needs'
+  )
   parser.add_argument('--port', type=int, default=0, help='port on localhost (default: a free one)')
   args = parser.parse_args(argv)
   devices = args.devices if args.devices is not None else devices_of_export(args.export)

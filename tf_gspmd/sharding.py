@@ -101,16 +101,21 @@ class Sharding:
     if kind not in _KINDS:
       raise ValueError(f'Sharding: kind must be one of {_KINDS}, got {kind!r}.')
     _init_slots(
-        self, _kind=kind,
-        _tile=tile,  # np.ndarray of device ids (read-only) or None
-        _subgroups=tuple(subgroups),
-        # How the proto spelled it (iota or explicit, replicate_on_last_tile_dim
-        # or last_tile_dims); kept only so to_proto round-trips exactly. Not meaning.
-        _proto_style=proto_style,
-        _key_cache=None, _tile_index=None)
+      self,
+      _kind=kind,
+      _tile=tile,  # np.ndarray of device ids (read-only) or None
+      _subgroups=tuple(subgroups),
+      # How the proto spelled it (iota or explicit, replicate_on_last_tile_dim
+      # or last_tile_dims); kept only so to_proto round-trips exactly. Not meaning.
+      _proto_style=proto_style,
+      _key_cache=None,
+      _tile_index=None,
+    )
 
   def __setattr__(self, name, value):
-    raise AttributeError(f'{type(self).__name__} is immutable; build a new one instead of setting {name!r}.')
+    raise AttributeError(
+      f'{type(self).__name__} is immutable; build a new one instead of setting {name!r}.'
+    )
 
   def __reduce__(self):
     return (Sharding, (self._kind, self._tile, self._subgroups, self._proto_style))
@@ -140,18 +145,21 @@ class Sharding:
       raise ValueError(f'Sharding.tiled: the tile assignment {tile.tolist()} names no device.')
     if tile.ndim < len(subgroups):
       raise ValueError(
-          f'Sharding.tiled: tile assignment of shape {tile.shape} cannot hold '
-          f'{len(subgroups)} subgroup dims {subgroups}.')
+        f'Sharding.tiled: tile assignment of shape {tile.shape} cannot hold '
+        f'{len(subgroups)} subgroup dims {subgroups}.'
+      )
     partial_kinds = {k for k in subgroups if k.startswith(PARTIAL_PREFIX)}
     if len(partial_kinds) > 1:
       raise ValueError(
-          f'Sharding.tiled: subgroups {subgroups} hold pending reductions of different kinds '
-          f'{sorted(partial_kinds)}; a tensor can wait for one reduction only.')
+        f'Sharding.tiled: subgroups {subgroups} hold pending reductions of different kinds '
+        f'{sorted(partial_kinds)}; a tensor can wait for one reduction only.'
+      )
     flat = tile.reshape(-1).tolist()
     if len(set(flat)) != len(flat) or min(flat) < 0:
       raise ValueError(
-          f'Sharding.tiled: device ids must be distinct and non-negative, got {flat} in a '
-          f'tile assignment of shape {tile.shape}; name each device once.')
+        f'Sharding.tiled: device ids must be distinct and non-negative, got {flat} in a '
+        f'tile assignment of shape {tile.shape}; name each device once.'
+      )
     return cls('tiled', _frozen(tile), subgroups, proto_style)
 
   @classmethod
@@ -200,7 +208,7 @@ class Sharding:
     """Number of shards along each tensor dim (None for replicated/maximal/manual)."""
     if self._kind != 'tiled':
       return None
-    return tuple(int(t) for t in self._tile.shape[:self.rank])
+    return tuple(int(t) for t in self._tile.shape[: self.rank])
 
   @property
   def devices(self) -> tuple:
@@ -212,21 +220,26 @@ class Sharding:
     """The pending reduction ('sum', ...) when this holds partial results, else None."""
     for k in self._subgroups:
       if k.startswith(PARTIAL_PREFIX):
-        return k[len(PARTIAL_PREFIX):]
+        return k[len(PARTIAL_PREFIX) :]
     return None
 
   def subgroup_size(self, kind: str) -> int:
     if self._kind != 'tiled':
       return 1
-    return int(np.prod([self._tile.shape[self.rank + i] for i, k in enumerate(self._subgroups)
-                        if k == kind], dtype=np.int64))
+    return int(
+      np.prod(
+        [self._tile.shape[self.rank + i] for i, k in enumerate(self._subgroups) if k == kind],
+        dtype=np.int64,
+      )
+    )
 
   def without_partial(self) -> 'Sharding':
     """The same layout with the pending reduction resolved (partial dims become replicated)."""
     if self.partial is None:
       return self
-    return Sharding.tiled(self._tile, tuple(REPLICATED if k.startswith(PARTIAL_PREFIX) else k
-                                            for k in self._subgroups))
+    return Sharding.tiled(
+      self._tile, tuple(REPLICATED if k.startswith(PARTIAL_PREFIX) else k for k in self._subgroups)
+    )
 
   # --- checks -------------------------------------------------------------
   def check_devices(self, num_devices: int, what: str = 'tensor') -> None:
@@ -242,17 +255,22 @@ class Sharding:
     if self._kind == 'maximal':
       if not 0 <= used[0] < num_devices:
         raise ValueError(
-            f'{what}: sharding {self} puts the tensor on device {used[0]}, but the program runs '
-            f'on {num_devices} devices (0..{num_devices - 1}); pick a device in that range.')
+          f'{what}: sharding {self} puts the tensor on device {used[0]}, but the program runs '
+          f'on {num_devices} devices (0..{num_devices - 1}); pick a device in that range.'
+        )
       return
     if used != list(range(num_devices)):
-      source = (f'mesh {self.mesh} of {self.mesh.size} devices' if isinstance(self, NamedSharding)
-                else f'a tile assignment of shape {tuple(self._tile.shape)} ({len(used)} devices)')
+      source = (
+        f'mesh {self.mesh} of {self.mesh.size} devices'
+        if isinstance(self, NamedSharding)
+        else f'a tile assignment of shape {tuple(self._tile.shape)} ({len(used)} devices)'
+      )
       raise ValueError(
-          f'{what}: sharding {self} is built on {source} with device ids {_brief(used)}, but the '
-          f'program runs on {num_devices} devices (0..{num_devices - 1}); build the '
-          f'{"mesh" if isinstance(self, NamedSharding) else "tile assignment"} over exactly '
-          f'those devices, each once.')
+        f'{what}: sharding {self} is built on {source} with device ids {_brief(used)}, but the '
+        f'program runs on {num_devices} devices (0..{num_devices - 1}); build the '
+        f'{"mesh" if isinstance(self, NamedSharding) else "tile assignment"} over exactly '
+        f'those devices, each once.'
+      )
 
   # --- geometry -----------------------------------------------------------
   def check_shape(self, shape: Sequence[int], what: str = 'tensor') -> None:
@@ -260,8 +278,9 @@ class Sharding:
     if self.rank is not None and len(shape) != self.rank:
       entry = 'spec entry' if isinstance(self, NamedSharding) else 'tile dim'
       raise ValueError(
-          f'{what}: sharding {self} is written for rank {self.rank} but the tensor has '
-          f'shape {tuple(shape)} (rank {len(shape)}); give one {entry} per tensor dim.')
+        f'{what}: sharding {self} is written for rank {self.rank} but the tensor has '
+        f'shape {tuple(shape)} (rank {len(shape)}); give one {entry} per tensor dim.'
+      )
 
   def shard_shape(self, shape: Sequence[int]) -> tuple:
     """The padded (ceil-sized) per-device shard shape; the same on every device."""
@@ -275,12 +294,14 @@ class Sharding:
     if self._kind in ('replicated', 'manual'):
       return ()
     if self._tile_index is None:
-      _init_slots(self, _tile_index={
-          int(d): tuple(int(i) for i in idx) for idx, d in np.ndenumerate(self._tile)})
+      _init_slots(
+        self,
+        _tile_index={int(d): tuple(int(i) for i in idx) for idx, d in np.ndenumerate(self._tile)},
+      )
     idx = self._tile_index.get(int(device))
     if idx is None:
       return None
-    return idx[:self.rank] if self._kind == 'tiled' else ()
+    return idx[: self.rank] if self._kind == 'tiled' else ()
 
   def shard_bounds(self, shape: Sequence[int], device: int) -> Optional[tuple]:
     """Per-dim [start, stop) of the (unpadded) shard on `device`; None if it holds nothing."""
@@ -392,8 +413,9 @@ class NamedSharding(Sharding):
   def tile_index(self, device):
     if int(device) not in self._mesh.devices:
       return None
-    return tuple(self._mesh.linear_index(device, self._spec.axes_of(d))
-                 for d in range(len(self._spec)))
+    return tuple(
+      self._mesh.linear_index(device, self._spec.axes_of(d)) for d in range(len(self._spec))
+    )
 
   @property
   def devices(self) -> tuple:
@@ -440,8 +462,9 @@ def named(sharding: Sharding, mesh: Mesh, reorder: bool = True) -> Optional[Name
   return named_for_rank(sharding, mesh, sharding.rank, reorder)
 
 
-def named_for_rank(sharding: Sharding, mesh: Mesh, rank: int,
-                   reorder: bool = True) -> Optional[NamedSharding]:
+def named_for_rank(
+  sharding: Sharding, mesh: Mesh, rank: int, reorder: bool = True
+) -> Optional[NamedSharding]:
   """Like `named`, with the rank given so replicated shardings convert too.
 
   `reorder=False` accepts only specs on `mesh` itself (its device order).
@@ -454,9 +477,10 @@ def named_for_rank(sharding: Sharding, mesh: Mesh, rank: int,
     return None
   if sharding._canonical()[0] == 'tiled' and sorted(sharding.devices) != sorted(mesh.devices):
     raise ValueError(
-        f'named: sharding {sharding} is tiled over {len(sharding.devices)} devices '
-        f'{_brief(sorted(sharding.devices))}, but mesh {mesh} holds {mesh.size} devices '
-        f'{_brief(sorted(mesh.devices))}; re-express it on a mesh of the same devices.')
+      f'named: sharding {sharding} is tiled over {len(sharding.devices)} devices '
+      f'{_brief(sorted(sharding.devices))}, but mesh {mesh} holds {mesh.size} devices '
+      f'{_brief(sorted(mesh.devices))}; re-express it on a mesh of the same devices.'
+    )
   found = _search_spec(sharding, mesh, rank)
   if found is None and reorder:
     found = _search_reordered(sharding, mesh, rank)
@@ -492,12 +516,14 @@ def _check_spec(mesh: Mesh, spec: P, partial: tuple) -> None:
   for axis in spec.used_axes() + partial:
     if axis not in mesh.axis_names:
       raise ValueError(
-          f'{what}: unknown mesh axis {axis!r}; the mesh has axes {mesh.axis_names} with shape '
-          f'{mesh.shape}. Use one of those names, or None for a dim that is not split.')
+        f'{what}: unknown mesh axis {axis!r}; the mesh has axes {mesh.axis_names} with shape '
+        f'{mesh.shape}. Use one of those names, or None for a dim that is not split.'
+      )
     if axis in seen:
       raise ValueError(
-          f'{what}: mesh axis {axis!r} is used twice; each mesh axis may split at most one '
-          f'tensor dim, once. Drop one use, or split by another axis.')
+        f'{what}: mesh axis {axis!r} is used twice; each mesh axis may split at most one '
+        f'tensor dim, once. Drop one use, or split by another axis.'
+      )
     seen.append(axis)
 
 
@@ -546,7 +572,7 @@ def _canonical_key(s: Sharding) -> tuple:
   partial_dims = [rank + i for i, k in enumerate(kinds) if k.startswith(PARTIAL_PREFIX)]
   if partial_dims:
     p = partial_dims[0]
-    rows = arr.reshape(-1, arr.shape[p], math.prod(arr.shape[p + 1:]))
+    rows = arr.reshape(-1, arr.shape[p], math.prod(arr.shape[p + 1 :]))
     first = np.argsort(rows[:, :, 0], axis=1)
     arr = np.take_along_axis(rows, first[:, :, None], axis=1).reshape(arr.shape)
   if all(t == 1 for t in arr.shape[:rank]):
@@ -645,8 +671,9 @@ def _search_reordered(s: Sharding, mesh: Mesh, rank: int) -> Optional[NamedShard
     split = grid.reshape([mesh.axis_size(a) for a in order] or [1])
     big = [a for a in mesh.axis_names if mesh.axis_size(a) > 1]
     ids = split.transpose([order.index(a) for a in big]) if order else split
-    cand = NamedSharding(mesh.reordered(ids), P(*[c or None for c in chosen]), part,
-                         s.partial or 'sum')
+    cand = NamedSharding(
+      mesh.reordered(ids), P(*[c or None for c in chosen]), part, s.partial or 'sum'
+    )
     if cand._canonical() == key:
       return cand
   return None

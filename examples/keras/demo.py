@@ -12,6 +12,7 @@ the oracle (tf_gspmd.testing; float64_check.py: the normwise relative error
 per weight, bound 1e-5, and the float64 rule for the weights float32 cannot
 resolve, judged against the same steps run in float64).
 """
+
 import collections
 import os
 import sys
@@ -25,7 +26,8 @@ import tensorflow as tf  # noqa: E402
 NUM_DEVICES = 8
 # Before anything initializes TF's devices: split the one CPU into 8 logical devices.
 tf.config.set_logical_device_configuration(
-    tf.config.list_physical_devices('CPU')[0], [tf.config.LogicalDeviceConfiguration()] * NUM_DEVICES)
+  tf.config.list_physical_devices('CPU')[0], [tf.config.LogicalDeviceConfiguration()] * NUM_DEVICES
+)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -33,11 +35,12 @@ import numpy as np  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, '..', '..'))
 sys.path.insert(0, HERE)
+import float64_check  # noqa: E402
+import transformer  # noqa: E402
+
 import tf_gspmd as tg  # noqa: E402
 from tf_gspmd.testing import check  # noqa: E402
-import float64_check  # noqa: E402
 from tf_gspmd.testing.float64 import float64_policy, float64_twin  # noqa: E402
-import transformer  # noqa: E402
 
 STEPS = 8
 
@@ -62,8 +65,10 @@ def main():
   model, optimizer = transformer.build(seed=0)
   ref_model, ref_optimizer = transformer.build(seed=0)
   applied = transformer.layout(mesh).apply(model)
-  print(f'mesh {mesh}; {len(applied)} variables annotated, e.g. '
-        + ', '.join(f'{p} {s}' for p, s in applied[:3]))
+  print(
+    f'mesh {mesh}; {len(applied)} variables annotated, e.g. '
+    + ', '.join(f'{p} {s}' for p, s in applied[:3])
+  )
   step = tg.partition(transformer.train_step(model, optimizer, mesh), mesh)
   reference = transformer.train_step(ref_model, ref_optimizer)
   exact_model, exact_optimizer = float64_twin(transformer.build, seed=0)
@@ -79,10 +84,13 @@ def main():
     exact(tokens, labels)
     verdict = check(loss, want, f'step {i + 1} loss')
     losses_ok = losses_ok and verdict.ok
-    bar.update(i + 1, [('loss', float(loss)), ('unpartitioned', float(want)),
-                       ('rel_err', verdict.error)])
-  print(f'{STEPS} steps in {time.time() - start:.1f} s (the first includes capture, '
-        'propagation, partitioning and tracing)')
+    bar.update(
+      i + 1, [('loss', float(loss)), ('unpartitioned', float(want)), ('rel_err', verdict.error)]
+    )
+  print(
+    f'{STEPS} steps in {time.time() - start:.1f} s (the first includes capture, '
+    'propagation, partitioning and tracing)'
+  )
 
   counts = collections.Counter()
   volume = collections.Counter()
@@ -97,10 +105,13 @@ def main():
   memory_table(step, optimizer)
 
   step.sync_variables()
-  report = float64_check.compare_weights(model.trainable_variables, ref_model.trainable_variables,
-                                         exact_model.trainable_variables)
-  print(f'\nafter {STEPS} steps, weights vs unpartitioned: relative error {report.error:.2e} '
-        f'(normwise, the worst of {report.compared} weights: {report.worst}; bound 1e-05)')
+  report = float64_check.compare_weights(
+    model.trainable_variables, ref_model.trainable_variables, exact_model.trainable_variables
+  )
+  print(
+    f'\nafter {STEPS} steps, weights vs unpartitioned: relative error {report.error:.2e} '
+    f'(normwise, the worst of {report.compared} weights: {report.worst}; bound 1e-05)'
+  )
   print('\n'.join(report.lines))
   if not losses_ok:
     print('MISMATCH: a loss differs from the unpartitioned one by more than the bound')

@@ -11,6 +11,7 @@ the partitioned run no further from float64 than twice the unpartitioned run, pl
 A weight counts as ill-conditioned when the unpartitioned float32 run is itself further than
 the bound from float64.
 """
+
 from typing import List, NamedTuple
 
 import numpy as np
@@ -19,10 +20,10 @@ from tf_gspmd.testing import assert_close_to_float64, bound, relative_error
 
 
 class WeightReport(NamedTuple):
-  error: float        # the largest normwise error of the well-conditioned weights
-  worst: str          # which weight that is
-  compared: int       # how many well-conditioned weights
-  lines: List[str]    # one per ill-conditioned weight (float64 rule) and per failure
+  error: float  # the largest normwise error of the well-conditioned weights
+  worst: str  # which weight that is
+  compared: int  # how many well-conditioned weights
+  lines: List[str]  # one per ill-conditioned weight (float64 rule) and per failure
   ok: bool
 
 
@@ -48,6 +49,8 @@ def compare_weights(got, want, exact) -> WeightReport:
       verdict = 'within'
     except AssertionError:
       ok, verdict = False, 'MISMATCH: not within'
-    lines.append(f'{name}: round-off alone in float32 (unpartitioned {floor:.2g} from float64, '
-                 f'partitioned {distance:.2g}); float64 rule: {verdict} 2 x {floor:.2g} + {limit:g}')
+    lines.append(
+      f'{name}: round-off alone in float32 (unpartitioned {floor:.2g} from float64, '
+      f'partitioned {distance:.2g}); float64 rule: {verdict} 2 x {floor:.2g} + {limit:g}'
+    )
   return WeightReport(error, worst, compared, lines, ok)

@@ -12,6 +12,7 @@ step is one XLA-compiled per-replica program run on 8 PJRT CPU devices (the
 `tf_gspmd[xla]` extra); the collectives are then also counted in the module
 XLA compiled.
 """
+
 import argparse
 import collections
 import os
@@ -24,7 +25,8 @@ import tensorflow as tf  # noqa: E402
 
 # Before anything initializes TF's devices: split the one CPU into 8 logical devices.
 tf.config.set_logical_device_configuration(
-    tf.config.list_physical_devices('CPU')[0], [tf.config.LogicalDeviceConfiguration()] * 8)
+  tf.config.list_physical_devices('CPU')[0], [tf.config.LogicalDeviceConfiguration()] * 8
+)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -44,8 +46,11 @@ def get_model():
   y = layers.Dense(units=64, activation='relu', name='d2')(y)
   y = layers.Dense(units=10, activation='softmax', name='d3')(y)
   model = keras.Model(inputs=inputs, outputs=y)
-  model.compile(loss='sparse_categorical_crossentropy', metrics=['accuracy'],
-                optimizer=keras.optimizers.Adam(1e-3))
+  model.compile(
+    loss='sparse_categorical_crossentropy',
+    metrics=['accuracy'],
+    optimizer=keras.optimizers.Adam(1e-3),
+  )
   return model
 
 
@@ -102,9 +107,11 @@ def main():
     print(f'{kind:<12}{str(axes):<22}{count}')
   if backend == 'xla':
     step = train_step_of(model)
-    counts = step._last.xla.executable.collective_counts()  # pylint: disable=protected-access
-    print(f'\nXLA compiled the training step for {step.mesh.size} PJRT devices; its collectives: '
-          + ', '.join(f'{kind} x{n}' for kind, n in sorted(counts.items())))
+    counts = step._last.xla.executable.collective_counts()  # noqa: SLF001
+    print(
+      f'\nXLA compiled the training step for {step.mesh.size} PJRT devices; its collectives: '
+      + ', '.join(f'{kind} x{n}' for kind, n in sorted(counts.items()))
+    )
   return 0 if ok else 1
 
 

@@ -19,8 +19,15 @@ from tf_gspmd.keras_layout import LayoutMap
 VOCAB, SEQ, D_MODEL, HEADS, FF = 64, 8, 32, 4, 64
 
 
-def build(seed: int = 0, layers: int = 2, vocab: int = VOCAB, seq: int = SEQ, d_model: int = D_MODEL,
-          heads: int = HEADS, ff: int = FF):
+def build(
+  seed: int = 0,
+  layers: int = 2,
+  vocab: int = VOCAB,
+  seq: int = SEQ,
+  d_model: int = D_MODEL,
+  heads: int = HEADS,
+  ff: int = FF,
+):
   """A transformer encoder classifier and its Adam optimizer (built, so no variable is lazy)."""
   keras.utils.set_random_seed(seed)
   tokens = keras.Input((seq,), dtype='int32')
@@ -31,7 +38,8 @@ def build(seed: int = 0, layers: int = 2, vocab: int = VOCAB, seq: int = SEQ, d_
     hidden = keras.layers.Dense(ff, activation='relu', name=f'ffn_in_{i}')(x)
     hidden = keras.layers.Dropout(0.0, name=f'drop_{i}')(hidden)
     x = keras.layers.LayerNormalization(name=f'norm_ffn_{i}')(
-        x + keras.layers.Dense(d_model, name=f'ffn_out_{i}')(hidden))
+      x + keras.layers.Dense(d_model, name=f'ffn_out_{i}')(hidden)
+    )
   logits = keras.layers.Dense(vocab, name='head')(keras.layers.GlobalAveragePooling1D()(x))
   model = keras.Model(tokens, logits)
   optimizer = keras.optimizers.Adam(1e-3)
@@ -51,7 +59,6 @@ def layout(mesh: tg.Mesh) -> LayoutMap:
   return rules
 
 
-
 def train_step(model, optimizer, mesh=None):
   """One training step as a tf.function; with `mesh`, the batch is annotated over 'data'."""
   loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -65,10 +72,13 @@ def train_step(model, optimizer, mesh=None):
     grads = tape.gradient(loss, model.trainable_variables)
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
     return loss
+
   return step
 
 
 def batch(seed: int, size: int = 8, vocab: int = VOCAB, seq: int = SEQ):
   rng = np.random.RandomState(seed)
-  return (rng.randint(0, vocab, (size, seq)).astype(np.int32),
-          rng.randint(0, vocab, (size,)).astype(np.int32))
+  return (
+    rng.randint(0, vocab, (size, seq)).astype(np.int32),
+    rng.randint(0, vocab, (size,)).astype(np.int32),
+  )

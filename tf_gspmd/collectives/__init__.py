@@ -3,9 +3,25 @@
 Below the partitioner (which emits collectives through `Collectives`) and above
 the value types; the TF runtime and the XLA bridge each implement it.
 """
-from tf_gspmd.collectives.interface import (
-    DEFAULT_TIMEOUT, KINDS, CollectiveRecord, Collectives, merge_leading_into, pad_dim, slice_dim,
-    split_leading_from)
 
-__all__ = ['DEFAULT_TIMEOUT', 'KINDS', 'CollectiveRecord', 'Collectives', 'merge_leading_into',
-           'pad_dim', 'slice_dim', 'split_leading_from']
+from tf_gspmd.collectives.interface import (
+  DEFAULT_TIMEOUT,
+  KINDS,
+  CollectiveRecord,
+  Collectives,
+  merge_leading_into,
+  pad_dim,
+  slice_dim,
+  split_leading_from,
+)
+
+__all__ = [
+  'DEFAULT_TIMEOUT',
+  'KINDS',
+  'CollectiveRecord',
+  'Collectives',
+  'merge_leading_into',
+  'pad_dim',
+  'slice_dim',
+  'split_leading_from',
+]

@@ -44,8 +44,8 @@ from typing import Callable, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd.mesh import Mesh
 from tf_gspmd.collectives import tables
+from tf_gspmd.mesh import Mesh
 from tf_gspmd.sharding import REDUCTIONS, Sharding
 
 KINDS = ('all_reduce', 'all_gather', 'reduce_scatter', 'all_to_all', 'permute', 'broadcast')
@@ -59,6 +59,7 @@ class CollectiveRecord:
   `groups` is a [G, k] array of partition ids (the replica groups); for a
   permute it is the [M, 2] array of (source, target) pairs.
   """
+
   index: int
   kind: str
   name: str
@@ -81,8 +82,9 @@ class CollectiveRecord:
   def describe(self) -> str:
     params = ''.join(f', {k}={v!r}' for k, v in self.params)
     dims = ','.join(str(d) for d in self.shape)
-    return (f"{self.kind} '{self.name}' over mesh axes {self.axes}{params} "
-            f"on {self.dtype.name}[{dims}]")
+    return (
+      f"{self.kind} '{self.name}' over mesh axes {self.axes}{params} on {self.dtype.name}[{dims}]"
+    )
 
 
 # --- dtypes the backends cannot carry ----------------------------------------------------------
@@ -91,11 +93,22 @@ class CollectiveRecord:
 # bfloat16 for some kind). Any other dtype travels as one of these, exactly, and in the
 # backend-neutral layer so that every backend gets the same conversions.
 CARRIED_NATIVELY = frozenset({tf.float16, tf.float32, tf.float64, tf.int32, tf.int64})
-_WIDENED = {tf.bool: tf.int32, tf.int8: tf.int32, tf.uint8: tf.int32, tf.int16: tf.int32,
-            tf.uint16: tf.int32, tf.uint32: tf.int64, tf.bfloat16: tf.float32}
+_WIDENED = {
+  tf.bool: tf.int32,
+  tf.int8: tf.int32,
+  tf.uint8: tf.int32,
+  tf.int16: tf.int32,
+  tf.uint16: tf.int32,
+  tf.uint32: tf.int64,
+  tf.bfloat16: tf.float32,
+}
 _COMPLEX_PARTS = {tf.complex64: tf.float32, tf.complex128: tf.float64}
-_LOCAL_REDUCE = {'sum': tf.reduce_sum, 'prod': tf.reduce_prod, 'max': tf.reduce_max,
-                 'min': tf.reduce_min}
+_LOCAL_REDUCE = {
+  'sum': tf.reduce_sum,
+  'prod': tf.reduce_prod,
+  'max': tf.reduce_max,
+  'min': tf.reduce_min,
+}
 _LOW32 = 0xFFFFFFFF
 _SIGN64 = 1 << 63
 
@@ -105,6 +118,7 @@ class Carrier:
   """How a tensor of a dtype the backends refuse travels: `encode` before the collective, `decode`
   after. The encoded value may have a trailing dim of 2 (parts of one element); collectives
   only move or reduce leading dims, so that dim rides along."""
+
   dtype: tf.DType
   encode: Callable[[tf.Tensor], tf.Tensor]
   decode: Callable[[tf.Tensor], tf.Tensor]
@@ -129,8 +143,11 @@ def _uint64_moved() -> Carrier:
 def _uint64_ordered() -> Carrier:
   """uint64 as int64 with the top bit flipped: an order-preserving map, so max/min are exact."""
   sign = lambda: tf.constant(_SIGN64, tf.uint64)
-  return Carrier(tf.int64, lambda x: tf.bitcast(tf.bitwise.bitwise_xor(x, sign()), tf.int64),
-                 lambda y: tf.bitwise.bitwise_xor(tf.bitcast(y, tf.uint64), sign()))
+  return Carrier(
+    tf.int64,
+    lambda x: tf.bitcast(tf.bitwise.bitwise_xor(x, sign()), tf.int64),
+    lambda y: tf.bitwise.bitwise_xor(tf.bitcast(y, tf.uint64), sign()),
+  )
 
 
 def _uint64_summed() -> Carrier:
@@ -140,6 +157,7 @@ def _uint64_summed() -> Carrier:
   half goes into the high half, which wraps modulo 2^32: the sum modulo 2^64, as uint64 adds.
   (Bitcasting to int64 and summing would give the same bits only through signed overflow.)
   """
+
   def encode(x):
     low = tf.bitwise.bitwise_and(x, tf.constant(_LOW32, tf.uint64))
     high = tf.bitwise.right_shift(x, tf.constant(32, tf.uint64))
@@ -150,8 +168,10 @@ def _uint64_summed() -> Carrier:
     high = tf.bitwise.bitwise_and(high + tf.bitwise.right_shift(low, 32), _LOW32)
     low = tf.bitwise.bitwise_and(low, _LOW32)
     return tf.bitwise.bitwise_or(
-        tf.bitwise.left_shift(tf.cast(high, tf.uint64), tf.constant(32, tf.uint64)),
-        tf.cast(low, tf.uint64))
+      tf.bitwise.left_shift(tf.cast(high, tf.uint64), tf.constant(32, tf.uint64)),
+      tf.cast(low, tf.uint64),
+    )
+
   return Carrier(tf.int64, encode, decode)
 
 
@@ -171,11 +191,15 @@ def carrier_for(dtype: tf.DType, op: Optional[str], what: str) -> Optional[Carri
   if dtype in CARRIED_NATIVELY:
     return None
   if dtype == tf.bool and op in ('sum', 'prod'):
-    raise TypeError(f"{what}: a '{op}' reduction of bool is ambiguous; use 'max' (any) or "
-                    "'min' (all), or cast first.")
+    raise TypeError(
+      f"{what}: a '{op}' reduction of bool is ambiguous; use 'max' (any) or "
+      "'min' (all), or cast first."
+    )
   if dtype in _COMPLEX_PARTS and op in ('max', 'min'):
-    raise TypeError(f"{what}: a '{op}' reduction of {dtype.name} is undefined (complex numbers "
-                    'have no order); reduce tf.abs or tf.math.real of the value instead.')
+    raise TypeError(
+      f"{what}: a '{op}' reduction of {dtype.name} is undefined (complex numbers "
+      'have no order); reduce tf.abs or tf.math.real of the value instead.'
+    )
   if reduces_by_gather(dtype, op):
     raise AssertionError(f'{what}: {op} of {dtype.name} is reduced after a gather.')
   if dtype in _WIDENED:
@@ -185,29 +209,34 @@ def carrier_for(dtype: tf.DType, op: Optional[str], what: str) -> Optional[Carri
   if dtype == tf.uint64:
     return {None: _uint64_moved, 'sum': _uint64_summed}.get(op, _uint64_ordered)()
   raise TypeError(
-      f'{what}: collectives cannot carry {dtype.name} values (they carry numbers and bool); '
-      f'keep this tensor replicated or on one device, or convert it to a number first.')
+    f'{what}: collectives cannot carry {dtype.name} values (they carry numbers and bool); '
+    f'keep this tensor replicated or on one device, or convert it to a number first.'
+  )
 
 
 def _check_op(op: str, kind: str, axes) -> str:
   if op not in REDUCTIONS:
     scope = tf.get_current_name_scope()
-    raise ValueError(f"{kind} over mesh axes {tuple(axes)}" + (f" in '{scope}'" if scope else '')
-                     + f': unknown reduction {op!r}; expected one of {REDUCTIONS}.')
+    raise ValueError(
+      f'{kind} over mesh axes {tuple(axes)}'
+      + (f" in '{scope}'" if scope else '')
+      + f': unknown reduction {op!r}; expected one of {REDUCTIONS}.'
+    )
   return op
 
 
 def _static_shape(x: tf.Tensor, what: str) -> Tuple[int, ...]:
   if not x.shape.is_fully_defined():
     raise ValueError(
-        f'{what}: the local operand must have a static shape, got {x.shape}. '
-        'Per-partition programs are traced with static shard shapes.')
+      f'{what}: the local operand must have a static shape, got {x.shape}. '
+      'Per-partition programs are traced with static shard shapes.'
+    )
   return tuple(int(d) for d in x.shape)
 
 
 def _scaled(shape, dim, factor):
   """`shape` with dim `dim` multiplied by `factor`."""
-  return shape[:dim] + (shape[dim] * factor,) + shape[dim + 1:]
+  return shape[:dim] + (shape[dim] * factor,) + shape[dim + 1 :]
 
 
 def _check_dim(dim: int, rank: int, what: str) -> int:
@@ -250,7 +279,7 @@ def merge_leading_into(y: tf.Tensor, dim: int) -> tf.Tensor:
   if dim:
     perm = list(range(1, dim + 1)) + [0] + list(range(dim + 1, len(shape)))
     y = tf.transpose(y, perm)
-  merged = piece[:dim] + [k * piece[dim]] + piece[dim + 1:]
+  merged = piece[:dim] + [k * piece[dim]] + piece[dim + 1 :]
   return tf.reshape(y, merged)
 
 
@@ -258,7 +287,7 @@ def split_leading_from(x: tf.Tensor, dim: int, k: int) -> tf.Tensor:
   """[d0, ..., k * c, ...] -> [k, d0, ..., c, ...]: cut `dim` into k chunks, chunk index first."""
   shape = [int(d) for d in x.shape]
   c = shape[dim] // k
-  y = tf.reshape(x, shape[:dim] + [k, c] + shape[dim + 1:])
+  y = tf.reshape(x, shape[:dim] + [k, c] + shape[dim + 1 :])
   if dim:
     perm = [dim] + list(range(dim)) + list(range(dim + 1, len(shape) + 1))
     y = tf.transpose(y, perm)
@@ -273,7 +302,7 @@ def _no_autograph(cls):
   return cls
 
 
-class _no_dependencies:  # pylint: disable=invalid-name
+class _no_dependencies:
   """Build ops outside any enclosing control-dependency scope (shared table rows)."""
 
   def __enter__(self):
@@ -321,8 +350,9 @@ class Collectives(abc.ABC):
     values = np.asarray(values)
     if values.shape[:1] != (self.num_partitions,):
       raise ValueError(
-          f'table {name!r}: expected one row per partition ({self.num_partitions}), '
-          f'got shape {values.shape}.')
+        f'table {name!r}: expected one row per partition ({self.num_partitions}), '
+        f'got shape {values.shape}.'
+      )
     # One constant per distinct table and graph: a program's many collectives share a
     # few tables (group keys, positions), and each holds one row per partition, so
     # copies would make the program grow with the number of partitions.
@@ -342,8 +372,9 @@ class Collectives(abc.ABC):
 
   def shard_offsets(self, sharding: Sharding, shape: Sequence[int]) -> tf.Tensor:
     """Start of this partition's shard of a tensor of global `shape` (int32 [rank])."""
-    return self.table(tables.shard_offset_table(sharding, shape, self.num_partitions),
-                      name='shard_offsets')
+    return self.table(
+      tables.shard_offset_table(sharding, shape, self.num_partitions), name='shard_offsets'
+    )
 
   # --- the collectives ---------------------------------------------------------------
   def all_reduce(self, x, axes, op: str = 'sum') -> tf.Tensor:
@@ -355,8 +386,9 @@ class Collectives(abc.ABC):
       return x
     if reduces_by_gather(x.dtype, op):
       return self._reduce_by_gather(x, axes, op)
-    return self._emit('all_reduce', x, axes, dict(op=op),
-                      lambda v: self._all_reduce(v, axes, op), op=op)
+    return self._emit(
+      'all_reduce', x, axes, dict(op=op), lambda v: self._all_reduce(v, axes, op), op=op
+    )
 
   def all_gather(self, x, axes, dim: int, size: Optional[int] = None) -> tf.Tensor:
     """Concatenate the members' `x` along `dim` in position order.
@@ -370,11 +402,21 @@ class Collectives(abc.ABC):
     k = self.mesh.axes_size(axes)
     if size is not None and not 0 <= size <= k * shape[dim]:
       raise ValueError(
-          f'all_gather over {axes}: size {size} does not fit {k} shards of {shape[dim]} along '
-          f'dim {dim}.')
-    y = x if k == 1 else self._emit('all_gather', x, axes, dict(dim=dim),
-                                    lambda v: self._all_gather(v, axes, dim),
-                                    out_shape=_scaled(shape, dim, k))
+        f'all_gather over {axes}: size {size} does not fit {k} shards of {shape[dim]} along '
+        f'dim {dim}.'
+      )
+    y = (
+      x
+      if k == 1
+      else self._emit(
+        'all_gather',
+        x,
+        axes,
+        dict(dim=dim),
+        lambda v: self._all_gather(v, axes, dim),
+        out_shape=_scaled(shape, dim, k),
+      )
+    )
     return y if size is None else slice_dim(y, dim, 0, size)
 
   def reduce_scatter(self, x, axes, dim: int, op: str = 'sum') -> tf.Tensor:
@@ -391,14 +433,21 @@ class Collectives(abc.ABC):
     if reduces_by_gather(x.dtype, op):
       reduced = self._reduce_by_gather(x, axes, op)
       mine = slice_dim(reduced, dim, self.axis_index(axes) * chunk, chunk)
-      mine.set_shape(shape[:dim] + (chunk,) + shape[dim + 1:])
+      mine.set_shape(shape[:dim] + (chunk,) + shape[dim + 1 :])
       return mine
-    return self._emit('reduce_scatter', x, axes, dict(dim=dim, op=op),
-                      lambda v: self._reduce_scatter(v, axes, dim, op), op=op,
-                      out_shape=shape[:dim] + (chunk,) + shape[dim + 1:])
+    return self._emit(
+      'reduce_scatter',
+      x,
+      axes,
+      dict(dim=dim, op=op),
+      lambda v: self._reduce_scatter(v, axes, dim, op),
+      op=op,
+      out_shape=shape[:dim] + (chunk,) + shape[dim + 1 :],
+    )
 
-  def all_to_all(self, x, axes, split_dim: int, concat_dim: int,
-                 concat_size: Optional[int] = None) -> tf.Tensor:
+  def all_to_all(
+    self, x, axes, split_dim: int, concat_dim: int, concat_size: Optional[int] = None
+  ) -> tf.Tensor:
     """Send chunk j of `split_dim` (ceil-sized) to member j; concatenate what arrives on `concat_dim`.
 
     With `concat_size`, keep only the first `concat_size` entries of the concat dim.
@@ -416,13 +465,20 @@ class Collectives(abc.ABC):
       out_shape = list(shape)
       out_shape[split_dim] = chunk
       out_shape[concat_dim] *= k
-      y = self._emit('all_to_all', x, axes, dict(split_dim=split_dim, concat_dim=concat_dim),
-                     lambda v: self._all_to_all(v, axes, split_dim, concat_dim),
-                     out_shape=out_shape)
+      y = self._emit(
+        'all_to_all',
+        x,
+        axes,
+        dict(split_dim=split_dim, concat_dim=concat_dim),
+        lambda v: self._all_to_all(v, axes, split_dim, concat_dim),
+        out_shape=out_shape,
+      )
     if concat_size is not None:
       if not 0 <= concat_size <= int(y.shape[concat_dim]):
-        raise ValueError(f'all_to_all over {axes}: concat_size {concat_size} exceeds '
-                         f'{int(y.shape[concat_dim])} along dim {concat_dim}.')
+        raise ValueError(
+          f'all_to_all over {axes}: concat_size {concat_size} exceeds '
+          f'{int(y.shape[concat_dim])} along dim {concat_dim}.'
+        )
       y = slice_dim(y, concat_dim, 0, concat_size)
     return y
 
@@ -465,8 +521,9 @@ class Collectives(abc.ABC):
     if k == 1:
       return x
     root = int(root_index)
-    return self._emit('broadcast', x, axes, dict(root_index=root),
-                      lambda v: self._broadcast(v, axes, root))
+    return self._emit(
+      'broadcast', x, axes, dict(root_index=root), lambda v: self._broadcast(v, axes, root)
+    )
 
   # --- backend hooks ---------------------------------------------------------------------
   @abc.abstractmethod
@@ -506,11 +563,19 @@ class Collectives(abc.ABC):
       return tf.zeros_like(x)
     if np.all(pairs[:, 0] == pairs[:, 1]) and len(pairs) == self.num_partitions:
       return x
-    return self._emit('permute', x, axes, params, lambda v: self._permute(v, pairs, family),
-                      groups=pairs, group_size=2)
+    return self._emit(
+      'permute',
+      x,
+      axes,
+      params,
+      lambda v: self._permute(v, pairs, family),
+      groups=pairs,
+      group_size=2,
+    )
 
-  def _emit(self, kind, x, axes, params, build, op=None, groups=None, group_size=None,
-            out_shape=None):
+  def _emit(
+    self, kind, x, axes, params, build, op=None, groups=None, group_size=None, out_shape=None
+  ):
     """Name, record and emit one collective; its result gets the static `out_shape` (default: x's).
 
     `op` is the reduction (None for data movement); it decides how a dtype the backends
@@ -518,8 +583,12 @@ class Collectives(abc.ABC):
     """
     dims = ','.join(str(int(d)) for d in x.shape)
     scope = tf.get_current_name_scope()
-    carrier = carrier_for(x.dtype, op, f"{kind} over mesh axes {tuple(axes)} of {x.dtype.name}"
-                          f"[{dims}]" + (f" in '{scope}'" if scope else ''))
+    carrier = carrier_for(
+      x.dtype,
+      op,
+      f'{kind} over mesh axes {tuple(axes)} of {x.dtype.name}'
+      f'[{dims}]' + (f" in '{scope}'" if scope else ''),
+    )
     if carrier is not None:
       params = dict(params, carried_as=carrier.dtype.name)
     index = len(self.records)
@@ -528,11 +597,17 @@ class Collectives(abc.ABC):
     with tf.name_scope(f'{self.name}/{kind}_{count}') as scope:
       shape = tuple(int(d) for d in x.shape)
       record = CollectiveRecord(
-          index=index, kind=kind, name=scope.rstrip('/'), axes=tuple(axes), shape=shape,
-          dtype=x.dtype, bytes=int(np.prod(shape, dtype=np.int64)) * x.dtype.size,
-          group_size=group_size or self.mesh.axes_size(axes),
-          groups=tables.groups(self.mesh, tuple(axes)) if groups is None else groups,
-          params=tuple(params.items()))
+        index=index,
+        kind=kind,
+        name=scope.rstrip('/'),
+        axes=tuple(axes),
+        shape=shape,
+        dtype=x.dtype,
+        bytes=int(np.prod(shape, dtype=np.int64)) * x.dtype.size,
+        group_size=group_size or self.mesh.axes_size(axes),
+        groups=tables.groups(self.mesh, tuple(axes)) if groups is None else groups,
+        params=tuple(params.items()),
+      )
       self.records.append(record)
       if carrier is None:
         result = self._around(record, lambda: build(x))
@@ -543,8 +618,9 @@ class Collectives(abc.ABC):
       return result
 
   def _check_pairs(self, pairs) -> np.ndarray:
-    arr = np.asarray(pairs, dtype=np.int64).reshape(-1, 2) if len(pairs) else np.zeros(
-        (0, 2), np.int64)
+    arr = (
+      np.asarray(pairs, dtype=np.int64).reshape(-1, 2) if len(pairs) else np.zeros((0, 2), np.int64)
+    )
     n = self.num_partitions
     bad = arr[(arr < 0).any(axis=1) | (arr >= n).any(axis=1)]
     if len(bad):
@@ -553,8 +629,9 @@ class Collectives(abc.ABC):
       values, counts = np.unique(arr[:, column], return_counts=True)
       if (counts > 1).any():
         raise ValueError(
-            f'permute: partition(s) {values[counts > 1].tolist()} appear more than once as a '
-            f'{role}; a collective permute sends and receives at most once per partition.')
+          f'permute: partition(s) {values[counts > 1].tolist()} appear more than once as a '
+          f'{role}; a collective permute sends and receives at most once per partition.'
+        )
     arr.setflags(write=False)
     return arr
 

@@ -44,8 +44,9 @@ def check_mesh(mesh: Mesh) -> None:
   ids = np.sort(mesh.device_ids.reshape(-1))
   if not np.array_equal(ids, np.arange(mesh.size)):
     raise ValueError(
-        f'{mesh!r}: device ids double as partition ids and must be 0..{mesh.size - 1} in some '
-        f'order; got {ids.tolist()}. Renumber the mesh (Mesh(np.argsort(...), names)).')
+      f'{mesh!r}: device ids double as partition ids and must be 0..{mesh.size - 1} in some '
+      f'order; got {ids.tolist()}. Renumber the mesh (Mesh(np.argsort(...), names)).'
+    )
 
 
 def normalize_axes(mesh: Mesh, axes) -> Tuple[str, ...]:
@@ -117,7 +118,7 @@ def shard_offset_table(sharding: Sharding, shape: Sequence[int], num_partitions:
   tile = sharding.tile_assignment
   tiles = sharding.tile_shape
   chunks = np.array([-(-s // t) for s, t in zip(shape, tiles)], dtype=np.int64)
-  index = np.indices(tile.shape).reshape(tile.ndim, -1).T[:, :len(shape)]
+  index = np.indices(tile.shape).reshape(tile.ndim, -1).T[:, : len(shape)]
   devices = tile.reshape(-1)
   inside = devices < num_partitions
   offsets[devices[inside]] = np.minimum(index[inside] * chunks, np.array(shape, dtype=np.int64))

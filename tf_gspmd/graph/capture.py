@@ -26,16 +26,12 @@ import heapq
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2
-from tensorflow.core.framework import graph_pb2
-from tensorflow.core.framework import node_def_pb2
+from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2
 from tensorflow.python.eager.polymorphic_function import concrete_function as concrete_lib
 from tensorflow.python.framework import function_def_to_graph as fdef_lib
-from tensorflow.python.framework import importer
-from tensorflow.python.framework import ops
+from tensorflow.python.framework import importer, ops
 from tensorflow.python.framework.func_graph import FuncGraph
-from tensorflow.python.ops import array_ops
-from tensorflow.python.ops import handle_data_util
+from tensorflow.python.ops import array_ops, handle_data_util
 
 from tf_gspmd import op_sharding
 from tf_gspmd.graph import ir
@@ -51,12 +47,12 @@ _SHARDING_ATTR = '_XlaSharding'
 # Call ops whose operands (after the first `skip`) are the called function's
 # arguments, by op type: (function attrs, operands to skip).
 _CALL_OPERANDS = {
-    'If': (('then_branch', 'else_branch'), 1),
-    'StatelessIf': (('then_branch', 'else_branch'), 1),
-    'Case': (('branches',), 1),
-    'StatelessCase': (('branches',), 1),
-    'PartitionedCall': (('f',), 0),
-    'StatefulPartitionedCall': (('f',), 0),
+  'If': (('then_branch', 'else_branch'), 1),
+  'StatelessIf': (('then_branch', 'else_branch'), 1),
+  'Case': (('branches',), 1),
+  'StatelessCase': (('branches',), 1),
+  'PartitionedCall': (('f',), 0),
+  'StatefulPartitionedCall': (('f',), 0),
 }
 _WHILE_OPS = ('While', 'StatelessWhile')
 
@@ -108,28 +104,31 @@ def capture_concrete(concrete, default_values: Optional[Dict[str, Any]] = None) 
   graph = concrete.graph
   if graph.deferred_external_captures:
     raise ValueError(
-        f'capture: {graph.name} has deferred (by-reference) captures '
-        f'{graph.deferred_external_captures}; pass those values as arguments instead.')
+      f'capture: {graph.name} has deferred (by-reference) captures '
+      f'{graph.deferred_external_captures}; pass those values as arguments instead.'
+    )
   library = graph.as_graph_def().library
   converter = _LibraryConverter(library)
   converter.visit(graph)
 
   variables, captures = _captured_values(graph)
   main = graph_from_ops(
-      graph.name, graph.get_operations(), graph.inputs, graph.outputs, graph.control_outputs)
+    graph.name, graph.get_operations(), graph.inputs, graph.outputs, graph.control_outputs
+  )
   functions = {name: converter.ir_graph(name) for name in converter.converted_names()}
   for g in [main] + list(functions.values()):
     prune_dead(g)  # what TF would not run must not be partitioned either
   program = ir.Program(
-      main=main,
-      functions=functions,
-      variables=variables,
-      captures=captures,
-      arg_inputs=[t.name for t in graph.inputs if t.name not in variables and t.name not in captures],
-      structured_outputs=concrete.structured_outputs,
-      function_type=concrete.function_type,
-      default_values=dict(default_values or {}),
-      name=_as_str(concrete.name))
+    main=main,
+    functions=functions,
+    variables=variables,
+    captures=captures,
+    arg_inputs=[t.name for t in graph.inputs if t.name not in variables and t.name not in captures],
+    structured_outputs=concrete.structured_outputs,
+    function_type=concrete.function_type,
+    default_values=dict(default_values or {}),
+    name=_as_str(concrete.name),
+  )
   _record_variable_shardings(program)
   return program
 
@@ -138,20 +137,26 @@ def capture_concrete(concrete, default_values: Optional[Dict[str, Any]] = None) 
 # TF graph -> ir.Graph
 
 
-def graph_from_ops(name: str, operations: Sequence[tf.Operation], inputs: Sequence[tf.Tensor],
-                   outputs: Sequence[tf.Tensor], control_outputs: Sequence[tf.Operation],
-                   attrs: Optional[Dict[str, Any]] = None,
-                   output_names: Sequence[str] = ()) -> ir.Graph:
+def graph_from_ops(
+  name: str,
+  operations: Sequence[tf.Operation],
+  inputs: Sequence[tf.Tensor],
+  outputs: Sequence[tf.Tensor],
+  control_outputs: Sequence[tf.Operation],
+  attrs: Optional[Dict[str, Any]] = None,
+  output_names: Sequence[str] = (),
+) -> ir.Graph:
   """An `ir.Graph` holding `operations` (any order; stored topologically sorted)."""
   nodes = [_node_from_op(op) for op in _topological_order(operations)]
   return ir.Graph(
-      name=name,
-      nodes=nodes,
-      inputs=[t.name for t in inputs],
-      outputs=[t.name for t in outputs],
-      attrs=dict(attrs or {}),
-      control_outputs=[op.name for op in control_outputs],
-      output_names=list(output_names))
+    name=name,
+    nodes=nodes,
+    inputs=[t.name for t in inputs],
+    outputs=[t.name for t in outputs],
+    attrs=dict(attrs or {}),
+    control_outputs=[op.name for op in control_outputs],
+    output_names=list(output_names),
+  )
 
 
 def _node_from_op(op: tf.Operation) -> ir.Node:
@@ -162,24 +167,32 @@ def _node_from_op(op: tf.Operation) -> ir.Node:
     value.CopyFrom(node_def.attr[key])
     attrs[key] = value
   return ir.Node(
-      name=op.name,
-      op=op.type,
-      inputs=[t.name for t in op.inputs],
-      outputs=[_tensor_from(op.name, i, t) for i, t in enumerate(op.outputs)],
-      attrs=attrs,
-      control_inputs=[c.name for c in op.control_inputs],
-      device=op.device,
-      annotations=annotations_of(op.name, op.type, attrs, len(op.outputs)))
+    name=op.name,
+    op=op.type,
+    inputs=[t.name for t in op.inputs],
+    outputs=[_tensor_from(op.name, i, t) for i, t in enumerate(op.outputs)],
+    attrs=attrs,
+    control_inputs=[c.name for c in op.control_inputs],
+    device=op.device,
+    annotations=annotations_of(op.name, op.type, attrs, len(op.outputs)),
+  )
 
 
 def _tensor_from(node: str, index: int, t: tf.Tensor) -> ir.Tensor:
   data = _handle_data_of(t)
   handle = None
   if data is not None:
-    handle = tuple((tf.as_dtype(st.dtype), _shape_tuple(tf.TensorShape(st.shape)))
-                   for st in data.shape_and_type)
-  return ir.Tensor(node=node, index=index, dtype=t.dtype, shape=_shape_tuple(t.shape),
-                   handle_data=handle, handle_proto=data)
+    handle = tuple(
+      (tf.as_dtype(st.dtype), _shape_tuple(tf.TensorShape(st.shape))) for st in data.shape_and_type
+    )
+  return ir.Tensor(
+    node=node,
+    index=index,
+    dtype=t.dtype,
+    shape=_shape_tuple(t.shape),
+    handle_data=handle,
+    handle_proto=data,
+  )
 
 
 def _shape_tuple(shape: tf.TensorShape):
@@ -217,8 +230,9 @@ def _topological_order(operations: Sequence[tf.Operation]) -> List[tf.Operation]
 # Annotations
 
 
-def annotations_of(name: str, op_type: str, attrs: Dict[str, Any],
-                   num_outputs: int) -> Dict[int, Sharding]:
+def annotations_of(
+  name: str, op_type: str, attrs: Dict[str, Any], num_outputs: int
+) -> Dict[int, Sharding]:
   """{output index: Sharding} written on a node by an XlaSharding op or the `_XlaSharding` attr."""
   if op_type == _SHARDING_OP and _SHARDING_OP_ATTR in attrs and attrs[_SHARDING_OP_ATTR].s:
     serialized = attrs[_SHARDING_OP_ATTR].s
@@ -234,13 +248,14 @@ def annotations_of(name: str, op_type: str, attrs: Dict[str, Any],
 def _shardings_from_bytes(name: str, serialized: bytes, num_outputs: int) -> Dict[int, Sharding]:
   if not serialized:
     return {i: Sharding.replicated() for i in range(num_outputs)}
-  proto = op_sharding._pb().OpSharding.FromString(serialized)  # pylint: disable=protected-access
+  proto = op_sharding._pb().OpSharding.FromString(serialized)  # noqa: SLF001
   try:
     if proto.type == proto.TUPLE:
       if len(proto.tuple_shardings) != num_outputs:
         raise ValueError(
-            f'a TUPLE sharding of {len(proto.tuple_shardings)} elements on an op with '
-            f'{num_outputs} outputs')
+          f'a TUPLE sharding of {len(proto.tuple_shardings)} elements on an op with '
+          f'{num_outputs} outputs'
+        )
       return {i: op_sharding.from_proto(proto, i) for i in range(num_outputs)}
     sharding = op_sharding.from_proto(proto)
   except ValueError as e:
@@ -265,8 +280,9 @@ def sharding_of_variable(variable) -> Optional[Sharding]:
   if isinstance(value, (bytes, bytearray)) or hasattr(value, 'SerializeToString'):
     return op_sharding.from_proto(value)
   raise TypeError(
-      f'capture: variable {getattr(variable, "name", variable)} carries sharding {value!r} of '
-      f'type {type(value).__name__}; expected a Sharding or an OpSharding.')
+    f'capture: variable {getattr(variable, "name", variable)} carries sharding {value!r} of '
+    f'type {type(value).__name__}; expected a Sharding or an OpSharding.'
+  )
 
 
 def _record_variable_shardings(program: ir.Program) -> None:
@@ -312,13 +328,19 @@ def _variable_owning(handle) -> Optional[tf.Variable]:
   referrer lookup finds the variable holding that handle (its `_handle`), so such a slot is
   sharded like any variable instead of being one eager handle that every partition updates.
   """
-  import gc  # pylint: disable=g-import-not-at-top
+  import gc
+
   for referrer in gc.get_referrers(handle):
     owner = referrer
     if isinstance(referrer, dict):  # the handle held in an instance __dict__
-      owner = next((o for o in gc.get_referrers(referrer)
-                    if isinstance(o, tf.Variable) and getattr(o, '__dict__', None) is referrer),
-                   None)
+      owner = next(
+        (
+          o
+          for o in gc.get_referrers(referrer)
+          if isinstance(o, tf.Variable) and getattr(o, '__dict__', None) is referrer
+        ),
+        None,
+      )
     if isinstance(owner, tf.Variable) and getattr(owner, 'handle', None) is handle:
       return owner
   return None
@@ -330,9 +352,19 @@ def _used_as_variable(graph: FuncGraph, internal: tf.Tensor) -> bool:
 
 def _variable_users(graph: FuncGraph, internal: tf.Tensor) -> list:
   users = [op for op in graph.get_operations() if any(t is internal for t in op.inputs)]
-  return [op for op in users if op.type.startswith('Resource') or op.type in (
-      'ReadVariableOp', 'AssignVariableOp', 'AssignAddVariableOp', 'AssignSubVariableOp',
-      'VariableShape')]
+  return [
+    op
+    for op in users
+    if op.type.startswith('Resource')
+    or op.type
+    in (
+      'ReadVariableOp',
+      'AssignVariableOp',
+      'AssignAddVariableOp',
+      'AssignSubVariableOp',
+      'VariableShape',
+    )
+  ]
 
 
 def _refuse_untracked_variable_handle(graph: FuncGraph, internal: tf.Tensor) -> None:
@@ -341,10 +373,11 @@ def _refuse_untracked_variable_handle(graph: FuncGraph, internal: tf.Tensor) -> 
   variable_users = _variable_users(graph, internal)
   if variable_users:
     raise ValueError(
-        f'capture: {graph.name} uses the handle of a variable it does not track ({internal.name}, '
-        f'by {variable_users[0].type} {variable_users[0].name}); tf_gspmd cannot shard a variable it '
-        'cannot see. Read the variable in the function or call '
-        '`tf.compat.v1.get_default_graph().watch_variable(v)` before using `v.handle`.')
+      f'capture: {graph.name} uses the handle of a variable it does not track ({internal.name}, '
+      f'by {variable_users[0].type} {variable_users[0].name}); tf_gspmd cannot shard a variable it '
+      'cannot see. Read the variable in the function or call '
+      '`tf.compat.v1.get_default_graph().watch_variable(v)` before using `v.handle`.'
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -392,8 +425,9 @@ class _LibraryConverter:
       specs = _specs_from_fdef(fdef)
     if len(specs) != len(fdef.signature.input_arg):
       raise ValueError(
-          f'capture: function {name!r} takes {len(fdef.signature.input_arg)} arguments but a '
-          f'call site passes {len(specs)}.')
+        f'capture: function {name!r} takes {len(fdef.signature.input_arg)} arguments but a '
+        f'call site passes {len(specs)}.'
+      )
     old = self._specs.get(name)
     merged = specs if old is None else [_merge_spec(a, b) for a, b in zip(old, specs)]
     if old is not None and _same_specs(old, merged) and name in self._graphs:
@@ -415,11 +449,16 @@ class _LibraryConverter:
     known = _CALL_OPERANDS.get(op_type)
     specs = None
     if known is not None:
-      specs = [_spec_of(t) for t in inputs[known[1]:]]
+      specs = [_spec_of(t) for t in inputs[known[1] :]]
     for attr in sorted(attrs):
       value = attrs[attr]
-      names = ([value.func.name] if value.HasField('func') else
-               [f.name for f in value.list.func] if value.HasField('list') else [])
+      names = (
+        [value.func.name]
+        if value.HasField('func')
+        else [f.name for f in value.list.func]
+        if value.HasField('list')
+        else []
+      )
       for name in names:
         if name:
           yield name, (specs if known is not None and attr in known[0] else None)
@@ -431,38 +470,46 @@ class _LibraryConverter:
     arg_names = {a.name for a in fdef.signature.input_arg}
     with func_graph.as_default():
       placeholders = [
-          make_placeholder(arg.name, tf.as_dtype(arg.type), shape, handle)
-          for arg, (shape, handle) in zip(fdef.signature.input_arg, specs)]
+        make_placeholder(arg.name, tf.as_dtype(arg.type), shape, handle)
+        for arg, (shape, handle) in zip(fdef.signature.input_arg, specs)
+      ]
       for node_def in _topological_node_defs(graph_def.node, arg_names, fdef.signature.name):
         self._create_op(func_graph, node_def)
     func_graph.inputs = placeholders
     func_graph.outputs = [
-        func_graph.get_tensor_by_name(flat_names[fdef.ret[arg.name]])
-        for arg in fdef.signature.output_arg]
+      func_graph.get_tensor_by_name(flat_names[fdef.ret[arg.name]])
+      for arg in fdef.signature.output_arg
+    ]
     func_graph.control_outputs = [
-        func_graph.get_operation_by_name(fdef.control_ret[ret])
-        for ret in fdef.signature.control_output]
+      func_graph.get_operation_by_name(fdef.control_ret[ret])
+      for ret in fdef.signature.control_output
+    ]
     return func_graph
 
   def _create_op(self, graph: FuncGraph, node_def) -> tf.Operation:
     """Create `node_def` in `graph` (exact name, attrs and device), callees converted first."""
-    inputs = [graph.get_tensor_by_name(i if ':' in i else f'{i}:0')
-              for i in node_def.input if not i.startswith('^')]
+    inputs = [
+      graph.get_tensor_by_name(i if ':' in i else f'{i}:0')
+      for i in node_def.input
+      if not i.startswith('^')
+    ]
     controls = [graph.get_operation_by_name(i[1:]) for i in node_def.input if i.startswith('^')]
     callees = list(self._call_sites(node_def.op, node_def.attr, inputs))
     for name, specs in callees:
       self._reach(name, specs)
-    if node_def.op in self._fdefs and not graph._is_function(node_def.op):  # pylint: disable=protected-access
-      graph._add_function(self._scratch._get_function(node_def.op))  # pylint: disable=protected-access
+    if node_def.op in self._fdefs and not graph._is_function(node_def.op):  # noqa: SLF001
+      graph._add_function(self._scratch._get_function(node_def.op))  # noqa: SLF001
     bare = node_def_pb2.NodeDef()
     bare.CopyFrom(node_def)
     del bare.input[:]
     try:
       op = ops.Operation.from_node_def(bare, graph, inputs=inputs, control_inputs=controls)
     except (ValueError, TypeError, tf.errors.InvalidArgumentError) as e:
-      raise ValueError(f'capture: cannot re-create node {node_def.name!r} ({node_def.op}) '
-                       f'of function {graph.name}: {e}') from e
-    graph._create_op_helper(op, compute_device=False)  # pylint: disable=protected-access
+      raise ValueError(
+        f'capture: cannot re-create node {node_def.name!r} ({node_def.op}) '
+        f'of function {graph.name}: {e}'
+      ) from e
+    graph._create_op_helper(op, compute_device=False)  # noqa: SLF001
     self._refine_call_outputs(op)
     return op
 
@@ -505,9 +552,14 @@ class _LibraryConverter:
       value.CopyFrom(fdef.attr[key])
       attrs[key] = value
     return graph_from_ops(
-        name, func_graph.get_operations(), func_graph.inputs, func_graph.outputs,
-        func_graph.control_outputs, attrs=attrs,
-        output_names=[arg.name for arg in fdef.signature.output_arg])
+      name,
+      func_graph.get_operations(),
+      func_graph.inputs,
+      func_graph.outputs,
+      func_graph.control_outputs,
+      attrs=attrs,
+      output_names=[arg.name for arg in fdef.signature.output_arg],
+    )
 
 
 def _while_specs(attrs, inputs: Sequence[tf.Tensor]) -> List[ArgSpec]:
@@ -550,7 +602,9 @@ def make_placeholder(name: str, dtype: tf.DType, shape, handle_data=None) -> tf.
   """A Placeholder named exactly `name` in the current graph, with handle data for resources."""
   placeholder = array_ops.placeholder(dtype, shape=shape, name=name)
   if placeholder.op.name != name:
-    raise ValueError(f'placeholder {name!r} came out as {placeholder.op.name!r}: the name is taken.')
+    raise ValueError(
+      f'placeholder {name!r} came out as {placeholder.op.name!r}: the name is taken.'
+    )
   if handle_data is not None:
     handle_data_util.set_handle_data(placeholder, handle_data)
   return placeholder
@@ -596,8 +650,9 @@ def _same_handle_data(a, b) -> bool:
 
 
 def _same_specs(a: List[ArgSpec], b: List[ArgSpec]) -> bool:
-  return all(x[0].as_proto() == y[0].as_proto() and _same_handle_data(x[1], y[1])
-             for x, y in zip(a, b))
+  return all(
+    x[0].as_proto() == y[0].as_proto() and _same_handle_data(x[1], y[1]) for x, y in zip(a, b)
+  )
 
 
 def _as_str(name) -> str:

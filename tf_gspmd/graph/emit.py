@@ -23,9 +23,13 @@ from tf_gspmd.graph import ir
 _DROPPED_ATTRS = ('_class', '_XlaSharding', '_xla_compile_device_type', '_user_specified_name')
 
 
-def emit_node(node: ir.Node, inputs: Sequence[tf.Tensor],
-              attrs: Optional[Dict[str, attr_value_pb2.AttrValue]] = None,
-              name: Optional[str] = None, op_type: Optional[str] = None) -> tf.Operation:
+def emit_node(
+  node: ir.Node,
+  inputs: Sequence[tf.Tensor],
+  attrs: Optional[Dict[str, attr_value_pb2.AttrValue]] = None,
+  name: Optional[str] = None,
+  op_type: Optional[str] = None,
+) -> tf.Operation:
   """Create `node` (or `op_type`) in the current graph with `inputs` and its attrs.
 
   `attrs` overrides or adds attributes (e.g. a Reshape's local target, a
@@ -36,8 +40,9 @@ def emit_node(node: ir.Node, inputs: Sequence[tf.Tensor],
   merged = {k: v for k, v in node.attrs.items() if k not in _DROPPED_ATTRS}
   if attrs:
     merged.update(attrs)
-  return graph._create_op_internal(  # pylint: disable=protected-access
-      op_type or node.op, list(inputs), attrs=merged, name=name or node.name)
+  return graph._create_op_internal(  # noqa: SLF001
+    op_type or node.op, list(inputs), attrs=merged, name=name or node.name
+  )
 
 
 def func_attr(function_name: str) -> attr_value_pb2.AttrValue:
@@ -45,17 +50,22 @@ def func_attr(function_name: str) -> attr_value_pb2.AttrValue:
 
 
 def func_list_attr(function_names: Sequence[str]) -> attr_value_pb2.AttrValue:
-  return attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
-      func=[attr_value_pb2.NameAttrList(name=n) for n in function_names]))
+  return attr_value_pb2.AttrValue(
+    list=attr_value_pb2.AttrValue.ListValue(
+      func=[attr_value_pb2.NameAttrList(name=n) for n in function_names]
+    )
+  )
 
 
 def shapes_attr(shapes: Sequence[tf.TensorShape]) -> attr_value_pb2.AttrValue:
-  return attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
-      shape=[tf.TensorShape(s).as_proto() for s in shapes]))
+  return attr_value_pb2.AttrValue(
+    list=attr_value_pb2.AttrValue.ListValue(shape=[tf.TensorShape(s).as_proto() for s in shapes])
+  )
 
 
-def trace_function(name_hint: str, arg_specs: Sequence[tf.TensorSpec],
-                   body: Callable[..., Sequence[tf.Tensor]]) -> str:
+def trace_function(
+  name_hint: str, arg_specs: Sequence[tf.TensorSpec], body: Callable[..., Sequence[tf.Tensor]]
+) -> str:
   """Trace `body(*args)` into a new library function and add it to the current graph.
 
   Returns the function's name, ready for a call site's `func` attr. Every
@@ -63,8 +73,10 @@ def trace_function(name_hint: str, arg_specs: Sequence[tf.TensorSpec],
   rewritten body never collides with the original. Resource arguments are
   given as `tf.TensorSpec([], tf.resource)`.
   """
+
   def traced(*args):
     return list(body(*args))
+
   traced.__name__ = _sanitize(name_hint)
   concrete = tf.function(traced, autograph=False).get_concrete_function(*arg_specs)
   concrete.add_to_graph(ops.get_default_graph())

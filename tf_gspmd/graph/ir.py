@@ -20,14 +20,14 @@ from tf_gspmd.sharding import Sharding
 
 # Attribute names of ops that call library functions, by op type.
 FUNCTION_ATTRS = {
-    'If': ('then_branch', 'else_branch'),
-    'StatelessIf': ('then_branch', 'else_branch'),
-    'While': ('cond', 'body'),
-    'StatelessWhile': ('cond', 'body'),
-    'PartitionedCall': ('f',),
-    'StatefulPartitionedCall': ('f',),
-    'Case': ('branches',),
-    'StatelessCase': ('branches',),
+  'If': ('then_branch', 'else_branch'),
+  'StatelessIf': ('then_branch', 'else_branch'),
+  'While': ('cond', 'body'),
+  'StatelessWhile': ('cond', 'body'),
+  'PartitionedCall': ('f',),
+  'StatefulPartitionedCall': ('f',),
+  'Case': ('branches',),
+  'StatelessCase': ('branches',),
 }
 
 
@@ -45,6 +45,7 @@ def split_tensor_name(name: str) -> Tuple[str, int]:
 @dataclasses.dataclass
 class Tensor:
   """One output of one node."""
+
   node: str
   index: int
   dtype: Any  # tf.DType
@@ -78,6 +79,7 @@ class Tensor:
 @dataclasses.dataclass
 class Node:
   """One op. `inputs` are tensor names; `attrs` hold the NodeDef's AttrValue protos."""
+
   name: str
   op: str
   inputs: List[str]
@@ -131,6 +133,7 @@ class Graph:
   the function's arguments in order (for the top level, its placeholders),
   `outputs` the tensors it returns in order.
   """
+
   name: str
   nodes: List[Node]
   inputs: List[str]
@@ -188,6 +191,7 @@ class Graph:
 @dataclasses.dataclass
 class Program:
   """A captured tf.function: its top-level graph and the library functions it reaches."""
+
   main: Graph
   functions: Dict[str, Graph]
   # Top-level resource placeholders that stand for live variables.

@@ -28,18 +28,11 @@ import re
 from typing import Any, Dict, List, Optional, Sequence
 
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2
-from tensorflow.core.framework import function_pb2
-from tensorflow.core.framework import graph_pb2
-from tensorflow.core.framework import node_def_pb2
+from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2, node_def_pb2
 from tensorflow.python.client import pywrap_tf_session
 from tensorflow.python.eager import context
-from tensorflow.python.eager.polymorphic_function import atomic_function
-from tensorflow.python.eager.polymorphic_function import function_type_utils
-from tensorflow.python.framework import c_api_util
-from tensorflow.python.framework import importer
-from tensorflow.python.framework import ops
-from tensorflow.python.framework import versions
+from tensorflow.python.eager.polymorphic_function import atomic_function, function_type_utils
+from tensorflow.python.framework import c_api_util, importer, ops, versions
 from tensorflow.python.framework.func_graph import FuncGraph
 from tensorflow.python.ops import handle_data_util
 from tensorflow.python.util import compat
@@ -54,8 +47,9 @@ _RUNTIME_FUNCTION_ATTRS = ('_construction_context',)
 _HASH_SUFFIX = re.compile(r'_g[0-9a-f]{16}$')
 
 
-def rebuild(program: ir.Program, name: Optional[str] = None, autograph: bool = False,
-            **function_kwargs):
+def rebuild(
+  program: ir.Program, name: Optional[str] = None, autograph: bool = False, **function_kwargs
+):
   """A `tf.function` running `program`, called like the function it was captured from.
 
   Its arguments are bound and flattened with the captured FunctionType, so
@@ -65,8 +59,10 @@ def rebuild(program: ir.Program, name: Optional[str] = None, autograph: bool = F
   """
   function_type = program.function_type
   if function_type is None:
-    raise ValueError(f'rebuild: program {program.name!r} has no function_type; '
-                     'use import_program inside a traced function instead.')
+    raise ValueError(
+      f'rebuild: program {program.name!r} has no function_type; '
+      'use import_program inside a traced function instead.'
+    )
 
   def rebuilt(*args, **kwargs):
     kwargs = _with_defaults(function_type, program.default_values, args, kwargs)
@@ -88,7 +84,7 @@ def _with_defaults(function_type, defaults: Dict[str, Any], args, kwargs) -> Dic
     return kwargs
   kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
   positional = [name for name, p in function_type.parameters.items() if p.kind in kinds]
-  given = set(positional[:len(args)]) | set(kwargs)
+  given = set(positional[: len(args)]) | set(kwargs)
   filled = dict(kwargs)
   for name, value in defaults.items():
     if name in function_type.parameters and name not in given:
@@ -96,11 +92,14 @@ def _with_defaults(function_type, defaults: Dict[str, Any], args, kwargs) -> Dic
   return filled
 
 
-def import_program(program: ir.Program, inputs: Sequence[Any],
-                   variables: Optional[Dict[str, Any]] = None,
-                   captures: Optional[Dict[str, Any]] = None,
-                   name: str = 'program',
-                   return_control_outputs: bool = False):
+def import_program(
+  program: ir.Program,
+  inputs: Sequence[Any],
+  variables: Optional[Dict[str, Any]] = None,
+  captures: Optional[Dict[str, Any]] = None,
+  name: str = 'program',
+  return_control_outputs: bool = False,
+):
   """Re-create `program` in the graph being traced; its output tensors, in `main.outputs` order.
 
   `inputs` feed `program.arg_inputs` in order. `variables` maps variable
@@ -120,12 +119,15 @@ def import_program(program: ir.Program, inputs: Sequence[Any],
   """
   graph = ops.get_default_graph()
   if context.executing_eagerly() or not isinstance(graph, FuncGraph):
-    raise RuntimeError('import_program must run while a tf.function is being traced '
-                       '(inside its Python function); use rebuild() to get a callable.')
+    raise RuntimeError(
+      'import_program must run while a tf.function is being traced '
+      '(inside its Python function); use rebuild() to get a callable.'
+    )
   if len(inputs) != len(program.arg_inputs):
     raise ValueError(
-        f'import_program: program {program.name!r} takes {len(program.arg_inputs)} inputs '
-        f'({program.arg_inputs}), got {len(inputs)}.')
+      f'import_program: program {program.name!r} takes {len(program.arg_inputs)} inputs '
+      f'({program.arg_inputs}), got {len(inputs)}.'
+    )
   fed = {}
   for placeholder, value in zip(program.arg_inputs, inputs):
     fed[placeholder] = _as_input(graph, placeholder, value, capture=False)
@@ -140,12 +142,16 @@ def import_program(program: ir.Program, inputs: Sequence[Any],
     fed[placeholder] = _as_input(graph, placeholder, captures.get(placeholder, value), capture=True)
   unknown = set(variables) - set(program.variables) | set(captures) - set(program.captures)
   if unknown:
-    raise ValueError(f'import_program: {sorted(unknown)} are not captured placeholders of '
-                     f'program {program.name!r}.')
+    raise ValueError(
+      f'import_program: {sorted(unknown)} are not captured placeholders of '
+      f'program {program.name!r}.'
+    )
   missing = [t for t in program.main.inputs if t not in fed]
   if missing:
-    raise ValueError(f'import_program: main graph inputs {missing} are neither arguments, '
-                     'variables nor captures of the program.')
+    raise ValueError(
+      f'import_program: main graph inputs {missing} are neither arguments, '
+      'variables nor captures of the program.'
+    )
 
   new_names = add_library_to_graph(program, graph)
   args = {}
@@ -159,13 +165,14 @@ def import_program(program: ir.Program, inputs: Sequence[Any],
   wanted += list(program.main.control_outputs)
   with graph.name_scope(name) as scope:  # a fresh scope: `name`, `name_1`, ...
     pass
-  imported = import_nodes(graph_def, args, prefix=scope, what=f'program {program.name}',
-                          return_elements=wanted)
+  imported = import_nodes(
+    graph_def, args, prefix=scope, what=f'program {program.name}', return_elements=wanted
+  )
   found = dict(zip(wanted, imported or ()))
   prefix = scope.rstrip('/')
   _restore_handle_data(program.main, graph, prefix=prefix, skip=set(args))
   for node in graph_def.node:  # as for ops created here: the device scope fills unset fields
-    graph._apply_device_functions(graph.get_operation_by_name(f'{prefix}/{node.name}'))  # pylint: disable=protected-access
+    graph._apply_device_functions(graph.get_operation_by_name(f'{prefix}/{node.name}'))  # noqa: SLF001
   outputs = []
   for t in program.main.outputs:
     node, _ = ir.split_tensor_name(t)
@@ -195,12 +202,18 @@ def _as_input(graph: FuncGraph, placeholder: str, value, capture: bool) -> tf.Te
   try:
     return tf.convert_to_tensor(value)
   except (TypeError, ValueError) as e:
-    raise TypeError(f'import_program: the input for {placeholder} must be a tensor, got '
-                    f'{value!r}.') from e
+    raise TypeError(
+      f'import_program: the input for {placeholder} must be a tensor, got {value!r}.'
+    ) from e
 
 
-def import_nodes(graph_def, args: Dict[str, tf.Tensor], prefix: str, what: str,
-                 return_elements: Optional[Sequence[str]] = None):
+def import_nodes(
+  graph_def,
+  args: Dict[str, tf.Tensor],
+  prefix: str,
+  what: str,
+  return_elements: Optional[Sequence[str]] = None,
+):
   """Import `graph_def` into the current graph with nodes named in `args` replaced by those tensors.
 
   Those nodes (argument placeholders) are left out of the import; data and
@@ -221,9 +234,14 @@ def import_nodes(graph_def, args: Dict[str, tf.Tensor], prefix: str, what: str,
       if key in used:
         input_map[key if key != name else f'{name}:0'] = tensor
   try:
-    return importer._import_graph_def_internal(  # pylint: disable=protected-access
-        body, input_map=input_map, return_elements=return_elements, name=prefix,
-        validate_colocation_constraints=False, propagate_device_spec=True)
+    return importer._import_graph_def_internal(  # noqa: SLF001
+      body,
+      input_map=input_map,
+      return_elements=return_elements,
+      name=prefix,
+      validate_colocation_constraints=False,
+      propagate_device_spec=True,
+    )
   except ValueError as e:
     raise ValueError(f'importing {what} failed: {e}') from e
 
@@ -245,8 +263,9 @@ def graph_def_of(graph: ir.Graph, new_names: Dict[str, str], skip=()) -> graph_p
 
 
 def node_def_of(node: ir.Node, new_names: Dict[str, str]) -> node_def_pb2.NodeDef:
-  node_def = node_def_pb2.NodeDef(name=node.name, op=new_names.get(node.op, node.op),
-                                  device=node.device)
+  node_def = node_def_pb2.NodeDef(
+    name=node.name, op=new_names.get(node.op, node.op), device=node.device
+  )
   node_def.input.extend(node.inputs)
   node_def.input.extend('^' + c for c in node.control_inputs)
   for key, value in node.attrs.items():
@@ -282,13 +301,14 @@ def add_library_to_graph(program: ir.Program, graph: tf.Graph) -> Dict[str, str]
   """
   built = build_library(program)
   for function in built.values():
-    if not graph._is_function(function.name):  # pylint: disable=protected-access
-      graph._add_function(function)  # pylint: disable=protected-access
+    if not graph._is_function(function.name):  # noqa: SLF001
+      graph._add_function(function)  # noqa: SLF001
   return {old: _as_str(function.name) for old, function in built.items()}
 
 
-def build_library(program: ir.Program, roots: Optional[Sequence[str]] = None
-                  ) -> Dict[str, atomic_function.AtomicFunction]:
+def build_library(
+  program: ir.Program, roots: Optional[Sequence[str]] = None
+) -> Dict[str, atomic_function.AtomicFunction]:
   """Rebuild the library functions reachable from `roots` (default: from `main`), callees first.
 
   Each is registered in the eager context under its new name; the returned
@@ -333,31 +353,38 @@ def _calls_of(graph: ir.Graph, program: ir.Program) -> List[str]:
   return [n for n in names if n in program.functions and not (n in seen or seen.add(n))]
 
 
-
-def _build_function(graph: ir.Graph, built: Dict[str, atomic_function.AtomicFunction]
-                    ) -> atomic_function.AtomicFunction:
+def _build_function(
+  graph: ir.Graph, built: Dict[str, atomic_function.AtomicFunction]
+) -> atomic_function.AtomicFunction:
   """One library function, rebuilt from the IR, registered under a content-derived name."""
   new_names = {old: _as_str(f.name) for old, f in built.items()}
   callees = [built[n] for n in _callee_names(graph, built)]
   func_graph = FuncGraph(graph.name)
   with func_graph.as_default():
     for callee in callees:
-      func_graph._add_function(callee)  # pylint: disable=protected-access
+      func_graph._add_function(callee)  # noqa: SLF001
     args = {}
     for tensor_name in graph.inputs:
       node, index = ir.split_tensor_name(tensor_name)
       if index != 0 or graph.node(node).op != 'Placeholder':
-        raise ValueError(f'rebuild: input {tensor_name} of function {graph.name} is not output 0 '
-                         'of a Placeholder.')
-      args[node] = make_placeholder(node, graph.tensor(tensor_name).dtype,
-                                    graph.tensor(tensor_name).shape,
-                                    _handle_data_proto(graph.tensor(tensor_name)))
-    import_nodes(graph_def_of(graph, new_names, skip=set(args)), args, prefix='',
-                 what=f'function {graph.name}')
+        raise ValueError(
+          f'rebuild: input {tensor_name} of function {graph.name} is not output 0 of a Placeholder.'
+        )
+      args[node] = make_placeholder(
+        node,
+        graph.tensor(tensor_name).dtype,
+        graph.tensor(tensor_name).shape,
+        _handle_data_proto(graph.tensor(tensor_name)),
+      )
+    import_nodes(
+      graph_def_of(graph, new_names, skip=set(args)), args, prefix='', what=f'function {graph.name}'
+    )
     _restore_handle_data(graph, func_graph, prefix='', skip=set(args))
   missing = [n.name for n in graph.nodes if not _has_op(func_graph, n.name)]
   if missing:
-    raise ValueError(f'rebuild: nodes {missing[:5]} of function {graph.name} were renamed on import.')
+    raise ValueError(
+      f'rebuild: nodes {missing[:5]} of function {graph.name} were renamed on import.'
+    )
   func_graph.inputs = [args[ir.split_tensor_name(t)[0]] for t in graph.inputs]
   func_graph.outputs = [func_graph.get_tensor_by_name(t) for t in graph.outputs]
   func_graph.control_outputs = [func_graph.get_operation_by_name(n) for n in graph.control_outputs]
@@ -393,8 +420,7 @@ def _restore_handle_data(graph: ir.Graph, tf_graph: tf.Graph, prefix: str, skip)
     for tensor in node.outputs:
       if not tensor.handle_data:
         continue
-      imported = tf_graph.get_tensor_by_name(
-          f'{prefix}/{tensor.name}' if prefix else tensor.name)
+      imported = tf_graph.get_tensor_by_name(f'{prefix}/{tensor.name}' if prefix else tensor.name)
       current = handle_data_util.get_resource_handle_data(imported)
       if not (current.is_set and current.shape_and_type):
         handle_data_util.set_handle_data(imported, _handle_data_proto(tensor))
@@ -408,7 +434,8 @@ def _handle_data_proto(tensor: ir.Tensor):
   """
   if not tensor.handle_data:
     return None
-  from tensorflow.python.framework import cpp_shape_inference_pb2  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.framework import cpp_shape_inference_pb2
+
   captured = list(tensor.handle_proto.shape_and_type) if tensor.handle_proto is not None else []
   data = cpp_shape_inference_pb2.CppShapeInferenceResult.HandleData(is_set=True)
   for i, (dtype, shape) in enumerate(tensor.handle_data):
@@ -427,28 +454,37 @@ def _function_def(func_graph: FuncGraph, graph: ir.Graph) -> function_pb2.Functi
   output_names = list(graph.output_names)
   if len(output_names) != len(graph.outputs) or len(set(output_names)) != len(output_names):
     output_names = []
-  with func_graph._c_graph.get() as c_graph:  # pylint: disable=protected-access
+  with func_graph._c_graph.get() as c_graph:  # noqa: SLF001
     c_func = pywrap_tf_session.TF_GraphToFunction_wrapper(
-        c_graph, compat.as_str(graph.name), False,
-        [op._c_op for op in operations],  # pylint: disable=protected-access
-        [t._as_tf_output() for t in func_graph.inputs],  # pylint: disable=protected-access
-        [t._as_tf_output() for t in func_graph.outputs],  # pylint: disable=protected-access
-        [compat.as_bytes(n) for n in output_names],
-        [op._c_op for op in func_graph.control_outputs],  # pylint: disable=protected-access
-        [], None, '')
+      c_graph,
+      compat.as_str(graph.name),
+      False,
+      [op._c_op for op in operations],  # noqa: SLF001
+      [t._as_tf_output() for t in func_graph.inputs],  # noqa: SLF001
+      [t._as_tf_output() for t in func_graph.outputs],  # noqa: SLF001
+      [compat.as_bytes(n) for n in output_names],
+      [op._c_op for op in func_graph.control_outputs],  # noqa: SLF001
+      [],
+      None,
+      '',
+    )
   try:
     with c_api_util.tf_buffer() as buffer:
       pywrap_tf_session.TF_FunctionToFunctionDef(c_func, buffer)
       fdef = function_pb2.FunctionDef.FromString(
-          compat.as_bytes(pywrap_tf_session.TF_GetBuffer(buffer)))
+        compat.as_bytes(pywrap_tf_session.TF_GetBuffer(buffer))
+      )
   finally:
     pywrap_tf_session.TF_DeleteFunction(c_func)
   for key, value in graph.attrs.items():
     if key in _RUNTIME_FUNCTION_ATTRS:
       continue
     if key == '_input_shapes':  # keep it true to the (possibly edited) argument shapes
-      value = attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
-          shape=[t.shape.as_proto() for t in func_graph.inputs]))
+      value = attr_value_pb2.AttrValue(
+        list=attr_value_pb2.AttrValue.ListValue(
+          shape=[t.shape.as_proto() for t in func_graph.inputs]
+        )
+      )
     fdef.attr[key].CopyFrom(value)
   return fdef
 
@@ -462,16 +498,23 @@ def _rebuild_name(original: str, fdef: function_pb2.FunctionDef) -> str:
   return f'{_HASH_SUFFIX.sub("", original)}_g{digest}'
 
 
-def _register(fdef: function_pb2.FunctionDef, func_graph: FuncGraph,
-              callees: List[atomic_function.AtomicFunction]) -> atomic_function.AtomicFunction:
+def _register(
+  fdef: function_pb2.FunctionDef,
+  func_graph: FuncGraph,
+  callees: List[atomic_function.AtomicFunction],
+) -> atomic_function.AtomicFunction:
   """Add `fdef` to the eager context (once per name) and wrap it in an AtomicFunction."""
   ctx = context.context()
   name = fdef.signature.name
   if not ctx.has_function(name):
     ctx.add_function_def(fdef)
   return atomic_function.AtomicFunction(
-      name, ctx, function_type_utils.derive_from_graph(func_graph), children=callees,
-      call_options=atomic_function.CallOptions(is_stateful=fdef.signature.is_stateful))
+    name,
+    ctx,
+    function_type_utils.derive_from_graph(func_graph),
+    children=callees,
+    call_options=atomic_function.CallOptions(is_stateful=fdef.signature.is_stateful),
+  )
 
 
 def _function_name(hint: str) -> str:

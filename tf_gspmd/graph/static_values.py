@@ -70,8 +70,10 @@ def _foldable(node: ir.Node) -> bool:
     return False
   # Outputs of unknown shape (BroadcastGradientArgs, Where on constants) are
   # folded too: their inputs are known and small, so they are small as well.
-  return all(t.shape is None or None in t.shape or
-             int(np.prod(t.shape, dtype=np.int64)) <= _MAX_ELEMENTS for t in node.outputs)
+  return all(
+    t.shape is None or None in t.shape or int(np.prod(t.shape, dtype=np.int64)) <= _MAX_ELEMENTS
+    for t in node.outputs
+  )
 
 
 def fold(graph: ir.Graph) -> Dict[str, np.ndarray]:
@@ -101,8 +103,11 @@ def fold(graph: ir.Graph) -> Dict[str, np.ndarray]:
 def _evaluate(nodes, known) -> Dict[str, np.ndarray]:
   scratch = tf.Graph()
   with scratch.as_default():
-    env = {name: tf.constant(value) for name, value in known.items()
-           if any(name in n.inputs for n in nodes)}
+    env = {
+      name: tf.constant(value)
+      for name, value in known.items()
+      if any(name in n.inputs for n in nodes)
+    }
     fetches = {}
     for node in nodes:
       op = emit.emit_node(node, [env[t] for t in node.inputs])

@@ -66,8 +66,11 @@ def _finish(p, graph, node, tensors: Sequence[tf.Tensor], layouts) -> List[Local
   out = []
   for t, tensor, layout in zip(node.outputs, tensors, layouts):
     if t.shape is None or None in t.shape:
-      out.append(Local(tensor, replicated(p.mesh, 0 if t.shape is None else len(t.shape)),
-                       tuple(t.shape or ())))
+      out.append(
+        Local(
+          tensor, replicated(p.mesh, 0 if t.shape is None else len(t.shape)), tuple(t.shape or ())
+        )
+      )
       continue
     value = Local(tensor, layout, global_shape(graph, t.name))
     check_local_shape(node, value)
@@ -97,12 +100,14 @@ def fused_batch_norm_handler(p, graph, node, operands):
   if not attr(node, 'is_training', True) or not over:
     op = emit.emit_node(node, [v.tensor for v in (x, scale, offset, mean, variance)])
     return _finish(p, graph, node, op.outputs, chosen.results)
-  return _global_batch_statistics(p, graph, node, chosen, x, scale, offset, mean, variance,
-                                  channel, over)
+  return _global_batch_statistics(
+    p, graph, node, chosen, x, scale, offset, mean, variance, channel, over
+  )
 
 
-def _global_batch_statistics(p, graph, node, chosen, x, scale, offset, mean, variance,
-                             channel, over):
+def _global_batch_statistics(
+  p, graph, node, chosen, x, scale, offset, mean, variance, channel, over
+):
   """Training forward with batch or spatial dims split: global statistics, local normalize."""
   rank = len(x.shape)
   reduced = [d for d in range(rank) if d != channel]
@@ -112,19 +117,30 @@ def _global_batch_statistics(p, graph, node, chosen, x, scale, offset, mean, var
   u = scale.dtype  # statistics are kept in the scale's type (float32 for half images)
   xu = tf.cast(x.tensor, u)
   local_sum = tf.reduce_sum(_mask(p, x, xu, reduced), axis=reduced)
-  batch_mean = _all_reduce(p, local_sum, vector_spec, vector_shape, over,
-                           f'batch sum of {node.name}') / count
+  batch_mean = (
+    _all_reduce(p, local_sum, vector_spec, vector_shape, over, f'batch sum of {node.name}') / count
+  )
   centered = xu - _along_channel(batch_mean, rank, channel)
   squares = tf.reduce_sum(_mask(p, x, centered * centered, reduced), axis=reduced)
-  batch_var = _all_reduce(p, squares, vector_spec, vector_shape, over,
-                          f'sum of squared deviations of {node.name}') / count
+  batch_var = (
+    _all_reduce(
+      p, squares, vector_spec, vector_shape, over, f'sum of squared deviations of {node.name}'
+    )
+    / count
+  )
   # The normalization itself is per element: the op in inference mode on the local block.
-  inference = {'is_training': attr_value_pb2.AttrValue(b=False),
-               'exponential_avg_factor': attr_value_pb2.AttrValue(f=1.0)}
+  inference = {
+    'is_training': attr_value_pb2.AttrValue(b=False),
+    'exponential_avg_factor': attr_value_pb2.AttrValue(f=1.0),
+  }
   if 'exponential_avg_factor' not in node.attrs:
     del inference['exponential_avg_factor']
-  op = emit.emit_node(node, [x.tensor, scale.tensor, offset.tensor, batch_mean, batch_var],
-                      attrs=inference, name=node.name + '/gspmd/normalize')
+  op = emit.emit_node(
+    node,
+    [x.tensor, scale.tensor, offset.tensor, batch_mean, batch_var],
+    attrs=inference,
+    name=node.name + '/gspmd/normalize',
+  )
   unbiased = batch_var * (count / max(count - 1, 1))
   factor = attr(node, 'exponential_avg_factor', 1.0)
   if factor != 1.0:  # running averages: the op blends its mean and variance inputs in
@@ -155,8 +171,10 @@ def fused_batch_norm_grad_handler(p, graph, node, operands):
     # dx is per element; scale and offset gradients are sums: partial over `over`.
     op = emit.emit_node(node, [dy_masked] + [v.tensor for v in values[1:]])
     layouts = [chosen.results[0]] + [
-        NamedSharding(p.mesh, r.spec, over) if k in (1, 2) else r
-        for k, r in enumerate(chosen.results) if k > 0]
+      NamedSharding(p.mesh, r.spec, over) if k in (1, 2) else r
+      for k, r in enumerate(chosen.results)
+      if k > 0
+    ]
     return _finish(p, graph, node, op.outputs, layouts)
   return _global_batch_gradient(p, graph, node, chosen, values, dy_masked, channel, over)
 
@@ -172,15 +190,22 @@ def _global_batch_gradient(p, graph, node, chosen, values, dy_masked, channel, o
   dyu, xu = tf.cast(dy_masked, u), tf.cast(x.tensor, u)
   inv = tf.math.rsqrt(variance.tensor + tf.cast(attr(node, 'epsilon', 1e-4), u))
   centered = xu - _along_channel(mean.tensor, rank, channel)
-  local = tf.stack([tf.reduce_sum(dyu, axis=reduced),
-                    tf.reduce_sum(dyu * centered, axis=reduced)])
-  sums = _all_reduce(p, local, P(None, x.sharding.spec[channel]), (2, x.shape[channel]), over,
-                     f'per-channel gradient sums of {node.name}')
+  local = tf.stack([tf.reduce_sum(dyu, axis=reduced), tf.reduce_sum(dyu * centered, axis=reduced)])
+  sums = _all_reduce(
+    p,
+    local,
+    P(None, x.sharding.spec[channel]),
+    (2, x.shape[channel]),
+    over,
+    f'per-channel gradient sums of {node.name}',
+  )
   sum_dy, sum_dy_centered = sums[0], sums[1]
-  along = lambda v: _along_channel(v, rank, channel)  # pylint: disable=unnecessary-lambda-assignment
+  along = lambda v: _along_channel(v, rank, channel)  # noqa: E731
   dx = along(scale.tensor * inv) * (
-      tf.cast(dy.tensor, u) - along(sum_dy / count) -
-      centered * along(inv * inv * sum_dy_centered / count))
+    tf.cast(dy.tensor, u)
+    - along(sum_dy / count)
+    - centered * along(inv * inv * sum_dy_centered / count)
+  )
   dx = tf.cast(dx, x.dtype, name=node.name + '/gspmd/dx')
   d_scale = tf.identity(sum_dy_centered * inv, name=node.name + '/gspmd/scale_backprop')
   d_offset = tf.identity(sum_dy, name=node.name + '/gspmd/offset_backprop')

@@ -89,9 +89,9 @@ def coalescer(bucket_bytes: Optional[int] = None) -> Optional['Coalescer']:
 
 @dataclasses.dataclass
 class Pending:
-  tensor: str              # IR tensor name
-  value: Local             # partial
-  target: NamedSharding    # where it goes: value's spec, no pending reduction
+  tensor: str  # IR tensor name
+  value: Local  # partial
+  target: NamedSharding  # where it goes: value's spec, no pending reduction
 
   @property
   def group(self) -> tuple:
@@ -107,6 +107,7 @@ class Pending:
 @dataclasses.dataclass
 class Frame:
   """The pending values of one run of one graph."""
+
   graph: object
   env: Dict[str, Local]
   pending: Dict[str, Pending] = dataclasses.field(default_factory=dict)
@@ -150,16 +151,20 @@ class Coalescer:
     if cached is not None and cached[0] is graph:
       return cached[1]
     outputs = {split_tensor_name(t)[0] for t in graph.outputs}
-    users = {n.name: {c for t in n.outputs for c, _ in graph.consumers(t.name)}
-             for n in graph.nodes}
+    users = {
+      n.name: {c for t in n.outputs for c, _ in graph.consumers(t.name)} for n in graph.nodes
+    }
     no_output = set()  # no data path to a graph output
     for n in reversed(graph.nodes):
       if n.name not in outputs and users[n.name] <= no_output:
         no_output.add(n.name)
     found = set()
     for n in reversed(graph.nodes):
-      if (n.name in no_output and users[n.name] <= found and
-          all(_update_input(graph, t, no_output) for t in n.inputs)):
+      if (
+        n.name in no_output
+        and users[n.name] <= found
+        and all(_update_input(graph, t, no_output) for t in n.inputs)
+      ):
         found.add(n.name)
     result = frozenset(found)
     self._deferrable[id(graph)] = (graph, result)
@@ -236,15 +241,24 @@ def _all_reduce_bucket(p, bucket: List[Pending]) -> List[Local]:
   sizes = [int(e.value.tensor.shape.num_elements()) for e in bucket]
   with tf.name_scope('gspmd_bucket'):
     flat = tf.concat([tf.reshape(e.value.tensor, [-1]) for e in bucket], 0, name='concat')
-    p.note_collective({
-        'kind': 'all_reduce', 'axes': axes, 'shape': (sum(sizes),), 'dtype': dtype.name,
-        'bytes': sum(sizes) * dtype.size, 'fused': len(bucket),
+    p.note_collective(
+      {
+        'kind': 'all_reduce',
+        'axes': axes,
+        'shape': (sum(sizes),),
+        'dtype': dtype.name,
+        'bytes': sum(sizes) * dtype.size,
+        'fused': len(bucket),
         'member_bytes': [size * dtype.size for size in sizes],
-        'why': f'bucket of {len(bucket)} pending {op}s: ' + ', '.join(e.tensor for e in bucket)})
+        'why': f'bucket of {len(bucket)} pending {op}s: ' + ', '.join(e.tensor for e in bucket),
+      }
+    )
     reduced = p.backend.all_reduce(flat, axes, op)
     pieces = tf.split(reduced, sizes, name='split')
-    return [Local(tf.reshape(piece, e.value.tensor.shape), e.target, e.value.shape)
-            for piece, e in zip(pieces, bucket)]
+    return [
+      Local(tf.reshape(piece, e.value.tensor.shape), e.target, e.value.shape)
+      for piece, e in zip(pieces, bucket)
+    ]
 
 
 def _single_all_reduce(p, value: Local, target: NamedSharding) -> bool:
@@ -257,12 +271,16 @@ def _single_all_reduce(p, value: Local, target: NamedSharding) -> bool:
     return False
   if value.dtype in (tf.resource, tf.variant, tf.string) or value.dtype.is_complex:
     return False
-  from tf_gspmd.graph_rewrite import lower_reshard, reshard_plan  # pylint: disable=g-import-not-at-top
-  plan = lower_reshard._plan(s, target, tuple(int(d) for d in value.shape), value.dtype.size)  # pylint: disable=protected-access
+  from tf_gspmd.graph_rewrite import lower_reshard, reshard_plan
+
+  plan = lower_reshard._plan(s, target, tuple(int(d) for d in value.shape), value.dtype.size)  # noqa: SLF001
   steps = lower_reshard.merged_steps(plan)
   # The plan may name prime-factor sub-axes of the partial axes (all of them: the same groups).
-  return (len(steps) == 1 and isinstance(steps[0], reshard_plan.AllReduce) and
-          steps[0].group_size == s.mesh.axes_size(s.partial_axes))
+  return (
+    len(steps) == 1
+    and isinstance(steps[0], reshard_plan.AllReduce)
+    and steps[0].group_size == s.mesh.axes_size(s.partial_axes)
+  )
 
 
 def _update_input(graph, tensor: str, no_output) -> bool:
@@ -280,8 +298,7 @@ def _update_input(graph, tensor: str, no_output) -> bool:
 # --- linear ops on pending sums ----------------------------------------------------------
 def _only_consumer(frame: Frame, tensor: str, node) -> bool:
   graph = frame.graph
-  return (tensor not in graph.outputs and
-          [n for n, _ in graph.consumers(tensor)] == [node.name])
+  return tensor not in graph.outputs and [n for n, _ in graph.consumers(tensor)] == [node.name]
 
 
 def _linear_on_pending(p, frame: Frame, node, operands: List[Local]) -> bool:
@@ -297,29 +314,43 @@ def _linear_on_pending(p, frame: Frame, node, operands: List[Local]) -> bool:
   if out_shape is None or None in out_shape:
     return False
   if node.op in _ADDS:
-    return all(pending) and first.sharding.partial == 'sum' and all(
+    return (
+      all(pending)
+      and first.sharding.partial == 'sum'
+      and all(
         o.sharding == first.sharding and o.shape == first.shape and o.dtype == first.dtype
-        for o in operands)
+        for o in operands
+      )
+    )
   if node.op in _SCALED:
     if node.op == 'Mul' and pending == [False, True]:  # c * x: the same as x * c
       first, pending = operands[1], [True, False]
     other = operands[0] if first is not operands[0] else operands[1]
-    return (pending == [True, False] and first.sharding.partial == 'sum' and not other.sharding.partial_axes and
-            math.prod(other.shape) == 1 and len(other.shape) <= len(first.shape) and
-            tuple(out_shape) == tuple(first.shape))
+    return (
+      pending == [True, False]
+      and first.sharding.partial == 'sum'
+      and not other.sharding.partial_axes
+      and math.prod(other.shape) == 1
+      and len(other.shape) <= len(first.shape)
+      and tuple(out_shape) == tuple(first.shape)
+    )
   if node.op == 'Neg':
     return pending == [True] and first.sharding.partial == 'sum'
   if node.op in _LAYOUT_ONLY:
     if not pending[0] or any(pending[1:]):
       return False
     target = p.target(frame.graph, out)
-    return node.op != 'XlaSharding' or (target.spec == first.sharding.spec and
-                                        target.mesh == first.sharding.mesh)
+    return node.op != 'XlaSharding' or (
+      target.spec == first.sharding.spec and target.mesh == first.sharding.mesh
+    )
   if node.op == 'Reshape':
     return pending == [True, False] and _reshape_prefix(first, tuple(out_shape)) is not None
   if node.op == 'Sum':
-    return (pending == [True, False] and first.sharding.partial == 'sum' and
-            _summed_dims(operands[1], first) is not None)
+    return (
+      pending == [True, False]
+      and first.sharding.partial == 'sum'
+      and _summed_dims(operands[1], first) is not None
+    )
   return False
 
 
@@ -377,16 +408,21 @@ def linear_handler(p, graph, node, operands: List[Local]) -> List[Local]:
     dims = _summed_dims(operands[1], first)
     keep = bool(node.attrs['keep_dims'].b) if 'keep_dims' in node.attrs else False
     spec = tuple(first.sharding.spec) + (None,) * (len(first.shape) - len(first.sharding.spec))
-    spec = tuple(None if d in dims else a for d, a in enumerate(spec)) if keep else tuple(
-        a for d, a in enumerate(spec) if d not in dims)
-    sharding = NamedSharding(first.sharding.mesh, spec, first.sharding.partial_axes,
-                             first.sharding.partial)
+    spec = (
+      tuple(None if d in dims else a for d, a in enumerate(spec))
+      if keep
+      else tuple(a for d, a in enumerate(spec) if d not in dims)
+    )
+    sharding = NamedSharding(
+      first.sharding.mesh, spec, first.sharding.partial_axes, first.sharding.partial
+    )
     y = tf.reduce_sum(first.tensor, list(dims), keepdims=keep, name=name)
   else:  # Reshape keeping the sharded prefix
     keep = _reshape_prefix(first, out_shape)
     spec = tuple(first.sharding.spec)[:keep] + (None,) * (len(out_shape) - keep)
-    sharding = NamedSharding(first.sharding.mesh, spec, first.sharding.partial_axes,
-                             first.sharding.partial)
+    sharding = NamedSharding(
+      first.sharding.mesh, spec, first.sharding.partial_axes, first.sharding.partial
+    )
     y = tf.reshape(first.tensor, sharding.shard_shape(out_shape), name=name)
   value = Local(y, sharding, out_shape)
   return [p.finish(graph, value, out)]

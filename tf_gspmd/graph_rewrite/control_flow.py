@@ -32,10 +32,14 @@ def _run_body(p: Partitioner, graph_name: str, tensors, params: List[Local], res
   outs = p.run_graph(body, args)
   if result_layouts is None:
     return [o.tensor for o in outs]
-  return [o.tensor if layout.tensor is not None and layout.dtype == tf.resource
-          else p.reshard(_with_static_shape(o, layout), layout.sharding,
-                         'loop-carried or branch result').tensor
-          for o, layout in zip(outs, result_layouts)]
+  return [
+    o.tensor
+    if layout.tensor is not None and layout.dtype == tf.resource
+    else p.reshard(
+      _with_static_shape(o, layout), layout.sharding, 'loop-carried or branch result'
+    ).tensor
+    for o, layout in zip(outs, result_layouts)
+  ]
 
 
 def _with_static_shape(value: Local, layout: Local) -> Local:
@@ -78,9 +82,13 @@ def while_handler(p, graph, node, operands):
   def body(*tensors):
     return _run_body(p, body_name, tensors, carried, carried)
 
-  outs = tf.while_loop(cond, body, [v.tensor for v in carried],
-                       parallel_iterations=_attr(node, 'parallel_iterations', 10),
-                       name=node.name)
+  outs = tf.while_loop(
+    cond,
+    body,
+    [v.tensor for v in carried],
+    parallel_iterations=_attr(node, 'parallel_iterations', 10),
+    name=node.name,
+  )
   return [Local(t, v.sharding, v.shape) for t, v in zip(outs, carried)]
 
 
@@ -94,6 +102,7 @@ def _run_branches(p, graph, node, args: List[Local], choose, branch_names) -> Li
 
   def branch(name):
     return lambda: _run_body(p, name, [a.tensor for a in args], args, layouts)
+
   outs = choose([branch(n) for n in branch_names])
   outs = outs if isinstance(outs, (list, tuple)) else [outs]
   return [Local(t, l.sharding, l.shape) for t, l in zip(outs, layouts)]
@@ -103,17 +112,27 @@ def _run_branches(p, graph, node, args: List[Local], choose, branch_names) -> Li
 def if_handler(p, graph, node, operands):
   pred = tf.reshape(tf.cast(p.replicate(operands[0], 'branch predicate').tensor, tf.bool), [])
   names = node.called_functions()
-  return _run_branches(p, graph, node, operands[1:],
-                       lambda fns: tf.cond(pred, fns[0], fns[1], name=node.name),
-                       [names['then_branch'][0], names['else_branch'][0]])
+  return _run_branches(
+    p,
+    graph,
+    node,
+    operands[1:],
+    lambda fns: tf.cond(pred, fns[0], fns[1], name=node.name),
+    [names['then_branch'][0], names['else_branch'][0]],
+  )
 
 
 @handles('Case', 'StatelessCase')
 def case_handler(p, graph, node, operands):
   index = tf.reshape(p.replicate(operands[0], 'branch index').tensor, [])
-  return _run_branches(p, graph, node, operands[1:],
-                       lambda fns: tf.switch_case(index, fns, name=node.name),
-                       node.called_functions()['branches'])
+  return _run_branches(
+    p,
+    graph,
+    node,
+    operands[1:],
+    lambda fns: tf.switch_case(index, fns, name=node.name),
+    node.called_functions()['branches'],
+  )
 
 
 @handles('PartitionedCall', 'StatefulPartitionedCall')

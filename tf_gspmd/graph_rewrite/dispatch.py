@@ -30,17 +30,24 @@ def lookup(p: Partitioner, node: ir.Node, graph: ir.Graph):
   _load_families()
   # Values known before run time and values of run-time shape come first: no
   # sharding can apply to them, whatever the op.
-  if node.outputs and not node.called_functions() and all(
-      p.static_value(graph, t.name) is not None for t in node.outputs):
+  if (
+    node.outputs
+    and not node.called_functions()
+    and all(p.static_value(graph, t.name) is not None for t in node.outputs)
+  ):
     return handlers.static_handler, 'static value'
-  if any(handlers.is_dynamic(t) for t in node.outputs) and not node.called_functions() and \
-      node.op not in handlers.UNSHAPED_RESULTS_OK:
+  if (
+    any(handlers.is_dynamic(t) for t in node.outputs)
+    and not node.called_functions()
+    and node.op not in handlers.UNSHAPED_RESULTS_OK
+  ):
     return handlers.dynamic_handler, 'replicated (dynamic shape)'
   if node.op in handlers.HANDLERS:
     return handlers.HANDLERS[node.op], 'hand-written'
   if factors.has_rule(node, graph):
-    if graph is not p.program.main and any(handlers.is_dynamic(graph.tensor(t))
-                                            for t in node.inputs):
+    if graph is not p.program.main and any(
+      handlers.is_dynamic(graph.tensor(t)) for t in node.inputs
+    ):
       # In a branch body, a result of static shape from an operand of run-time shape (a cond's
       # gradient branch sizes a dense gradient by a shape passed in): layouts need static
       # shapes. The main graph's such ops (an embedding's UnsortedSegmentSum) have rules that

@@ -31,37 +31,57 @@ _REDUCTION_OF_OP = {'Max': 'max', 'Min': 'min', 'Prod': 'prod'}
 _NOT_COMBINABLE = ('All', 'Any', 'ArgMax', 'ArgMin', 'EuclideanNorm')
 
 # Ops that divide by their second operand: its padding must not be zero.
-_DIVISIONS = ('FloorDiv', 'FloorMod', 'Mod', 'TruncateDiv', 'TruncateMod', 'Div', 'RealDiv',
-              'DivNoNan', 'Reciprocal')
+_DIVISIONS = (
+  'FloorDiv',
+  'FloorMod',
+  'Mod',
+  'TruncateDiv',
+  'TruncateMod',
+  'Div',
+  'RealDiv',
+  'DivNoNan',
+  'Reciprocal',
+)
 
 Assignment = Dict[str, Tuple[str, ...]]
 
 
 def rule_for(p: Partitioner, node, graph):
-  from tf_gspmd.propagation import registry  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.propagation import registry
+
   return registry.rule_for(node, p.rule_context(graph))
 
 
 def has_rule(node, graph) -> bool:
-  from tf_gspmd.propagation import registry  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.propagation import registry
+
   entry = registry.lookup(node.op)
   return entry is not None and entry.rule is not None
 
 
-def candidates(p: Partitioner, rule, operands: Sequence[Local],
-               targets: Sequence[NamedSharding], windowed: bool = False) -> List[Assignment]:
+def candidates(
+  p: Partitioner,
+  rule,
+  operands: Sequence[Local],
+  targets: Sequence[NamedSharding],
+  windowed: bool = False,
+) -> List[Assignment]:
   """Factor assignments worth costing: results first, then each operand first.
 
   Each takes every factor's axes from the first tensor in its preference
   order that shards it, so operands can be used as they are.
   """
-  specs = [None if dims is None else _axes(op.sharding)
-           for dims, op in zip(rule.operands, operands)] + [_axes(t) for t in targets]
+  specs = [
+    None if dims is None else _axes(op.sharding) for dims, op in zip(rule.operands, operands)
+  ] + [_axes(t) for t in targets]
   proposals = rule.factor_candidates(specs, p.mesh)
   n = len(rule.operands)
   orders = [list(range(n, n + len(targets))) + list(range(n))]
-  orders += [[i] + [j for j in range(n + len(targets)) if j != i] for i in range(n)
-             if rule.operands[i] is not None]
+  orders += [
+    [i] + [j for j in range(n + len(targets)) if j != i]
+    for i in range(n)
+    if rule.operands[i] is not None
+  ]
   out = []
   for order in orders:
     rank = {t: k for k, t in enumerate(order)}
@@ -95,6 +115,7 @@ class FactorLayouts:
   the op runs locally on those operands, with a pending reduction over the
   axes of sharded reduction factors.
   """
+
   rule: OpRule
   factor_axes: Assignment
   operands: Tuple[Optional[NamedSharding], ...]
@@ -109,9 +130,17 @@ class FactorLayouts:
     return {f for f, axes in self.factor_axes.items() if axes and self.rule.kind(f) == REDUCTION}
 
 
-def choose_layouts(p: Partitioner, graph, node, operands: Sequence[Local], rule=None,
-                   windowed: bool = False, combinable: bool = True,
-                   reduction: str = 'sum', whole: Sequence[str] = ()) -> FactorLayouts:
+def choose_layouts(
+  p: Partitioner,
+  graph,
+  node,
+  operands: Sequence[Local],
+  rule=None,
+  windowed: bool = False,
+  combinable: bool = True,
+  reduction: str = 'sum',
+  whole: Sequence[str] = (),
+) -> FactorLayouts:
   """The operand and result layouts of `node` under the cheapest factor assignment of its rule.
 
   Candidates come from the propagated result shardings and from each
@@ -126,28 +155,42 @@ def choose_layouts(p: Partitioner, graph, node, operands: Sequence[Local], rule=
   targets = [p.target(graph, t.name) for t in node.outputs]
   shapes = [_known_shape(graph, t.name) for t in node.outputs]
   options = candidates(p, rule, operands, targets, windowed)
+
   def keep(f):
     return f not in whole and (combinable or rule.kind(f) != REDUCTION)
+
   options = [{f: (a if keep(f) else ()) for f, a in c.items()} for c in options]
   layouts = [layouts_of(p, rule, c, operands, shapes, reduction) for c in options]
   return min(layouts, key=lambda lay: _cost(p, lay, operands, shapes, targets))
 
 
-def layouts_of(p: Partitioner, rule, assignment: Assignment, operands: Sequence[Local],
-               result_shapes, reduction: str = 'sum') -> FactorLayouts:
+def layouts_of(
+  p: Partitioner,
+  rule,
+  assignment: Assignment,
+  operands: Sequence[Local],
+  result_shapes,
+  reduction: str = 'sum',
+) -> FactorLayouts:
   """(operand layouts, result layouts) of one factor assignment, cut to what every tensor
   can hold (`OpRule.representable`: compound dims, dims smaller than their shard count)."""
   shapes = [None if dims is None else op.shape for dims, op in zip(rule.operands, operands)]
   effective = rule.representable(assignment, p.mesh, shapes + list(result_shapes))
   op_specs = rule.operand_specs(effective, p.mesh, shapes)
   needs = tuple(None if spec is None else NamedSharding(p.mesh, spec) for spec in op_specs)
-  partial = tuple(a for f in rule.factors() if rule.kind(f) == REDUCTION
-                  for a in effective.get(f, ()))
+  partial = tuple(
+    a for f in rule.factors() if rule.kind(f) == REDUCTION for a in effective.get(f, ())
+  )
   res_specs = rule.result_specs(effective, p.mesh, result_shapes)
   results = tuple(
-      NamedSharding(p.mesh, spec if spec is not None else P(*([None] * len(shape or ()))),
-                    partial if spec is not None else (), reduction)
-      for spec, shape in zip(res_specs, result_shapes))
+    NamedSharding(
+      p.mesh,
+      spec if spec is not None else P(*([None] * len(shape or ()))),
+      partial if spec is not None else (),
+      reduction,
+    )
+    for spec, shape in zip(res_specs, result_shapes)
+  )
   return FactorLayouts(rule, effective, needs, results)
 
 
@@ -174,8 +217,9 @@ def factor_handler(p: Partitioner, graph, node, operands: List[Local]) -> List[L
   """An op with a rule and no hand-written handler: reshard operands to the chosen
   layouts and run the op as it is on the local blocks."""
   reduction = _REDUCTION_OF_OP.get(node.op, 'sum')
-  chosen = choose_layouts(p, graph, node, operands, combinable=node.op not in _NOT_COMBINABLE,
-                          reduction=reduction)
+  chosen = choose_layouts(
+    p, graph, node, operands, combinable=node.op not in _NOT_COMBINABLE, reduction=reduction
+  )
   inputs = []
   for i, (dims, need, op) in enumerate(zip(chosen.rule.operands, chosen.operands, operands)):
     if need is None:  # an auxiliary operand (axis list, shape): used whole
@@ -186,8 +230,14 @@ def factor_handler(p: Partitioner, graph, node, operands: List[Local]) -> List[L
   if node.op in _DIVISIONS and len(inputs) == 2:
     # Padding holds zeros; an integer division by them is an error, not just garbage.
     divisor = Local(inputs[1], chosen.operands[1], operands[1].shape)
-    inputs[1] = uneven.mask_padding(divisor.tensor, divisor.sharding, divisor.shape,
-                                    range(len(divisor.shape)), 1, p.backend.partition_id)
+    inputs[1] = uneven.mask_padding(
+      divisor.tensor,
+      divisor.sharding,
+      divisor.shape,
+      range(len(divisor.shape)),
+      1,
+      p.backend.partition_id,
+    )
   shapes = [global_shape(graph, t.name) for t in node.outputs]
   if node.op == 'Mean':
     return _mean(p, graph, node, inputs, chosen.results, operands[0].shape, shapes[0])
@@ -201,7 +251,9 @@ def _mean(p, graph, node, inputs, results, in_shape, out_shape) -> List[Local]:
   """
   total = emit_outputs(p, graph, node, inputs, results, op_type='Sum', finish=False)[0]
   count = math.prod(in_shape) // max(1, math.prod(out_shape))
-  scaled = tf.math.multiply(total.tensor, tf.cast(1.0 / count, total.dtype), name=node.name + '/gspmd/mean')
+  scaled = tf.math.multiply(
+    total.tensor, tf.cast(1.0 / count, total.dtype), name=node.name + '/gspmd/mean'
+  )
   value = Local(scaled, total.sharding, total.shape)
   return [p.finish(graph, value, node.outputs[0].name)]
 
@@ -212,5 +264,6 @@ def _mask_reduced(p, dims, local: Local, reduced, reduction) -> tf.Tensor:
   if not padded:
     return local.tensor
   fill = uneven.identity_value(reduction, local.dtype)
-  return uneven.mask_padding(local.tensor, local.sharding, local.shape, padded, fill,
-                             p.backend.partition_id)
+  return uneven.mask_padding(
+    local.tensor, local.sharding, local.shape, padded, fill, p.backend.partition_id
+  )

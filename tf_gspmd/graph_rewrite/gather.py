@@ -19,8 +19,9 @@ from tf_gspmd.graph_rewrite.partitioner import Local
 from tf_gspmd.sharding import NamedSharding, P
 
 
-def local_gather(p, params: Local, indices: Local, axis: int, batch_dims: int,
-                 name: str) -> tf.Tensor:
+def local_gather(
+  p, params: Local, indices: Local, axis: int, batch_dims: int, name: str
+) -> tf.Tensor:
   """This partition's gather of its table block: rows other partitions hold give zeros
   (their sum over the table's axes of `axis` is the gather)."""
   if not params.sharding.spec.axes_of(axis):
@@ -32,16 +33,21 @@ def local_gather(p, params: Local, indices: Local, axis: int, batch_dims: int,
   local_idx = tf.cast(indices.tensor, tf.int32) - offset
   valid_rows = tf.minimum(rows, params.shape[axis] - offset)
   hit = tf.logical_and(local_idx >= 0, local_idx < valid_rows)
-  picked = tf.gather(params.tensor, tf.where(hit, local_idx, tf.zeros_like(local_idx)),
-                     axis=axis, batch_dims=batch_dims)
+  picked = tf.gather(
+    params.tensor,
+    tf.where(hit, local_idx, tf.zeros_like(local_idx)),
+    axis=axis,
+    batch_dims=batch_dims,
+  )
   # hit is [batch..., index dims...]; picked is [params[:axis], index dims, params[axis+1:]].
   lead = list(hit.shape[:batch_dims]) + [1] * (axis - batch_dims)
   mask_shape = lead + list(hit.shape[batch_dims:]) + [1] * (len(params.shape) - axis - 1)
   return tf.where(tf.reshape(hit, mask_shape), picked, tf.zeros_like(picked), name=name)
 
 
-def partitioned_gather(p, params: Local, indices: Local, axis: int, target: NamedSharding,
-                       out_shape, name: str) -> Local:
+def partitioned_gather(
+  p, params: Local, indices: Local, axis: int, target: NamedSharding, out_shape, name: str
+) -> Local:
   """A gather from a table whose layout is fixed (a variable's shard): the indices follow
   the target on their dims, minus axes the table already uses."""
   params_spec = list(params.sharding.spec)
@@ -52,15 +58,19 @@ def partitioned_gather(p, params: Local, indices: Local, axis: int, target: Name
     idx_spec.append(axes or None)
   indices = p.reshard(indices, NamedSharding(p.mesh, P(*idx_spec)), 'gather indices')
   local = local_gather(p, params, indices, axis, 0, name)
-  spec = params_spec[:axis] + idx_spec + params_spec[axis + 1:]
-  return Local(local, NamedSharding(p.mesh, P(*spec), partial=params.sharding.spec.axes_of(axis)),
-               tuple(out_shape))
+  spec = params_spec[:axis] + idx_spec + params_spec[axis + 1 :]
+  return Local(
+    local,
+    NamedSharding(p.mesh, P(*spec), partial=params.sharding.spec.axes_of(axis)),
+    tuple(out_shape),
+  )
 
 
 def rule_gather(p, graph, node, operands, axis: int, batch_dims: int = 0) -> List[Local]:
   """Gather / GatherV2 in the layouts of the op's rule (table, indices, result with a
   pending sum over the axes of the gathered dim)."""
-  from tf_gspmd.graph_rewrite import factors  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.graph_rewrite import factors
+
   chosen = factors.choose_layouts(p, graph, node, operands)
   params = p.reshard(operands[0], chosen.operands[0], f'table of {node.op}')
   indices = p.reshard(operands[1], chosen.operands[1], f'indices of {node.op}')
@@ -76,7 +86,8 @@ def gather_v2_handler(p, graph, node, operands):
   params = operands[0]
   axis = p.static_value(graph, node.inputs[2])
   if axis is None:
-    from tf_gspmd.graph_rewrite.handlers import fallback_handler  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.graph_rewrite.handlers import fallback_handler
+
     return fallback_handler(p, graph, node, operands)
   axis = int(axis) % len(params.shape)
   batch_dims = node.attrs['batch_dims'].i if 'batch_dims' in node.attrs else 0

@@ -33,6 +33,7 @@ def handles(*op_types: str, unshaped_results_ok: bool = False):
       if unshaped_results_ok:
         UNSHAPED_RESULTS_OK.add(t)
     return fn
+
   return register
 
 
@@ -41,16 +42,26 @@ def global_shape(graph: ir.Graph, tensor: str) -> tuple:
   shape = graph.tensor(tensor).shape
   if shape is None or None in shape:
     raise ValueError(
-        f'tensor {tensor} has no static shape ({shape}); tf_gspmd partitions static shapes only. '
-        'Give the tf.function fully defined input shapes.')
+      f'tensor {tensor} has no static shape ({shape}); tf_gspmd partitions static shapes only. '
+      'Give the tf.function fully defined input shapes.'
+    )
   return tuple(int(d) for d in shape)
 
 
-def emit_outputs(p: Partitioner, graph: ir.Graph, node: ir.Node, inputs, shardings,
-                 attrs=None, finish=True, op_type=None) -> List[Local]:
+def emit_outputs(
+  p: Partitioner,
+  graph: ir.Graph,
+  node: ir.Node,
+  inputs,
+  shardings,
+  attrs=None,
+  finish=True,
+  op_type=None,
+) -> List[Local]:
   """Emit `node` (as `op_type` if given) on local `inputs`; wrap outputs with `shardings`."""
-  op = emit.emit_node(node, inputs, attrs=attrs, op_type=op_type,
-                      name=node.name + '/gspmd/local' if op_type else None)
+  op = emit.emit_node(
+    node, inputs, attrs=attrs, op_type=op_type, name=node.name + '/gspmd/local' if op_type else None
+  )
   outs = []
   for t, tensor, sharding in zip(node.outputs, op.outputs, shardings):
     value = Local(tensor, sharding, global_shape(graph, t.name))
@@ -73,10 +84,11 @@ def check_local_shape(node: ir.Node, value: Local) -> None:
   expected = tuple(value.sharding.shard_shape(value.shape))
   if tuple(value.tensor.shape) != expected:
     raise ValueError(
-        f'tf_gspmd: partitioning {node.op} {node.name} gave a local shape '
-        f'{tuple(value.tensor.shape)}, but its global shape {value.shape} under '
-        f'{value.sharding} needs {expected}. This is a bug in the partitioning rule for '
-        f'{node.op}; please report it.')
+      f'tf_gspmd: partitioning {node.op} {node.name} gave a local shape '
+      f'{tuple(value.tensor.shape)}, but its global shape {value.shape} under '
+      f'{value.sharding} needs {expected}. This is a bug in the partitioning rule for '
+      f'{node.op}; please report it.'
+    )
 
 
 def static_local(p: Partitioner, graph: ir.Graph, tensor: str, value: np.ndarray) -> Local:
@@ -94,8 +106,10 @@ def static_handler(p, graph, node, operands):
     if node.op == 'Const':  # a non-foldable dtype (float, string): emit it as it is
       return emit_outputs(p, graph, node, [], [replicated(p.mesh, t.rank) for t in node.outputs])
     raise ValueError(f'{node.op} {node.name}: input shape is not static.')
-  return [_finish_static(p, graph, static_local(p, graph, t.name, v), t.name)
-          for t, v in zip(node.outputs, values)]
+  return [
+    _finish_static(p, graph, static_local(p, graph, t.name, v), t.name)
+    for t, v in zip(node.outputs, values)
+  ]
 
 
 def _finish_static(p, graph, value: Local, tensor: str) -> Local:
@@ -106,15 +120,13 @@ def _finish_static(p, graph, value: Local, tensor: str) -> Local:
   return p.finish(graph, value, tensor)
 
 
-@handles('Identity', 'Snapshot', 'StopGradient', 'PreventGradient', 'EnsureShape',
-         'CheckNumerics')
+@handles('Identity', 'Snapshot', 'StopGradient', 'PreventGradient', 'EnsureShape', 'CheckNumerics')
 def identity_handler(p, graph, node, operands):
   """Pass-through: the output keeps the operand's layout, then moves to its own."""
   src = operands[0]
   attrs = {}
   if node.op == 'EnsureShape':
-    attrs['shape'] = attr_value_pb2.AttrValue(
-        shape=tf.TensorShape(src.tensor.shape).as_proto())
+    attrs['shape'] = attr_value_pb2.AttrValue(shape=tf.TensorShape(src.tensor.shape).as_proto())
   return emit_outputs(p, graph, node, [src.tensor], [src.sharding], attrs=attrs)
 
 
@@ -146,43 +158,58 @@ def is_dynamic(t: ir.Tensor) -> bool:
 def dynamic_handler(p, graph, node, operands):
   """A result whose shape is only known at run time (a loop's tf.range, a Where) is
   computed whole on every partition; it can only stay replicated."""
-  inputs = [p.replicate(o, 'dynamic-shape op').tensor if o.dtype != tf.resource else o.tensor
-            for o in operands]
+  inputs = [
+    p.replicate(o, 'dynamic-shape op').tensor if o.dtype != tf.resource else o.tensor
+    for o in operands
+  ]
   op = emit.emit_node(node, inputs, attrs=shared_seed_attrs(node))  # a random op of dynamic shape
   for t, out in zip(op.outputs, node.outputs):
     if not is_dynamic(out) and t.dtype not in (tf.resource, tf.variant):
       t.set_shape(out.shape)  # a static result of dynamic operands: as the captured graph knew
-  return [Local(t, replicated(p.mesh, 0 if out.shape is None else len(out.shape)),
-                tuple(out.shape) if out.shape is not None else ())
-          for t, out in zip(op.outputs, node.outputs)]
+  return [
+    Local(
+      t,
+      replicated(p.mesh, 0 if out.shape is None else len(out.shape)),
+      tuple(out.shape) if out.shape is not None else (),
+    )
+    for t, out in zip(op.outputs, node.outputs)
+  ]
 
 
 # --- no rule: compute on replicated operands ------------------------------------------
 def fallback_handler(p, graph, node, operands):
   """Gather operands to replicated, compute, slice the result back. Never wrong."""
-  p.warn_once(node.op, f'tf_gspmd: op type {node.op} (e.g. {node.name}) has no partitioning '
-                       'rule; its operands are replicated (all-gathered) to compute it.')
+  p.warn_once(
+    node.op,
+    f'tf_gspmd: op type {node.op} (e.g. {node.name}) has no partitioning '
+    'rule; its operands are replicated (all-gathered) to compute it.',
+  )
   inputs = [p.replicate(o, f'{node.op} has no rule').tensor for o in operands]
-  return emit_outputs(p, graph, node, inputs,
-                      [replicated(p.mesh, t.rank or 0) for t in node.outputs])
+  return emit_outputs(
+    p, graph, node, inputs, [replicated(p.mesh, t.rank or 0) for t in node.outputs]
+  )
 
 
 def _removed(op_def) -> bool:
   """Op types TF removed (RandomCrop, RandomPoisson): no graph of this TF can hold them."""
-  return (op_def.HasField('deprecation') and
-          op_def.deprecation.version <= tf.version.GRAPH_DEF_VERSION)
+  return (
+    op_def.HasField('deprecation') and op_def.deprecation.version <= tf.version.GRAPH_DEF_VERSION
+  )
 
 
 def _seeded_stateful_ops() -> tuple:
   """Op types TF marks stateful that draw from a seed (`seed`, `seed2` attrs), from their OpDefs."""
-  from tf_gspmd.graph import static_values  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.graph import static_values
+
   found = []
   for op_type in dir(tf.raw_ops):
     op_def = None if op_type.startswith('_') else static_values.op_def(op_type)
     if op_def is None or not op_def.is_stateful or _removed(op_def):
       continue
-    outputs_data = not any(a.type in (tf.resource.as_datatype_enum, tf.string.as_datatype_enum)
-                           for a in op_def.output_arg)  # queues hand out handles, not draws
+    outputs_data = not any(
+      a.type in (tf.resource.as_datatype_enum, tf.string.as_datatype_enum)
+      for a in op_def.output_arg
+    )  # queues hand out handles, not draws
     if outputs_data and {'seed', 'seed2'} <= {a.name for a in op_def.attr}:
       found.append(op_type)
   return tuple(found)
@@ -211,10 +238,17 @@ def shared_seed_attrs(node: ir.Node) -> Dict[str, attr_value_pb2.AttrValue]:
   return {k: attr_value_pb2.AttrValue(i=draw.randrange(1, 2**31)) for k in ('seed', 'seed2')}
 
 
-@handles('StatelessRandomUniformV2', 'StatelessRandomNormalV2', 'StatelessTruncatedNormalV2',
-         'StatelessRandomUniformIntV2', 'StatelessRandomUniformFullIntV2',
-         'StatelessRandomGetKeyCounter', 'StatelessRandomGetKeyCounterAlg',
-         'StatelessRandomGetAlg', *SEEDED_STATEFUL_OPS)
+@handles(
+  'StatelessRandomUniformV2',
+  'StatelessRandomNormalV2',
+  'StatelessTruncatedNormalV2',
+  'StatelessRandomUniformIntV2',
+  'StatelessRandomUniformFullIntV2',
+  'StatelessRandomGetKeyCounter',
+  'StatelessRandomGetKeyCounterAlg',
+  'StatelessRandomGetAlg',
+  *SEEDED_STATEFUL_OPS,
+)
 def random_handler(p, graph, node, operands):
   """Random values: generate the global tensor on every partition, then keep this
   partition's shard. Stateless ops give the same values everywhere from the same
@@ -226,9 +260,14 @@ def random_handler(p, graph, node, operands):
   could make differently (which it cannot import: factors imports this module).
   """
   inputs = [p.replicate(o, f'{node.op} reads its operands whole').tensor for o in operands]
-  return emit_outputs(p, graph, node, inputs,
-                      [replicated(p.mesh, t.rank or 0) for t in node.outputs],
-                      attrs=shared_seed_attrs(node))
+  return emit_outputs(
+    p,
+    graph,
+    node,
+    inputs,
+    [replicated(p.mesh, t.rank or 0) for t in node.outputs],
+    attrs=shared_seed_attrs(node),
+  )
 
 
 # --- shape-carrying ops ----------------------------------------------------------------
@@ -236,6 +275,7 @@ def _shape_input(p, graph, node, index) -> np.ndarray:
   value = p.static_value(graph, node.inputs[index])
   if value is None:
     raise ValueError(
-        f'{node.op} {node.name}: its shape input {node.inputs[index]} is not known before run '
-        'time; tf_gspmd needs static shapes to partition it.')
+      f'{node.op} {node.name}: its shape input {node.inputs[index]} is not known before run '
+      'time; tf_gspmd needs static shapes to partition it.'
+    )
   return value

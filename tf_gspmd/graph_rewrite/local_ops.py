@@ -48,8 +48,7 @@ def bias_add_grad_handler(p, graph, node, operands):
   dy = p.reshard(operands[0], chosen.operands[0], f'operand of {node.op}')
   (dims,) = chosen.rule.operands
   reduced = [d for d, e in enumerate(dims) if e is None or chosen.rule.kind(e) == REDUCTION]
-  local = uneven.mask_padding(dy.tensor, dy.sharding, dy.shape, reduced, 0,
-                              p.backend.partition_id)
+  local = uneven.mask_padding(dy.tensor, dy.sharding, dy.shape, reduced, 0, p.backend.partition_id)
   total = tf.reduce_sum(local, axis=reduced, name=node.name)
   value = Local(total, chosen.results[0], global_shape(graph, node.outputs[0].name))
   check_local_shape(node, value)
@@ -68,8 +67,9 @@ def fill_handler(p, graph, node, operands):
   local shard shape directly."""
   chosen = factors.choose_layouts(p, graph, node, operands)
   value = p.replicate(operands[1], 'fill value').tensor
-  return emit_outputs(p, graph, node, [_local_shape(chosen, graph, node, operands[0].dtype), value],
-                      chosen.results)
+  return emit_outputs(
+    p, graph, node, [_local_shape(chosen, graph, node, operands[0].dtype), value], chosen.results
+  )
 
 
 @handles('BroadcastTo')

@@ -64,19 +64,25 @@ from typing import Dict, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
+from tf_gspmd import collectives as collectives_lib
 from tf_gspmd.graph_rewrite import reshard_plan as rp
 from tf_gspmd.graph_rewrite.partitioner import Local
-from tf_gspmd import collectives as collectives_lib
 from tf_gspmd.sharding import NamedSharding
 
 _NOT_MOVABLE = (tf.resource, tf.variant, tf.string)
 
 
 def _record(p, kind, axes, tensor, why):
-  p.note_collective({'kind': kind, 'axes': tuple(axes), 'shape': tuple(tensor.shape),
-                     'dtype': tensor.dtype.name,
-                     'bytes': int(tensor.shape.num_elements() or 0) * tensor.dtype.size,
-                     'why': why})
+  p.note_collective(
+    {
+      'kind': kind,
+      'axes': tuple(axes),
+      'shape': tuple(tensor.shape),
+      'dtype': tensor.dtype.name,
+      'bytes': int(tensor.shape.num_elements() or 0) * tensor.dtype.size,
+      'why': why,
+    }
+  )
 
 
 _PLANS: Dict[tuple, rp.ReshardPlan] = {}
@@ -112,38 +118,54 @@ def reshard(p, value: Local, target: NamedSharding, why: str = '') -> Local:
 def apply_plan(p, value: Local, plan: rp.ReshardPlan, why: str = '') -> Local:
   """Emit the steps of a given `plan` (e.g. `reshard_plan.naive_plan`) on `value`."""
   _check_value(p, value, plan.dst)
-  if (tuple(int(s) for s in value.shape) != tuple(plan.shape) or value.sharding != plan.src or
-      value.sharding.mesh != plan.src.mesh):
-    raise ValueError(f'apply_plan: the plan is for {plan.src} of {plan.shape}, the value is '
-                     f'{value.sharding} of {tuple(value.shape)}.')
+  if (
+    tuple(int(s) for s in value.shape) != tuple(plan.shape)
+    or value.sharding != plan.src
+    or value.sharding.mesh != plan.src.mesh
+  ):
+    raise ValueError(
+      f'apply_plan: the plan is for {plan.src} of {plan.shape}, the value is '
+      f'{value.sharding} of {tuple(value.shape)}.'
+    )
   x = value.tensor
   lowering = _Lowering(p, plan, why)
   for step in merged_steps(plan):
     x = lowering.run(step, x)
     if tuple(x.shape) != tuple(step.shape_out):
-      raise AssertionError(f'lower_reshard: {step.describe()} produced local shape '
-                           f'{tuple(x.shape)}, the plan says {step.shape_out}\n{plan}')
+      raise AssertionError(
+        f'lower_reshard: {step.describe()} produced local shape '
+        f'{tuple(x.shape)}, the plan says {step.shape_out}\n{plan}'
+      )
   want_out = tuple(plan.dst.shard_shape(plan.shape))
   if tuple(x.shape) != want_out:
-    raise AssertionError(f'lower_reshard: plan ends with local shape {tuple(x.shape)}, the '
-                         f'target {plan.dst} has shard shape {want_out}\n{plan}')
+    raise AssertionError(
+      f'lower_reshard: plan ends with local shape {tuple(x.shape)}, the '
+      f'target {plan.dst} has shard shape {want_out}\n{plan}'
+    )
   return Local(x, plan.dst, tuple(plan.shape))
 
 
 def _check_value(p, value: Local, target: NamedSharding, why: str = '') -> None:
   src, shape = value.sharding, tuple(int(s) for s in value.shape)
   if value.dtype in _NOT_MOVABLE:
-    raise ValueError(f'reshard {src} -> {target}' + (f' of {why}' if why else '') +
-                     f': a {value.dtype.name} value cannot be moved between partitions; keep '
-                     'it replicated, or shard the numbers it is made from.')
+    raise ValueError(
+      f'reshard {src} -> {target}'
+      + (f' of {why}' if why else '')
+      + f': a {value.dtype.name} value cannot be moved between partitions; keep '
+      'it replicated, or shard the numbers it is made from.'
+    )
   for s in (src, target):  # another device order of the backend's mesh is fine (a permute)
     if not s.mesh.is_reordering_of(p.backend.mesh):
-      raise ValueError(f'reshard {src} -> {target}: {s} lives on {s.mesh!r}, the collective '
-                       f'backend on {p.backend.mesh!r}.')
+      raise ValueError(
+        f'reshard {src} -> {target}: {s} lives on {s.mesh!r}, the collective '
+        f'backend on {p.backend.mesh!r}.'
+      )
   want_in = tuple(src.shard_shape(shape))
   if tuple(value.tensor.shape) != want_in:
-    raise ValueError(f'reshard {src} -> {target} of global shape {shape}: the local tensor has '
-                     f'shape {tuple(value.tensor.shape)}, not the shard shape {want_in}.')
+    raise ValueError(
+      f'reshard {src} -> {target} of global shape {shape}: the local tensor has '
+      f'shape {tuple(value.tensor.shape)}, not the shard shape {want_in}.'
+    )
 
 
 def merged_steps(plan: rp.ReshardPlan) -> list:
@@ -159,8 +181,12 @@ def merged_steps(plan: rp.ReshardPlan) -> list:
   out = []
   for step in plan.steps:
     last = out[-1] if out else None
-    if (isinstance(step, rp.AllReduce) and isinstance(last, rp.AllReduce) and
-        last.op == step.op and tuple(last.shape_in) == tuple(step.shape_in)):
+    if (
+      isinstance(step, rp.AllReduce)
+      and isinstance(last, rp.AllReduce)
+      and last.op == step.op
+      and tuple(last.shape_in) == tuple(step.shape_in)
+    ):
       axes = tuple(sorted(last.axes + step.axes, key=order.get))
       out[-1] = rp.AllReduce(axes, step.op, last.group_size * step.group_size, last.shape_in)
     else:
@@ -202,8 +228,10 @@ class _AxisNames:
         self.parts = parts
         self.owner = {s: a for a, subs in parts.items() for s in subs}
         return
-    raise ValueError(f'lower_reshard: the plan runs on {plan_mesh!r}, which is neither of the '
-                     f'meshes {user_meshes!r} nor a prime-factor refinement of one.')
+    raise ValueError(
+      f'lower_reshard: the plan runs on {plan_mesh!r}, which is neither of the '
+      f'meshes {user_meshes!r} nor a prime-factor refinement of one.'
+    )
 
   def _runs(self, axes: Sequence[str]):
     """[(name, whole)]: whole user axes where a full run of sub-axes appears in order."""
@@ -212,7 +240,7 @@ class _AxisNames:
     while i < len(axes):
       owner = self.owner[axes[i]]
       subs = self.parts[owner]
-      if axes[i:i + len(subs)] == subs:
+      if axes[i : i + len(subs)] == subs:
         out.append((owner, True))
         i += len(subs)
       else:
@@ -276,8 +304,9 @@ class _Lowering:
   # --- local ---------------------------------------------------------------------------
   def _slice(self, step: rp.Slice, x):
     rows = int(x.shape[step.dim])
-    windows = {d: rp.slice_window(i, step.chunk, rows)
-               for d, i in self._positions(step.axes).items()}
+    windows = {
+      d: rp.slice_window(i, step.chunk, rows) for d, i in self._positions(step.axes).items()
+    }
     start, shift = self._table(windows, 2, 'slice_window')
     y = _window(x, step.dim, start, step.chunk)
     if isinstance(shift, int) and shift == 0:
@@ -310,8 +339,12 @@ class _Lowering:
     return backend.all_reduce(x, axes, step.op)
 
   def _permute(self, step: rp.Permute, x):
-    moved = [a for before, after in zip(step.from_axes, step.to_axes) if before != after
-             for a in before + after]
+    moved = [
+      a
+      for before, after in zip(step.from_axes, step.to_axes)
+      if before != after
+      for a in before + after
+    ]
     self._note('permute', tuple(a for a in self.mesh.axis_names if a in moved), x)
     got = self.backend.permute(x, step.pairs)
     return self._keep_where_not_received(x, got, step.pairs)

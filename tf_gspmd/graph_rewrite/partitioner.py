@@ -32,9 +32,10 @@ log = logging.getLogger('tf_gspmd')
 @dataclasses.dataclass(frozen=True)
 class Local:
   """A value inside the per-partition program."""
-  tensor: tf.Tensor        # this partition's shard, padded to the ceil shard shape
+
+  tensor: tf.Tensor  # this partition's shard, padded to the ceil shard shape
   sharding: NamedSharding  # how the global value is laid out (may be partial)
-  shape: tuple             # the global shape
+  shape: tuple  # the global shape
 
   @property
   def dtype(self) -> tf.DType:
@@ -48,6 +49,7 @@ def replicated(mesh: Mesh, rank: int) -> NamedSharding:
 @dataclasses.dataclass
 class OpRecord:
   """What one IR node cost: the collectives emitted for it, and why."""
+
   graph: str
   node: str
   op: str
@@ -70,8 +72,16 @@ class Partitioner:
       None resolves each where it is produced.
   """
 
-  def __init__(self, program: ir.Program, target: Callable[[ir.Graph, str], NamedSharding],
-               mesh: Mesh, backend, resharder, lookup, coalescer=None):
+  def __init__(
+    self,
+    program: ir.Program,
+    target: Callable[[ir.Graph, str], NamedSharding],
+    mesh: Mesh,
+    backend,
+    resharder,
+    lookup,
+    coalescer=None,
+  ):
     self.program = program
     self.target = target
     self.mesh = mesh
@@ -96,18 +106,21 @@ class Partitioner:
 
   def rule_context(self, graph: ir.Graph):
     """What propagation rules may ask about `graph` (shapes, constants, variable shapes)."""
-    from tf_gspmd.propagation.registry import RuleContext  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.propagation.registry import RuleContext
+
     if graph.name not in self._contexts:
       self.static_value(graph, '')  # fold once, shared with the rules
       self._contexts[graph.name] = RuleContext(
-          graph, self._resource_shapes.setdefault(graph.name, {}), self._static[graph.name])
+        graph, self._resource_shapes.setdefault(graph.name, {}), self._static[graph.name]
+      )
     return self._contexts[graph.name]
 
   def reshard_cost(self, src: NamedSharding, dst: NamedSharding, shape, dtype_size: int):
     """(bytes moved per device, peak per-device bytes) of resharding src -> dst."""
     if src == dst and not src.partial_axes:
       return 0, 0
-    from tf_gspmd.graph_rewrite import reshard_plan  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.graph_rewrite import reshard_plan
+
     plan = reshard_plan.plan_reshard(src, dst, tuple(shape), dtype_size)
     return plan.bytes_moved, plan.peak_bytes
 
@@ -129,8 +142,9 @@ class Partitioner:
       log.warning(message)
 
   # --- graphs ---------------------------------------------------------------
-  def run_graph(self, graph: ir.Graph, args: Sequence[Local],
-                bound: Optional[Dict[str, Local]] = None) -> List[Local]:
+  def run_graph(
+    self, graph: ir.Graph, args: Sequence[Local], bound: Optional[Dict[str, Local]] = None
+  ) -> List[Local]:
     """Emit `graph` on local shards. `args` bind `graph.inputs`; `bound` binds others."""
     env: Dict[str, Local] = {}
     for name, value in list(zip(graph.inputs, args)) + list((bound or {}).items()):
@@ -148,20 +162,29 @@ class Partitioner:
     for node in graph.nodes:
       if node.outputs and all(t.name in env for t in node.outputs):
         continue  # an argument or a bound value
-      if _after(node, later) or (node.name in deferrable and
-                                  self._coalescer.would_resolve(self, frame, node, env)):
+      if _after(node, later) or (
+        node.name in deferrable and self._coalescer.would_resolve(self, frame, node, env)
+      ):
         postponed.append(node)
         later.add(node.name)
         continue
       self._emit_node(graph, node, env, frame)
     if postponed:
-      self._resolving(graph, 'pending', f'{len(postponed)} update nodes postponed until the '
-                      'pending sums are resolved', lambda: self._coalescer.flush(self, frame))
+      self._resolving(
+        graph,
+        'pending',
+        f'{len(postponed)} update nodes postponed until the pending sums are resolved',
+        lambda: self._coalescer.flush(self, frame),
+      )
       for node in postponed:
         self._emit_node(graph, node, env, frame)
     if frame is not None:
-      self._resolving(graph, 'outputs', 'pending sums resolved at the end of the graph',
-                      lambda: self._coalescer.pop(self, frame))
+      self._resolving(
+        graph,
+        'outputs',
+        'pending sums resolved at the end of the graph',
+        lambda: self._coalescer.pop(self, frame),
+      )
     return [env[t] for t in graph.outputs]
 
   def _emit_node(self, graph: ir.Graph, node: ir.Node, env: Dict[str, Local], frame) -> None:
@@ -171,8 +194,7 @@ class Partitioner:
     linear = None
     if frame is not None:  # pending sums: resolved here, or kept through a linear node
       operands, linear = self._coalescer.before_node(self, frame, node, operands)
-    handler, how = (linear, 'linear on pending sums') if linear else self._lookup(
-        self, node, graph)
+    handler, how = (linear, 'linear on pending sums') if linear else self._lookup(self, node, graph)
     record.how = how
     outs = handler(self, graph, node, operands)
     self._current = None
@@ -202,5 +224,6 @@ class Partitioner:
 
 def _after(node: ir.Node, later) -> bool:
   """Whether `node` reads a postponed node's result or is ordered after one."""
-  return (any(ir.split_tensor_name(t)[0] in later for t in node.inputs) or
-          any(c.lstrip('^') in later for c in node.control_inputs))
+  return any(ir.split_tensor_name(t)[0] in later for t in node.inputs) or any(
+    c.lstrip('^') in later for c in node.control_inputs
+  )

@@ -147,8 +147,7 @@ def shard_intervals(n: int, levels: Tuple[Level, ...]) -> Tuple[Tuple[int, int],
 
 def same_layout(n: int, a: Tuple[Level, ...], b: Tuple[Level, ...]) -> bool:
   """Whether two geometries put the same rows at the same local places with the same buffer."""
-  return (levels_chunk(n, a) == levels_chunk(n, b) and
-          shard_intervals(n, a) == shard_intervals(n, b))
+  return levels_chunk(n, a) == levels_chunk(n, b) and shard_intervals(n, a) == shard_intervals(n, b)
 
 
 def split_trailing(levels: Sequence[Level], g: int):
@@ -225,7 +224,7 @@ def regroup_blocks(x, dim: int, blocks: Sequence[Level], out_chunk: int, reshape
   Works on numpy arrays and on TF tensors (pass tf.reshape).
   """
   shape = [int(s) for s in x.shape]
-  lead, tail = shape[:dim], shape[dim + 1:]
+  lead, tail = shape[:dim], shape[dim + 1 :]
   ks = [k for k, _ in blocks]
   cur = blocks[-1][1]
   y = reshape(x, lead + ks + [cur] + tail)
@@ -281,6 +280,7 @@ class Slice:
   the wanted rows come first and rows past the end of the buffer land in the
   shard's padding (`slice_window` computes start and shift).
   """
+
   kind: ClassVar[str] = 'slice'
   dim: int
   axes: tuple
@@ -321,6 +321,7 @@ def slice_window(index: int, chunk: int, rows: int) -> Tuple[int, int]:
 @dataclasses.dataclass(frozen=True)
 class AllGather:
   """all_gather(x, axes, dim), then regroup_blocks(y, dim, blocks, out_chunk)."""
+
   kind: ClassVar[str] = 'all_gather'
   dim: int
   axes: tuple
@@ -345,6 +346,7 @@ class AllGather:
 class AllToAll:
   """pad split_dim to split_padded; all_to_all(x, axes, split_dim, concat_dim);
   then regroup_blocks(y, concat_dim, blocks, out_chunk)."""
+
   kind: ClassVar[str] = 'all_to_all'
   split_dim: int
   concat_dim: int
@@ -368,13 +370,16 @@ class AllToAll:
     return max(_elems(self.shape_in), self._padded_elems, _elems(self.shape_out))
 
   def describe(self) -> str:
-    return (f'all_to_all axes={_fmt_axes(self.axes)} split_dim={self.split_dim} '
-            f'concat_dim={self.concat_dim}')
+    return (
+      f'all_to_all axes={_fmt_axes(self.axes)} split_dim={self.split_dim} '
+      f'concat_dim={self.concat_dim}'
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class ReduceScatter:
   """pad `dim` to `padded`; reduce_scatter(x, axes, dim, op)."""
+
   kind: ClassVar[str] = 'reduce_scatter'
   dim: int
   axes: tuple
@@ -398,6 +403,7 @@ class ReduceScatter:
 @dataclasses.dataclass(frozen=True)
 class AllReduce:
   """all_reduce(x, axes, op)."""
+
   kind: ClassVar[str] = 'all_reduce'
   axes: tuple
   op: str
@@ -426,6 +432,7 @@ class Permute:
 
   `from_axes`/`to_axes` give the per-dim mesh axes before and after (same local shape).
   """
+
   kind: ClassVar[str] = 'permute'
   pairs: tuple
   from_axes: tuple
@@ -448,8 +455,11 @@ class Permute:
     return _elems(self.shape_in)
 
   def describe(self) -> str:
-    moves = [f'd{d}:{_fmt_axes(a)}->{_fmt_axes(b)}'
-             for d, (a, b) in enumerate(zip(self.from_axes, self.to_axes)) if a != b]
+    moves = [
+      f'd{d}:{_fmt_axes(a)}->{_fmt_axes(b)}'
+      for d, (a, b) in enumerate(zip(self.from_axes, self.to_axes))
+      if a != b
+    ]
     return f'permute {" ".join(moves) or "device order"} ({len(self.pairs)} pairs)'
 
 
@@ -462,6 +472,7 @@ class RepadRound:
   receiver writes message rows [msg_off, msg_off+length) to its output rows
   [dst_off, dst_off+length). pairs: ((src_device, dst_device), ...).
   """
+
   size: int
   pairs: tuple
   sends: tuple
@@ -481,6 +492,7 @@ class Repad:
   partition id (length 0 where a device has no entry). Every window lies
   inside its buffer, so no padding is needed.
   """
+
   kind: ClassVar[str] = 'repad'
   dim: int
   axes: tuple
@@ -508,8 +520,10 @@ class Repad:
     return max(_elems(self.shape_in), _elems(self.shape_out))
 
   def describe(self) -> str:
-    return (f'repad dim={self.dim} axes={_fmt_axes(self.axes)} {list(self.levels_in)}->'
-            f'{list(self.levels_out)} ({len(self.rounds)} rounds)')
+    return (
+      f'repad dim={self.dim} axes={_fmt_axes(self.axes)} {list(self.levels_in)}->'
+      f'{list(self.levels_out)} ({len(self.rounds)} rounds)'
+    )
 
 
 STEP_TYPES = (Slice, AllGather, AllToAll, ReduceScatter, AllReduce, Permute, Repad)
@@ -528,6 +542,7 @@ class ReshardPlan:
   (input, collective output before trimming, padded input, output) any step
   holds per device, the source shard included.
   """
+
   src: NamedSharding
   dst: NamedSharding
   shape: tuple
@@ -544,8 +559,9 @@ class ReshardPlan:
 
   def bytes_moved_per_device(self) -> Dict[int, int]:
     """Bytes each device receives over the whole plan."""
-    return {d: self.dtype_size * sum(s.received_elems(d) for s in self.steps)
-            for d in self.mesh.devices}
+    return {
+      d: self.dtype_size * sum(s.received_elems(d) for s in self.steps) for d in self.mesh.devices
+    }
 
   @cached_property  # asked for every candidate layout of every op: 2048 devices each
   def bytes_moved(self) -> int:
@@ -562,8 +578,9 @@ class ReshardPlan:
 
   @property
   def peak_bytes(self) -> int:
-    return self.dtype_size * max([_elems(self.src.shard_shape(self.shape))] +
-                                 [s.peak_elems for s in self.steps])
+    return self.dtype_size * max(
+      [_elems(self.src.shard_shape(self.shape))] + [s.peak_elems for s in self.steps]
+    )
 
   def collective_counts(self) -> Dict[str, int]:
     """Steps per kind (local slices included as 'slice')."""
@@ -573,25 +590,32 @@ class ReshardPlan:
     return counts
 
   def __str__(self):
-    head = (f'ReshardPlan[{self.strategy}] {_fmt_shape(self.shape)} x{self.dtype_size}B on '
-            f'{self.src.mesh}: {self.src} -> {self.dst}')
+    head = (
+      f'ReshardPlan[{self.strategy}] {_fmt_shape(self.shape)} x{self.dtype_size}B on '
+      f'{self.src.mesh}: {self.src} -> {self.dst}'
+    )
     if self.mesh != self.src.mesh:
       head += f' (steps on {self.mesh})'
     lines = [head]
     for i, s in enumerate(self.steps, 1):
       recv = max(s.received_elems(d) for d in self.mesh.devices) * self.dtype_size
-      lines.append(f'  {i}. {s.describe():<58} {_fmt_shape(s.shape_in)} -> '
-                   f'{_fmt_shape(s.shape_out)}  recv {recv} B')
+      lines.append(
+        f'  {i}. {s.describe():<58} {_fmt_shape(s.shape_in)} -> '
+        f'{_fmt_shape(s.shape_out)}  recv {recv} B'
+      )
     if not self.steps:
       lines.append('  (nothing to do)')
-    lines.append(f'  bytes moved/device: {self.bytes_moved}  peak buffer/device: '
-                 f'{self.peak_bytes} B (bound {self.bound_bytes} B; src shard '
-                 f'{self.src_shard_bytes} B, dst shard {self.dst_shard_bytes} B)')
+    lines.append(
+      f'  bytes moved/device: {self.bytes_moved}  peak buffer/device: '
+      f'{self.peak_bytes} B (bound {self.bound_bytes} B; src shard '
+      f'{self.src_shard_bytes} B, dst shard {self.dst_shard_bytes} B)'
+    )
     return '\n'.join(lines)
 
 
-def plan_reshard(src: NamedSharding, dst: NamedSharding, shape: Sequence[int],
-                 dtype_size: int = 4) -> ReshardPlan:
+def plan_reshard(
+  src: NamedSharding, dst: NamedSharding, shape: Sequence[int], dtype_size: int = 4
+) -> ReshardPlan:
   """The cheapest valley plan (bytes received per device) from `src` to `dst` within the bound.
 
   >>> from tf_gspmd.sharding import P
@@ -617,14 +641,15 @@ _PLAN_CACHE: dict = {}
 
 
 def _plan_reshard(src, dst, shape, dtype_size: int) -> ReshardPlan:
-  if (isinstance(src, NamedSharding) and isinstance(dst, NamedSharding) and
-      src.mesh != dst.mesh):
+  if isinstance(src, NamedSharding) and isinstance(dst, NamedSharding) and src.mesh != dst.mesh:
     return _plan_across_orders(src, dst, shape, dtype_size)
   planner = _Planner(src, dst, shape, dtype_size)
   best = planner.build(planner.search(), 'valley')
   refined = _Planner(src, dst, shape, dtype_size, refine=True)
-  if (refined.mesh != planner.mesh and
-      (refined.rank + 1) ** len(refined.axes) <= _MAX_REFINED_PLACEMENTS):
+  if (
+    refined.mesh != planner.mesh
+    and (refined.rank + 1) ** len(refined.axes) <= _MAX_REFINED_PLACEMENTS
+  ):
     candidate = refined.build(refined.search(), 'valley')
     if _plan_key(candidate) < _plan_key(best):
       best = candidate
@@ -633,12 +658,12 @@ def _plan_reshard(src, dst, shape, dtype_size: int) -> ReshardPlan:
 
 def collective_count(plan: ReshardPlan) -> int:
   """Collectives a plan runs: every step but local slices, a repad once per round."""
-  return sum(len(s.rounds) if isinstance(s, Repad) else int(not isinstance(s, Slice))
-             for s in plan.steps)
+  return sum(
+    len(s.rounds) if isinstance(s, Repad) else int(not isinstance(s, Slice)) for s in plan.steps
+  )
 
 
-def _no_more_collectives_than_even(best: ReshardPlan, src, dst, shape,
-                                   dtype_size) -> ReshardPlan:
+def _no_more_collectives_than_even(best: ReshardPlan, src, dst, shape, dtype_size) -> ReshardPlan:
   """`best`, or the naive plan when best saves only padding with extra collectives.
 
   With short or empty shards (4 rows over 8 devices) the cheapest plan in
@@ -654,8 +679,7 @@ def _no_more_collectives_than_even(best: ReshardPlan, src, dst, shape,
   if padded == tuple(int(n) for n in shape):
     return best
   naive = naive_plan(src, dst, shape, dtype_size)
-  if (collective_count(naive) >= collective_count(best) or
-      naive.peak_bytes > best.bound_bytes):
+  if collective_count(naive) >= collective_count(best) or naive.peak_bytes > best.bound_bytes:
     return best
   even = plan_reshard(src, dst, padded, dtype_size)
   return naive if naive.bytes_moved <= even.bytes_moved else best
@@ -685,8 +709,9 @@ def _plan_across_orders(src: NamedSharding, dst: NamedSharding, shape, dtype_siz
   """
   if not dst.mesh.is_reordering_of(src.mesh):
     raise ValueError(
-        f'plan_reshard: source {src!r} and target {dst!r} use different meshes, not two '
-        'device orders of one mesh (same axis names and sizes, same devices).')
+      f'plan_reshard: source {src!r} and target {dst!r} use different meshes, not two '
+      'device orders of one mesh (same axis names and sizes, same devices).'
+    )
   shape = tuple(int(s) for s in shape)
   candidates = []
   src_there = _same_spec_on(src, dst.mesh)
@@ -708,8 +733,9 @@ def _with_reorder(inner: ReshardPlan, src, dst, step, first: bool) -> ReshardPla
     steps = _merge_permutes(step, steps[0]) + steps[1:] if steps else (step,)
   elif step is not None:
     steps = steps[:-1] + _merge_permutes(steps[-1], step) if steps else (step,)
-  return ReshardPlan(src, dst, inner.shape, inner.dtype_size, steps, inner.bound_bytes,
-                     inner.strategy, inner.mesh)
+  return ReshardPlan(
+    src, dst, inner.shape, inner.dtype_size, steps, inner.bound_bytes, inner.strategy, inner.mesh
+  )
 
 
 def _merge_permutes(a, b) -> tuple:
@@ -801,8 +827,9 @@ def _prime_factors(n: int) -> list:
   return out + ([n] if n > 1 else [])
 
 
-def naive_plan(src: NamedSharding, dst: NamedSharding, shape: Sequence[int],
-               dtype_size: int = 4) -> ReshardPlan:
+def naive_plan(
+  src: NamedSharding, dst: NamedSharding, shape: Sequence[int], dtype_size: int = 4
+) -> ReshardPlan:
   """All-reduce pending reductions, all-gather every dim to replicated, then slice."""
   planner = _Planner(src, dst, shape, dtype_size)
   return planner.build(planner.naive_path(), 'naive')
@@ -842,17 +869,24 @@ class _Planner:
     goal_partial = frozenset(plan_axes(dst.partial_axes))
     if not goal_partial <= src_partial or (goal_partial and src.partial != dst.partial):
       raise ValueError(
-          f'plan_reshard: target {dst} holds a pending reduction the source {src} does not; '
-          f'a reshard can resolve pending reductions but not create them.')
+        f'plan_reshard: target {dst} holds a pending reduction the source {src} does not; '
+        f'a reshard can resolve pending reductions but not create them.'
+      )
     self.src_partial, self.goal_partial = src_partial, goal_partial
     self.op = src.partial or 'sum'
     self.src_dim = {a: d for d, axes in enumerate(self.src_axes) for a in axes}
     self.dst_dim = {a: d for d, axes in enumerate(self.dst_axes) for a in axes}
     self.axes = big
-    self.start = (tuple((axes, canonical_levels(n, self._count(axes)))
-                        for axes, n in zip(self.src_axes, shape)), src_partial, _PHASE_SLICE)
-    self.goal_levels = tuple(canonical_levels(n, self._count(axes))
-                             for axes, n in zip(self.dst_axes, shape))
+    self.start = (
+      tuple(
+        (axes, canonical_levels(n, self._count(axes))) for axes, n in zip(self.src_axes, shape)
+      ),
+      src_partial,
+      _PHASE_SLICE,
+    )
+    self.goal_levels = tuple(
+      canonical_levels(n, self._count(axes)) for axes, n in zip(self.dst_axes, shape)
+    )
     self.bound_elems = self._bound_elems()
     self._specs_by_counts = None
 
@@ -875,9 +909,11 @@ class _Planner:
   def _is_goal(self, state) -> bool:
     dims, partial, _ = state
     return partial == self.goal_partial and all(
-        axes == goal_axes and same_layout(n, lv, goal_lv)
-        for (axes, lv), goal_axes, goal_lv, n in zip(dims, self.dst_axes, self.goal_levels,
-                                                     self.shape))
+      axes == goal_axes and same_layout(n, lv, goal_lv)
+      for (axes, lv), goal_axes, goal_lv, n in zip(
+        dims, self.dst_axes, self.goal_levels, self.shape
+      )
+    )
 
   def _specs(self):
     """Every placement of the mesh axes on the dims (any dim, any order), by per-dim counts."""
@@ -912,8 +948,12 @@ class _Planner:
         return (new_dims, partial, new_phase), 0, e_in, (shape_in, shape_out)
       padded = _elems(_set(shape_in, {d: g * new_chunk}))  # equal pieces for the collective
       recv = (g - 1) * _elems(shape_out)
-      return ((new_dims, partial - set(axes), phase), recv, max(e_in, padded),
-              (g * new_chunk, shape_in, shape_out))
+      return (
+        (new_dims, partial - set(axes), phase),
+        recv,
+        max(e_in, padded),
+        (g * new_chunk, shape_in, shape_out),
+      )
     if kind == 'all_reduce':
       g = self._count(move[1])
       return ((dims, partial - set(move[1]), phase), 2 * (g - 1) * _ceil(e_in, g), e_in, shape_in)
@@ -926,11 +966,15 @@ class _Planner:
         return None
       prefix, blocks = split
       out_chunk = levels_chunk(n, prefix)
-      new_dims = _replace(dims, d, (cur_axes[:-len(axes)], normalize_levels(prefix)))
+      new_dims = _replace(dims, d, (cur_axes[: -len(axes)], normalize_levels(prefix)))
       shape_out = _set(shape_in, {d: out_chunk})
       peak = max(e_in * g, _elems(shape_out))
-      return ((new_dims, partial, _PHASE_GATHER), (g - 1) * e_in, peak,
-              (blocks, out_chunk, shape_in, shape_out))
+      return (
+        (new_dims, partial, _PHASE_GATHER),
+        (g - 1) * e_in,
+        peak,
+        (blocks, out_chunk, shape_in, shape_out),
+      )
     if kind == 'all_to_all':
       _, s, c, axes = move
       g = self._count(axes)
@@ -942,12 +986,16 @@ class _Planner:
       out_chunk = levels_chunk(self.shape[c], prefix)
       s_chunk = _ceil(levels_chunk(self.shape[s], s_lv), g)
       new_dims = _replace(dims, s, (s_axes + axes, normalize_levels(s_lv + ((g, s_chunk),))))
-      new_dims = _replace(new_dims, c, (c_axes[:-len(axes)], normalize_levels(prefix)))
+      new_dims = _replace(new_dims, c, (c_axes[: -len(axes)], normalize_levels(prefix)))
       padded = _elems(_set(shape_in, {s: g * s_chunk}))
       shape_out = _set(shape_in, {s: s_chunk, c: out_chunk})
       peak = max(e_in, padded, _elems(shape_out))
-      return ((new_dims, partial, _PHASE_MIDDLE), (g - 1) * (padded // g), peak,
-              (g * s_chunk, blocks, out_chunk, shape_in, shape_out))
+      return (
+        (new_dims, partial, _PHASE_MIDDLE),
+        (g - 1) * (padded // g),
+        peak,
+        (g * s_chunk, blocks, out_chunk, shape_in, shape_out),
+      )
     if kind == 'permute':
       new_axes = move[1]
       new_dims = tuple((a, lv) for a, (_, lv) in zip(new_axes, dims))
@@ -960,8 +1008,12 @@ class _Planner:
       shape_out = _set(shape_in, {d: levels_chunk(n, new_lv)})
       peak = max(e_in, _elems(shape_out))
       new_phase = _PHASE_MIDDLE if phase <= _PHASE_MIDDLE else phase
-      return ((_replace(dims, d, (axes, new_lv)), partial, new_phase), rows * row, peak,
-              (local, rounds, shape_in, shape_out))
+      return (
+        (_replace(dims, d, (axes, new_lv)), partial, new_phase),
+        rows * row,
+        peak,
+        (local, rounds, shape_in, shape_out),
+      )
     raise AssertionError(f'unknown move {move!r}')
 
   def _moves(self, state):
@@ -1009,8 +1061,8 @@ class _Planner:
     """
     n, goal = self.shape[d], self.dst_axes[d]
     options = {canonical_levels(n, self._count(axes))}
-    if len(axes) > len(goal) and axes[:len(goal)] == goal:
-      kt, ke = self._count(goal), self._count(axes[len(goal):])
+    if len(axes) > len(goal) and axes[: len(goal)] == goal:
+      kt, ke = self._count(goal), self._count(axes[len(goal) :])
       options.add(normalize_levels(canonical_levels(n, kt) + ((ke, _ceil(_ceil(n, kt), ke)),)))
     return sorted(options)
 
@@ -1036,15 +1088,20 @@ class _Planner:
         if peak > self.bound_elems:
           continue
         nonvalley = 1 if move[0] == 'slice' and state[2] != _PHASE_SLICE else 0
-        new_cost = (cost[0] + recv * self.dtype_size, cost[1] + nonvalley, cost[2] + 1,
-                    cost[3] + _gather_copy_elems(move, effect[3]))
+        new_cost = (
+          cost[0] + recv * self.dtype_size,
+          cost[1] + nonvalley,
+          cost[2] + 1,
+          cost[3] + _gather_copy_elems(move, effect[3]),
+        )
         if new_cost < best.get(new_state, (math.inf,)):
           best[new_state] = new_cost
           parent[new_state] = (state, move)
           heapq.heappush(heap, (new_cost, next(tie), new_state))
     raise ValueError(
-        f'plan_reshard: no plan from {self.src} to {self.dst} for shape {self.shape} on '
-        f'{self.mesh} keeps every buffer within {self.bound_elems * self.dtype_size} bytes.')
+      f'plan_reshard: no plan from {self.src} to {self.dst} for shape {self.shape} on '
+      f'{self.mesh} keeps every buffer within {self.bound_elems * self.dtype_size} bytes.'
+    )
 
   @staticmethod
   def _path(parent, state):
@@ -1077,8 +1134,16 @@ class _Planner:
       state = new_state
     if not self._is_goal(state):
       raise AssertionError(f'plan_reshard: {strategy} plan ends in {state}, not the target')
-    return ReshardPlan(self.src, self.dst, self.shape, self.dtype_size, tuple(steps),
-                       self.bound_elems * self.dtype_size, strategy, self.mesh)
+    return ReshardPlan(
+      self.src,
+      self.dst,
+      self.shape,
+      self.dtype_size,
+      tuple(steps),
+      self.bound_elems * self.dtype_size,
+      strategy,
+      self.mesh,
+    )
 
   def _step(self, state, move, details):
     dims, partial, _ = state
@@ -1088,18 +1153,29 @@ class _Planner:
       return Slice(move[1], move[2], shape_out[move[1]], shape_in, shape_out)
     if kind == 'reduce_scatter':
       padded, shape_in, shape_out = details
-      return ReduceScatter(move[1], move[2], self.op, self._count(move[2]), padded, shape_in,
-                           shape_out)
+      return ReduceScatter(
+        move[1], move[2], self.op, self._count(move[2]), padded, shape_in, shape_out
+      )
     if kind == 'all_reduce':
       return AllReduce(move[1], self.op, self._count(move[1]), details)
     if kind == 'all_gather':
       blocks, out_chunk, shape_in, shape_out = details
-      return AllGather(move[1], move[2], self._count(move[2]), blocks, out_chunk, shape_in,
-                       shape_out)
+      return AllGather(
+        move[1], move[2], self._count(move[2]), blocks, out_chunk, shape_in, shape_out
+      )
     if kind == 'all_to_all':
       split_padded, blocks, out_chunk, shape_in, shape_out = details
-      return AllToAll(move[1], move[2], move[3], self._count(move[3]), split_padded, blocks,
-                      out_chunk, shape_in, shape_out)
+      return AllToAll(
+        move[1],
+        move[2],
+        move[3],
+        self._count(move[3]),
+        split_padded,
+        blocks,
+        out_chunk,
+        shape_in,
+        shape_out,
+      )
     if kind == 'permute':
       pairs = self._permute_pairs(dims, move[1], partial)
       if not pairs:
@@ -1116,8 +1192,9 @@ class _Planner:
     partial_axes = tuple(sorted(partial, key=self.axis_order.get))
 
     def piece(axes_per_dim, device):
-      return (tuple(self.mesh.linear_index(device, axes) for axes in axes_per_dim) +
-              (self.mesh.linear_index(device, partial_axes),))
+      return tuple(self.mesh.linear_index(device, axes) for axes in axes_per_dim) + (
+        self.mesh.linear_index(device, partial_axes),
+      )
 
     old_axes = tuple(a for a, _ in dims)
     have = {d: piece(old_axes, d) for d in self.mesh.devices}
@@ -1150,7 +1227,7 @@ class _Planner:
 
 
 def _replace(dims, d, value):
-  return dims[:d] + (value,) + dims[d + 1:]
+  return dims[:d] + (value,) + dims[d + 1 :]
 
 
 def _ordered_subsets(items):

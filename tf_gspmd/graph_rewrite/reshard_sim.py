@@ -36,8 +36,7 @@ def _reduce(op: str, arrays):
 def _valid_slices(sharding: NamedSharding, shape, device):
   """(global slices, local slices) of the valid region of `device`'s shard."""
   bounds = sharding.shard_bounds(shape, device)
-  return (tuple(slice(lo, hi) for lo, hi in bounds),
-          tuple(slice(0, hi - lo) for lo, hi in bounds))
+  return (tuple(slice(lo, hi) for lo, hi in bounds), tuple(slice(0, hi - lo) for lo, hi in bounds))
 
 
 def partial_summands(x: np.ndarray, count: int, op: str, rng: np.random.Generator):
@@ -56,8 +55,9 @@ def partial_summands(x: np.ndarray, count: int, op: str, rng: np.random.Generato
   raise ValueError(f'partial_summands: unknown reduction {op!r}.')
 
 
-def make_shards(x: np.ndarray, sharding: NamedSharding, rng: np.random.Generator = None,
-                pad_value=np.nan) -> Dict[int, np.ndarray]:
+def make_shards(
+  x: np.ndarray, sharding: NamedSharding, rng: np.random.Generator = None, pad_value=np.nan
+) -> Dict[int, np.ndarray]:
   """Per-device padded shards of `x`; with partial axes, summands that reduce to `x`.
 
   Devices that share a tile and a coordinate along the partial axes hold the
@@ -88,13 +88,17 @@ def check_shards(x: np.ndarray, sharding: NamedSharding, shards: Dict[int, np.nd
   for group in mesh.groups(partial_axes):
     for device in group:
       if shards[device].shape != expected_shape:
-        raise AssertionError(f'device {device}: shard shape {shards[device].shape}, expected '
-                             f'{expected_shape} for {sharding} of {x.shape}')
+        raise AssertionError(
+          f'device {device}: shard shape {shards[device].shape}, expected '
+          f'{expected_shape} for {sharding} of {x.shape}'
+        )
     total = _reduce(sharding.partial or 'sum', [shards[d] for d in group])
     g, loc = _valid_slices(sharding, x.shape, group[0])
     if not np.array_equal(total[loc], x[g]):
-      raise AssertionError(f'devices {group}: valid region of the shard differs from the '
-                           f'target {sharding} of {x.shape}:\n got {total[loc]}\n want {x[g]}')
+      raise AssertionError(
+        f'devices {group}: valid region of the shard differs from the '
+        f'target {sharding} of {x.shape}:\n got {total[loc]}\n want {x[g]}'
+      )
 
 
 def simulate(plan: rp.ReshardPlan, shards: Dict[int, np.ndarray]) -> Dict[int, np.ndarray]:
@@ -104,13 +108,15 @@ def simulate(plan: rp.ReshardPlan, shards: Dict[int, np.ndarray]) -> Dict[int, n
   for step in plan.steps:
     for d, a in cur.items():
       if a.shape != tuple(step.shape_in):
-        raise AssertionError(f'{step.describe()}: device {d} holds shape {a.shape}, the plan '
-                             f'says {step.shape_in}')
+        raise AssertionError(
+          f'{step.describe()}: device {d} holds shape {a.shape}, the plan says {step.shape_in}'
+        )
     cur = _RUNNERS[type(step)](step, cur, mesh)
     for d, a in cur.items():
       if a.shape != tuple(step.shape_out):
-        raise AssertionError(f'{step.describe()}: device {d} produced shape {a.shape}, the plan '
-                             f'says {step.shape_out}')
+        raise AssertionError(
+          f'{step.describe()}: device {d} produced shape {a.shape}, the plan says {step.shape_out}'
+        )
   return cur
 
 
@@ -136,8 +142,12 @@ def _run_all_gather(step: rp.AllGather, cur, mesh):
 def _run_all_to_all(step: rp.AllToAll, cur, mesh):
   out = {}
   for group in mesh.groups(step.axes):
-    pieces = [np.split(rp.pad_dim(cur[d], step.split_dim, step.split_padded), len(group),
-                       axis=step.split_dim) for d in group]
+    pieces = [
+      np.split(
+        rp.pad_dim(cur[d], step.split_dim, step.split_padded), len(group), axis=step.split_dim
+      )
+      for d in group
+    ]
     for j, d in enumerate(group):
       y = np.concatenate([pieces[i][j] for i in range(len(group))], axis=step.concat_dim)
       out[d] = rp.regroup_blocks(y, step.concat_dim, step.blocks, step.out_chunk)
@@ -200,11 +210,11 @@ def _run_repad(step: rp.Repad, cur, mesh):
 
 
 _RUNNERS = {
-    rp.Slice: _run_slice,
-    rp.AllGather: _run_all_gather,
-    rp.AllToAll: _run_all_to_all,
-    rp.ReduceScatter: _run_reduce_scatter,
-    rp.AllReduce: _run_all_reduce,
-    rp.Permute: _run_permute,
-    rp.Repad: _run_repad,
+  rp.Slice: _run_slice,
+  rp.AllGather: _run_all_gather,
+  rp.AllToAll: _run_all_to_all,
+  rp.ReduceScatter: _run_reduce_scatter,
+  rp.AllReduce: _run_all_reduce,
+  rp.Permute: _run_permute,
+  rp.Repad: _run_repad,
 }

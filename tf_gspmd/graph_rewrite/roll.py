@@ -43,9 +43,16 @@ def _ring_shift(p, x: tf.Tensor, axes, offset: int, dim: int, why: str) -> tf.Te
     if offset % k == 0:
       return x
     pairs += [(group[(j - offset) % k], dst) for j, dst in enumerate(group)]
-  p.note_collective({'kind': 'permute', 'axes': tuple(axes), 'shape': tuple(x.shape),
-                     'dtype': x.dtype.name,
-                     'bytes': int(x.shape.num_elements() or 0) * x.dtype.size, 'why': why})
+  p.note_collective(
+    {
+      'kind': 'permute',
+      'axes': tuple(axes),
+      'shape': tuple(x.shape),
+      'dtype': x.dtype.name,
+      'bytes': int(x.shape.num_elements() or 0) * x.dtype.size,
+      'why': why,
+    }
+  )
   return p.backend.permute(x, pairs)
 
 
@@ -58,17 +65,24 @@ def _roll_split(p, x: tf.Tensor, dim: int, axes, n: int, shift: int, name: str) 
     return _ring_shift(p, x, axes, q, dim, why)
   size = x.shape.as_list()
   head = tf.slice(x, [0] * len(size), [c - r if i == dim else -1 for i in range(len(size))])
-  tail = tf.slice(x, [c - r if i == dim else 0 for i in range(len(size))],
-                  [r if i == dim else -1 for i in range(len(size))])
-  return tf.concat([_ring_shift(p, tail, axes, q + 1, dim, why + ' (edge)'),
-                    _ring_shift(p, head, axes, q, dim, why)], axis=dim)
+  tail = tf.slice(
+    x,
+    [c - r if i == dim else 0 for i in range(len(size))],
+    [r if i == dim else -1 for i in range(len(size))],
+  )
+  return tf.concat(
+    [
+      _ring_shift(p, tail, axes, q + 1, dim, why + ' (edge)'),
+      _ring_shift(p, head, axes, q, dim, why),
+    ],
+    axis=dim,
+  )
 
 
 def _unevenly_split(chosen, shape, shifts, mesh) -> list:
   """Factors of rolled dims that the chosen layout splits unevenly."""
   spec, dims = chosen.operands[0].spec, chosen.rule.operands[0]
-  return [dims[d] for d in shifts
-          if spec.axes_of(d) and shape[d] % mesh.axes_size(spec.axes_of(d))]
+  return [dims[d] for d in shifts if spec.axes_of(d) and shape[d] % mesh.axes_size(spec.axes_of(d))]
 
 
 @handles('Roll')

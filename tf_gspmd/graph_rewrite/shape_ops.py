@@ -47,9 +47,16 @@ import tensorflow as tf
 
 from tf_gspmd.graph import emit
 from tf_gspmd.graph_rewrite import uneven
-from tf_gspmd.graph_rewrite.handlers import (HANDLERS, _shape_input, check_local_shape,
-                                             emit_outputs, global_shape, handles, random_handler,
-                                             static_handler)
+from tf_gspmd.graph_rewrite.handlers import (
+  HANDLERS,
+  _shape_input,
+  check_local_shape,
+  emit_outputs,
+  global_shape,
+  handles,
+  random_handler,
+  static_handler,
+)
 from tf_gspmd.graph_rewrite.partitioner import Local
 from tf_gspmd.graph_rewrite.windowed import SpatialDim, gather_window, trim_plan
 from tf_gspmd.propagation.rule import dim_factors
@@ -62,17 +69,23 @@ _SUMMABLE = (tf.float16, tf.float32, tf.float64, tf.int32, tf.int64)
 # --- helpers ---------------------------------------------------------------------------
 def _static_first(handler):
   """Outputs known before run time (shape arithmetic) become constants, whatever the op."""
+
   @functools.wraps(handler)
   def wrapped(p, graph, node, operands):
     if node.outputs and all(p.static_value(graph, t.name) is not None for t in node.outputs):
       return static_handler(p, graph, node, operands)
     return handler(p, graph, node, operands)
+
   return wrapped
 
 
 def _named(p, axes_per_dim: Sequence[tuple], partial=(), reduction='sum') -> NamedSharding:
-  return NamedSharding(p.mesh, P(*[tuple(a) if a else None for a in axes_per_dim]),
-                       partial=tuple(partial), reduction=reduction)
+  return NamedSharding(
+    p.mesh,
+    P(*[tuple(a) if a else None for a in axes_per_dim]),
+    partial=tuple(partial),
+    reduction=reduction,
+  )
 
 
 def _axes(sharding: NamedSharding, rank: int) -> List[tuple]:
@@ -118,6 +131,7 @@ class DimSlice:
   kind: 'keep' (whole dim), 'range' (`count` rows from `start` by `stride`),
   'index' (one row, the dim is dropped) or 'new' (a new size-1 result dim).
   """
+
   kind: str
   dim: int = -1
   start: int = 0
@@ -140,8 +154,17 @@ def slice_plan(shape, begin, size) -> List[DimSlice]:
   return plan
 
 
-def strided_slice_plan(shape, begin, end, strides, begin_mask=0, end_mask=0, ellipsis_mask=0,
-                       new_axis_mask=0, shrink_axis_mask=0) -> List[DimSlice]:
+def strided_slice_plan(
+  shape,
+  begin,
+  end,
+  strides,
+  begin_mask=0,
+  end_mask=0,
+  ellipsis_mask=0,
+  new_axis_mask=0,
+  shrink_axis_mask=0,
+) -> List[DimSlice]:
   """The plan of a StridedSlice, with TensorFlow's (= Python's) index semantics.
 
   Covers every input dim: dims past the spec (or under the ellipsis) are kept.
@@ -149,8 +172,7 @@ def strided_slice_plan(shape, begin, end, strides, begin_mask=0, end_mask=0, ell
   rank = len(shape)
   n_spec = len(begin)
   ellipsis = next((k for k in range(n_spec) if (ellipsis_mask >> k) & 1), None)
-  consuming = sum(1 for k in range(n_spec)
-                  if k != ellipsis and not (new_axis_mask >> k) & 1)
+  consuming = sum(1 for k in range(n_spec) if k != ellipsis and not (new_axis_mask >> k) & 1)
   plan, d = [], 0
   specs = list(range(n_spec)) + ([] if ellipsis is not None else ['rest'])
   for k in specs:
@@ -253,9 +275,11 @@ def partitioned_slice(p, graph, node, operands: Sequence[Local], plan: Sequence[
   holds it, the result is a pending sum over the dim's axes (one row moved,
   not the dim); a reversed range needs the dim whole.
   """
-  from tf_gspmd.graph_rewrite import factors  # pylint: disable=g-import-not-at-top
-  chosen = factors.choose_layouts(p, graph, node, operands, windowed=True,
-                                  combinable=operands[0].dtype in _SUMMABLE)
+  from tf_gspmd.graph_rewrite import factors
+
+  chosen = factors.choose_layouts(
+    p, graph, node, operands, windowed=True, combinable=operands[0].dtype in _SUMMABLE
+  )
   x = p.reshard(operands[0], chosen.operands[0], f'{node.op} {node.name}: sliced operand')
   tensor, windows, local_plan = x.tensor, {}, list(plan)
   for i, e in enumerate(plan):
@@ -281,8 +305,10 @@ def _local_rows(out_local_shape, plan: Sequence[DimSlice], i: int) -> int:
 
 
 def _masks(node) -> dict:
-  return {m: node.attrs[m].i if m in node.attrs else 0
-          for m in ('begin_mask', 'end_mask', 'ellipsis_mask', 'new_axis_mask', 'shrink_axis_mask')}
+  return {
+    m: node.attrs[m].i if m in node.attrs else 0
+    for m in ('begin_mask', 'end_mask', 'ellipsis_mask', 'new_axis_mask', 'shrink_axis_mask')
+  }
 
 
 @handles('Slice')
@@ -309,7 +335,8 @@ def strided_slice_handler(p, graph, node, operands):
 def strided_slice_grad_handler(p, graph, node, operands):
   """dx = zeros(shape) with dy written into the slice. Layouts from the rule: dims the
   slice keeps whole pass through from dy to dx; sliced and shrunk dims are whole."""
-  from tf_gspmd.graph_rewrite import factors  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.graph_rewrite import factors
+
   shape = tuple(int(s) for s in _shape_input(p, graph, node, 0))
   begin, end, strides = (_shape_input(p, graph, node, i) for i in (1, 2, 3))
   plan = strided_slice_plan(shape, begin, end, strides, **_masks(node))
@@ -319,10 +346,15 @@ def strided_slice_grad_handler(p, graph, node, operands):
   local_shape = out_sharding.shard_shape(shape)
   begin, end, strides, masks = _local_strided_slice_args(plan, [False] * len(plan))
   local = tf.raw_ops.StridedSliceGrad(
-      shape=tf.constant(local_shape, dtype=operands[0].dtype),
-      begin=tf.constant(begin, dtype=operands[1].dtype), end=tf.constant(end, dtype=operands[2].dtype),
-      strides=tf.constant(strides, dtype=operands[3].dtype), dy=dy.tensor, ellipsis_mask=0,
-      name=node.name, **masks)
+    shape=tf.constant(local_shape, dtype=operands[0].dtype),
+    begin=tf.constant(begin, dtype=operands[1].dtype),
+    end=tf.constant(end, dtype=operands[2].dtype),
+    strides=tf.constant(strides, dtype=operands[3].dtype),
+    dy=dy.tensor,
+    ellipsis_mask=0,
+    name=node.name,
+    **masks,
+  )
   return [_result(p, graph, node, local, out_sharding)]
 
 
@@ -335,20 +367,30 @@ def pad_handler(p, graph, node, operands):
   between shards by halo exchange with the pad value as fill (`shift_window`). A pad value
   known only at run time (PadV2) can fill only the end of shards that keep their size (a
   local mask); MirrorPad reflects rows, not a shift: those dims are taken whole."""
-  from tf_gspmd.graph_rewrite import factors  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.graph_rewrite import factors
+
   x = operands[0]
   rank = len(x.shape)
-  paddings = [tuple(int(v) for v in row)
-              for row in np.asarray(_shape_input(p, graph, node, 1)).reshape(rank, 2)]
+  paddings = [
+    tuple(int(v) for v in row)
+    for row in np.asarray(_shape_input(p, graph, node, 1)).reshape(rank, 2)
+  ]
   fill = _static_pad_value(p, graph, node)
   rule = factors.rule_for(p, node, graph)
   whole = []
   while True:
     chosen = factors.choose_layouts(p, graph, node, operands, rule, windowed=True, whole=whole)
-    split = {d: chosen.axes(_factor_of(rule, d)) for d in range(rank)
-             if paddings[d] != (0, 0) and chosen.axes(_factor_of(rule, d))}
-    unfit = [_factor_of(rule, d) for d, axes in split.items() if fill is None and not
-             _pads_shard_tails(node, x.shape[d], paddings[d], p.mesh.axes_size(axes))]
+    split = {
+      d: chosen.axes(_factor_of(rule, d))
+      for d in range(rank)
+      if paddings[d] != (0, 0) and chosen.axes(_factor_of(rule, d))
+    }
+    unfit = [
+      _factor_of(rule, d)
+      for d, axes in split.items()
+      if fill is None
+      and not _pads_shard_tails(node, x.shape[d], paddings[d], p.mesh.axes_size(axes))
+    ]
     if not unfit:
       break
     whole += unfit
@@ -360,8 +402,9 @@ def pad_handler(p, graph, node, operands):
   tensor = x.tensor
   if any(pads != (0, 0) for pads in local_paddings):
     tensor = emit.emit_node(node, inputs, name=node.name + '/gspmd/local_pad').outputs[0]
-  padded = Local(tensor, x.sharding, tuple(n + sum(local_paddings[d])
-                                          for d, n in enumerate(x.shape)))
+  padded = Local(
+    tensor, x.sharding, tuple(n + sum(local_paddings[d]) for d, n in enumerate(x.shape))
+  )
   if fill is None and split:  # PadV2 with a pad value known only at run time
     tensor = _fill_tails(p, padded, tensor, split, inputs[2])
   elif split:
@@ -373,16 +416,18 @@ def pad_handler(p, graph, node, operands):
 def _pads_shard_tails(node, n: int, pads, shards: int) -> bool:
   """A constant pad at the end of a dim whose shards keep their size: the new rows are the
   tail of the last shards (a local mask, no rows move)."""
-  return (node.op != 'MirrorPad' and pads[0] == 0 and
-          _chunk(n + pads[1], shards) == _chunk(n, shards))
+  return (
+    node.op != 'MirrorPad' and pads[0] == 0 and _chunk(n + pads[1], shards) == _chunk(n, shards)
+  )
 
 
 def _fill_tails(p, x: Local, tensor: tf.Tensor, dims, value: tf.Tensor) -> tf.Tensor:
   """Rows past the end of the input along split `dims` set to `value` (`_pads_shard_tails`)."""
   valid = None
   for d in sorted(dims):
-    m = uneven.valid_mask(x.sharding, x.shape, d, int(tensor.shape[d]), p.backend.partition_id,
-                          len(x.shape))
+    m = uneven.valid_mask(
+      x.sharding, x.shape, d, int(tensor.shape[d]), p.backend.partition_id, len(x.shape)
+    )
     valid = m if valid is None else tf.logical_and(valid, m)
   return tf.where(valid, tensor, tf.broadcast_to(tf.cast(value, tensor.dtype), tf.shape(tensor)))
 
@@ -420,6 +465,7 @@ def range_handler(p, graph, node, operands):
 
   def values_at(index, n):
     return tf.add(start, tf.cast(index, dtype) * delta, name=node.name)
+
   return _sequence(p, graph, node, values_at)
 
 
@@ -435,12 +481,17 @@ def lin_space_handler(p, graph, node, operands):
     step = (stop - start) / tf.cast(n - 1, dtype)
     values = start + tf.cast(index, dtype) * step
     return tf.where(tf.equal(index, n - 1), tf.fill(tf.shape(index), stop), values, name=node.name)
+
   return _sequence(p, graph, node, values_at)
 
 
 # --- segment reductions ------------------------------------------------------------------
-_SEGMENT_REDUCTION = {'UnsortedSegmentSum': 'sum', 'UnsortedSegmentMax': 'max',
-                      'UnsortedSegmentMin': 'min', 'UnsortedSegmentProd': 'prod'}
+_SEGMENT_REDUCTION = {
+  'UnsortedSegmentSum': 'sum',
+  'UnsortedSegmentMax': 'max',
+  'UnsortedSegmentMin': 'min',
+  'UnsortedSegmentProd': 'prod',
+}
 
 
 @handles(*_SEGMENT_REDUCTION)
@@ -453,16 +504,19 @@ def unsorted_segment_handler(p, graph, node, operands):
   whole. Ids in the padding of uneven shards become -1, which every
   UnsortedSegment op drops.
   """
-  from tf_gspmd.graph_rewrite import factors  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.graph_rewrite import factors
+
   data, ids, num = operands
   r = len(ids.shape)
   reduction = _SEGMENT_REDUCTION[node.op]
-  chosen = factors.choose_layouts(p, graph, node, operands, reduction=reduction,
-                                  combinable=data.dtype in _SUMMABLE)
+  chosen = factors.choose_layouts(
+    p, graph, node, operands, reduction=reduction, combinable=data.dtype in _SUMMABLE
+  )
   data = p.reshard(data, chosen.operands[0], f'{node.op} data')
   ids = p.reshard(ids, chosen.operands[1], f'{node.op} segment ids')
-  ids_local = uneven.mask_padding(ids.tensor, ids.sharding, ids.shape, range(r), -1,
-                                  p.backend.partition_id)
+  ids_local = uneven.mask_padding(
+    ids.tensor, ids.sharding, ids.shape, range(r), -1, p.backend.partition_id
+  )
   num_local = p.replicate(num, 'number of segments').tensor
   return emit_outputs(p, graph, node, [data.tensor, ids_local, num_local], chosen.results)
 
@@ -473,9 +527,9 @@ def unsorted_segment_handler(p, graph, node, operands):
 def gather_v1_handler(p, graph, node, operands):
   """Gather (v1) is GatherV2 on axis 0: the table-sharded gather of `gather.py`, in the
   layouts of its rule."""
-  from tf_gspmd.graph_rewrite import gather  # pylint: disable=g-import-not-at-top
-  return gather.rule_gather(p, graph, node, operands, axis=0)
+  from tf_gspmd.graph_rewrite import gather
 
+  return gather.rule_gather(p, graph, node, operands, axis=0)
 
 
 # --- shapes of variables, random values ------------------------------------------------------
@@ -491,10 +545,18 @@ def variable_shape_handler(p, graph, node, operands):
 # Stateless random ops whose `shape` input is the global shape; the random
 # handler generates them whole (same seeds, same values everywhere) and keeps
 # this partition's shard. Registered only where no other family has.
-_STATELESS_V1 = ('StatelessRandomUniform', 'StatelessRandomNormal', 'StatelessTruncatedNormal',
-                 'StatelessRandomUniformInt', 'StatelessRandomUniformFullInt',
-                 'StatelessRandomBinomial', 'StatelessRandomPoisson', 'StatelessRandomGammaV2',
-                 'StatelessParameterizedTruncatedNormal', 'StatelessMultinomial')
+_STATELESS_V1 = (
+  'StatelessRandomUniform',
+  'StatelessRandomNormal',
+  'StatelessTruncatedNormal',
+  'StatelessRandomUniformInt',
+  'StatelessRandomUniformFullInt',
+  'StatelessRandomBinomial',
+  'StatelessRandomPoisson',
+  'StatelessRandomGammaV2',
+  'StatelessParameterizedTruncatedNormal',
+  'StatelessMultinomial',
+)
 for _op in _STATELESS_V1:
   HANDLERS.setdefault(_op, random_handler)
 
@@ -510,8 +572,10 @@ def one_hot_handler(p, graph, node, operands):
   index past the global depth can only land in the padding of the last shard).
   Layouts (index dims, depth dim) from the rule.
   """
-  from tensorflow.core.framework import attr_value_pb2  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.graph_rewrite import factors  # pylint: disable=g-import-not-at-top
+  from tensorflow.core.framework import attr_value_pb2
+
+  from tf_gspmd.graph_rewrite import factors
+
   indices, depth, on, off = operands
   out = node.outputs[0].name
   out_shape = global_shape(graph, out)
@@ -524,11 +588,13 @@ def one_hot_handler(p, graph, node, operands):
   depth_axes = sharding.spec.axes_of(axis)
   values = [p.replicate(v, 'OneHot value').tensor for v in (on, off)]
   if not depth_axes:
-    return emit_outputs(p, graph, node, [indices.tensor, p.replicate(depth).tensor] + values,
-                        [sharding])
+    return emit_outputs(
+      p, graph, node, [indices.tensor, p.replicate(depth).tensor] + values, [sharding]
+    )
   offset = uneven.shard_offset(sharding, out_shape, axis, p.backend.partition_id)
   shifted = tf.cast(indices.tensor, tf.int32) - offset
   chunk = sharding.shard_shape(out_shape)[axis]
   attrs = {'TI': attr_value_pb2.AttrValue(type=tf.int32.as_datatype_enum)}
-  return emit_outputs(p, graph, node, [shifted, tf.constant(chunk, tf.int32)] + values, [sharding],
-                      attrs=attrs)
+  return emit_outputs(
+    p, graph, node, [shifted, tf.constant(chunk, tf.int32)] + values, [sharding], attrs=attrs
+  )

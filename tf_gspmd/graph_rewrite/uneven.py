@@ -51,15 +51,22 @@ def offset_table(sharding: NamedSharding, global_shape: Sequence[int], dim: int)
   return table
 
 
-def shard_offset(sharding: NamedSharding, global_shape: Sequence[int], dim: int,
-                 partition_id: tf.Tensor) -> tf.Tensor:
+def shard_offset(
+  sharding: NamedSharding, global_shape: Sequence[int], dim: int, partition_id: tf.Tensor
+) -> tf.Tensor:
   """This partition's shard start along `dim` (int32 scalar tensor)."""
   table = tf.constant(offset_table(sharding, global_shape, dim), name=f'offsets_dim{dim}')
   return tf.gather(table, partition_id)
 
 
-def valid_mask(sharding: NamedSharding, global_shape: Sequence[int], dim: int,
-               local_size: int, partition_id: tf.Tensor, rank: int) -> tf.Tensor:
+def valid_mask(
+  sharding: NamedSharding,
+  global_shape: Sequence[int],
+  dim: int,
+  local_size: int,
+  partition_id: tf.Tensor,
+  rank: int,
+) -> tf.Tensor:
   """Bool tensor broadcastable to the local shard: True on real rows of `dim`."""
   offset = shard_offset(sharding, global_shape, dim, partition_id)
   rows = tf.range(local_size, dtype=tf.int32) + offset
@@ -68,8 +75,14 @@ def valid_mask(sharding: NamedSharding, global_shape: Sequence[int], dim: int,
   return tf.reshape(rows < global_shape[dim], shape)
 
 
-def mask_padding(x: tf.Tensor, sharding: NamedSharding, global_shape: Sequence[int],
-                 dims: Iterable[int], fill, partition_id: tf.Tensor) -> tf.Tensor:
+def mask_padding(
+  x: tf.Tensor,
+  sharding: NamedSharding,
+  global_shape: Sequence[int],
+  dims: Iterable[int],
+  fill,
+  partition_id: tf.Tensor,
+) -> tf.Tensor:
   """`x` with the padding of every padded dim in `dims` replaced by `fill`.
 
   Emits nothing for dims that divide evenly.
@@ -82,5 +95,7 @@ def mask_padding(x: tf.Tensor, sharding: NamedSharding, global_shape: Sequence[i
   for d in dims:
     m = valid_mask(sharding, global_shape, d, int(x.shape[d]), partition_id, rank)
     valid = m if valid is None else tf.logical_and(valid, m)
-  fill_value = tf.cast(tf.constant(fill), x.dtype) if x.dtype != tf.bool else tf.constant(bool(fill))
+  fill_value = (
+    tf.cast(tf.constant(fill), x.dtype) if x.dtype != tf.bool else tf.constant(bool(fill))
+  )
   return tf.where(valid, x, tf.broadcast_to(fill_value, tf.shape(x)))

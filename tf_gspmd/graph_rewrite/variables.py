@@ -29,10 +29,19 @@ def assign_handler(p, graph, node, operands):
   return []
 
 
-@handles('ResourceApplyGradientDescent', 'ResourceApplyAdam', 'ResourceApplyMomentum',
-         'ResourceApplyKerasMomentum', 'ResourceApplyAdagrad', 'ResourceApplyRMSProp',
-         'ResourceApplyAdaMax', 'ResourceApplyAdadelta', 'ResourceApplyAdagradV2',
-         'ResourceApplyAdamWithAmsgrad', 'ResourceApplyCenteredRMSProp')
+@handles(
+  'ResourceApplyGradientDescent',
+  'ResourceApplyAdam',
+  'ResourceApplyMomentum',
+  'ResourceApplyKerasMomentum',
+  'ResourceApplyAdagrad',
+  'ResourceApplyRMSProp',
+  'ResourceApplyAdaMax',
+  'ResourceApplyAdadelta',
+  'ResourceApplyAdagradV2',
+  'ResourceApplyAdamWithAmsgrad',
+  'ResourceApplyCenteredRMSProp',
+)
 def apply_handler(p, graph, node, operands):
   """Fused optimizer updates: tensors shaped like the variable follow its layout."""
   var = operands[0]
@@ -41,9 +50,10 @@ def apply_handler(p, graph, node, operands):
     if value.dtype == tf.resource:
       if value.sharding != var.sharding:  # a variable's handle cannot be resharded
         raise ValueError(
-            f'{node.op} {node.name}: slot variable {name} is sharded {value.sharding} but its '
-            f'variable {node.inputs[0]} is sharded {var.sharding}; shard optimizer slots like '
-            'their variables (shard_variable the slot, or leave it to propagation).')
+          f'{node.op} {node.name}: slot variable {name} is sharded {value.sharding} but its '
+          f'variable {node.inputs[0]} is sharded {var.sharding}; shard optimizer slots like '
+          'their variables (shard_variable the slot, or leave it to propagation).'
+        )
       inputs.append(value.tensor)
     elif tuple(value.shape) == tuple(var.shape) and value.shape:
       inputs.append(p.reshard(value, var.sharding, 'optimizer operand').tensor)
@@ -56,17 +66,23 @@ def apply_handler(p, graph, node, operands):
 @handles('ResourceGather')
 def resource_gather_handler(p, graph, node, operands):
   """Embedding lookup from a variable: read the local shard, then gather like GatherV2."""
-  from tf_gspmd.graph_rewrite import gather  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.graph_rewrite import gather
+
   var, indices = operands
   table = tf.raw_ops.ReadVariableOp(resource=var.tensor, dtype=node.attrs['dtype'].type)
   params = Local(table, var.sharding, var.shape)
   batch_dims = node.attrs['batch_dims'].i if 'batch_dims' in node.attrs else 0
   if batch_dims:
     raise ValueError(f'ResourceGather {node.name}: batch_dims={batch_dims} is not supported.')
-  out = gather.partitioned_gather(p, params, indices, axis=0,
-                                  target=p.target(graph, node.outputs[0].name),
-                                  out_shape=global_shape(graph, node.outputs[0].name),
-                                  name=node.name)
+  out = gather.partitioned_gather(
+    p,
+    params,
+    indices,
+    axis=0,
+    target=p.target(graph, node.outputs[0].name),
+    out_shape=global_shape(graph, node.outputs[0].name),
+    name=node.name,
+  )
   return [p.finish(graph, out, node.outputs[0].name)]
 
 
@@ -77,11 +93,13 @@ def initialized_handler(p, graph, node, operands):
 
 # tf.tensor_scatter_nd_* flavour of each ResourceScatter op; Mul and Div have none and
 # run as the op itself with neutral updates for rows this partition does not hold.
-_SCATTER_ND = {'ResourceScatterAdd': tf.tensor_scatter_nd_add,
-               'ResourceScatterSub': tf.tensor_scatter_nd_sub,
-               'ResourceScatterUpdate': tf.tensor_scatter_nd_update,
-               'ResourceScatterMax': tf.tensor_scatter_nd_max,
-               'ResourceScatterMin': tf.tensor_scatter_nd_min}
+_SCATTER_ND = {
+  'ResourceScatterAdd': tf.tensor_scatter_nd_add,
+  'ResourceScatterSub': tf.tensor_scatter_nd_sub,
+  'ResourceScatterUpdate': tf.tensor_scatter_nd_update,
+  'ResourceScatterMax': tf.tensor_scatter_nd_max,
+  'ResourceScatterMin': tf.tensor_scatter_nd_min,
+}
 
 
 @handles(*_SCATTER_ND, 'ResourceScatterMul', 'ResourceScatterDiv')
@@ -93,20 +111,31 @@ def resource_scatter_handler(p, graph, node, operands):
   sent to a spare row past the end of a local copy (or, for Mul/Div, given a
   neutral update), so no partition writes a row it does not hold.
   """
-  from tf_gspmd.graph_rewrite import uneven  # pylint: disable=g-import-not-at-top
-  from tf_gspmd.sharding import NamedSharding, P  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.graph_rewrite import uneven
+  from tf_gspmd.sharding import NamedSharding, P
+
   var, indices, updates = operands
   spec = var.sharding.spec
   indices = p.replicate(indices, 'scatter indices')
   idx_rank = len(indices.shape)
-  updates = p.reshard(updates, NamedSharding(p.mesh, P(*([None] * idx_rank), *spec[1:])),
-                      'scatter updates')
+  updates = p.reshard(
+    updates, NamedSharding(p.mesh, P(*([None] * idx_rank), *spec[1:])), 'scatter updates'
+  )
   dtype = tf.as_dtype(node.attrs['dtype'].type)
   if node.op in ('ResourceScatterMul', 'ResourceScatterDiv'):
     # Padding of unevenly split trailing dims would multiply or divide by zero.
-    updates = Local(uneven.mask_padding(updates.tensor, updates.sharding, updates.shape,
-                                        range(len(updates.shape)), 1, p.backend.partition_id),
-                    updates.sharding, updates.shape)
+    updates = Local(
+      uneven.mask_padding(
+        updates.tensor,
+        updates.sharding,
+        updates.shape,
+        range(len(updates.shape)),
+        1,
+        p.backend.partition_id,
+      ),
+      updates.sharding,
+      updates.shape,
+    )
   if not spec.axes_of(0):
     emit.emit_node(node, [var.tensor, indices.tensor, updates.tensor])
     return []

@@ -52,14 +52,23 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
+from tf_gspmd.collectives import slice_dim
 from tf_gspmd.graph import emit
 from tf_gspmd.graph_rewrite import uneven
-from tf_gspmd.propagation.halo import (HaloPlan, InputGradientPlan, WindowDim, plan_halo,
-                                      plan_input_gradient)
-from tf_gspmd.graph_rewrite.handlers import (check_local_shape, fallback_handler, global_shape,
-                                             handles)
+from tf_gspmd.graph_rewrite.handlers import (
+  check_local_shape,
+  fallback_handler,
+  global_shape,
+  handles,
+)
 from tf_gspmd.graph_rewrite.partitioner import Local
-from tf_gspmd.collectives import slice_dim
+from tf_gspmd.propagation.halo import (
+  HaloPlan,
+  InputGradientPlan,
+  WindowDim,
+  plan_halo,
+  plan_input_gradient,
+)
 from tf_gspmd.sharding import NamedSharding
 
 Axes = Tuple[str, ...]
@@ -72,13 +81,15 @@ class NotHaloable(ValueError):
 
 # --- op geometry ------------------------------------------------------------------------
 def _attr(node, name, default=None):
-  from tf_gspmd.propagation.registry import attr  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.propagation.registry import attr
+
   return attr(node, name, default)
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """Where batch, spatial and channel dims sit in a rank-4 image (NHWC or NCHW)."""
+
   batch: int
   spatial: Tuple[int, ...]
   channel: int
@@ -90,8 +101,10 @@ class Layout:
       return cls(0, (2, 3), 1)
     if fmt in ('NHWC',):
       return cls(0, (1, 2), 3)
-    raise NotHaloable(f'{node.op} {node.name}: data_format {fmt!r} is not supported by the '
-                      'halo-exchange partitioner (NHWC or NCHW).')
+    raise NotHaloable(
+      f'{node.op} {node.name}: data_format {fmt!r} is not supported by the '
+      'halo-exchange partitioner (NHWC or NCHW).'
+    )
 
 
 def trim_plan(window: WindowDim, shards: int) -> Tuple[HaloPlan, int]:
@@ -129,6 +142,7 @@ class SpatialDim:
   one-shard plan (explicit padding, no neighbours). `tail` zero rows follow
   the right halo (see `trim_plan`).
   """
+
   dim: int
   axes: Axes
   window: WindowDim
@@ -136,8 +150,9 @@ class SpatialDim:
   tail: int = 0
 
 
-def _plan_dims(p, node, spec: P, layout: Layout, windows: List[WindowDim],
-               tensor: str) -> List[SpatialDim]:
+def _plan_dims(
+  p, node, spec: P, layout: Layout, windows: List[WindowDim], tensor: str
+) -> List[SpatialDim]:
   """Halo plans for the spatial dims as `spec` splits them; a split dim that yields no
   output rows is planned whole (the caller gathers it) with a warning."""
   dims = []
@@ -145,11 +160,13 @@ def _plan_dims(p, node, spec: P, layout: Layout, windows: List[WindowDim],
     axes = spec.axes_of(d)
     plan, tail = trim_plan(window, p.mesh.axes_size(axes))
     if axes and window.output_size == 0:
-      p.warn_once(f'halo:{node.name}:{d}',
-                  f'tf_gspmd: {node.op} {node.name}: dim {d} of {tensor} (size '
-                  f'{window.input_size}, split {plan.shards} ways over mesh axes {axes}; window '
-                  f'{window.window}, stride {window.stride}, dilation {window.dilation}) gives '
-                  'no output rows; that dim is all-gathered to compute the op.')
+      p.warn_once(
+        f'halo:{node.name}:{d}',
+        f'tf_gspmd: {node.op} {node.name}: dim {d} of {tensor} (size '
+        f'{window.input_size}, split {plan.shards} ways over mesh axes {axes}; window '
+        f'{window.window}, stride {window.stride}, dilation {window.dilation}) gives '
+        'no output rows; that dim is all-gathered to compute the op.',
+      )
       (plan, tail), axes = trim_plan(window, 1), ()
     dims.append(SpatialDim(d, axes, window, plan, tail))
   return dims
@@ -160,8 +177,7 @@ def _positions(sharding: NamedSharding, dim: int) -> np.ndarray:
   return np.array([sharding.tile_index(pid)[dim] for pid in range(sharding.mesh.size)])
 
 
-def _per_partition(p, sd: SpatialDim, sharding: NamedSharding, per_shard: Sequence[int],
-                   name: str):
+def _per_partition(p, sd: SpatialDim, sharding: NamedSharding, per_shard: Sequence[int], name: str):
   """This partition's entry of `per_shard` (one value per shard of the dim): an int when
   every partition has the same, else an int32 scalar read from a table."""
   values = np.asarray(per_shard, dtype=np.int32)
@@ -199,9 +215,16 @@ def _slice(x: tf.Tensor, dim: int, start, size: int) -> tf.Tensor:
 # --- neighbour exchange ------------------------------------------------------------------
 def _exchange(p, x: tf.Tensor, axes: Axes, offset: int, why: str) -> tf.Tensor:
   """Position i along `axes` gets `x` of position i - offset (zeros where there is none)."""
-  p.note_collective({'kind': 'permute', 'axes': tuple(axes), 'shape': tuple(x.shape),
-                     'dtype': x.dtype.name,
-                     'bytes': int(x.shape.num_elements() or 0) * x.dtype.size, 'why': why})
+  p.note_collective(
+    {
+      'kind': 'permute',
+      'axes': tuple(axes),
+      'shape': tuple(x.shape),
+      'dtype': x.dtype.name,
+      'bytes': int(x.shape.num_elements() or 0) * x.dtype.size,
+      'why': why,
+    }
+  )
   if len(axes) == 1:
     return p.backend.shift(x, axes[0], offset)
   pairs = []
@@ -229,18 +252,27 @@ def _borrow(p, x: tf.Tensor, sd: SpatialDim, piece, side: str, of: str = '') -> 
   if piece.hop >= sd.plan.shards:
     return _zero_rows(x, d, piece.rows)
   offset = piece.hop if side == 'left' else -piece.hop
-  return _exchange(p, _slice(x, d, piece.start, piece.rows), sd.axes, offset,
-                   f'halo of dim {d}{of} from the {side} neighbour{_hop_text(piece.hop)}')
+  return _exchange(
+    p,
+    _slice(x, d, piece.start, piece.rows),
+    sd.axes,
+    offset,
+    f'halo of dim {d}{of} from the {side} neighbour{_hop_text(piece.hop)}',
+  )
 
 
-def _extend(p, x: tf.Tensor, sd: SpatialDim, sharding: NamedSharding, fill,
-            of: str = '') -> tf.Tensor:
+def _extend(
+  p, x: tf.Tensor, sd: SpatialDim, sharding: NamedSharding, fill, of: str = ''
+) -> tf.Tensor:
   """This partition's input window along `sd`: halo rows borrowed (from as many neighbours
   as the halo spans), rows outside the image replaced by `fill`."""
   d, plan = sd.dim, sd.plan
   if sd.axes:
-    parts = ([_borrow(p, x, sd, piece, 'left', of) for piece in plan.left_pieces] + [x] +
-             [_borrow(p, x, sd, piece, 'right', of) for piece in plan.right_pieces])
+    parts = (
+      [_borrow(p, x, sd, piece, 'left', of) for piece in plan.left_pieces]
+      + [x]
+      + [_borrow(p, x, sd, piece, 'right', of) for piece in plan.right_pieces]
+    )
     ext = tf.concat(parts, axis=d) if len(parts) > 1 else x
     if sd.tail:
       paddings = [[0, 0]] * x.shape.rank
@@ -259,8 +291,9 @@ def _extend(p, x: tf.Tensor, sd: SpatialDim, sharding: NamedSharding, fill,
   return tf.where(_along(valid, d, window.shape.rank), window, fill_value)
 
 
-def gather_window(p, x: tf.Tensor, sharding: NamedSharding, dims: Sequence[SpatialDim],
-                  fill, of: str = '') -> tf.Tensor:
+def gather_window(
+  p, x: tf.Tensor, sharding: NamedSharding, dims: Sequence[SpatialDim], fill, of: str = ''
+) -> tf.Tensor:
   """The input window of this partition's output block: every spatial dim extended by its
   halo (dims one after another, so corner blocks come along with the second exchange).
   `of` names the tensor in the collectives' records when it is not the op's input."""
@@ -289,13 +322,18 @@ def _retract(p, w: tf.Tensor, sd: SpatialDim, sharding: NamedSharding) -> tf.Ten
   # Each halo piece goes back the hops it came (to the shard it was borrowed from), which
   # adds it to the rows it was cut from.
   for piece, side, pos in _laid_out(plan.left_pieces, 'left', 0) + _laid_out(
-      plan.right_pieces, 'right', plan.left + ci):
+    plan.right_pieces, 'right', plan.left + ci
+  ):
     if piece.hop >= plan.shards:
       continue  # rows outside the image everywhere: their gradient is dropped
     offset = -piece.hop if side == 'left' else piece.hop
-    got = _exchange(p, _slice(ext, d, pos, piece.rows), sd.axes, offset,
-                    f'halo gradient of dim {d} back to the {side} neighbour'
-                    f'{_hop_text(piece.hop)}')
+    got = _exchange(
+      p,
+      _slice(ext, d, pos, piece.rows),
+      sd.axes,
+      offset,
+      f'halo gradient of dim {d} back to the {side} neighbour{_hop_text(piece.hop)}',
+    )
     paddings[d] = [piece.start, ci - piece.start - piece.rows]
     local = local + tf.pad(got, paddings)
   return local
@@ -310,8 +348,9 @@ def _laid_out(pieces, side: str, first: int) -> list:
   return out
 
 
-def scatter_window(p, w: tf.Tensor, sharding: NamedSharding,
-                   dims: Sequence[SpatialDim]) -> tf.Tensor:
+def scatter_window(
+  p, w: tf.Tensor, sharding: NamedSharding, dims: Sequence[SpatialDim]
+) -> tf.Tensor:
   """Adjoint of `gather_window`: the gradient of a window, summed into the local shards."""
   for sd in reversed(dims):
     w = _retract(p, w, sd, sharding)
@@ -324,6 +363,7 @@ class GradientDim:
   """One spatial dim of an image gradient computed directly on the own rows: `image` is the
   dim as the result is split, `gradient` the output-gradient halo (as a `SpatialDim` of
   the output gradient, rows outside it masked) and `plan` the local op's padding."""
+
   image: SpatialDim
   gradient: SpatialDim
   plan: InputGradientPlan
@@ -337,8 +377,7 @@ def _gradient_dims(dims: Sequence[SpatialDim]) -> Optional[List[GradientDim]]:
     if sd.window.output_size == 0:
       return None
     plan = plan_input_gradient(sd.window, sd.plan.shards)
-    grad = SpatialDim(sd.dim, sd.axes, WindowDim(sd.window.output_size, 1), plan.halo,
-                      plan.tail)
+    grad = SpatialDim(sd.dim, sd.axes, WindowDim(sd.window.output_size, 1), plan.halo, plan.tail)
     out.append(GradientDim(sd, grad, plan))
   return out
 
@@ -347,33 +386,47 @@ def _check_gradient_split(node, g: Local, dims: Sequence[SpatialDim]):
   """The rule splits the output gradient's spatial dims as the image's (same factor)."""
   for sd in dims:
     if g.sharding.spec.axes_of(sd.dim) != sd.axes:
-      raise ValueError(f'{node.op} {node.name}: the output gradient {node.inputs[2]} is '
-                       f'split {g.sharding.spec} but the image gradient splits dim {sd.dim} '
-                       f'over {sd.axes}; the rule gives both the same spatial factor.')
+      raise ValueError(
+        f'{node.op} {node.name}: the output gradient {node.inputs[2]} is '
+        f'split {g.sharding.spec} but the image gradient splits dim {sd.dim} '
+        f'over {sd.axes}; the rule gives both the same spatial factor.'
+      )
 
 
-def own_rows_gradient(p, node, g: tf.Tensor, g_sharding: NamedSharding,
-                      result: NamedSharding, local_shape, gdims: Sequence[GradientDim],
-                      make_inputs) -> tf.Tensor:
+def own_rows_gradient(
+  p,
+  node,
+  g: tf.Tensor,
+  g_sharding: NamedSharding,
+  result: NamedSharding,
+  local_shape,
+  gdims: Sequence[GradientDim],
+  make_inputs,
+) -> tf.Tensor:
   """The image gradient of this partition's own rows, computed directly (the transposed
   window op, as a backprop op with explicit padding): the output-gradient rows whose
   windows cover those rows come from the neighbours (a halo exchange of the gradient),
   then one local backprop op yields the shard (plus, when a stride does not divide the
   shard, the few rows before it that align the stride's phase, sliced off).
   `make_inputs(sizes, g_window)` gives the op's inputs."""
-  window = gather_window(p, g, g_sharding, [gd.gradient for gd in gdims], 0,
-                         of=' of the output gradient')
+  window = gather_window(
+    p, g, g_sharding, [gd.gradient for gd in gdims], 0, of=' of the output gradient'
+  )
   sizes = [int(s) for s in local_shape]
   paddings = [0] * (2 * len(sizes))
   for gd in gdims:
     d = gd.image.dim
     sizes[d] = gd.plan.rows
-    paddings[2 * d:2 * d + 2] = [gd.plan.pad_lo, gd.plan.pad_hi]
-  attrs = {'padding': attr_value_pb2.AttrValue(s=b'EXPLICIT'),
-           'explicit_paddings': attr_value_pb2.AttrValue(
-               list=attr_value_pb2.AttrValue.ListValue(i=paddings))}
-  dx = emit.emit_node(node, make_inputs(sizes, window), attrs=attrs,
-                      name=node.name + '/gspmd/own_rows').outputs[0]
+    paddings[2 * d : 2 * d + 2] = [gd.plan.pad_lo, gd.plan.pad_hi]
+  attrs = {
+    'padding': attr_value_pb2.AttrValue(s=b'EXPLICIT'),
+    'explicit_paddings': attr_value_pb2.AttrValue(
+      list=attr_value_pb2.AttrValue.ListValue(i=paddings)
+    ),
+  }
+  dx = emit.emit_node(
+    node, make_inputs(sizes, window), attrs=attrs, name=node.name + '/gspmd/own_rows'
+  ).outputs[0]
   for gd in gdims:
     d, ci = gd.image.dim, gd.image.plan.input_chunk
     if gd.plan.rows != ci:
@@ -392,13 +445,15 @@ def _valid_attrs(node) -> dict:
 
 def _emit_valid(node, inputs, op_type: Optional[str] = None) -> tf.Tensor:
   """`node` (or `op_type` with node's attrs) on local windows, with VALID padding."""
-  op = emit.emit_node(node, inputs, attrs=_valid_attrs(node), op_type=op_type,
-                      name=node.name + '/gspmd/window')
+  op = emit.emit_node(
+    node, inputs, attrs=_valid_attrs(node), op_type=op_type, name=node.name + '/gspmd/window'
+  )
   return op.outputs[0]
 
 
-def _count_fraction(p, node, dims: Sequence[SpatialDim], sharding: NamedSharding,
-                    dtype) -> Optional[tf.Tensor]:
+def _count_fraction(
+  p, node, dims: Sequence[SpatialDim], sharding: NamedSharding, dtype
+) -> Optional[tf.Tensor]:
   """Per output element, (real elements in its window) / (window area), shaped to
   broadcast against the pooled block; None when no window reaches past the image."""
   if not any(sd.window.pad_lo or sd.window.pad_hi for sd in dims):
@@ -412,9 +467,9 @@ def _count_fraction(p, node, dims: Sequence[SpatialDim], sharding: NamedSharding
 
 
 def _mask(p, value: Local, tensor: tf.Tensor, dims: Sequence[int], fill=0) -> tf.Tensor:
-  return uneven.mask_padding(tensor, value.sharding, value.shape, dims, fill,
-                             p.backend.partition_id)
-
+  return uneven.mask_padding(
+    tensor, value.sharding, value.shape, dims, fill, p.backend.partition_id
+  )
 
 
 # --- layouts from the rule ------------------------------------------------------------------
@@ -425,18 +480,23 @@ _SPATIAL_FACTORS = ('h', 'w')
 
 def _check_haloable(p, graph, node, operands) -> Layout:
   """The op's layout, or NotHaloable when its form is outside halo exchange."""
-  from tf_gspmd.propagation.registry import RuleError  # pylint: disable=g-import-not-at-top
-  image = (global_shape(graph, node.outputs[0].name) if node.op in _IMAGE_IS_RESULT
-           else operands[0].shape)
+  from tf_gspmd.propagation.registry import RuleError
+
+  image = (
+    global_shape(graph, node.outputs[0].name) if node.op in _IMAGE_IS_RESULT else operands[0].shape
+  )
   if len(image) != 4:
-    raise NotHaloable(f'{node.op} {node.name}: its image has shape {image}; halo exchange '
-                      'handles rank-4 (2-D spatial) ops.')
+    raise NotHaloable(
+      f'{node.op} {node.name}: its image has shape {image}; halo exchange '
+      'handles rank-4 (2-D spatial) ops.'
+    )
   layout = Layout.of(node)
   padding = _attr(node, 'padding', 'VALID')
   if padding not in ('SAME', 'VALID', 'EXPLICIT'):
     raise NotHaloable(f'{node.op} {node.name}: padding {padding!r} is not supported.')
   try:
-    from tf_gspmd.graph_rewrite import factors  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.graph_rewrite import factors
+
     factors.rule_for(p, node, graph)
   except RuleError as e:  # pooling over batch or channels
     raise NotHaloable(str(e)) from e
@@ -447,7 +507,8 @@ def _rule_layouts(p, graph, node, operands, layout: Layout):
   """The rule's layouts (`factors.choose_layouts`, spatial factors split with halos) and the
   halo plan of each spatial dim. A spatial dim `_plan_dims` cannot halo-partition (no
   output rows) is chosen whole instead (`_plan_dims` warns)."""
-  from tf_gspmd.graph_rewrite import factors  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.graph_rewrite import factors
+
   rule = factors.rule_for(p, node, graph)
   windows = [rule.windows[n] for n in _SPATIAL_FACTORS]
   on_result = node.op in _IMAGE_IS_RESULT
@@ -465,8 +526,10 @@ def _rule_layouts(p, graph, node, operands, layout: Layout):
 
 def _resharded(p, node, operands, chosen) -> List[Local]:
   """Operands in the rule's layouts; auxiliary ones (sizes vectors) as they are."""
-  return [value if need is None else p.reshard(value, need, f'operand {i} of {node.op}')
-          for i, (need, value) in enumerate(zip(chosen.operands, operands))]
+  return [
+    value if need is None else p.reshard(value, need, f'operand {i} of {node.op}')
+    for i, (need, value) in enumerate(zip(chosen.operands, operands))
+  ]
 
 
 def _finish(p, graph, node, tensor, layout: NamedSharding) -> List[Local]:
@@ -540,8 +603,15 @@ def _image_gradient(p, node, sizes, ft, g: Local, gt, chosen, dims, out_shape):
     return scatter_window(p, dwindow, result, dims)
   _check_gradient_split(node, g, dims)
   return own_rows_gradient(
-      p, node, gt, g.sharding, result, local, gdims,
-      lambda shape, window: [_local_shape_const(sizes.dtype, shape), ft, window])
+    p,
+    node,
+    gt,
+    g.sharding,
+    result,
+    local,
+    gdims,
+    lambda shape, window: [_local_shape_const(sizes.dtype, shape), ft, window],
+  )
 
 
 def _filter_gradient(p, node, values, chosen, dims, layout, out_shape):
@@ -596,12 +666,16 @@ def _depthwise_backprop_input(p, node, values, chosen, dims, layout, out_shape):
 
 
 _LOCAL = {
-    'Conv2D': _conv, 'MaxPool': _pool, 'AvgPool': _pool,
-    'Conv2DBackpropInput': _conv_backprop_input, 'Conv2DBackpropFilter': _filter_gradient,
-    'MaxPoolGrad': _max_pool_grad, 'AvgPoolGrad': _avg_pool_grad,
-    'DepthwiseConv2dNative': _depthwise,
-    'DepthwiseConv2dNativeBackpropInput': _depthwise_backprop_input,
-    'DepthwiseConv2dNativeBackpropFilter': _filter_gradient,
+  'Conv2D': _conv,
+  'MaxPool': _pool,
+  'AvgPool': _pool,
+  'Conv2DBackpropInput': _conv_backprop_input,
+  'Conv2DBackpropFilter': _filter_gradient,
+  'MaxPoolGrad': _max_pool_grad,
+  'AvgPoolGrad': _avg_pool_grad,
+  'DepthwiseConv2dNative': _depthwise,
+  'DepthwiseConv2dNativeBackpropInput': _depthwise_backprop_input,
+  'DepthwiseConv2dNativeBackpropFilter': _filter_gradient,
 }
 
 
@@ -640,18 +714,22 @@ def windowed_handler(p, graph, node, operands):
 # on whole images (the same masks the windowed forms apply; see each of them for why).
 # 'c'/'o': only when that channel factor is split (a partial sum over it).
 _WHOLE_IMAGE_MASKS = {
-    'Conv2D': {0: ('c', 'channel'), 1: ('c', [2])},
-    'Conv2DBackpropInput': {1: ('o', [3]), 2: (None, range(4))},
-    'Conv2DBackpropFilter': {0: (None, 'batch'), 2: (None, range(4))},
-    'DepthwiseConv2dNativeBackpropInput': {2: (None, range(4))},
-    'DepthwiseConv2dNativeBackpropFilter': {0: (None, 'batch'), 2: (None, range(4))},
-    'MaxPoolGrad': {2: (None, range(4))},
-    'AvgPoolGrad': {1: (None, range(4))},
+  'Conv2D': {0: ('c', 'channel'), 1: ('c', [2])},
+  'Conv2DBackpropInput': {1: ('o', [3]), 2: (None, range(4))},
+  'Conv2DBackpropFilter': {0: (None, 'batch'), 2: (None, range(4))},
+  'DepthwiseConv2dNativeBackpropInput': {2: (None, range(4))},
+  'DepthwiseConv2dNativeBackpropFilter': {0: (None, 'batch'), 2: (None, range(4))},
+  'MaxPoolGrad': {2: (None, range(4))},
+  'AvgPoolGrad': {1: (None, range(4))},
 }
 # Ops whose operand 0 (image gradients) or 1 (filter gradients) is the result's shape.
-_SIZES_OPERAND = {'Conv2DBackpropInput': 0, 'AvgPoolGrad': 0,
-                  'DepthwiseConv2dNativeBackpropInput': 0, 'Conv2DBackpropFilter': 1,
-                  'DepthwiseConv2dNativeBackpropFilter': 1}
+_SIZES_OPERAND = {
+  'Conv2DBackpropInput': 0,
+  'AvgPoolGrad': 0,
+  'DepthwiseConv2dNativeBackpropInput': 0,
+  'Conv2DBackpropFilter': 1,
+  'DepthwiseConv2dNativeBackpropFilter': 1,
+}
 
 
 def _whole_images(p, node, values, chosen, layout, out_shape) -> tf.Tensor:

@@ -36,11 +36,22 @@ undoes it.
 from __future__ import annotations
 
 from tf_gspmd.keras import hooks, translate
-from tf_gspmd.keras_fit import backing
 from tf_gspmd.keras.translate import mesh_and_devices, to_mesh, to_sharding, to_spec
+from tf_gspmd.keras_fit import backing
 
-__all__ = ['enable', 'disable', 'is_enabled', 'backend', 'annotate_variables', 'distribution_of', 'shard_layouts',
-           'mesh_and_devices', 'to_mesh', 'to_sharding', 'to_spec']
+__all__ = [
+  'enable',
+  'disable',
+  'is_enabled',
+  'backend',
+  'annotate_variables',
+  'distribution_of',
+  'shard_layouts',
+  'mesh_and_devices',
+  'to_mesh',
+  'to_sharding',
+  'to_spec',
+]
 
 
 def enable(backend: str = 'tf') -> None:
@@ -86,7 +97,9 @@ def annotate_variables(model, distribution=None):
   """
   distribution = distribution or hooks.distribution_of(model)
   if distribution is None:
-    raise ValueError(f'tf_gspmd.keras.annotate_variables: no distribution is set for model {model.name}.')
+    raise ValueError(
+      f'tf_gspmd.keras.annotate_variables: no distribution is set for model {model.name}.'
+    )
   return hooks.annotate_variables(model, distribution)
 
 
@@ -101,6 +114,10 @@ def shard_layouts(model) -> dict:
   # Keyed by the Keras path: the TF names of nested layers' variables repeat ('attention/kernel'
   # for each of query, key and value).
   paths = {id(backing(v)): v.path for v in hooks.all_variables(model)}
-  return {paths.get(id(original), original.name.split(':')[0]):
-          (sharded.sharding.spec, tuple(sharded.local_shape))
-          for original, sharded in store.pairs()}
+  return {
+    paths.get(id(original), original.name.split(':')[0]): (
+      sharded.sharding.spec,
+      tuple(sharded.local_shape),
+    )
+    for original, sharded in store.pairs()
+  }

@@ -27,12 +27,15 @@ import re
 from typing import Dict, List, Optional, Tuple
 
 import keras
-# Private: the TF backend's distribution module, which Keras' public
-# `keras.distribution` functions and `Layer.__call__` dispatch to.
-from keras.src.backend.tensorflow import distribution_lib as tf_distribution_lib
+
 # Private: the base class of every Keras variable, whose constructor is where
 # Keras (on JAX) gives a variable its layout.
 from keras.src.backend.common.variables import Variable as KerasVariable
+
+# Private: the TF backend's distribution module, which Keras' public
+# `keras.distribution` functions and `Layer.__call__` dispatch to.
+from keras.src.backend.tensorflow import distribution_lib as tf_distribution_lib
+
 # Private: the class keras.Model's training entry points live on under the TF backend.
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
@@ -48,7 +51,14 @@ from tf_gspmd.sharding import NamedSharding
 _MADE_UNDER = '_tf_gspmd_distribution'
 _PARTITIONED_FOR = '_tf_gspmd_distribution'
 
-_ENTRY_POINTS = ('fit', 'evaluate', 'predict', 'train_on_batch', 'test_on_batch', 'predict_on_batch')
+_ENTRY_POINTS = (
+  'fit',
+  'evaluate',
+  'predict',
+  'train_on_batch',
+  'test_on_batch',
+  'predict_on_batch',
+)
 _STEP_FACTORIES = ('make_train_function', 'make_test_function', 'make_predict_function')
 
 _MISSING = object()
@@ -86,9 +96,10 @@ def initialize(job_addresses=None, num_processes=None, process_id=None):
   """One process needs no set-up; several processes are not supported by tf_gspmd's launcher."""
   if (num_processes or 1) > 1:
     raise NotImplementedError(
-        f'keras.distribution.initialize: tf_gspmd runs one process over its local devices; '
-        f'got num_processes={num_processes} (job_addresses={job_addresses!r}, '
-        f'process_id={process_id}).')
+      f'keras.distribution.initialize: tf_gspmd runs one process over its local devices; '
+      f'got num_processes={num_processes} (job_addresses={job_addresses!r}, '
+      f'process_id={process_id}).'
+    )
 
 
 def _backend_mesh(device_mesh):
@@ -100,11 +111,11 @@ def _backend_layout(tensor_layout):
 
 
 _BACKEND_FUNCTIONS = {
-    'distribute_tensor': distribute_tensor,
-    'get_device_count': get_device_count,
-    'initialize': initialize,
-    '_to_backend_mesh': _backend_mesh,
-    '_to_backend_layout': _backend_layout,
+  'distribute_tensor': distribute_tensor,
+  'get_device_count': get_device_count,
+  'initialize': initialize,
+  '_to_backend_mesh': _backend_mesh,
+  '_to_backend_layout': _backend_layout,
 }
 
 
@@ -116,13 +127,14 @@ def _variable_init(original):
     current = keras.distribution.distribution()
     if current is None:
       return
-    if self._layout is None:  # pylint: disable=protected-access
-      self._layout = current.get_variable_layout(self)  # pylint: disable=protected-access
+    if self._layout is None:  # noqa: SLF001
+      self._layout = current.get_variable_layout(self)  # noqa: SLF001
     setattr(self, _MADE_UNDER, current)
     if getattr(self, '_value', None) is not None:
       # Made inside a step being captured (optimizer slots, metric state): annotated now,
       # before the capture reads it; otherwise the step would give it a layout of its own.
       shard_variable(self, _sharding_of(self, current))
+
   return init
 
 
@@ -148,7 +160,7 @@ def _give_layouts(variables, distribution) -> None:
   """Give variables made outside any distribution the layout Keras' rules give them now."""
   for variable in variables:
     if getattr(variable, '_layout', None) is None:
-      variable._layout = distribution.get_variable_layout(variable)  # pylint: disable=protected-access
+      variable._layout = distribution.get_variable_layout(variable)  # noqa: SLF001
 
 
 def all_variables(model) -> list:
@@ -174,8 +186,10 @@ def _sharding_of(variable, distribution) -> NamedSharding:
   try:
     return NamedSharding(translate.to_mesh(device_mesh), spec)
   except ValueError as error:  # an axis used twice: say which variable's layout
-    raise ValueError(f'keras.distribution: layout {tuple(spec)} for variable {variable.path} of '
-                     f'shape {tuple(variable.shape)}: {error}') from None
+    raise ValueError(
+      f'keras.distribution: layout {tuple(spec)} for variable {variable.path} of '
+      f'shape {tuple(variable.shape)}: {error}'
+    ) from None
 
 
 def annotate_variables(model, distribution) -> List[Tuple[str, object]]:
@@ -196,10 +210,12 @@ def annotate_variables(model, distribution) -> List[Tuple[str, object]]:
 
 def _annotating(model, distribution, factory):
   """`factory` (a make_*_function) that first annotates every variable, optimizer slots included."""
+
   @functools.wraps(factory)
   def make(force=False):
     annotate_variables(model, distribution)
     return factory(force)
+
   return make
 
 
@@ -216,18 +232,27 @@ def partition_for_distribution(model) -> bool:
     _check_backend(model, backend)
     return False
   if done is not None:
-    raise ValueError(f'tf_gspmd.keras: model {model.name} runs partitioned for {done}; it cannot '
-                     f'switch to {distribution}. Build a new model under the new distribution.')
+    raise ValueError(
+      f'tf_gspmd.keras: model {model.name} runs partitioned for {done}; it cannot '
+      f'switch to {distribution}. Build a new model under the new distribution.'
+    )
   _refuse_slots_made_before(model, distribution)
   _warn_unused_keys(model, distribution)
   _give_layouts(model.variables, distribution)  # before fit builds optimizer slots from them
   mesh, devices = translate.mesh_and_devices(distribution.device_mesh)
   if backend == 'xla':
-    from tf_gspmd.xla_bridge.pjrt import devices_named  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.xla_bridge.pjrt import devices_named
+
     devices = devices_named(devices)  # the DeviceMesh's devices, in its order, as jax's
   # strategy: a tf.distribute scope entered (a TPUStrategy's): its strategy.run runs the steps.
-  partition_model(model, mesh, batch_axes=translate.batch_axes(distribution), devices=devices,
-                  backend=backend, strategy=strategy_of(model))
+  partition_model(
+    model,
+    mesh,
+    batch_axes=translate.batch_axes(distribution),
+    devices=devices,
+    backend=backend,
+    strategy=strategy_of(model),
+  )
   for name in _STEP_FACTORIES:
     setattr(model, name, _annotating(model, distribution, getattr(model, name)))
   model.__dict__[_PARTITIONED_FOR] = distribution
@@ -246,12 +271,13 @@ def _refuse_slots_made_before(model, distribution) -> None:
     spec = translate.to_spec(layout) if not isinstance(layout, NamedSharding) else layout.spec
     if any(entry is not None for entry in spec):
       raise ValueError(
-          f'tf_gspmd.keras: model {model.name} was trained before {type(distribution).__name__} '
-          f'applied to it: its optimizer made its slots (e.g. {slots[0].path}) with no layout, '
-          f'so the slot of {variable.path} would stay replicated while the distribution splits '
-          f'{variable.path} as {spec}. Build and compile the model inside `distribution.scope()` '
-          '(or after keras.distribution.set_distribution), or compile it again with a new '
-          'optimizer before fitting under the distribution.')
+        f'tf_gspmd.keras: model {model.name} was trained before {type(distribution).__name__} '
+        f'applied to it: its optimizer made its slots (e.g. {slots[0].path}) with no layout, '
+        f'so the slot of {variable.path} would stay replicated while the distribution splits '
+        f'{variable.path} as {spec}. Build and compile the model inside `distribution.scope()` '
+        '(or after keras.distribution.set_distribution), or compile it again with a new '
+        'optimizer before fitting under the distribution.'
+      )
 
 
 def _warn_unused_keys(model, distribution) -> None:
@@ -262,8 +288,9 @@ def _warn_unused_keys(model, distribution) -> None:
     return
   paths = [v.path for v in all_variables(model)]
   outputs = [f'{path}/output' for path in layer_paths(model)]
-  unused = [key for key in layout_map
-            if not any(key == p or re.fullmatch(key, p) for p in paths + outputs)]
+  unused = [
+    key for key in layout_map if not any(key == p or re.fullmatch(key, p) for p in paths + outputs)
+  ]
   warn_unused(unused, paths, 'keras.distribution.LayoutMap')
 
 
@@ -273,11 +300,12 @@ def _check_backend(model, backend: str) -> None:
   had = launcher.kwargs.get('backend', 'tf') if launcher is not None else backend
   if had != backend:
     raise ValueError(
-        f"tf_gspmd.keras: model {model.name} runs partitioned on backend={had!r}, but "
-        f"tf_gspmd.keras.enable(backend={backend!r}) is in force. Its variables live on the "
-        f"{had!r} backend's devices; call tf_gspmd.unpartition_model(model) first (it copies "
-        'the trained values back into the model), then fit again to partition it on the new '
-        'backend.')
+      f'tf_gspmd.keras: model {model.name} runs partitioned on backend={had!r}, but '
+      f'tf_gspmd.keras.enable(backend={backend!r}) is in force. Its variables live on the '
+      f"{had!r} backend's devices; call tf_gspmd.unpartition_model(model) first (it copies "
+      'the trained values back into the model), then fit again to partition it on the new '
+      'backend.'
+    )
 
 
 def _entry_point(name, original):
@@ -287,13 +315,21 @@ def _entry_point(name, original):
       # partition_model may have put its own `name` on the instance (fit, evaluate).
       return getattr(self, name)(*args, **kwargs)
     return original(self, *args, **kwargs)
+
   return entry
 
 
 # --- install / uninstall ------------------------------------------------------------------
 def _replace(owner, name, value) -> None:
-  _saved.append((owner, name, owner.__dict__.get(name, _MISSING) if isinstance(owner, type)
-                 else getattr(owner, name, _MISSING)))
+  _saved.append(
+    (
+      owner,
+      name,
+      owner.__dict__.get(name, _MISSING)
+      if isinstance(owner, type)
+      else getattr(owner, name, _MISSING),
+    )
+  )
   setattr(owner, name, value)
 
 
@@ -314,8 +350,10 @@ def install(backend: str = 'tf') -> None:
     return
   backend = keras.backend.backend()
   if backend != 'tensorflow':
-    raise RuntimeError(f'tf_gspmd.keras.enable: Keras runs the {backend!r} backend; tf_gspmd '
-                       "implements keras.distribution for 'tensorflow' (set KERAS_BACKEND).")
+    raise RuntimeError(
+      f'tf_gspmd.keras.enable: Keras runs the {backend!r} backend; tf_gspmd '
+      "implements keras.distribution for 'tensorflow' (set KERAS_BACKEND)."
+    )
   for name, function in _BACKEND_FUNCTIONS.items():
     _replace(tf_distribution_lib, name, function)
   _replace(KerasVariable, '__init__', _variable_init(KerasVariable.__init__))

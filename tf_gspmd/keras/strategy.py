@@ -82,14 +82,13 @@ def plain_keras():
   Both are emptied inside and put back after.
   """
   graph = tf.compat.v1.get_default_graph()
-  # pylint: disable=protected-access
+  # noqa: SLF001
   saved = graph._distribution_strategy_stack, graph._variable_creator_stack
   graph._distribution_strategy_stack, graph._variable_creator_stack = [], []
   try:
     yield
   finally:
     graph._distribution_strategy_stack, graph._variable_creator_stack = saved
-  # pylint: enable=protected-access
 
 
 def _backing(variable):
@@ -105,11 +104,12 @@ def refuse_distributed_variables(model) -> None:
   for variable in variables:
     if isinstance(_backing(variable), tf.distribute.DistributedValues):
       raise ValueError(
-          f'tf_gspmd: model {model.name} has TF distributed variables ({variable.path}: '
-          f'{type(_backing(variable)).__name__}): it was built or compiled inside a '
-          'tf.distribute strategy scope. tf_gspmd places the shards on the replicas itself: '
-          'build and compile the model outside strategy.scope(), then fit inside it (or pass '
-          'strategy= to tg.partition_model).')
+        f'tf_gspmd: model {model.name} has TF distributed variables ({variable.path}: '
+        f'{type(_backing(variable)).__name__}): it was built or compiled inside a '
+        'tf.distribute strategy scope. tf_gspmd places the shards on the replicas itself: '
+        'build and compile the model outside strategy.scope(), then fit inside it (or pass '
+        'strategy= to tg.partition_model).'
+      )
 
 
 def global_values(args, strategy):
@@ -118,10 +118,12 @@ def global_values(args, strategy):
   Keras' distributed dataset gives replica r the r-th slice of each batch; the
   slices, concatenated in replica order, are the batch.
   """
+
   def whole(value):
     if isinstance(value, tf.distribute.DistributedValues):
       return tf.concat(strategy.experimental_local_results(value), 0)
     return value
+
   return tf.nest.map_structure(whole, args)
 
 
@@ -158,11 +160,22 @@ class StrategyFunction(PartitionedFunction):
   'tf' elsewhere).
   """
 
-  def __init__(self, fn, mesh: Mesh, strategy, replicas: tpu.ReplicaVariables, *,
-               collectives: Optional[str] = None, exported: Optional[bool] = None, **kwargs):
+  def __init__(
+    self,
+    fn,
+    mesh: Mesh,
+    strategy,
+    replicas: tpu.ReplicaVariables,
+    *,
+    collectives: Optional[str] = None,
+    exported: Optional[bool] = None,
+    **kwargs,
+  ):
     if kwargs.get('backend', 'tf') != 'tf':
-      raise ValueError(f"partition_model: strategy= runs the steps by strategy.run; backend="
-                       f"{kwargs['backend']!r} is another way to run them: give one of the two.")
+      raise ValueError(
+        f'partition_model: strategy= runs the steps by strategy.run; backend='
+        f'{kwargs["backend"]!r} is another way to run them: give one of the two.'
+      )
     super().__init__(fn, mesh, **kwargs)
     self.strategy = strategy
     self.replicas = replicas
@@ -186,8 +199,13 @@ class StrategyFunction(PartitionedFunction):
       runner = self._runners.get(id(compiled))
       if runner is None:
         runner = self._runners[id(compiled)] = tpu.TPUStrategyStep(
-            self, self.strategy, *args, collectives=self.replica_collectives,
-            exported=self.exported, variables=self.replicas)
+          self,
+          self.strategy,
+          *args,
+          collectives=self.replica_collectives,
+          exported=self.exported,
+          variables=self.replicas,
+        )
     self._last = compiled
     return runner
 

@@ -30,8 +30,10 @@ def tf_device_name(device) -> str:
     return name
   kind, sep, index = name.rpartition(':')
   if not sep or not index.isdigit() or not kind:
-    raise ValueError(f'keras.distribution: cannot read device {name!r} as "type:index" '
-                     "(Keras' own form, e.g. 'cpu:0') or a TF device name.")
+    raise ValueError(
+      f'keras.distribution: cannot read device {name!r} as "type:index" '
+      "(Keras' own form, e.g. 'cpu:0') or a TF device name."
+    )
   return f'/device:{kind.upper()}:{int(index)}'
 
 
@@ -44,7 +46,9 @@ def mesh_and_devices(device_mesh) -> Tuple[Mesh, Tuple[str, ...]]:
   names = tuple(str(a) for a in device_mesh.axis_names)
   devices = tuple(tf_device_name(d) for d in np.asarray(device_mesh.devices).reshape(-1))
   if len(set(devices)) != len(devices):
-    raise ValueError(f'keras.distribution: DeviceMesh {device_mesh} lists a device twice: {devices}.')
+    raise ValueError(
+      f'keras.distribution: DeviceMesh {device_mesh} lists a device twice: {devices}.'
+    )
   result = (Mesh.create(shape, names), devices)
   setattr(device_mesh, _MESH_ATTR, result)
   return result
@@ -64,8 +68,10 @@ def to_sharding(layout, default_mesh=None) -> NamedSharding:
   """A TensorLayout as a NamedSharding; a layout without a mesh takes `default_mesh`'s."""
   device_mesh = getattr(layout, 'device_mesh', None) or default_mesh
   if device_mesh is None:
-    raise ValueError(f'keras.distribution: layout {layout} has no device mesh and no '
-                     'distribution is set to take one from.')
+    raise ValueError(
+      f'keras.distribution: layout {layout} has no device mesh and no '
+      'distribution is set to take one from.'
+    )
   return NamedSharding(to_mesh(device_mesh), to_spec(layout))
 
 
@@ -80,9 +86,10 @@ def variable_spec(distribution, variable, layout=None) -> P:
   spec = to_spec(layout)
   if len(spec) != len(variable.shape):
     raise ValueError(
-        f'keras.distribution: layout {tuple(spec)} for variable {variable.path} of shape '
-        f'{tuple(variable.shape)} has {len(spec)} entries for rank {len(variable.shape)}; '
-        'give one entry per dim.')
+      f'keras.distribution: layout {tuple(spec)} for variable {variable.path} of shape '
+      f'{tuple(variable.shape)} has {len(spec)} entries for rank {len(variable.shape)}; '
+      'give one entry per dim.'
+    )
   return spec
 
 
@@ -90,6 +97,7 @@ def batch_axes(distribution) -> Optional[str]:
   """The mesh axis the batch dim of every input is split over (Keras' `batch_dim_name`)."""
   name = distribution.batch_dim_name
   if name is not None and name not in distribution.device_mesh.axis_names:
-    raise ValueError(f'keras.distribution: batch_dim_name {name!r} is not an axis of '
-                     f'{distribution.device_mesh}.')
+    raise ValueError(
+      f'keras.distribution: batch_dim_name {name!r} is not an axis of {distribution.device_mesh}.'
+    )
   return name

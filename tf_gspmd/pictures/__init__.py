@@ -41,8 +41,9 @@ def _sharding_and_shape(x, shape, mesh) -> tuple:
   """(sharding, shape, name or None) of whatever `visualize` was given."""
   if isinstance(x, Sharding):
     if shape is None:
-      raise ValueError(f'visualize: a sharding alone has no shape; pass shape=, e.g. '
-                       f'visualize({x}, shape=(8, 8)).')
+      raise ValueError(
+        f'visualize: a sharding alone has no shape; pass shape=, e.g. visualize({x}, shape=(8, 8)).'
+      )
     return x, tuple(shape), None
   held = getattr(x, 'sharding', None)
   if isinstance(held, Sharding):  # ShardedVariable, ShardedValue
@@ -51,7 +52,8 @@ def _sharding_and_shape(x, shape, mesh) -> tuple:
 
 
 def _annotated(x, shape, mesh) -> tuple:
-  from tf_gspmd.annotations import get_sharding  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.annotations import get_sharding
+
   try:
     sharding = get_sharding(x, mesh)
   except (AttributeError, TypeError, ValueError):
@@ -59,9 +61,10 @@ def _annotated(x, shape, mesh) -> tuple:
   name = getattr(x, 'name', None)
   if sharding is None:
     raise ValueError(
-        f'visualize: {name or type(x).__name__} carries no tf_gspmd sharding (eager tensors '
-        'never do); annotate it with tg.shard or tg.shard_variable, or pass a Sharding and '
-        'its shape.')
+      f'visualize: {name or type(x).__name__} carries no tf_gspmd sharding (eager tensors '
+      'never do); annotate it with tg.shard or tg.shard_variable, or pass a Sharding and '
+      'its shape.'
+    )
   if shape is None:
     shape = getattr(x, 'shape', None)
     if shape is None or None in tuple(shape):

@@ -16,8 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from tf_gspmd.mesh import Mesh
-from tf_gspmd.sharding import PARTIAL_PREFIX, NamedSharding, Sharding
-from tf_gspmd.sharding import named_for_rank, shard_bounds
+from tf_gspmd.sharding import PARTIAL_PREFIX, NamedSharding, Sharding, named_for_rank, shard_bounds
 
 # A dim cut into more blocks than this shows its first and last ones around an ellipsis:
 # a terminal line, or a card of the page, holds about eight labelled blocks.
@@ -27,6 +26,7 @@ MAX_SHOWN = 8
 @dataclasses.dataclass(frozen=True)
 class DimSplit:
   """How one tensor dim is cut: the [start, stop) of every block, and the mesh axes cutting it."""
+
   size: int
   bounds: Tuple[Tuple[int, int], ...]
   axes: Tuple[str, ...] = ()
@@ -47,6 +47,7 @@ class Block:
   `parts` has one tuple of devices per part of a pending reduction (the block's
   value is their sum, max, ...); the devices of one tuple hold the same values.
   """
+
   bounds: Tuple[Tuple[int, int], ...]
   parts: Tuple[Tuple[int, ...], ...]
 
@@ -62,12 +63,13 @@ class Block:
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """A tensor's blocks over devices; see the module docstring."""
+
   shape: Tuple[int, ...]
   sharding: Sharding
   mesh: Optional[Mesh]
   dims: Tuple[DimSplit, ...]
   blocks: Dict[Tuple[int, ...], Block]
-  replica_axes: Tuple[str, ...] = ()   # mesh axes holding copies (NamedSharding only)
+  replica_axes: Tuple[str, ...] = ()  # mesh axes holding copies (NamedSharding only)
 
   @property
   def kind(self) -> str:
@@ -100,7 +102,7 @@ class Layout:
     """
     rank = len(self.shape)
     if rank <= 2:
-      return ((None,) * (2 - rank) + tuple(range(rank)))
+      return (None,) * (2 - rank) + tuple(range(rank))
     by_cut = sorted(range(rank), key=lambda d: (-self.dims[d].blocks, -self.shape[d], d))
     rows, cols = sorted(by_cut[:2])
     return rows, cols
@@ -139,11 +141,15 @@ def layout_of(sharding: Sharding, shape: Sequence[int], mesh: Optional[Mesh] = N
   sharding = _on_mesh(sharding, mesh, len(shape))
   mesh = sharding.mesh if isinstance(sharding, NamedSharding) else mesh
   tiles = sharding.tile_shape if sharding.is_tiled else (1,) * len(shape)
-  dims = tuple(DimSplit(size, tuple(shard_bounds(size, n, i) for i in range(n)), _axes(sharding, d))
-               for d, (size, n) in enumerate(zip(shape, tiles)))
+  dims = tuple(
+    DimSplit(size, tuple(shard_bounds(size, n, i) for i in range(n)), _axes(sharding, d))
+    for d, (size, n) in enumerate(zip(shape, tiles))
+  )
   holders = _holders(sharding, mesh, len(shape))
-  blocks = {index: Block(tuple(dims[d].bounds[i] for d, i in enumerate(index)), parts)
-            for index, parts in holders.items()}
+  blocks = {
+    index: Block(tuple(dims[d].bounds[i] for d, i in enumerate(index)), parts)
+    for index, parts in holders.items()
+  }
   return Layout(shape, sharding, mesh, dims, blocks, _replica_axes(sharding))
 
 
@@ -187,8 +193,9 @@ def _replica_axes(sharding: Sharding) -> Tuple[str, ...]:
   if not isinstance(sharding, NamedSharding):
     return ()
   taken = set(sharding.spec.used_axes()) | set(sharding.partial_axes)
-  return tuple(a for a in sharding.mesh.axis_names
-               if a not in taken and sharding.mesh.axis_size(a) > 1)
+  return tuple(
+    a for a in sharding.mesh.axis_names if a not in taken and sharding.mesh.axis_size(a) > 1
+  )
 
 
 def _holders(sharding: Sharding, mesh: Optional[Mesh], rank: int) -> Dict[tuple, tuple]:
@@ -203,8 +210,10 @@ def _holders(sharding: Sharding, mesh: Optional[Mesh], rank: int) -> Dict[tuple,
     sub = index[rank:]
     part = tuple(sub[i] for i in partial_dims)
     found.setdefault(index[:rank], {}).setdefault(part, []).append(int(device))
-  return {index: tuple(sorted((tuple(sorted(ds)) for ds in parts.values()), key=lambda p: p[0]))
-          for index, parts in sorted(found.items())}
+  return {
+    index: tuple(sorted((tuple(sorted(ds)) for ds in parts.values()), key=lambda p: p[0]))
+    for index, parts in sorted(found.items())
+  }
 
 
 def _runs(devices: Sequence[int]) -> str:
@@ -217,6 +226,6 @@ def _runs(devices: Sequence[int]) -> str:
     if stop - start >= 2:
       out.append(f'{devices[start]}-{devices[stop]}')
     else:
-      out.extend(str(d) for d in devices[start:stop + 1])
+      out.extend(str(d) for d in devices[start : stop + 1])
     start = stop + 1
   return ','.join(out)

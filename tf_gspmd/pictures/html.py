@@ -19,9 +19,9 @@ from tf_gspmd.pictures import text
 from tf_gspmd.pictures.geometry import Layout, device_label, layout_of, range_text, shown
 from tf_gspmd.pictures.page import MEMORY_PARTS, Page, TensorEntry
 
-GRID_WIDTH = 400       # px of a grid's blocks
-MIN_BLOCK = 16         # px: the narrowest block drawn (an empty one gets this)
-ELLIPSIS_BLOCK = 22    # px: the band standing for elided blocks
+GRID_WIDTH = 400  # px of a grid's blocks
+MIN_BLOCK = 16  # px: the narrowest block drawn (an empty one gets this)
+ELLIPSIS_BLOCK = 22  # px: the band standing for elided blocks
 PART_COLORS = {'parameters': '#4e79a7', 'optimizer state': '#f28e2b', 'activations': '#59a14f'}
 
 
@@ -34,23 +34,37 @@ def write(page: Page, path) -> str:
 
 
 def render(page: Page) -> str:
-  body = [f'<h1>{_e(page.title)}</h1>', _summary(page), _memory(page), _collectives(page),
-          _layouts(page), _provenance(page)]
-  return ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-          f'<title>{_e(page.title)}</title><style>{CSS}</style></head>\n<body>\n' +
-          '\n'.join(body) + f'\n<script>{SCRIPT}</script>\n</body></html>\n')
+  body = [
+    f'<h1>{_e(page.title)}</h1>',
+    _summary(page),
+    _memory(page),
+    _collectives(page),
+    _layouts(page),
+    _provenance(page),
+  ]
+  return (
+    '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+    f'<title>{_e(page.title)}</title><style>{CSS}</style></head>\n<body>\n'
+    + '\n'.join(body)
+    + f'\n<script>{SCRIPT}</script>\n</body></html>\n'
+  )
 
 
 # --- header ------------------------------------------------------------------------------
 def _summary(page: Page) -> str:
   mesh = ' x '.join(f'{a}={n}' for a, n in page.mesh.shape.items())
   per_step = sum(r['bytes'] for r in page.collectives)
-  items = [f'{page.mesh.size} devices, mesh {mesh}', f'{len(page.variables)} variables',
-           f'{len(page.collectives)} collectives per step, {_bytes(per_step)} per device']
+  items = [
+    f'{page.mesh.size} devices, mesh {mesh}',
+    f'{len(page.variables)} variables',
+    f'{len(page.collectives)} collectives per step, {_bytes(per_step)} per device',
+  ]
   notes = ''.join(f'<p class="note">{_e(n)}</p>' for n in page.notes)
-  finder = ('<p class="finder">Highlight a device in every grid: <input id="device" '
-            f'type="number" min="0" max="{max(page.mesh.devices)}" placeholder="id" '
-            'oninput="highlight(this.value)"></p>')
+  finder = (
+    '<p class="finder">Highlight a device in every grid: <input id="device" '
+    f'type="number" min="0" max="{max(page.mesh.devices)}" placeholder="id" '
+    'oninput="highlight(this.value)"></p>'
+  )
   return '<p class="summary">' + ' &middot; '.join(_e(i) for i in items) + '</p>' + notes + finder
 
 
@@ -60,18 +74,22 @@ def _memory(page: Page) -> str:
   total = sum(measured.values())
   rows = [_memory_row(part, page.memory.get(part)) for part in MEMORY_PARTS]
   rows.append(_row(['total', _num(total)], 'class="total"'))
-  return ('<section id="memory"><h2>Memory per device</h2>'
-          '<p class="note">Shards are padded to one shape, so every device holds the same '
-          'bytes.</p>'
-          f'{_stacked_bar(measured, total)}{_table("memory", ("part", "bytes"), rows)}'
-          f'{_variable_table(page.variables)}</section>')
+  return (
+    '<section id="memory"><h2>Memory per device</h2>'
+    '<p class="note">Shards are padded to one shape, so every device holds the same '
+    'bytes.</p>'
+    f'{_stacked_bar(measured, total)}{_table("memory", ("part", "bytes"), rows)}'
+    f'{_variable_table(page.variables)}</section>'
+  )
 
 
 def _memory_row(part: str, size: Optional[int]) -> str:
   swatch = f'<span class="swatch" style="background:{PART_COLORS[part]}"></span>{_e(part)}'
   value = '<td class="num">not measured</td>' if size is None else _num(size)
-  return _row([swatch, value],
-              f'class="mem" data-part="{_e(part)}" data-bytes="{"" if size is None else size}"')
+  return _row(
+    [swatch, value],
+    f'class="mem" data-part="{_e(part)}" data-bytes="{"" if size is None else size}"',
+  )
 
 
 def _stacked_bar(parts: Dict[str, int], total: int, width: int = 760) -> str:
@@ -80,8 +98,10 @@ def _stacked_bar(parts: Dict[str, int], total: int, width: int = 760) -> str:
   x, out = 0.0, []
   for part, size in parts.items():
     w = width * size / total
-    out.append(f'<rect x="{x:.1f}" y="0" width="{w:.1f}" height="26" fill="{PART_COLORS[part]}">'
-               f'<title>{_e(part)}: {_bytes(size)}</title></rect>')
+    out.append(
+      f'<rect x="{x:.1f}" y="0" width="{w:.1f}" height="26" fill="{PART_COLORS[part]}">'
+      f'<title>{_e(part)}: {_bytes(size)}</title></rect>'
+    )
     label = f'{part} {_bytes(size, exact=False)}'
     if w >= 7.5 * len(label) + 8:  # named inside the bar when it fits
       out.append(f'<text class="inbar" x="{x + 6:.1f}" y="17">{_e(label)}</text>')
@@ -90,18 +110,28 @@ def _stacked_bar(parts: Dict[str, int], total: int, width: int = 760) -> str:
 
 
 def _variable_table(variables: List[TensorEntry]) -> str:
-  rows = [_row([f'<a href="#grid-{i}">{_e(v.name)}</a>', _e(v.shape), _e(v.dtype),
-                _code(v.sharding), _e(v.role),
-                _num(v.per_device), _num(v.total)],
-               f'class="var" data-name="{_e(v.name)}" data-per-device="{v.per_device}" '
-               f'data-total="{v.total}" data-trainable="{int(v.trainable)}"')
-          for i, v in enumerate(variables)]
-  table = _table('variables', ('variable', 'shape', 'dtype', 'sharding', 'part', 'per device',
-                               'global'), rows)
+  rows = [
+    _row(
+      [
+        f'<a href="#grid-{i}">{_e(v.name)}</a>',
+        _e(v.shape),
+        _e(v.dtype),
+        _code(v.sharding),
+        _e(v.role),
+        _num(v.per_device),
+        _num(v.total),
+      ],
+      f'class="var" data-name="{_e(v.name)}" data-per-device="{v.per_device}" '
+      f'data-total="{v.total}" data-trainable="{int(v.trainable)}"',
+    )
+    for i, v in enumerate(variables)
+  ]
+  table = _table(
+    'variables', ('variable', 'shape', 'dtype', 'sharding', 'part', 'per device', 'global'), rows
+  )
   # Open while short; a model's hundred variables would push the charts off the screen.
   opened = ' open' if len(variables) <= 12 else ''
-  return (f'<details{opened}><summary>per variable ({len(variables)})</summary>{table}'
-          '</details>')
+  return f'<details{opened}><summary>per variable ({len(variables)})</summary>{table}</details>'
 
 
 # --- collectives -------------------------------------------------------------------------
@@ -118,12 +148,16 @@ def collective_totals(records: Sequence[dict]) -> List[Tuple[str, tuple, int, in
 def _collectives(page: Page) -> str:
   totals = collective_totals(page.collectives)
   if not totals:
-    return ('<section id="collectives"><h2>Collectives per step</h2>'
-            '<p>None: every op runs on the shards it has.</p></section>')
-  return ('<section id="collectives"><h2>Collectives per step</h2>'
-          '<p class="note">Bytes one device sends into each kind of collective per call '
-          '(its local operand), summed over the ops.</p>'
-          f'{_bar_chart(totals)}{_collective_table(page.collectives)}</section>')
+    return (
+      '<section id="collectives"><h2>Collectives per step</h2>'
+      '<p>None: every op runs on the shards it has.</p></section>'
+    )
+  return (
+    '<section id="collectives"><h2>Collectives per step</h2>'
+    '<p class="note">Bytes one device sends into each kind of collective per call '
+    '(its local operand), summed over the ops.</p>'
+    f'{_bar_chart(totals)}{_collective_table(page.collectives)}</section>'
+  )
 
 
 def _bar_chart(totals, label_width: int = 250, bar_width: int = 380) -> str:
@@ -133,47 +167,67 @@ def _bar_chart(totals, label_width: int = 250, bar_width: int = 380) -> str:
     y, w = i * 30, max(2.0, bar_width * size / most)
     label = f'{kind} over {",".join(axes) or "-"}'
     bars.append(
-        f'<g class="bar" data-kind="{_e(kind)}" data-axes="{_e(",".join(axes))}" '
-        f'data-bytes="{size}" data-count="{count}">'
-        f'<text x="{label_width - 8}" y="{y + 18}" text-anchor="end">{_e(label)}</text>'
-        f'<rect x="{label_width}" y="{y + 4}" width="{w:.1f}" height="20" fill="#4e79a7"/>'
-        f'<text x="{label_width + w + 6:.1f}" y="{y + 18}">{_bytes(size, exact=False)} in '
-        f'{count} op{"s" if count != 1 else ""}<title>{size:,} B</title></text></g>')
+      f'<g class="bar" data-kind="{_e(kind)}" data-axes="{_e(",".join(axes))}" '
+      f'data-bytes="{size}" data-count="{count}">'
+      f'<text x="{label_width - 8}" y="{y + 18}" text-anchor="end">{_e(label)}</text>'
+      f'<rect x="{label_width}" y="{y + 4}" width="{w:.1f}" height="20" fill="#4e79a7"/>'
+      f'<text x="{label_width + w + 6:.1f}" y="{y + 18}">{_bytes(size, exact=False)} in '
+      f'{count} op{"s" if count != 1 else ""}<title>{size:,} B</title></text></g>'
+    )
   height = 30 * len(totals) + 4
-  return (f'<svg class="chart" width="{label_width + bar_width + 170}" height="{height}">'
-          f'{"".join(bars)}</svg>')
+  return (
+    f'<svg class="chart" width="{label_width + bar_width + 170}" height="{height}">'
+    f'{"".join(bars)}</svg>'
+  )
 
 
 def _collective_table(records: Sequence[dict]) -> str:
-  rows = [_row([_e(r.get('op', '')), _e(r.get('op_type', '')), _e(r['kind']),
-                _e(','.join(r['axes'])), _e(tuple(r.get('shape', ()))), _num(r['bytes']),
-                _e(r.get('why', ''))]) for r in records]
+  rows = [
+    _row(
+      [
+        _e(r.get('op', '')),
+        _e(r.get('op_type', '')),
+        _e(r['kind']),
+        _e(','.join(r['axes'])),
+        _e(tuple(r.get('shape', ()))),
+        _num(r['bytes']),
+        _e(r.get('why', '')),
+      ]
+    )
+    for r in records
+  ]
   table = _table('collectives', ('op', 'op type', 'kind', 'axes', 'shape', 'bytes', 'why'), rows)
   return f'<details><summary>every collective ({len(records)})</summary>{table}</details>'
 
 
 # --- layouts -----------------------------------------------------------------------------
 def _layouts(page: Page) -> str:
-  legend = ('<p class="note">Each box is one block of the tensor, drawn to scale; its label '
-            "lists the devices holding it (',' between copies, '+' between the parts of a "
-            "pending sum, '|' between blocks of dims folded into the cell).</p>")
+  legend = (
+    '<p class="note">Each box is one block of the tensor, drawn to scale; its label '
+    "lists the devices holding it (',' between copies, '+' between the parts of a "
+    "pending sum, '|' between blocks of dims folded into the cell).</p>"
+  )
   variables = ''.join(_card(f'grid-{i}', v, page) for i, v in enumerate(page.variables))
   boundary = ''.join(_card(f'tensor-{i}', t, page) for i, t in enumerate(page.boundary))
   if boundary:
     boundary = f'<h2>Arguments and outputs</h2><div class="cards">{boundary}</div>'
-  return (f'<section id="layouts"><h2>Variable layouts</h2>{legend}'
-          f'<div class="cards">{variables}</div>{boundary}</section>')
+  return (
+    f'<section id="layouts"><h2>Variable layouts</h2>{legend}'
+    f'<div class="cards">{variables}</div>{boundary}</section>'
+  )
 
 
 def _card(anchor: str, v: TensorEntry, page: Page) -> str:
   layout = layout_of(v.sharding, v.shape, page.mesh)
   lines = ''.join(f'<li>{_e(l)}</li>' for l in text.header(layout)[1:])
-  prov = (f'<p class="prov"><b>provenance:</b> {_e(v.provenance)}</p>' if v.provenance else '')
-  return (f'<div class="card" id="{anchor}"><h3>{_e(v.name)}</h3>'
-          f'<p class="meta">{_e(v.role)} &middot; {_e(v.dtype)} {_e(v.shape)} &middot; '
-          f'{_code(v.sharding)} &middot; {_bytes(v.per_device)} per device of '
-          f'{_bytes(v.total)}</p>{grid_svg(layout, v.name, v.role)}'
-          f'<ul class="lines">{lines}</ul>{prov}</div>')
+  prov = f'<p class="prov"><b>provenance:</b> {_e(v.provenance)}</p>' if v.provenance else ''
+  return (
+    f'<div class="card" id="{anchor}"><h3>{_e(v.name)}</h3>'
+    f'<p class="meta">{_e(v.role)} &middot; {_e(v.dtype)} {_e(v.shape)} &middot; '
+    f'{_code(v.sharding)} &middot; {_bytes(v.per_device)} per device of '
+    f'{_bytes(v.total)}</p>{grid_svg(layout, v.name, v.role)}'
+    f'<ul class="lines">{lines}</ul>{prov}</div>'
+  )
 
 
 def grid_svg(layout: Layout, name: str, role: str = '') -> str:
@@ -189,9 +243,11 @@ def grid_svg(layout: Layout, name: str, role: str = '') -> str:
   for r, (row, y, h) in enumerate(rows):
     for c, (col, x, w) in enumerate(cols):
       out.append(_block(layout, row, col, left + x, top + y, w, h, r * len(cols) + c))
-  return (f'<svg class="grid" data-name="{_e(name)}" data-role="{_e(role)}" '
-          f'width="{left + width + 2:.0f}" '
-          f'height="{top + height + 2:.0f}">{"".join(out)}</svg>')
+  return (
+    f'<svg class="grid" data-name="{_e(name)}" data-role="{_e(role)}" '
+    f'width="{left + width + 2:.0f}" '
+    f'height="{top + height + 2:.0f}">{"".join(out)}</svg>'
+  )
 
 
 def _grid_size(layout: Layout) -> Tuple[float, float]:
@@ -233,24 +289,31 @@ def _axis_labels(layout: Layout, rows, cols, left: float, top: float) -> str:
     for index, at, size in spans:
       label = '…' if index is None else range_text(layout.dims[dim].bounds[index])
       if across and size >= 6.5 * len(label) + 4:  # 10px monospace: ~6 px a character
-        out.append(f'<text class="axis" x="{left + at + size / 2:.1f}" y="{top - 6}" '
-                   f'text-anchor="middle">{label}</text>')
+        out.append(
+          f'<text class="axis" x="{left + at + size / 2:.1f}" y="{top - 6}" '
+          f'text-anchor="middle">{label}</text>'
+        )
       elif not across and size >= 12:
-        out.append(f'<text class="axis" x="{left - 6}" y="{top + at + size / 2 + 4:.1f}" '
-                   f'text-anchor="end">{label}</text>')
+        out.append(
+          f'<text class="axis" x="{left - 6}" y="{top + at + size / 2 + 4:.1f}" '
+          f'text-anchor="end">{label}</text>'
+        )
   return ''.join(out)
 
 
 def _block(layout: Layout, row, col, x, y, w, h, ordinal: int) -> str:
   rows_dim, cols_dim = layout.grid_dims
   if row is None or col is None:
-    return (f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" class="elided"/>'
-            f'<text x="{x + w / 2:.1f}" y="{y + h / 2 + 4:.1f}" text-anchor="middle">…</text>')
+    return (
+      f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" class="elided"/>'
+      f'<text x="{x + w / 2:.1f}" y="{y + h / 2 + 4:.1f}" text-anchor="middle">…</text>'
+    )
   blocks = layout.cell(row, col)
   label = text.cell_text(blocks)
   devices = sorted({d for b in blocks for d in b.devices})
-  where = [f'dim {d} {range_text(blocks[0].bounds[d])}' for d in (rows_dim, cols_dim)
-           if d is not None]
+  where = [
+    f'dim {d} {range_text(blocks[0].bounds[d])}' for d in (rows_dim, cols_dim) if d is not None
+  ]
   holders = ' | '.join(device_label(b.parts) for b in blocks)
   tip = f'{", ".join(where) or "whole tensor"}: devices {holders}'
   empty = all(b.empty for b in blocks)
@@ -258,34 +321,50 @@ def _block(layout: Layout, row, col, x, y, w, h, ordinal: int) -> str:
   size = min(13.0, h * 0.5, 1.7 * w / max(len(label), 1))
   shown_label = label if size >= 7 else '…'
   size = max(size, 7.0)
-  attrs = ' '.join(f'data-{k}="{v}"' for k, v in (
-      ('devices', ','.join(str(d) for d in devices)), ('label', _e(label)),
+  attrs = ' '.join(
+    f'data-{k}="{v}"'
+    for k, v in (
+      ('devices', ','.join(str(d) for d in devices)),
+      ('label', _e(label)),
       ('rows', range_text(blocks[0].bounds[rows_dim]) if rows_dim is not None else ''),
-      ('cols', range_text(blocks[0].bounds[cols_dim]) if cols_dim is not None else '')))
-  return (f'<g class="block{" empty" if empty else ""}" {attrs}><title>{_e(tip)}</title>'
-          f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" fill="{fill}"/>'
-          f'<text x="{x + w / 2:.1f}" y="{y + h / 2 + size / 3:.1f}" text-anchor="middle" '
-          f'font-size="{size:.1f}">{_e(shown_label)}</text></g>')
+      ('cols', range_text(blocks[0].bounds[cols_dim]) if cols_dim is not None else ''),
+    )
+  )
+  return (
+    f'<g class="block{" empty" if empty else ""}" {attrs}><title>{_e(tip)}</title>'
+    f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" fill="{fill}"/>'
+    f'<text x="{x + w / 2:.1f}" y="{y + h / 2 + size / 3:.1f}" text-anchor="middle" '
+    f'font-size="{size:.1f}">{_e(shown_label)}</text></g>'
+  )
 
 
 # --- provenance --------------------------------------------------------------------------
 def _provenance(page: Page) -> str:
-  rows = [_row([_e(v.name), _code(v.sharding), _e(v.provenance or '-')],
-               f'class="why" data-name="{_e(v.name)}" data-why="{_e(v.provenance)}"')
-          for v in page.variables]
+  rows = [
+    _row(
+      [_e(v.name), _code(v.sharding), _e(v.provenance or '-')],
+      f'class="why" data-name="{_e(v.name)}" data-why="{_e(v.provenance)}"',
+    )
+    for v in page.variables
+  ]
   table = _table('provenance', ('variable', 'sharding', 'why'), rows)
-  return ('<section id="provenance"><h2>Where each sharding came from</h2>'
-          f'{table}{_records_table(page.records)}</section>')
+  return (
+    '<section id="provenance"><h2>Where each sharding came from</h2>'
+    f'{table}{_records_table(page.records)}</section>'
+  )
 
 
 def _records_table(records: Sequence[dict]) -> str:
   if not records:
     return ''
-  rows = [_row([_e(r['tensor']), _e(r['op']), _code(r['sharding']), _e(r['detail'])])
-          for r in records]
+  rows = [
+    _row([_e(r['tensor']), _e(r['op']), _code(r['sharding']), _e(r['detail'])]) for r in records
+  ]
   table = _table('records', ('tensor', 'op', 'sharding', 'how'), rows)
-  return (f'<details><summary>every tensor propagation decided ({len(records)})</summary>'
-          f'{table}</details>')
+  return (
+    f'<details><summary>every tensor propagation decided ({len(records)})</summary>'
+    f'{table}</details>'
+  )
 
 
 # --- helpers -----------------------------------------------------------------------------

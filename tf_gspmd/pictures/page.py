@@ -22,13 +22,14 @@ VARIABLE_ROLES = MEMORY_PARTS[:2]
 @dataclasses.dataclass
 class TensorEntry:
   """A variable, argument or output: its layout, what one device holds of it, and why."""
+
   name: str
   shape: Tuple[int, ...]
   dtype: str
   sharding: Sharding
-  role: str            # VARIABLE_ROLES (trainable or not), 'argument' or 'output'
-  per_device: int      # bytes of one device's (padded) shard
-  total: int           # bytes of the global value
+  role: str  # VARIABLE_ROLES (trainable or not), 'argument' or 'output'
+  per_device: int  # bytes of one device's (padded) shard
+  total: int  # bytes of the global value
   provenance: str = ''
 
   @property
@@ -39,11 +40,12 @@ class TensorEntry:
 @dataclasses.dataclass
 class Page:
   """Everything the report page draws."""
+
   title: str
   mesh: Mesh
   variables: List[TensorEntry]
-  collectives: List[dict]                 # as PartitionedFunction.collectives() gives them
-  memory: Dict[str, Optional[int]]        # MEMORY_PARTS -> bytes per device (None: not measured)
+  collectives: List[dict]  # as PartitionedFunction.collectives() gives them
+  memory: Dict[str, Optional[int]]  # MEMORY_PARTS -> bytes per device (None: not measured)
   records: List[dict] = dataclasses.field(default_factory=list)  # propagation's, per op result
   notes: List[str] = dataclasses.field(default_factory=list)
   boundary: List[TensorEntry] = dataclasses.field(default_factory=list)  # arguments, outputs
@@ -51,7 +53,8 @@ class Page:
 
 def memory_of(variables: List[TensorEntry], activations: Optional[int]) -> Dict[str, Optional[int]]:
   """Per-device bytes: trainable variables are parameters, the others optimizer state."""
-  return {'parameters': sum(v.per_device for v in variables if v.trainable),
-          'optimizer state': sum(v.per_device for v in variables if not v.trainable),
-          'activations': activations}
-
+  return {
+    'parameters': sum(v.per_device for v in variables if v.trainable),
+    'optimizer state': sum(v.per_device for v in variables if not v.trainable),
+    'activations': activations,
+  }

@@ -24,8 +24,7 @@ def visualize_named(pf, name: str) -> str:
   if name not in found:
     near = difflib.get_close_matches(name, list(found), n=6, cutoff=0.4)
     hint = f'; did you mean {", ".join(repr(n) for n in near)}?' if near else '.'
-    raise KeyError(f'visualize: no variable or graph tensor named {name!r} in '
-                   f'{_fn_name(pf)}{hint}')
+    raise KeyError(f'visualize: no variable or graph tensor named {name!r} in {_fn_name(pf)}{hint}')
   sharding, shape, label = found[name]()
   picture = text.render(layout_of(sharding, shape), label)
   print(picture)
@@ -42,14 +41,14 @@ def named_layouts(pf) -> Dict[str, Callable[[], tuple]]:
   found: Dict[str, Callable[[], tuple]] = {}
   # variable_bytes() and variable_pairs() walk the same store in the same order.
   for key, (original, sharded) in zip(pf.variable_bytes(), pf.variable_pairs()):
-    entry = (lambda s=sharded, k=key: (s.sharding, s.shape, k))
+    entry = lambda s=sharded, k=key: (s.sharding, s.shape, k)
     for alias in (key, original.name, original.name.split(':')[0], sharded.label):
       found.setdefault(alias, entry)
-  compiled = pf._last  # pylint: disable=protected-access
+  compiled = pf._last  # noqa: SLF001
   main = compiled.program.main
   for tensor in main.tensors():
     if _drawable(tensor):
-      entry = (lambda t=tensor: (compiled.plan.target(main, t.name), t.shape, t.name))
+      entry = lambda t=tensor: (compiled.plan.target(main, t.name), t.shape, t.name)
       found.setdefault(tensor.name, entry)
       if tensor.index == 0:
         found.setdefault(tensor.node, entry)
@@ -66,18 +65,36 @@ def _drawable(tensor) -> bool:
 # --- the report page ---------------------------------------------------------------------
 def function_page(pf) -> Page:
   """The page of a partitioned function's last compiled program."""
-  compiled = pf._last  # pylint: disable=protected-access
+  compiled = pf._last  # noqa: SLF001
   plan = compiled.plan
   why = _variable_provenance(plan)
-  entries = [TensorEntry(key, tuple(sharded.shape), sharded.dtype.name, sharded.sharding,
-                         _role(getattr(original, 'trainable', True)), sizes['per_device'],
-                         sizes['total'], why(original))
-             for (key, sizes), (original, sharded) in zip(pf.variable_bytes().items(),
-                                                          pf.variable_pairs())]
-  notes = ['Activations: not measured for a partitioned function; '
-           'tg.plan(step, *specs, mesh=...).report(path) adds the activation peak.']
-  return Page(f'{_fn_name(pf)} on {compiled.mesh}', compiled.mesh, entries, pf.collectives(),
-              memory_of(entries, None), plan.records(), notes, _boundary(plan))
+  entries = [
+    TensorEntry(
+      key,
+      tuple(sharded.shape),
+      sharded.dtype.name,
+      sharded.sharding,
+      _role(getattr(original, 'trainable', True)),
+      sizes['per_device'],
+      sizes['total'],
+      why(original),
+    )
+    for (key, sizes), (original, sharded) in zip(pf.variable_bytes().items(), pf.variable_pairs())
+  ]
+  notes = [
+    'Activations: not measured for a partitioned function; '
+    'tg.plan(step, *specs, mesh=...).report(path) adds the activation peak.'
+  ]
+  return Page(
+    f'{_fn_name(pf)} on {compiled.mesh}',
+    compiled.mesh,
+    entries,
+    pf.collectives(),
+    memory_of(entries, None),
+    plan.records(),
+    notes,
+    _boundary(plan),
+  )
 
 
 def plan_page(report) -> Page:
@@ -85,14 +102,33 @@ def plan_page(report) -> Page:
   plan = report.plan
   why = _variable_provenance(plan)
   by_name = {v.name: v for v in plan.program.variables.values()} if plan is not None else {}
-  entries = [TensorEntry(key, tuple(v.shape), v.dtype, v.sharding, _role(v.trainable),
-                         v.per_device, v.total, why(by_name.get(v.name)))
-             for key, v in zip(report.variable_bytes(), report.variables)]
-  notes = [f'Activation peak: a liveness pass over the per-partition program '
-           f'({report.activation_tensors} tensors counted; see tf_gspmd.planning.activation_peak).']
-  return Page(f'plan {report.name} on {report.mesh}', report.mesh, entries,
-              report.collectives(), memory_of(entries, report.activation_peak),
-              plan.records() if plan is not None else [], notes, _boundary(plan))
+  entries = [
+    TensorEntry(
+      key,
+      tuple(v.shape),
+      v.dtype,
+      v.sharding,
+      _role(v.trainable),
+      v.per_device,
+      v.total,
+      why(by_name.get(v.name)),
+    )
+    for key, v in zip(report.variable_bytes(), report.variables)
+  ]
+  notes = [
+    f'Activation peak: a liveness pass over the per-partition program '
+    f'({report.activation_tensors} tensors counted; see tf_gspmd.planning.activation_peak).'
+  ]
+  return Page(
+    f'plan {report.name} on {report.mesh}',
+    report.mesh,
+    entries,
+    report.collectives(),
+    memory_of(entries, report.activation_peak),
+    plan.records() if plan is not None else [],
+    notes,
+    _boundary(plan),
+  )
 
 
 def _role(trainable: bool) -> str:
@@ -110,10 +146,18 @@ def _boundary(plan) -> List[TensorEntry]:
       if _drawable(tensor):
         sharding = plan.target(main, name)
         size = tensor.dtype.size
-        out.append(TensorEntry(
-            name, tuple(tensor.shape), tensor.dtype.name, sharding, role,
+        out.append(
+          TensorEntry(
+            name,
+            tuple(tensor.shape),
+            tensor.dtype.name,
+            sharding,
+            role,
             int(np.prod(sharding.shard_shape(tensor.shape), dtype=np.int64)) * size,
-            int(np.prod(tensor.shape, dtype=np.int64)) * size, _provenance(plan, name)))
+            int(np.prod(tensor.shape, dtype=np.int64)) * size,
+            _provenance(plan, name),
+          )
+        )
   return out
 
 
@@ -140,6 +184,6 @@ def _provenance(plan, tensor: Optional[str]) -> str:
 
 def _fn_name(pf) -> str:
   fn = pf.fn
-  return getattr(fn, '__name__', None) or getattr(getattr(fn, 'python_function', None),
-                                                  '__name__', 'fn')
-
+  return getattr(fn, '__name__', None) or getattr(
+    getattr(fn, 'python_function', None), '__name__', 'fn'
+  )

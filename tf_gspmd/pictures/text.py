@@ -41,8 +41,11 @@ def describe(layout: Layout) -> str:
   axes = ' x '.join(f'{a}={n}' for a, n in mesh.shape.items())
   order = ''
   if list(mesh.devices) != sorted(mesh.devices):  # a hand-ordered mesh: the order is the layout
-    order = (f' (devices in order {",".join(str(d) for d in mesh.devices)})' if mesh.size <= 16
-             else ' (devices in another order)')
+    order = (
+      f' (devices in order {",".join(str(d) for d in mesh.devices)})'
+      if mesh.size <= 16
+      else ' (devices in another order)'
+    )
   return f'{layout.sharding} on mesh {axes}{order}'
 
 
@@ -76,8 +79,10 @@ def state_lines(layout: Layout) -> List[str]:
     lines.append(f'each block on {layout.copies} devices: replicated{_over(layout.replica_axes)}')
   if layout.partial:
     reduction = layout.partial
-    lines.append(f'pending {reduction}{_over(layout.partial_axes)}: a block is the {reduction} '
-                 "of the values its '+'-joined devices hold")
+    lines.append(
+      f'pending {reduction}{_over(layout.partial_axes)}: a block is the {reduction} '
+      "of the values its '+'-joined devices hold"
+    )
   if 'manual' in layout.sharding.subgroups:
     lines.append('manual subgroup: the devices of a block hold values of their own')
   return lines
@@ -114,8 +119,10 @@ def grid(layout: Layout) -> List[str]:
   rows_dim, cols_dim = layout.grid_dims
   rows = shown(layout.dims[rows_dim].blocks) if rows_dim is not None else [0]
   cols = shown(layout.dims[cols_dim].blocks) if cols_dim is not None else [0]
-  cells = [[ELLIPSIS if r is None or c is None else cell_text(layout.cell(r, c)) for c in cols]
-           for r in rows]
+  cells = [
+    [ELLIPSIS if r is None or c is None else cell_text(layout.cell(r, c)) for c in cols]
+    for r in rows
+  ]
   col_heads = [_head(layout.dims[cols_dim], c) if cols_dim is not None else '' for c in cols]
   row_heads = [_head(layout.dims[rows_dim], r) if rows_dim is not None else '' for r in rows]
   # One width for every column: a grid of equal cells reads as a grid; the heads give sizes.

@@ -49,7 +49,8 @@ class Plan:
 
   def variable_sharding(self, variable) -> Optional[NamedSharding]:
     """The sharding propagation gave a variable (by its resource placeholder), None if not captured."""
-    from tf_gspmd.annotations import _tf_variable_or_none  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.annotations import _tf_variable_or_none
+
     target = _tf_variable_or_none(variable)  # a Keras variable: its tf.Variable
     target = variable if target is None else target
     for tensor, var in self.program.variables.items():
@@ -75,7 +76,8 @@ def propagate(fn, *example_args, mesh: Mesh, **example_kwargs) -> Plan:
   annotations are those written with `tf_gspmd.shard`/`annotate`/`mesh_split`
   (or TF's `xla_sharding`) inside it and `tf_gspmd.shard_variable` on variables.
   """
-  from tf_gspmd.graph.capture import capture  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.graph.capture import capture
+
   if not isinstance(mesh, Mesh):
     raise TypeError(f'propagate: mesh must be a tf_gspmd.Mesh, got {type(mesh).__name__}.')
   program = capture(fn, *example_args, **example_kwargs)

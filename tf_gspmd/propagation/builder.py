@@ -27,8 +27,9 @@ class Func(str):
 
 def attr_value(value):
   """A python value as an `AttrValue` proto (bool, int, float, str, bytes, DType, Func, lists)."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tensorflow.core.framework import attr_value_pb2  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+  from tensorflow.core.framework import attr_value_pb2
+
   av = attr_value_pb2.AttrValue()
   if isinstance(value, attr_value_pb2.AttrValue):
     return value
@@ -91,59 +92,94 @@ class GraphBuilder:
     return name
 
   def placeholder(self, name: str, shape, dtype=None, annotation=None, as_input=True) -> str:
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf
+
     dtype = dtype or tf.float32
-    t = self.op('Placeholder', [], [shape], name=name, attrs={'dtype': dtype}, dtypes=[dtype],
-                annotation=annotation)
+    t = self.op(
+      'Placeholder',
+      [],
+      [shape],
+      name=name,
+      attrs={'dtype': dtype},
+      dtypes=[dtype],
+      annotation=annotation,
+    )
     if as_input:
       self.inputs.append(t)
     return t
 
   def resource(self, name: str, value_shape, annotation=None) -> str:
     """A resource placeholder standing for a variable of `value_shape`."""
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf
+
     t = self.placeholder(name, (), dtype=tf.resource, annotation=annotation)
     self.resource_shapes[t] = tuple(value_shape)
     return t
 
   def const(self, value, name: str = 'Const', dtype=None) -> str:
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf
+
     arr = np.asarray(value, dtype=dtype if dtype is not None else None)
     if arr.dtype == np.float64:
       arr = arr.astype(np.float32)
     if arr.dtype == np.int64 and dtype is None:
       arr = arr.astype(np.int32)
     tf_dtype = tf.as_dtype(arr.dtype)
-    return self.op('Const', [], [arr.shape], name=name, attrs={'value': arr, 'dtype': tf_dtype},
-                   dtypes=[tf_dtype])
+    return self.op(
+      'Const',
+      [],
+      [arr.shape],
+      name=name,
+      attrs={'value': arr, 'dtype': tf_dtype},
+      dtypes=[tf_dtype],
+    )
 
-  def op(self, op: str, inputs: Sequence[str], out_shapes: Sequence[Optional[Sequence]],
-         name: Optional[str] = None, attrs: Optional[Dict] = None, dtypes=None,
-         annotation=None, control_inputs=()):
+  def op(
+    self,
+    op: str,
+    inputs: Sequence[str],
+    out_shapes: Sequence[Optional[Sequence]],
+    name: Optional[str] = None,
+    attrs: Optional[Dict] = None,
+    dtypes=None,
+    annotation=None,
+    control_inputs=(),
+  ):
     """Add a node; returns its only output's name, or the list of names when it has several.
 
     `annotation` is a Sharding for output 0 or a {index: Sharding} dict.
     """
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf
+
     name = self._unique(name or op)
     dtypes = list(dtypes) if dtypes is not None else [tf.float32] * len(out_shapes)
-    outputs = [ir.Tensor(name, i, dtypes[i], None if s is None else tuple(s))
-               for i, s in enumerate(out_shapes)]
+    outputs = [
+      ir.Tensor(name, i, dtypes[i], None if s is None else tuple(s))
+      for i, s in enumerate(out_shapes)
+    ]
     if annotation is not None and not isinstance(annotation, dict):
       annotation = {0: annotation}
-    node = ir.Node(name=name, op=op, inputs=list(inputs), outputs=outputs,
-                   attrs={k: attr_value(v) for k, v in (attrs or {}).items()},
-                   control_inputs=list(control_inputs), annotations=dict(annotation or {}))
+    node = ir.Node(
+      name=name,
+      op=op,
+      inputs=list(inputs),
+      outputs=outputs,
+      attrs={k: attr_value(v) for k, v in (attrs or {}).items()},
+      control_inputs=list(control_inputs),
+      annotations=dict(annotation or {}),
+    )
     self.nodes.append(node)
     names = [t.name for t in outputs]
     return names[0] if len(names) == 1 else names
 
   def graph(self, outputs: Sequence[str] = (), inputs: Optional[Sequence[str]] = None) -> ir.Graph:
-    return ir.Graph(self.name, list(self.nodes), list(self.inputs if inputs is None else inputs),
-                    list(outputs))
+    return ir.Graph(
+      self.name, list(self.nodes), list(self.inputs if inputs is None else inputs), list(outputs)
+    )
 
 
 def program(main: ir.Graph, functions: Sequence[ir.Graph] = (), variables=None) -> ir.Program:
   """A Program from built graphs; `variables` maps resource placeholder tensors to variables."""
-  return ir.Program(main=main, functions={g.name: g for g in functions},
-                    variables=dict(variables or {}))
+  return ir.Program(
+    main=main, functions={g.name: g for g in functions}, variables=dict(variables or {})
+  )

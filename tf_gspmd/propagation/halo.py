@@ -27,6 +27,7 @@ from typing import Tuple
 @dataclasses.dataclass(frozen=True)
 class WindowDim:
   """One spatial dim of a windowed op, in global (unpartitioned) terms."""
+
   input_size: int
   window: int
   stride: int = 1
@@ -61,6 +62,7 @@ class HaloPiece:
   (hop >= shards) lies outside the image for every partition: it is zeros,
   with no exchange.
   """
+
   hop: int
   start: int
   rows: int
@@ -91,12 +93,13 @@ def halo_pieces(width: int, chunk: int, side: str) -> Tuple[HaloPiece, ...]:
 @dataclasses.dataclass(frozen=True)
 class HaloPlan:
   """How one partition assembles the input window for its output shard."""
+
   shards: int
-  input_chunk: int    # ci: padded input rows per shard
-  output_chunk: int   # co: padded output rows per shard
-  left: int           # rows borrowed from the left neighbour (max over shards)
-  right: int          # rows borrowed from the right neighbour (max over shards)
-  span: int           # input rows one output shard reads
+  input_chunk: int  # ci: padded input rows per shard
+  output_chunk: int  # co: padded output rows per shard
+  left: int  # rows borrowed from the left neighbour (max over shards)
+  right: int  # rows borrowed from the right neighbour (max over shards)
+  span: int  # input rows one output shard reads
   window_starts: tuple  # per shard: first row of its span inside [left | local | right]
   window_global_starts: tuple  # per shard: global input row of that first row
 
@@ -146,6 +149,7 @@ class InputGradientPlan:
   (and `offsets` are non-zero) only when a stride does not divide ci, so that
   shards start at different phases of the stride.
   """
+
   halo: HaloPlan
   pad_lo: int
   pad_hi: int

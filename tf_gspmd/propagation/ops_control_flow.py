@@ -46,15 +46,23 @@ class ControlFlowHandler:
     def fn(name):
       if name not in program.functions:
         raise ValueError(
-            f'{node.op} {node.name} calls function {name!r}, which the program does not hold.')
+          f'{node.op} {node.name} calls function {name!r}, which the program does not hold.'
+        )
       return program.functions[name]
 
     groups = []
     if self.kind == 'while':
       cond, body = fn(called['cond'][0]), fn(called['body'][0])
       for k in range(len(node.inputs)):
-        groups.append([ins[k], (cond.name, cond.inputs[k]), (body.name, body.inputs[k]),
-                       (body.name, body.outputs[k]), outs[k]])
+        groups.append(
+          [
+            ins[k],
+            (cond.name, cond.inputs[k]),
+            (body.name, body.inputs[k]),
+            (body.name, body.outputs[k]),
+            outs[k],
+          ]
+        )
     elif self.kind in ('if', 'case'):
       if self.kind == 'if':
         branches = [fn(called['then_branch'][0]), fn(called['else_branch'][0])]
@@ -74,15 +82,16 @@ class ControlFlowHandler:
 
   def text(self, op_type: str) -> str:
     return {
-        'while': 'tie: input[k] = cond.arg[k] = body.arg[k] = body.result[k] = output[k]',
-        'if': 'tie: input[k+1] = then.arg[k] = else.arg[k]; then.result[k] = else.result[k] = output[k]',
-        'case': 'tie: input[k+1] = branch.arg[k] (every branch); branch.result[k] = output[k]',
-        'call': 'tie: input[k] = f.arg[k]; f.result[k] = output[k]',
+      'while': 'tie: input[k] = cond.arg[k] = body.arg[k] = body.result[k] = output[k]',
+      'if': 'tie: input[k+1] = then.arg[k] = else.arg[k]; then.result[k] = else.result[k] = output[k]',
+      'case': 'tie: input[k+1] = branch.arg[k] (every branch); branch.result[k] = output[k]',
+      'call': 'tie: input[k] = f.arg[k]; f.result[k] = output[k]',
     }[self.kind]
 
 
 register(['While', 'StatelessWhile'], 'control_flow', handler=ControlFlowHandler('while'))
 register(['If', 'StatelessIf'], 'control_flow', handler=ControlFlowHandler('if'))
 register(['Case', 'StatelessCase'], 'control_flow', handler=ControlFlowHandler('case'))
-register(['PartitionedCall', 'StatefulPartitionedCall'], 'control_flow',
-         handler=ControlFlowHandler('call'))
+register(
+  ['PartitionedCall', 'StatefulPartitionedCall'], 'control_flow', handler=ControlFlowHandler('call')
+)

@@ -13,24 +13,126 @@ from tf_gspmd.propagation.registry import attr, register
 from tf_gspmd.propagation.rule_builders import Namer, make_rule
 
 UNARY = [
-    'Abs', 'Acos', 'Acosh', 'Angle', 'Asin', 'Asinh', 'Atan', 'Atanh', 'Ceil', 'CheckNumerics',
-    'ComplexAbs', 'Conj', 'Cos', 'Cosh', 'Digamma', 'Elu', 'EnsureShape', 'Erf', 'Erfc', 'Erfinv',
-    'Exp', 'Expm1', 'Floor', 'Identity', 'Imag', 'Inv', 'Invert', 'IsFinite', 'IsInf', 'IsNan',
-    'LeakyRelu', 'Lgamma', 'Log', 'Log1p', 'LogicalNot', 'Ndtri', 'Neg', 'OnesLike',
-    'PreventGradient', 'Real', 'Reciprocal', 'Relu', 'Relu6', 'Rint', 'Round', 'Rsqrt', 'Selu',
-    'Sigmoid', 'Sign', 'Sin', 'Sinh', 'Snapshot', 'Softplus', 'Softsign', 'Sqrt', 'Square',
-    'StopGradient', 'Tan', 'Tanh', 'XlaSharding', 'ZerosLike', 'Cast', 'PopulationCount',
+  'Abs',
+  'Acos',
+  'Acosh',
+  'Angle',
+  'Asin',
+  'Asinh',
+  'Atan',
+  'Atanh',
+  'Ceil',
+  'CheckNumerics',
+  'ComplexAbs',
+  'Conj',
+  'Cos',
+  'Cosh',
+  'Digamma',
+  'Elu',
+  'EnsureShape',
+  'Erf',
+  'Erfc',
+  'Erfinv',
+  'Exp',
+  'Expm1',
+  'Floor',
+  'Identity',
+  'Imag',
+  'Inv',
+  'Invert',
+  'IsFinite',
+  'IsInf',
+  'IsNan',
+  'LeakyRelu',
+  'Lgamma',
+  'Log',
+  'Log1p',
+  'LogicalNot',
+  'Ndtri',
+  'Neg',
+  'OnesLike',
+  'PreventGradient',
+  'Real',
+  'Reciprocal',
+  'Relu',
+  'Relu6',
+  'Rint',
+  'Round',
+  'Rsqrt',
+  'Selu',
+  'Sigmoid',
+  'Sign',
+  'Sin',
+  'Sinh',
+  'Snapshot',
+  'Softplus',
+  'Softsign',
+  'Sqrt',
+  'Square',
+  'StopGradient',
+  'Tan',
+  'Tanh',
+  'XlaSharding',
+  'ZerosLike',
+  'Cast',
+  'PopulationCount',
 ]
 
 BINARY = [
-    'Add', 'AddV2', 'ApproximateEqual', 'Atan2', 'BitwiseAnd', 'BitwiseOr', 'BitwiseXor',
-    'Complex', 'Div', 'DivNoNan', 'EluGrad', 'Equal', 'FloorDiv', 'FloorMod', 'Greater',
-    'GreaterEqual', 'Igamma', 'Igammac', 'InvGrad', 'LeakyReluGrad', 'LeftShift', 'Less',
-    'LessEqual', 'LogicalAnd', 'LogicalOr', 'Maximum', 'Minimum', 'Mod', 'Mul', 'MulNoNan',
-    'NextAfter', 'NotEqual', 'Polygamma', 'Pow', 'RealDiv', 'ReciprocalGrad', 'Relu6Grad',
-    'ReluGrad', 'RightShift', 'RsqrtGrad', 'SeluGrad', 'SigmoidGrad', 'SoftplusGrad',
-    'SoftsignGrad', 'SqrtGrad', 'SquaredDifference', 'Sub', 'TanhGrad', 'TruncateDiv',
-    'TruncateMod', 'Xdivy', 'Xlog1py', 'Xlogy', 'Zeta',
+  'Add',
+  'AddV2',
+  'ApproximateEqual',
+  'Atan2',
+  'BitwiseAnd',
+  'BitwiseOr',
+  'BitwiseXor',
+  'Complex',
+  'Div',
+  'DivNoNan',
+  'EluGrad',
+  'Equal',
+  'FloorDiv',
+  'FloorMod',
+  'Greater',
+  'GreaterEqual',
+  'Igamma',
+  'Igammac',
+  'InvGrad',
+  'LeakyReluGrad',
+  'LeftShift',
+  'Less',
+  'LessEqual',
+  'LogicalAnd',
+  'LogicalOr',
+  'Maximum',
+  'Minimum',
+  'Mod',
+  'Mul',
+  'MulNoNan',
+  'NextAfter',
+  'NotEqual',
+  'Polygamma',
+  'Pow',
+  'RealDiv',
+  'ReciprocalGrad',
+  'Relu6Grad',
+  'ReluGrad',
+  'RightShift',
+  'RsqrtGrad',
+  'SeluGrad',
+  'SigmoidGrad',
+  'SoftplusGrad',
+  'SoftsignGrad',
+  'SqrtGrad',
+  'SquaredDifference',
+  'Sub',
+  'TanhGrad',
+  'TruncateDiv',
+  'TruncateMod',
+  'Xdivy',
+  'Xlog1py',
+  'Xlogy',
+  'Zeta',
 ]
 
 TERNARY = ['Select', 'SelectV2', 'ClipByValue', 'Betainc']
@@ -54,8 +156,9 @@ def broadcasting_rule(node, ctx, data_operands=None):
     offset = len(out_shape) - len(shape)
     if offset < 0:
       raise ValueError(
-          f'{node.op} {node.name}: operand {t} of shape {shape} has a higher rank than the '
-          f'result {out_shape}.')
+        f'{node.op} {node.name}: operand {t} of shape {shape} has a higher rank than the '
+        f'result {out_shape}.'
+      )
     dims = []
     for d, size in enumerate(shape):
       rsize = out_shape[offset + d]
@@ -64,8 +167,9 @@ def broadcasting_rule(node, ctx, data_operands=None):
       bcast.append(i)
     operands.append(tuple(dims))
   results = [res_dims if ctx.shape(o.name) == out_shape else None for o in node.outputs]
-  return make_rule(operands, results, shapes, [ctx.shape(o.name) for o in node.outputs],
-                   broadcast_operands=bcast)
+  return make_rule(
+    operands, results, shapes, [ctx.shape(o.name) for o in node.outputs], broadcast_operands=bcast
+  )
 
 
 def identity_n(node, ctx):
@@ -75,8 +179,9 @@ def identity_n(node, ctx):
   for t in node.inputs:
     shape = ctx.shape(t)
     dims.append(None if shape is None else tuple(namer.take(len(shape))))
-  return make_rule(dims, dims, [ctx.shape(t) for t in node.inputs],
-                   [ctx.shape(o.name) for o in node.outputs])
+  return make_rule(
+    dims, dims, [ctx.shape(t) for t in node.inputs], [ctx.shape(o.name) for o in node.outputs]
+  )
 
 
 def bias_add(node, ctx):
@@ -85,9 +190,13 @@ def bias_add(node, ctx):
   namer = Namer()
   dims = tuple(namer.take(len(shape)))
   channel = 1 if attr(node, 'data_format', 'NHWC').startswith('NC') else len(shape) - 1
-  return make_rule([dims, (dims[channel],)], [dims],
-                   [shape, ctx.shape(node.inputs[1])], [ctx.out_shape(node)],
-                   broadcast_operands=[1] if len(shape) > 1 else [])
+  return make_rule(
+    [dims, (dims[channel],)],
+    [dims],
+    [shape, ctx.shape(node.inputs[1])],
+    [ctx.out_shape(node)],
+    broadcast_operands=[1] if len(shape) > 1 else [],
+  )
 
 
 def _unary_example(op):
@@ -95,6 +204,7 @@ def _unary_example(op):
     x = b.placeholder('x', (4, 8))
     b.op(op, [x], [(4, 8)], name='y')
     return 'y'
+
   return build
 
 
@@ -104,6 +214,7 @@ def _binary_example(op):
     z = b.placeholder('z', (8,))
     b.op(op, [x, z], [(4, 8)], name='y')
     return 'y'
+
   return build
 
 
@@ -114,6 +225,7 @@ def _ternary_example(op):
     z = b.placeholder('z', ())
     b.op(op, [c, x, z], [(4, 8)], name='y')
     return 'y'
+
   return build
 
 
@@ -136,6 +248,7 @@ def _bias_add_example(op):
     z = b.placeholder('z', (8,))
     b.op(op, [x, z], [(2, 6, 6, 8)], name='y', attrs={'data_format': 'NHWC'})
     return 'y'
+
   return build
 
 

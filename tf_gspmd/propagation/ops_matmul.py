@@ -16,8 +16,9 @@ def matmul(node, ctx):
   a_shape, b_shape = ctx.shape(node.inputs[0]), ctx.shape(node.inputs[1])
   a = ('k', 'i') if attr(node, 'transpose_a', False) else ('i', 'k')
   b = ('j', 'k') if attr(node, 'transpose_b', False) else ('k', 'j')
-  return make_rule([a, b], [('i', 'j')], [a_shape, b_shape], [ctx.out_shape(node)],
-                   kinds={'k': REDUCTION})
+  return make_rule(
+    [a, b], [('i', 'j')], [a_shape, b_shape], [ctx.out_shape(node)], kinds={'k': REDUCTION}
+  )
 
 
 def batch_matmul(node, ctx):
@@ -30,8 +31,9 @@ def batch_matmul(node, ctx):
   adj_x = attr(node, 'adj_x', False)
   adj_y = attr(node, 'adj_y', False)
   operands, bcast = [], []
-  for idx, (shape, mat) in enumerate(((x_shape, ('k', 'i') if adj_x else ('i', 'k')),
-                                      (y_shape, ('j', 'k') if adj_y else ('k', 'j')))):
+  for idx, (shape, mat) in enumerate(
+    ((x_shape, ('k', 'i') if adj_x else ('i', 'k')), (y_shape, ('j', 'k') if adj_y else ('k', 'j')))
+  ):
     own = len(shape) - 2
     dims = []
     for d in range(own):
@@ -40,8 +42,14 @@ def batch_matmul(node, ctx):
     if own < nb or None in dims:
       bcast.append(idx)
     operands.append(tuple(dims) + mat)
-  return make_rule(operands, [batch + ('i', 'j')], [x_shape, y_shape], [out_shape],
-                   kinds={'k': REDUCTION}, broadcast_operands=bcast)
+  return make_rule(
+    operands,
+    [batch + ('i', 'j')],
+    [x_shape, y_shape],
+    [out_shape],
+    kinds={'k': REDUCTION},
+    broadcast_operands=bcast,
+  )
 
 
 def einsum(node, ctx):
@@ -52,8 +60,10 @@ def einsum(node, ctx):
   shapes = [ctx.shape(t) for t in node.inputs]
   out_shape = ctx.out_shape(node)
   if len(specs) != len(shapes):
-    raise ValueError(f'Einsum {node.name}: equation {equation!r} has {len(specs)} operands, '
-                     f'the node has {len(shapes)}.')
+    raise ValueError(
+      f'Einsum {node.name}: equation {equation!r} has {len(specs)} operands, '
+      f'the node has {len(shapes)}.'
+    )
   letters = {c for c in equation if c.isalpha()}
   namer = Namer(letters)
   out_ell = len(out_shape) - len(out.replace('...', '')) if '...' in out else 0
@@ -88,8 +98,14 @@ def einsum(node, ctx):
     for f in dims:
       if f is not None and f not in out_dims and kinds.get(f) != NEED_REPLICATION:
         kinds[f] = REDUCTION
-  return make_rule(operands, [tuple(out_dims)], shapes, [out_shape], kinds=kinds,
-                   broadcast_operands=sorted(set(bcast)))
+  return make_rule(
+    operands,
+    [tuple(out_dims)],
+    shapes,
+    [out_shape],
+    kinds=kinds,
+    broadcast_operands=sorted(set(bcast)),
+  )
 
 
 def _matmul_example(b):
@@ -105,6 +121,7 @@ def _batch_matmul_example(op):
     w = b.placeholder('w', (4, 16, 32))
     b.op(op, [x, w], [(2, 4, 8, 32)], name='y', attrs={'adj_x': False, 'adj_y': False})
     return 'y'
+
   return build
 
 
@@ -116,6 +133,10 @@ def _einsum_example(b):
 
 
 register('MatMul', 'matmul', matmul, _matmul_example)
-register(['BatchMatMul', 'BatchMatMulV2', 'BatchMatMulV3'], 'matmul', batch_matmul,
-         _batch_matmul_example('BatchMatMulV2'))
+register(
+  ['BatchMatMul', 'BatchMatMulV2', 'BatchMatMulV3'],
+  'matmul',
+  batch_matmul,
+  _batch_matmul_example('BatchMatMulV2'),
+)
 register('Einsum', 'matmul', einsum, _einsum_example)

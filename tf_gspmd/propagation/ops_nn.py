@@ -47,7 +47,7 @@ def _windows(node, in_shape, kernel, spatial, names):
 
 def _conv_dims(node, data_shape):
   b, spatial, c = _layout(node, len(data_shape))
-  names = ['h', 'w', 'd'][:len(spatial)]
+  names = ['h', 'w', 'd'][: len(spatial)]
   return b, spatial, c, names
 
 
@@ -64,13 +64,19 @@ def conv(node, ctx):
   """Conv2D/Conv3D(input, filter[kh, kw, c, o]) -> [b, h', w', o]."""
   x_shape, f_shape = ctx.shape(node.inputs[0]), ctx.shape(node.inputs[1])
   b, spatial, c, names = _conv_dims(node, x_shape)
-  kern = ['kh', 'kw', 'kd'][:len(spatial)]
-  windows = _windows(node, x_shape, f_shape[:len(spatial)], spatial, names)
+  kern = ['kh', 'kw', 'kd'][: len(spatial)]
+  windows = _windows(node, x_shape, f_shape[: len(spatial)], spatial, names)
   x = _with(len(x_shape), b, spatial, c, names, 'b', 'c')
   out = _with(len(x_shape), b, spatial, c, names, 'b', 'o')
   kinds = {'c': REDUCTION, **{k: NEED_REPLICATION for k in kern}}
-  return make_rule([x, tuple(kern) + ('c', 'o')], [out], [x_shape, f_shape],
-                   [ctx.out_shape(node)], kinds=kinds, windows=windows)
+  return make_rule(
+    [x, tuple(kern) + ('c', 'o')],
+    [out],
+    [x_shape, f_shape],
+    [ctx.out_shape(node)],
+    kinds=kinds,
+    windows=windows,
+  )
 
 
 def _depthwise_factors(node, image_shape, f_shape):
@@ -96,8 +102,15 @@ def depthwise_conv(node, ctx):
   """DepthwiseConv2dNative(input, filter[kh, kw, c, m]) -> [b, h', w', c*m]."""
   x_shape, f_shape = ctx.shape(node.inputs[0]), ctx.shape(node.inputs[1])
   x, filt, out, windows, sizes, _ = _depthwise_factors(node, x_shape, f_shape)
-  return make_rule([x, filt], [out], [x_shape, f_shape], [ctx.out_shape(node)],
-                   kinds=_KERNEL_WHOLE, windows=windows, sizes=sizes)
+  return make_rule(
+    [x, filt],
+    [out],
+    [x_shape, f_shape],
+    [ctx.out_shape(node)],
+    kinds=_KERNEL_WHOLE,
+    windows=windows,
+    sizes=sizes,
+  )
 
 
 def depthwise_backprop_input(node, ctx):
@@ -108,8 +121,15 @@ def depthwise_backprop_input(node, ctx):
   f_shape, g_shape = ctx.shape(node.inputs[1]), ctx.shape(node.inputs[2])
   out_shape = ctx.out_shape(node)
   x, filt, g, windows, sizes, _ = _depthwise_factors(node, out_shape, f_shape)
-  return make_rule([None, filt, g], [x], [None, f_shape, g_shape], [out_shape],
-                   kinds={**_KERNEL_WHOLE, 'm': REDUCTION}, windows=windows, sizes=sizes)
+  return make_rule(
+    [None, filt, g],
+    [x],
+    [None, f_shape, g_shape],
+    [out_shape],
+    kinds={**_KERNEL_WHOLE, 'm': REDUCTION},
+    windows=windows,
+    sizes=sizes,
+  )
 
 
 def depthwise_backprop_filter(node, ctx):
@@ -119,8 +139,15 @@ def depthwise_backprop_filter(node, ctx):
   out_shape = ctx.out_shape(node)
   x, filt, g, windows, sizes, names = _depthwise_factors(node, x_shape, out_shape)
   kinds = {**_KERNEL_WHOLE, 'b': REDUCTION, **{n: REDUCTION for n in names}}
-  return make_rule([x, None, g], [filt], [x_shape, None, g_shape], [out_shape],
-                   kinds=kinds, windows=windows, sizes=sizes)
+  return make_rule(
+    [x, None, g],
+    [filt],
+    [x_shape, None, g_shape],
+    [out_shape],
+    kinds=kinds,
+    windows=windows,
+    sizes=sizes,
+  )
 
 
 def conv_backprop_input(node, ctx):
@@ -128,13 +155,19 @@ def conv_backprop_input(node, ctx):
   f_shape, g_shape = ctx.shape(node.inputs[1]), ctx.shape(node.inputs[2])
   out_shape = ctx.out_shape(node)
   b, spatial, c, names = _conv_dims(node, out_shape)
-  windows = _windows(node, out_shape, f_shape[:len(spatial)], spatial, names)
-  kern = ['kh', 'kw', 'kd'][:len(spatial)]
+  windows = _windows(node, out_shape, f_shape[: len(spatial)], spatial, names)
+  kern = ['kh', 'kw', 'kd'][: len(spatial)]
   g = _with(len(out_shape), b, spatial, c, names, 'b', 'o')
   x = _with(len(out_shape), b, spatial, c, names, 'b', 'c')
   kinds = {'o': REDUCTION, **{k: NEED_REPLICATION for k in kern}}
-  return make_rule([None, tuple(kern) + ('c', 'o'), g], [x], [None, f_shape, g_shape],
-                   [out_shape], kinds=kinds, windows=windows)
+  return make_rule(
+    [None, tuple(kern) + ('c', 'o'), g],
+    [x],
+    [None, f_shape, g_shape],
+    [out_shape],
+    kinds=kinds,
+    windows=windows,
+  )
 
 
 def conv_backprop_filter(node, ctx):
@@ -142,23 +175,30 @@ def conv_backprop_filter(node, ctx):
   x_shape, g_shape = ctx.shape(node.inputs[0]), ctx.shape(node.inputs[2])
   out_shape = ctx.out_shape(node)
   b, spatial, c, names = _conv_dims(node, x_shape)
-  windows = _windows(node, x_shape, out_shape[:len(spatial)], spatial, names)
-  kern = ['kh', 'kw', 'kd'][:len(spatial)]
+  windows = _windows(node, x_shape, out_shape[: len(spatial)], spatial, names)
+  kern = ['kh', 'kw', 'kd'][: len(spatial)]
   x = _with(len(x_shape), b, spatial, c, names, 'b', 'c')
   g = _with(len(x_shape), b, spatial, c, names, 'b', 'o')
-  kinds = {'b': REDUCTION, **{n: REDUCTION for n in names},
-           **{k: NEED_REPLICATION for k in kern}}
-  return make_rule([x, None, g], [tuple(kern) + ('c', 'o')], [x_shape, None, g_shape],
-                   [out_shape], kinds=kinds, windows=windows)
+  kinds = {'b': REDUCTION, **{n: REDUCTION for n in names}, **{k: NEED_REPLICATION for k in kern}}
+  return make_rule(
+    [x, None, g],
+    [tuple(kern) + ('c', 'o')],
+    [x_shape, None, g_shape],
+    [out_shape],
+    kinds=kinds,
+    windows=windows,
+  )
 
 
 def _pool_windows(node, x_shape):
   b, spatial, c = _layout(node, len(x_shape))
   ksize = attr(node, 'ksize')
-  names = ['h', 'w', 'd'][:len(spatial)]
+  names = ['h', 'w', 'd'][: len(spatial)]
   for d in (b, c):
     if ksize[d] != 1 or attr(node, 'strides')[d] != 1:
-      raise RuleError(f'{node.op} {node.name}: pooling over batch or channel dims is not supported.')
+      raise RuleError(
+        f'{node.op} {node.name}: pooling over batch or channel dims is not supported.'
+      )
   windows = _windows(node, x_shape, [ksize[d] for d in spatial], spatial, names)
   dims = _with(len(x_shape), b, spatial, c, names, 'b', 'c')
   return dims, windows
@@ -175,16 +215,22 @@ def max_pool_grad(node, ctx):
   """MaxPoolGrad(orig_input, orig_output, grad) -> input gradient; MaxPoolGradGrad alike."""
   x_shape = ctx.shape(node.inputs[0])
   dims, windows = _pool_windows(node, x_shape)
-  return make_rule([dims, dims, dims], [dims], [ctx.shape(t) for t in node.inputs],
-                   [ctx.out_shape(node)], windows=windows)
+  return make_rule(
+    [dims, dims, dims],
+    [dims],
+    [ctx.shape(t) for t in node.inputs],
+    [ctx.out_shape(node)],
+    windows=windows,
+  )
 
 
 def avg_pool_grad(node, ctx):
   """AvgPoolGrad(orig_input_shape, grad) -> input gradient."""
   out_shape = ctx.out_shape(node)
   dims, windows = _pool_windows(node, out_shape)
-  return make_rule([None, dims], [dims], [None, ctx.shape(node.inputs[1])], [out_shape],
-                   windows=windows)
+  return make_rule(
+    [None, dims], [dims], [None, ctx.shape(node.inputs[1])], [out_shape], windows=windows
+  )
 
 
 def _channel_vector(shape, channels):
@@ -200,8 +246,12 @@ def fused_batch_norm(node, ctx):
   ch = x_shape[c]
   operands = [x] + [_channel_vector(ctx.shape(t), ch) for t in node.inputs[1:]]
   results = [x] + [_channel_vector(ctx.shape(o.name), ch) for o in node.outputs[1:]]
-  return make_rule(operands, results, [ctx.shape(t) for t in node.inputs],
-                   [ctx.shape(o.name) for o in node.outputs])
+  return make_rule(
+    operands,
+    results,
+    [ctx.shape(t) for t in node.inputs],
+    [ctx.shape(o.name) for o in node.outputs],
+  )
 
 
 def fused_batch_norm_grad(node, ctx):
@@ -212,13 +262,21 @@ def fused_batch_norm_grad(node, ctx):
   ch = x_shape[c]
   operands = [x, x] + [_channel_vector(ctx.shape(t), ch) for t in node.inputs[2:]]
   results = [x] + [_channel_vector(ctx.shape(o.name), ch) for o in node.outputs[1:]]
-  return make_rule(operands, results, [ctx.shape(t) for t in node.inputs],
-                   [ctx.shape(o.name) for o in node.outputs])
+  return make_rule(
+    operands,
+    results,
+    [ctx.shape(t) for t in node.inputs],
+    [ctx.shape(o.name) for o in node.outputs],
+  )
 
 
 # --- examples ---------------------------------------------------------------------------
-_CONV_ATTRS = {'strides': [1, 1, 1, 1], 'padding': 'SAME', 'data_format': 'NHWC',
-               'dilations': [1, 1, 1, 1]}
+_CONV_ATTRS = {
+  'strides': [1, 1, 1, 1],
+  'padding': 'SAME',
+  'data_format': 'NHWC',
+  'dilations': [1, 1, 1, 1],
+}
 
 
 def _conv_example(b):
@@ -239,8 +297,13 @@ def _depthwise_bi_example(b):
   sizes = b.const([2, 16, 16, 3], name='input_sizes')
   f = b.placeholder('filter', (3, 3, 3, 2))
   g = b.placeholder('out_backprop', (2, 16, 16, 6))
-  b.op('DepthwiseConv2dNativeBackpropInput', [sizes, f, g], [(2, 16, 16, 3)], name='y',
-       attrs=_CONV_ATTRS)
+  b.op(
+    'DepthwiseConv2dNativeBackpropInput',
+    [sizes, f, g],
+    [(2, 16, 16, 3)],
+    name='y',
+    attrs=_CONV_ATTRS,
+  )
   return 'y'
 
 
@@ -248,8 +311,13 @@ def _depthwise_bf_example(b):
   x = b.placeholder('x', (2, 16, 16, 3))
   sizes = b.const([3, 3, 3, 2], name='filter_sizes')
   g = b.placeholder('out_backprop', (2, 16, 16, 6))
-  b.op('DepthwiseConv2dNativeBackpropFilter', [x, sizes, g], [(3, 3, 3, 2)], name='y',
-       attrs=_CONV_ATTRS)
+  b.op(
+    'DepthwiseConv2dNativeBackpropFilter',
+    [x, sizes, g],
+    [(3, 3, 3, 2)],
+    name='y',
+    attrs=_CONV_ATTRS,
+  )
   return 'y'
 
 
@@ -269,8 +337,12 @@ def _conv_bf_example(b):
   return 'y'
 
 
-_POOL_ATTRS = {'ksize': [1, 2, 2, 1], 'strides': [1, 2, 2, 1], 'padding': 'VALID',
-               'data_format': 'NHWC'}
+_POOL_ATTRS = {
+  'ksize': [1, 2, 2, 1],
+  'strides': [1, 2, 2, 1],
+  'padding': 'VALID',
+  'data_format': 'NHWC',
+}
 
 
 def _pool_example(op):
@@ -278,6 +350,7 @@ def _pool_example(op):
     x = b.placeholder('x', (2, 16, 16, 8))
     b.op(op, [x], [(2, 8, 8, 8)], name='y', attrs=_POOL_ATTRS)
     return 'y'
+
   return build
 
 
@@ -299,8 +372,13 @@ def _avg_pool_grad_example(b):
 def _bn_example(b):
   x = b.placeholder('x', (2, 8, 8, 4))
   vs = [b.placeholder(n, (4,)) for n in ('scale', 'offset', 'mean', 'variance')]
-  b.op('FusedBatchNormV3', [x] + vs, [(2, 8, 8, 4), (4,), (4,), (4,), (4,), (0,)], name='y',
-       attrs={'data_format': 'NHWC', 'is_training': True})
+  b.op(
+    'FusedBatchNormV3',
+    [x] + vs,
+    [(2, 8, 8, 4), (4,), (4,), (4,), (4,), (0,)],
+    name='y',
+    attrs={'data_format': 'NHWC', 'is_training': True},
+  )
   return 'y'
 
 
@@ -309,23 +387,35 @@ def _bn_grad_example(b):
   x = b.placeholder('x', (2, 8, 8, 4))
   vs = [b.placeholder(n, (4,)) for n in ('scale', 'reserve_1', 'reserve_2')]
   r3 = b.placeholder('reserve_3', (0,))
-  b.op('FusedBatchNormGradV3', [dy, x] + vs + [r3], [(2, 8, 8, 4), (4,), (4,), (0,), (0,)],
-       name='y', attrs={'data_format': 'NHWC', 'is_training': True})
+  b.op(
+    'FusedBatchNormGradV3',
+    [dy, x] + vs + [r3],
+    [(2, 8, 8, 4), (4,), (4,), (0,), (0,)],
+    name='y',
+    attrs={'data_format': 'NHWC', 'is_training': True},
+  )
   return 'y'
 
 
 register('Conv2D', 'nn', conv, _conv_example)
 register('DepthwiseConv2dNative', 'nn', depthwise_conv, _depthwise_example)
-register('DepthwiseConv2dNativeBackpropInput', 'nn', depthwise_backprop_input,
-         _depthwise_bi_example)
-register('DepthwiseConv2dNativeBackpropFilter', 'nn', depthwise_backprop_filter,
-         _depthwise_bf_example)
+register(
+  'DepthwiseConv2dNativeBackpropInput', 'nn', depthwise_backprop_input, _depthwise_bi_example
+)
+register(
+  'DepthwiseConv2dNativeBackpropFilter', 'nn', depthwise_backprop_filter, _depthwise_bf_example
+)
 register('Conv2DBackpropInput', 'nn', conv_backprop_input, _conv_bi_example)
 register('Conv2DBackpropFilter', 'nn', conv_backprop_filter, _conv_bf_example)
 register(['MaxPool', 'AvgPool'], 'nn', pool, _pool_example('MaxPool'))
 register(['MaxPoolGrad', 'MaxPoolGradGrad'], 'nn', max_pool_grad, _max_pool_grad_example)
 register('AvgPoolGrad', 'nn', avg_pool_grad, _avg_pool_grad_example)
-register(['FusedBatchNorm', 'FusedBatchNormV2', 'FusedBatchNormV3'], 'nn', fused_batch_norm,
-         _bn_example)
-register(['FusedBatchNormGrad', 'FusedBatchNormGradV2', 'FusedBatchNormGradV3'], 'nn',
-         fused_batch_norm_grad, _bn_grad_example)
+register(
+  ['FusedBatchNorm', 'FusedBatchNormV2', 'FusedBatchNormV3'], 'nn', fused_batch_norm, _bn_example
+)
+register(
+  ['FusedBatchNormGrad', 'FusedBatchNormGradV2', 'FusedBatchNormGradV3'],
+  'nn',
+  fused_batch_norm_grad,
+  _bn_grad_example,
+)

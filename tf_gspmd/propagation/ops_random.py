@@ -19,11 +19,21 @@ from tf_gspmd.propagation.registry import register
 from tf_gspmd.propagation.rule_builders import free_results, replicated_results
 
 RANDOM = [
-    'StatelessRandomUniformV2', 'StatelessRandomNormalV2', 'StatelessTruncatedNormalV2',
-    'StatelessRandomUniformIntV2', 'StatelessRandomUniformFullIntV2', 'StatelessRandomUniform',
-    'StatelessRandomNormal', 'StatelessTruncatedNormal', 'StatelessRandomUniformInt',
-    'StatelessRandomUniformFullInt', 'RandomUniform', 'RandomStandardNormal', 'TruncatedNormal',
-    'RandomUniformInt', 'StatelessRandomBinomial',
+  'StatelessRandomUniformV2',
+  'StatelessRandomNormalV2',
+  'StatelessTruncatedNormalV2',
+  'StatelessRandomUniformIntV2',
+  'StatelessRandomUniformFullIntV2',
+  'StatelessRandomUniform',
+  'StatelessRandomNormal',
+  'StatelessTruncatedNormal',
+  'StatelessRandomUniformInt',
+  'StatelessRandomUniformFullInt',
+  'RandomUniform',
+  'RandomStandardNormal',
+  'TruncatedNormal',
+  'RandomUniformInt',
+  'StatelessRandomBinomial',
 ]
 
 # Drawn whole from a seed by `random_handler`; operands (shapes, parameters, a value to
@@ -33,46 +43,62 @@ _F32, _I32, _I64 = 'float32', 'int32', 'int64'
 _SAMPLER = ([((3, 2), _I64)], [((4,), _I64), ((3, 2), _F32), ((4,), _F32)])
 _BOX = ([((3,), _I32), ((1, 1, 4), _F32)], [((3,), _I32), ((3,), _I32), ((1, 1, 4), _F32)])
 DRAWN_WHOLE = {
-    'AllCandidateSampler': _SAMPLER, 'FixedUnigramCandidateSampler': _SAMPLER,
-    'LearnedUnigramCandidateSampler': _SAMPLER, 'LogUniformCandidateSampler': _SAMPLER,
-    'ThreadUnsafeUnigramCandidateSampler': _SAMPLER, 'UniformCandidateSampler': _SAMPLER,
-    'Multinomial': ([((10, 3), _F32), ((), _I32)], [((10, 7), _I64)]),
-    'StatelessMultinomial': ([((10, 3), _F32), ((), _I32), ((2,), _I64)], [((10, 7), _I64)]),
-    'ParameterizedTruncatedNormal': ([((2,), _I32)] + [((), _F32)] * 4, [((10, 3), _F32)]),
-    'StatelessParameterizedTruncatedNormal': ([((2,), _I32), ((2,), _I64)] + [((), _F32)] * 4,
-                                              [((10, 3), _F32)]),
-    'RandomGamma': ([((1,), _I32), ((3,), _F32)], [((10, 3), _F32)]),
-    'RandomPoissonV2': ([((1,), _I32), ((3,), _F32)], [((10, 3), _I64)]),
-    'RandomShuffle': ([((10, 3), _F32)], [((10, 3), _F32)]),
-    'SampleDistortedBoundingBox': _BOX,
-    'SampleDistortedBoundingBoxV2': (_BOX[0] + [((), _F32)], _BOX[1]),
-    'StatelessRandomGammaV2': ([((2,), _I32), ((2,), _I64), ((10, 3), _F32)], [((10, 3), _F32)]),
-    'StatelessRandomPoisson': ([((2,), _I32), ((2,), _I64), ((10, 3), _F32)], [((10, 3), _F32)]),
-    'StatelessRandomGetAlg': ([], [((), _I32)]),
+  'AllCandidateSampler': _SAMPLER,
+  'FixedUnigramCandidateSampler': _SAMPLER,
+  'LearnedUnigramCandidateSampler': _SAMPLER,
+  'LogUniformCandidateSampler': _SAMPLER,
+  'ThreadUnsafeUnigramCandidateSampler': _SAMPLER,
+  'UniformCandidateSampler': _SAMPLER,
+  'Multinomial': ([((10, 3), _F32), ((), _I32)], [((10, 7), _I64)]),
+  'StatelessMultinomial': ([((10, 3), _F32), ((), _I32), ((2,), _I64)], [((10, 7), _I64)]),
+  'ParameterizedTruncatedNormal': ([((2,), _I32)] + [((), _F32)] * 4, [((10, 3), _F32)]),
+  'StatelessParameterizedTruncatedNormal': (
+    [((2,), _I32), ((2,), _I64)] + [((), _F32)] * 4,
+    [((10, 3), _F32)],
+  ),
+  'RandomGamma': ([((1,), _I32), ((3,), _F32)], [((10, 3), _F32)]),
+  'RandomPoissonV2': ([((1,), _I32), ((3,), _F32)], [((10, 3), _I64)]),
+  'RandomShuffle': ([((10, 3), _F32)], [((10, 3), _F32)]),
+  'SampleDistortedBoundingBox': _BOX,
+  'SampleDistortedBoundingBoxV2': (_BOX[0] + [((), _F32)], _BOX[1]),
+  'StatelessRandomGammaV2': ([((2,), _I32), ((2,), _I64), ((10, 3), _F32)], [((10, 3), _F32)]),
+  'StatelessRandomPoisson': ([((2,), _I32), ((2,), _I64), ((10, 3), _F32)], [((10, 3), _F32)]),
+  'StatelessRandomGetAlg': ([], [((), _I32)]),
 }
 
 
 def _random_example(op):
   def build(b):
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf
+
     shape = b.const([4, 8], name='shape')
     key = b.placeholder('key', (1,), dtype=tf.uint64)
     counter = b.placeholder('counter', (2,), dtype=tf.uint64)
     alg = b.const(1, name='alg')
     b.op(op, [shape, key, counter, alg], [(4, 8)], name='y')
     return 'y'
+
   return build
 
 
 def _drawn_whole_example(op):
   def build(b):
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf
+
     ins, outs = DRAWN_WHOLE[op]
-    inputs = [b.placeholder(f'in{k}', shape, dtype=tf.as_dtype(dtype))
-              for k, (shape, dtype) in enumerate(ins)]
-    b.op(op, inputs, [shape for shape, _ in outs], name='y',
-         dtypes=[tf.as_dtype(dtype) for _, dtype in outs])
+    inputs = [
+      b.placeholder(f'in{k}', shape, dtype=tf.as_dtype(dtype))
+      for k, (shape, dtype) in enumerate(ins)
+    ]
+    b.op(
+      op,
+      inputs,
+      [shape for shape, _ in outs],
+      name='y',
+      dtypes=[tf.as_dtype(dtype) for _, dtype in outs],
+    )
     return 'y'
+
   return build
 
 
@@ -84,17 +110,20 @@ def _fill_example(b):
 
 
 def _range_example(b):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+
   start, limit, delta = b.const(0, name='start'), b.const(8, name='limit'), b.const(1, name='delta')
   b.op('Range', [start, limit, delta], [(8,)], name='y', dtypes=[tf.int32])
   return 'y'
 
 
 def _key_counter_example(b):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+
   seed = b.placeholder('seed', (2,), dtype=tf.int64)
-  b.op('StatelessRandomGetKeyCounter', [seed], [(1,), (2,)], name='y',
-       dtypes=[tf.uint64, tf.uint64])
+  b.op(
+    'StatelessRandomGetKeyCounter', [seed], [(1,), (2,)], name='y', dtypes=[tf.uint64, tf.uint64]
+  )
   return 'y'
 
 
@@ -109,5 +138,9 @@ for _op in DRAWN_WHOLE:
   register(_op, 'generators', free_results, _drawn_whole_example(_op))
 register('Fill', 'generators', free_results, _fill_example)
 register(['Range', 'LinSpace'], 'generators', free_results, _range_example)
-register(['StatelessRandomGetKeyCounter', 'StatelessRandomGetKeyCounterAlg'], 'generators', _key_counter,
-         _key_counter_example)
+register(
+  ['StatelessRandomGetKeyCounter', 'StatelessRandomGetKeyCounterAlg'],
+  'generators',
+  _key_counter,
+  _key_counter_example,
+)

@@ -33,8 +33,9 @@ def reduce_rule(node, ctx, kind=REDUCTION):
       out.append(f)
     elif keep:
       out.append(None)
-  return make_rule([dims, None], [tuple(out)], [shape, None], [out_shape],
-                   kinds={dims[a]: kind for a in axes})
+  return make_rule(
+    [dims, None], [tuple(out)], [shape, None], [out_shape], kinds={dims[a]: kind for a in axes}
+  )
 
 
 def arg_reduce(node, ctx):
@@ -46,30 +47,42 @@ def arg_reduce(node, ctx):
   axis = normalize_axis(axis[0], len(shape), f'{node.op} {node.name}')
   dims = tuple(Namer().take(len(shape)))
   out = tuple(f for d, f in enumerate(dims) if d != axis)
-  return make_rule([dims, None], [out], [shape, None], [ctx.out_shape(node)],
-                   kinds={dims[axis]: NEED_REPLICATION})
+  return make_rule(
+    [dims, None], [out], [shape, None], [ctx.out_shape(node)], kinds={dims[axis]: NEED_REPLICATION}
+  )
 
 
 def last_dim_whole(node, ctx):
   """Softmax/LogSoftmax: the last dim must be whole."""
   shape = ctx.shape(node.inputs[0])
   dims = tuple(Namer().take(len(shape)))
-  return make_rule([dims], [dims], [shape], [ctx.out_shape(node)],
-                   kinds={dims[-1]: NEED_REPLICATION})
+  return make_rule(
+    [dims], [dims], [shape], [ctx.out_shape(node)], kinds={dims[-1]: NEED_REPLICATION}
+  )
 
 
 def sparse_xent(node, ctx):
   """SparseSoftmaxCrossEntropyWithLogits(features[b,c], labels[b]) -> loss[b], backprop[b,c]."""
   f_shape, l_shape = ctx.shape(node.inputs[0]), ctx.shape(node.inputs[1])
-  return make_rule([('i', 'j'), ('i',)], [('i',), ('i', 'j')], [f_shape, l_shape],
-                   [ctx.out_shape(node, 0), ctx.out_shape(node, 1)], kinds={'j': NEED_REPLICATION})
+  return make_rule(
+    [('i', 'j'), ('i',)],
+    [('i',), ('i', 'j')],
+    [f_shape, l_shape],
+    [ctx.out_shape(node, 0), ctx.out_shape(node, 1)],
+    kinds={'j': NEED_REPLICATION},
+  )
 
 
 def dense_xent(node, ctx):
   """SoftmaxCrossEntropyWithLogits(features[b,c], labels[b,c]) -> loss[b], backprop[b,c]."""
   f_shape, l_shape = ctx.shape(node.inputs[0]), ctx.shape(node.inputs[1])
-  return make_rule([('i', 'j'), ('i', 'j')], [('i',), ('i', 'j')], [f_shape, l_shape],
-                   [ctx.out_shape(node, 0), ctx.out_shape(node, 1)], kinds={'j': NEED_REPLICATION})
+  return make_rule(
+    [('i', 'j'), ('i', 'j')],
+    [('i',), ('i', 'j')],
+    [f_shape, l_shape],
+    [ctx.out_shape(node, 0), ctx.out_shape(node, 1)],
+    kinds={'j': NEED_REPLICATION},
+  )
 
 
 def bias_add_grad(node, ctx):
@@ -77,8 +90,13 @@ def bias_add_grad(node, ctx):
   shape = ctx.shape(node.inputs[0])
   dims = tuple(Namer().take(len(shape)))
   channel = 1 if attr(node, 'data_format', 'NHWC').startswith('NC') else len(shape) - 1
-  return make_rule([dims], [(dims[channel],)], [shape], [ctx.out_shape(node)],
-                   kinds={f: REDUCTION for d, f in enumerate(dims) if d != channel})
+  return make_rule(
+    [dims],
+    [(dims[channel],)],
+    [shape],
+    [ctx.out_shape(node)],
+    kinds={f: REDUCTION for d, f in enumerate(dims) if d != channel},
+  )
 
 
 def l2_loss(node, ctx):
@@ -95,8 +113,9 @@ def scan_rule(node, ctx):
     raise RuleError(f'{node.op} {node.name}: axis {node.inputs[1]} is not a constant.')
   axis = normalize_axis(axis[0], len(shape), f'{node.op} {node.name}')
   dims = tuple(Namer().take(len(shape)))
-  return make_rule([dims, None], [dims], [shape, None], [ctx.out_shape(node)],
-                   kinds={dims[axis]: NEED_REPLICATION})
+  return make_rule(
+    [dims, None], [dims], [shape, None], [ctx.out_shape(node)], kinds={dims[axis]: NEED_REPLICATION}
+  )
 
 
 def top_k(node, ctx):
@@ -106,9 +125,13 @@ def top_k(node, ctx):
   dims = tuple(namer.take(len(shape)))
   k = namer.fresh()
   out = dims[:-1] + (k,)
-  return make_rule([dims, None], [out, out], [shape, None],
-                   [ctx.out_shape(node, 0), ctx.out_shape(node, 1)],
-                   kinds={dims[-1]: NEED_REPLICATION, k: NEED_REPLICATION})
+  return make_rule(
+    [dims, None],
+    [out, out],
+    [shape, None],
+    [ctx.out_shape(node, 0), ctx.out_shape(node, 1)],
+    kinds={dims[-1]: NEED_REPLICATION, k: NEED_REPLICATION},
+  )
 
 
 def _reduce_example(op):
@@ -117,6 +140,7 @@ def _reduce_example(op):
     axes = b.const([1], name='axes')
     b.op(op, [x, axes], [(4, 16)], name='y', attrs={'keep_dims': False})
     return 'y'
+
   return build
 
 
@@ -126,6 +150,7 @@ def _arg_example(op):
     axis = b.const(1, name='axis')
     b.op(op, [x, axis], [(4,)], name='y', dtypes=[__import__('tensorflow').int64])
     return 'y'
+
   return build
 
 
@@ -134,16 +159,21 @@ def _softmax_example(op):
     x = b.placeholder('x', (4, 8))
     b.op(op, [x], [(4, 8)], name='y')
     return 'y'
+
   return build
 
 
 def _xent_example(op, dense):
   def build(b):
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf
+
     x = b.placeholder('x', (4, 8))
-    lbl = b.placeholder('labels', (4, 8) if dense else (4,), dtype=tf.float32 if dense else tf.int32)
+    lbl = b.placeholder(
+      'labels', (4, 8) if dense else (4,), dtype=tf.float32 if dense else tf.int32
+    )
     b.op(op, [x, lbl], [(4,), (4, 8)], name='y')
     return 'y'
+
   return build
 
 
@@ -165,11 +195,13 @@ def _scan_example(op):
     axis = b.const(1, name='axis')
     b.op(op, [x, axis], [(4, 8)], name='y')
     return 'y'
+
   return build
 
 
 def _top_k_example(b):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+
   x = b.placeholder('x', (4, 8))
   k = b.const(3, name='k')
   b.op('TopKV2', [x, k], [(4, 3), (4, 3)], name='y', dtypes=[tf.float32, tf.int32])
@@ -180,12 +212,21 @@ for _op in SUM_LIKE:
   register(_op, 'reductions', reduce_rule, _reduce_example(_op))
 register(['ArgMax', 'ArgMin'], 'reductions', arg_reduce, _arg_example('ArgMax'))
 register(['Softmax', 'LogSoftmax'], 'reductions', last_dim_whole, _softmax_example('Softmax'))
-register('SparseSoftmaxCrossEntropyWithLogits', 'reductions', sparse_xent,
-         _xent_example('SparseSoftmaxCrossEntropyWithLogits', False))
-register('SoftmaxCrossEntropyWithLogits', 'reductions', dense_xent,
-         _xent_example('SoftmaxCrossEntropyWithLogits', True))
+register(
+  'SparseSoftmaxCrossEntropyWithLogits',
+  'reductions',
+  sparse_xent,
+  _xent_example('SparseSoftmaxCrossEntropyWithLogits', False),
+)
+register(
+  'SoftmaxCrossEntropyWithLogits',
+  'reductions',
+  dense_xent,
+  _xent_example('SoftmaxCrossEntropyWithLogits', True),
+)
 register('BiasAddGrad', 'reductions', bias_add_grad, _bias_add_grad_example)
 register('L2Loss', 'reductions', l2_loss, _l2_example)
-register(['Cumsum', 'Cumprod', 'CumulativeLogsumexp'], 'reductions', scan_rule,
-         _scan_example('Cumsum'))
+register(
+  ['Cumsum', 'Cumprod', 'CumulativeLogsumexp'], 'reductions', scan_rule, _scan_example('Cumsum')
+)
 register('TopKV2', 'reductions', top_k, _top_k_example)

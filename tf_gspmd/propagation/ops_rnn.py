@@ -17,33 +17,52 @@ from tf_gspmd.propagation.rule_builders import free_results
 
 _T, _B, _IN, _UNITS, _PARAMS = 5, 4, 3, 6, 200
 _SEQ_IN, _STATE, _SEQ_OUT = (_T, _B, _IN), (1, _B, _UNITS), (_T, _B, _UNITS)
-_FORWARD_INS = [('input', _SEQ_IN), ('input_h', _STATE), ('input_c', _STATE), ('params', (_PARAMS,))]
+_FORWARD_INS = [
+  ('input', _SEQ_IN),
+  ('input_h', _STATE),
+  ('input_c', _STATE),
+  ('params', (_PARAMS,)),
+]
 _BACKPROP_INS = _FORWARD_INS + [
-    ('output', _SEQ_OUT), ('output_h', _STATE), ('output_c', _STATE), ('output_backprop', _SEQ_OUT),
-    ('output_h_backprop', _STATE), ('output_c_backprop', _STATE), ('reserve_space', None)]
+  ('output', _SEQ_OUT),
+  ('output_h', _STATE),
+  ('output_c', _STATE),
+  ('output_backprop', _SEQ_OUT),
+  ('output_h_backprop', _STATE),
+  ('output_c_backprop', _STATE),
+  ('reserve_space', None),
+]
 
 # op type -> (operands, result shapes); None: an opaque buffer of unknown size.
 SIGNATURES = {
-    'CudnnRNN': (_FORWARD_INS, [_SEQ_OUT, _STATE, _STATE, None]),
-    'CudnnRNNV2': (_FORWARD_INS, [_SEQ_OUT, _STATE, _STATE, None, None]),
-    'CudnnRNNV3': (_FORWARD_INS + [('sequence_lengths', (_B,))],
-                   [_SEQ_OUT, _STATE, _STATE, None, None]),
-    'CudnnRNNBackprop': (_BACKPROP_INS, [_SEQ_IN, _STATE, _STATE, (_PARAMS,)]),
-    'CudnnRNNBackpropV2': (_BACKPROP_INS + [('host_reserved', None)],
-                           [_SEQ_IN, _STATE, _STATE, (_PARAMS,)]),
-    'CudnnRNNBackpropV3': (_FORWARD_INS + [('sequence_lengths', (_B,))] + _BACKPROP_INS[4:] +
-                           [('host_reserved', None)], [_SEQ_IN, _STATE, _STATE, (_PARAMS,)]),
+  'CudnnRNN': (_FORWARD_INS, [_SEQ_OUT, _STATE, _STATE, None]),
+  'CudnnRNNV2': (_FORWARD_INS, [_SEQ_OUT, _STATE, _STATE, None, None]),
+  'CudnnRNNV3': (
+    _FORWARD_INS + [('sequence_lengths', (_B,))],
+    [_SEQ_OUT, _STATE, _STATE, None, None],
+  ),
+  'CudnnRNNBackprop': (_BACKPROP_INS, [_SEQ_IN, _STATE, _STATE, (_PARAMS,)]),
+  'CudnnRNNBackpropV2': (
+    _BACKPROP_INS + [('host_reserved', None)],
+    [_SEQ_IN, _STATE, _STATE, (_PARAMS,)],
+  ),
+  'CudnnRNNBackpropV3': (
+    _FORWARD_INS + [('sequence_lengths', (_B,))] + _BACKPROP_INS[4:] + [('host_reserved', None)],
+    [_SEQ_IN, _STATE, _STATE, (_PARAMS,)],
+  ),
 }
 
 
 def _example(op):
   def build(b):
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf
+
     operands, results = SIGNATURES[op]
     dtypes = {'sequence_lengths': tf.int32, 'host_reserved': tf.int8}
     inputs = [b.placeholder(name, shape, dtype=dtypes.get(name)) for name, shape in operands]
     b.op(op, inputs, results, name='y')
     return 'y'
+
   return build
 
 

@@ -17,13 +17,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-
 from tf_gspmd.propagation.halo import WindowDim
 from tf_gspmd.propagation.ops_elementwise import broadcasting_rule
 from tf_gspmd.propagation.registry import RuleError, attr, register
 from tf_gspmd.propagation.rule import NEED_REPLICATION, REDUCTION
-from tf_gspmd.propagation.rule_builders import (Namer, make_rule, normalize_axis,
-                                               replicated_results)
+from tf_gspmd.propagation.rule_builders import Namer, make_rule, normalize_axis, replicated_results
 
 
 # --- reshape ---------------------------------------------------------------------
@@ -54,8 +52,7 @@ def reshape_factors(in_shape, out_shape, namer: Namer):
       out_f[lo].append(f)
       lo += 1
     hi = 0
-    while (hi < min(len(in_shape), len(out_shape)) - lo and
-           in_shape[-1 - hi] == out_shape[-1 - hi]):
+    while hi < min(len(in_shape), len(out_shape)) - lo and in_shape[-1 - hi] == out_shape[-1 - hi]:
       f = new(in_shape[-1 - hi])
       in_f[len(in_shape) - 1 - hi].append(f)
       out_f[len(out_shape) - 1 - hi].append(f)
@@ -143,8 +140,9 @@ def transpose(node, ctx):
   if perm is None:
     raise RuleError(f'Transpose {node.name}: permutation {node.inputs[1]} is not a constant.')
   dims = tuple(Namer().take(len(shape)))
-  return make_rule([dims, None], [tuple(dims[p] for p in perm)], [shape, None],
-                   [ctx.out_shape(node)])
+  return make_rule(
+    [dims, None], [tuple(dims[p] for p in perm)], [shape, None], [ctx.out_shape(node)]
+  )
 
 
 def tile(node, ctx):
@@ -171,8 +169,14 @@ def tile(node, ctx):
     else:
       in_dims.append(f)
       out_dims.append((copies, f))
-  return make_rule([tuple(in_dims), None], [tuple(out_dims)], [shape, None], [out_shape],
-                   sizes=sizes, broadcast_operands=[0])
+  return make_rule(
+    [tuple(in_dims), None],
+    [tuple(out_dims)],
+    [shape, None],
+    [out_shape],
+    sizes=sizes,
+    broadcast_operands=[0],
+  )
 
 
 def broadcast_to(node, ctx):
@@ -203,8 +207,9 @@ def roll(node, ctx):
     kinds = {dims[normalize_axis(a, len(shape), 'Roll')]: NEED_REPLICATION for a in axes}
   else:
     kinds = {}
-  rule = make_rule([dims, None, None], [dims], [shape, None, None], [ctx.out_shape(node)],
-                   kinds=kinds)
+  rule = make_rule(
+    [dims, None, None], [dims], [shape, None, None], [ctx.out_shape(node)], kinds=kinds
+  )
   if axes is None or shift is None:
     return rule
   rolled = tuple(dims[normalize_axis(a, len(shape), 'Roll')] for a in axes)
@@ -220,17 +225,27 @@ def pack(node, ctx):
   dims = tuple(namer.take(len(shape)))
   new = namer.fresh()
   out = dims[:axis] + (new,) + dims[axis:]
-  return make_rule([dims] * len(node.inputs), [out], [ctx.shape(t) for t in node.inputs],
-                   [ctx.out_shape(node)], kinds={new: NEED_REPLICATION})
+  return make_rule(
+    [dims] * len(node.inputs),
+    [out],
+    [ctx.shape(t) for t in node.inputs],
+    [ctx.out_shape(node)],
+    kinds={new: NEED_REPLICATION},
+  )
 
 
 def unpack(node, ctx):
   shape = ctx.shape(node.inputs[0])
   axis = normalize_axis(attr(node, 'axis', 0), len(shape), f'Unpack {node.name}')
   dims = tuple(Namer().take(len(shape)))
-  out = dims[:axis] + dims[axis + 1:]
-  return make_rule([dims], [out] * len(node.outputs), [shape],
-                   [ctx.shape(o.name) for o in node.outputs], kinds={dims[axis]: NEED_REPLICATION})
+  out = dims[:axis] + dims[axis + 1 :]
+  return make_rule(
+    [dims],
+    [out] * len(node.outputs),
+    [shape],
+    [ctx.shape(o.name) for o in node.outputs],
+    kinds={dims[axis]: NEED_REPLICATION},
+  )
 
 
 def _concat_like(node, ctx, data, axis_input, outputs_split):
@@ -247,12 +262,17 @@ def _concat_like(node, ctx, data, axis_input, outputs_split):
   def with_own_axis():
     f = namer.fresh()
     kinds[f] = NEED_REPLICATION
-    return tuple(dims[:axis] + [f] + dims[axis + 1:])
+    return tuple(dims[:axis] + [f] + dims[axis + 1 :])
 
   operands = [with_own_axis() if i in data else None for i in range(len(node.inputs))]
   results = [with_own_axis() for _ in node.outputs]
-  return make_rule(operands, results, [ctx.shape(t) for t in node.inputs],
-                   [ctx.shape(o.name) for o in node.outputs], kinds=kinds)
+  return make_rule(
+    operands,
+    results,
+    [ctx.shape(t) for t in node.inputs],
+    [ctx.shape(o.name) for o in node.outputs],
+    kinds=kinds,
+  )
 
 
 def concat_v2(node, ctx):
@@ -296,20 +316,29 @@ def slice_rule(node, ctx):
   in_dims, out_dims = [], []
   for d, (s, o) in enumerate(zip(shape, out_shape)):
     start = None if begin is None else begin[d]
-    f = _window_or_whole(namer, s, o, start if s != o or begin is not None else 0, 1,
-                         kinds, windows, sizes)
+    f = _window_or_whole(
+      namer, s, o, start if s != o or begin is not None else 0, 1, kinds, windows, sizes
+    )
     in_dims.append(f)
     out_dims.append(f)
-  return make_rule([tuple(in_dims), None, None], [tuple(out_dims)], [shape, None, None],
-                   [out_shape], kinds=kinds, windows=windows, sizes=sizes)
+  return make_rule(
+    [tuple(in_dims), None, None],
+    [tuple(out_dims)],
+    [shape, None, None],
+    [out_shape],
+    kinds=kinds,
+    windows=windows,
+    sizes=sizes,
+  )
 
 
 def strided_slice(node, ctx):
   """StridedSlice with begin/end/ellipsis/new-axis/shrink masks."""
   shape, out_shape = ctx.shape(node.inputs[0]), ctx.out_shape(node)
   begin, end, strides = (ctx.const_ints(node.inputs[i]) for i in (1, 2, 3))
-  masks = {m: attr(node, m + '_mask', 0) for m in ('begin', 'end', 'ellipsis', 'new_axis',
-                                                   'shrink_axis')}
+  masks = {
+    m: attr(node, m + '_mask', 0) for m in ('begin', 'end', 'ellipsis', 'new_axis', 'shrink_axis')
+  }
   namer, kinds, windows, sizes = Namer(), {}, {}, {}
   if begin is None or end is None or strides is None:
     if len(shape) != len(out_shape) or masks['new_axis'] or masks['shrink_axis']:
@@ -320,11 +349,15 @@ def strided_slice(node, ctx):
       if s != o or s is None:
         kinds[f] = NEED_REPLICATION
       dims.append(f)
-    return make_rule([tuple(dims), None, None, None], [tuple(dims)], [shape] + [None] * 3,
-                     [out_shape], kinds=kinds)
+    return make_rule(
+      [tuple(dims), None, None, None], [tuple(dims)], [shape] + [None] * 3, [out_shape], kinds=kinds
+    )
   n_spec = len(begin)
-  consuming = sum(1 for k in range(n_spec)
-                  if not (masks['new_axis'] >> k) & 1 and not (masks['ellipsis'] >> k) & 1)
+  consuming = sum(
+    1
+    for k in range(n_spec)
+    if not (masks['new_axis'] >> k) & 1 and not (masks['ellipsis'] >> k) & 1
+  )
   in_dims, out_dims = [], []
   d = 0  # input dim
   for k in range(n_spec):
@@ -365,8 +398,15 @@ def strided_slice(node, ctx):
     in_dims.append(f)
     out_dims.append(f)
     d += 1
-  return make_rule([tuple(in_dims), None, None, None], [tuple(out_dims)], [shape] + [None] * 3,
-                   [out_shape], kinds=kinds, windows=windows, sizes=sizes)
+  return make_rule(
+    [tuple(in_dims), None, None, None],
+    [tuple(out_dims)],
+    [shape] + [None] * 3,
+    [out_shape],
+    kinds=kinds,
+    windows=windows,
+    sizes=sizes,
+  )
 
 
 def pad(node, ctx):
@@ -385,8 +425,15 @@ def pad(node, ctx):
       f = _window_or_whole(namer, s, o, -lo, 1, kinds, windows, sizes)
     dims.append(f)
   n_aux = len(node.inputs) - 1
-  return make_rule([tuple(dims)] + [None] * n_aux, [tuple(dims)], [shape] + [None] * n_aux,
-                   [out_shape], kinds=kinds, windows=windows, sizes=sizes)
+  return make_rule(
+    [tuple(dims)] + [None] * n_aux,
+    [tuple(dims)],
+    [shape] + [None] * n_aux,
+    [out_shape],
+    kinds=kinds,
+    windows=windows,
+    sizes=sizes,
+  )
 
 
 # --- gathers and segment sums ------------------------------------------------------------
@@ -396,13 +443,14 @@ def gather_rule(node, ctx, params_shape, axis, batch_dims, params_input, indices
   namer = Namer()
   p_dims = list(namer.take(len(params_shape)))
   i_dims = p_dims[:batch_dims] + namer.take(len(indices_shape) - batch_dims)
-  out = p_dims[:axis] + i_dims[batch_dims:] + p_dims[axis + 1:]
+  out = p_dims[:axis] + i_dims[batch_dims:] + p_dims[axis + 1 :]
   operands = [None] * len(node.inputs)
   shapes = [None] * len(node.inputs)
   operands[params_input], shapes[params_input] = tuple(p_dims), params_shape
   operands[indices_input], shapes[indices_input] = tuple(i_dims), indices_shape
-  return make_rule(operands, [tuple(out)], shapes, [ctx.out_shape(node)],
-                   kinds={p_dims[axis]: REDUCTION})
+  return make_rule(
+    operands, [tuple(out)], shapes, [ctx.out_shape(node)], kinds={p_dims[axis]: REDUCTION}
+  )
 
 
 def gather_v2(node, ctx):
@@ -412,8 +460,9 @@ def gather_v2(node, ctx):
     raise RuleError(f'GatherV2 {node.name}: axis {node.inputs[2]} is not a constant.')
   batch_dims = attr(node, 'batch_dims', 0)
   batch_dims = batch_dims % len(ctx.shape(node.inputs[1])) if batch_dims < 0 else batch_dims
-  return gather_rule(node, ctx, shape, normalize_axis(axis[0], len(shape), 'GatherV2'),
-                     batch_dims, 0, 1)
+  return gather_rule(
+    node, ctx, shape, normalize_axis(axis[0], len(shape), 'GatherV2'), batch_dims, 0, 1
+  )
 
 
 def gather_v1(node, ctx):
@@ -431,8 +480,9 @@ def gather_nd(node, ctx):
   i_dims = namer.take(len(i_shape))
   kinds = {f: NEED_REPLICATION for f in p_dims[:q] + i_dims[-1:]}
   out = tuple(i_dims[:-1] + p_dims[q:])
-  return make_rule([tuple(p_dims), tuple(i_dims)], [out], [p_shape, i_shape],
-                   [ctx.out_shape(node)], kinds=kinds)
+  return make_rule(
+    [tuple(p_dims), tuple(i_dims)], [out], [p_shape, i_shape], [ctx.out_shape(node)], kinds=kinds
+  )
 
 
 def unsorted_segment(node, ctx):
@@ -444,8 +494,13 @@ def unsorted_segment(node, ctx):
   seg = namer.fresh()
   kinds = {f: REDUCTION for f in d_dims[:r]}
   kinds[seg] = NEED_REPLICATION
-  return make_rule([tuple(d_dims), tuple(d_dims[:r]), None], [(seg,) + tuple(d_dims[r:])],
-                   [d_shape, i_shape, None], [ctx.out_shape(node)], kinds=kinds)
+  return make_rule(
+    [tuple(d_dims), tuple(d_dims[:r]), None],
+    [(seg,) + tuple(d_dims[r:])],
+    [d_shape, i_shape, None],
+    [ctx.out_shape(node)],
+    kinds=kinds,
+  )
 
 
 # --- generated values -------------------------------------------------------------------
@@ -503,11 +558,18 @@ def strided_slice_grad(node, ctx):
   if view.shape(node.inputs[0]) is None:
     raise RuleError(f'StridedSliceGrad {node.name}: shape {node.inputs[0]} is not a constant.')
   forward = strided_slice(node, view)
-  kinds = {f: NEED_REPLICATION for f in forward.factors()
-           if f in forward.windows or forward.kind(f) != 'pass_through'}
-  return make_rule([None] * 4 + [forward.results[0]], [forward.operands[0]],
-                   [None] * 4 + [ctx.shape(node.inputs[4])], [view.shape(node.inputs[0])],
-                   kinds=kinds)
+  kinds = {
+    f: NEED_REPLICATION
+    for f in forward.factors()
+    if f in forward.windows or forward.kind(f) != 'pass_through'
+  }
+  return make_rule(
+    [None] * 4 + [forward.results[0]],
+    [forward.operands[0]],
+    [None] * 4 + [ctx.shape(node.inputs[4])],
+    [view.shape(node.inputs[0])],
+    kinds=kinds,
+  )
 
 
 # --- examples ---------------------------------------------------------------------------
@@ -521,7 +583,8 @@ def _strided_slice_grad_example(b):
 
 
 def _concat_offset_example(b):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+
   axis = b.const(1, name='axis')
   s0, s1 = b.const([2, 3], name='s0'), b.const([2, 5], name='s1')
   b.op('ConcatOffset', [axis, s0, s1], [(2,), (2,)], name='y', dtypes=[tf.int32] * 2)
@@ -639,8 +702,13 @@ def _strided_slice_example(b):
   begin = b.const([0, 1, 2], name='begin')
   end = b.const([0, 8, 3], name='end')
   strides = b.const([1, 2, 1], name='strides')
-  b.op('StridedSlice', [x, begin, end, strides], [(4, 4)], name='y',
-       attrs={'begin_mask': 1, 'end_mask': 1, 'shrink_axis_mask': 4})
+  b.op(
+    'StridedSlice',
+    [x, begin, end, strides],
+    [(4, 4)],
+    name='y',
+    attrs={'begin_mask': 1, 'end_mask': 1, 'shrink_axis_mask': 4},
+  )
   return 'y'
 
 
@@ -651,11 +719,13 @@ def _pad_example(op):
     inputs = [x, p] + ([b.const(0.0, name='value')] if op == 'PadV2' else [])
     b.op(op, inputs, [(4, 11)], name='y', attrs={'mode': 'REFLECT'} if op == 'MirrorPad' else {})
     return 'y'
+
   return build
 
 
 def _gather_v2_example(b):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+
   p = b.placeholder('params', (50, 16))
   i = b.placeholder('indices', (4, 10), dtype=tf.int32)
   a = b.const(0, name='axis')
@@ -664,7 +734,8 @@ def _gather_v2_example(b):
 
 
 def _gather_example(b):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+
   p = b.placeholder('params', (50, 16))
   i = b.placeholder('indices', (4, 10), dtype=tf.int32)
   b.op('Gather', [p, i], [(4, 10, 16)], name='y')
@@ -672,7 +743,8 @@ def _gather_example(b):
 
 
 def _gather_nd_example(b):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+
   p = b.placeholder('params', (6, 7, 16))
   i = b.placeholder('indices', (4, 2), dtype=tf.int32)
   b.op('GatherNd', [p, i], [(4, 16)], name='y')
@@ -681,17 +753,20 @@ def _gather_nd_example(b):
 
 def _segment_example(op):
   def build(b):
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf
+
     d = b.placeholder('data', (40, 16))
     i = b.placeholder('ids', (40,), dtype=tf.int32)
     n = b.const(50, name='num_segments')
     b.op(op, [d, i, n], [(50, 16)], name='y')
     return 'y'
+
   return build
 
 
 def _one_hot_example(b):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+
   i = b.placeholder('indices', (4,), dtype=tf.int32)
   depth = b.const(8, name='depth')
   on, off = b.const(1.0, name='on'), b.const(0.0, name='off')
@@ -701,7 +776,8 @@ def _one_hot_example(b):
 
 def _shape_example(op):
   def build(b):
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf
+
     x = b.placeholder('x', (4, 8))
     if op == 'ShapeN':
       z = b.placeholder('z', (2,))
@@ -709,11 +785,13 @@ def _shape_example(op):
     else:
       b.op(op, [x], [(2,)] if op == 'Shape' else [()], name='y', dtypes=[tf.int32])
     return 'y'
+
   return build
 
 
 def _bga_example(b):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+
   s0 = b.const([4, 8], name='s0')
   s1 = b.const([8], name='s1')
   b.op('BroadcastGradientArgs', [s0, s1], [(0,), (1,)], name='y', dtypes=[tf.int32] * 2)
@@ -721,7 +799,8 @@ def _bga_example(b):
 
 
 def _invert_perm_example(b):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+
   p = b.const([1, 0], name='perm')
   b.op('InvertPermutation', [p], [(2,)], name='y', dtypes=[tf.int32])
   return 'y'
@@ -747,8 +826,12 @@ register(['Pad', 'PadV2', 'MirrorPad'], 'shape', pad, _pad_example('Pad'))
 register('GatherV2', 'shape', gather_v2, _gather_v2_example)
 register('Gather', 'shape', gather_v1, _gather_example)
 register('GatherNd', 'shape', gather_nd, _gather_nd_example)
-register(['UnsortedSegmentSum', 'UnsortedSegmentMax', 'UnsortedSegmentMin',
-          'UnsortedSegmentProd'], 'shape', unsorted_segment, _segment_example('UnsortedSegmentSum'))
+register(
+  ['UnsortedSegmentSum', 'UnsortedSegmentMax', 'UnsortedSegmentMin', 'UnsortedSegmentProd'],
+  'shape',
+  unsorted_segment,
+  _segment_example('UnsortedSegmentSum'),
+)
 register('OneHot', 'shape', one_hot, _one_hot_example)
 register(['Shape', 'Size', 'Rank'], 'shape', shape_query, _shape_example('Shape'))
 register('ShapeN', 'shape', shape_query, _shape_example('ShapeN'))

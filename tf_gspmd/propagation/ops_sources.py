@@ -15,8 +15,12 @@ from tf_gspmd.propagation.rule_builders import free_results, make_rule
 
 def _sink(node, ctx):
   """Ops with no data results (NoOp, Assert, _Retval): their operands are unconstrained."""
-  return make_rule([None] * len(node.inputs), [None] * len(node.outputs),
-                   [None] * len(node.inputs), [None] * len(node.outputs))
+  return make_rule(
+    [None] * len(node.inputs),
+    [None] * len(node.outputs),
+    [None] * len(node.inputs),
+    [None] * len(node.outputs),
+  )
 
 
 def _const_example(b):

@@ -16,17 +16,17 @@ from tf_gspmd.propagation.rule_builders import Namer, make_rule, replicated_resu
 
 # Dense optimizer updates: op type -> positions of the inputs shaped like the variable.
 APPLY_OPS = {
-    'ResourceApplyGradientDescent': (3, (0, 2)),
-    'ResourceApplyMomentum': (5, (0, 1, 3)),
-    'ResourceApplyKerasMomentum': (5, (0, 1, 3)),
-    'ResourceApplyAdagrad': (4, (0, 1, 3)),
-    'ResourceApplyAdagradV2': (5, (0, 1, 4)),
-    'ResourceApplyAdam': (10, (0, 1, 2, 9)),
-    'ResourceApplyAdamWithAmsgrad': (11, (0, 1, 2, 3, 10)),
-    'ResourceApplyAdaMax': (9, (0, 1, 2, 8)),
-    'ResourceApplyAdadelta': (7, (0, 1, 2, 6)),
-    'ResourceApplyRMSProp': (8, (0, 1, 2, 7)),
-    'ResourceApplyCenteredRMSProp': (9, (0, 1, 2, 3, 8)),
+  'ResourceApplyGradientDescent': (3, (0, 2)),
+  'ResourceApplyMomentum': (5, (0, 1, 3)),
+  'ResourceApplyKerasMomentum': (5, (0, 1, 3)),
+  'ResourceApplyAdagrad': (4, (0, 1, 3)),
+  'ResourceApplyAdagradV2': (5, (0, 1, 4)),
+  'ResourceApplyAdam': (10, (0, 1, 2, 9)),
+  'ResourceApplyAdamWithAmsgrad': (11, (0, 1, 2, 3, 10)),
+  'ResourceApplyAdaMax': (9, (0, 1, 2, 8)),
+  'ResourceApplyAdadelta': (7, (0, 1, 2, 6)),
+  'ResourceApplyRMSProp': (8, (0, 1, 2, 7)),
+  'ResourceApplyCenteredRMSProp': (9, (0, 1, 2, 3, 8)),
 }
 
 
@@ -52,8 +52,9 @@ def assign_variable(node, ctx):
   """Assign{,Add,Sub}VariableOp(resource, value): the value has the variable's layout."""
   shape = _value_shape(node, ctx)
   dims = tuple(Namer().take(len(shape)))
-  return make_rule([dims, dims], [None] * len(node.outputs), [shape, shape],
-                   [None] * len(node.outputs))
+  return make_rule(
+    [dims, dims], [None] * len(node.outputs), [shape, shape], [None] * len(node.outputs)
+  )
 
 
 def apply_update(node, ctx):
@@ -76,7 +77,9 @@ def resource_gather(node, ctx):
   """ResourceGather(resource, indices): a gather along dim 0 (or batch_dims) of the variable."""
   shape = ctx.shape(node.inputs[0])
   if shape is None:
-    raise RuleError(f'ResourceGather {node.name}: the shape of variable {node.inputs[0]} is unknown.')
+    raise RuleError(
+      f'ResourceGather {node.name}: the shape of variable {node.inputs[0]} is unknown.'
+    )
   batch_dims = attr(node, 'batch_dims', 0)
   return gather_rule(node, ctx, shape, batch_dims, batch_dims, 0, 1)
 
@@ -91,9 +94,13 @@ def resource_scatter(node, ctx):
   v_dims = namer.take(len(shape))
   idx = namer.take(len(i_shape))
   u_dims = tuple(idx) + tuple(v_dims[1:]) if u_shape is not None and len(u_shape) else ()
-  return make_rule([tuple(v_dims), tuple(idx), u_dims], [None] * len(node.outputs),
-                   [shape, i_shape, u_shape], [None] * len(node.outputs),
-                   kinds={f: NEED_REPLICATION for f in idx})
+  return make_rule(
+    [tuple(v_dims), tuple(idx), u_dims],
+    [None] * len(node.outputs),
+    [shape, i_shape, u_shape],
+    [None] * len(node.outputs),
+    kinds={f: NEED_REPLICATION for f in idx},
+  )
 
 
 def var_handle(node, ctx):
@@ -126,6 +133,7 @@ def _assign_example(op):
     x = b.placeholder('x', (16, 32))
     b.op(op, [v, x], [], name='y')
     return 'y'
+
   return build
 
 
@@ -135,17 +143,20 @@ def _apply_example(op):
     inputs = []
     for i in range(n):
       if i in shaped:
-        inputs.append(b.resource(f'v{i}', (16, 32)) if i != shaped[-1] else
-                      b.placeholder('grad', (16, 32)))
+        inputs.append(
+          b.resource(f'v{i}', (16, 32)) if i != shaped[-1] else b.placeholder('grad', (16, 32))
+        )
       else:
         inputs.append(b.placeholder(f's{i}', ()))
     b.op(op, inputs, [], name='y')
     return 'y'
+
   return build
 
 
 def _resource_gather_example(b):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+
   v = b.resource('v', (50, 16))
   i = b.placeholder('indices', (4, 10), dtype=tf.int32)
   b.op('ResourceGather', [v, i], [(4, 10, 16)], name='y', attrs={'batch_dims': 0})
@@ -154,44 +165,64 @@ def _resource_gather_example(b):
 
 def _scatter_example(op):
   def build(b):
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf
+
     v = b.resource('v', (50, 16))
     i = b.placeholder('indices', (6,), dtype=tf.int32)
     u = b.placeholder('updates', (6, 16))
     b.op(op, [v, i, u], [], name='y')
     return 'y'
+
   return build
 
 
 def _var_handle_example(b):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+
   b.op('VarHandleOp', [], [()], name='y', dtypes=[tf.resource], attrs={'shape': [16, 32]})
   return 'y'
 
 
 def _variable_shape_example(b):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+
   v = b.resource('v', (16, 32))
   b.op('VariableShape', [v], [(2,)], name='y', dtypes=[tf.int32])
   return 'y'
 
 
 def _var_is_initialized_example(b):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+
   v = b.resource('v', (16, 32))
   b.op('VarIsInitializedOp', [v], [()], name='y', dtypes=[tf.bool])
   return 'y'
 
 
 register('ReadVariableOp', 'variables', read_variable, _read_example)
-register(['AssignVariableOp', 'AssignAddVariableOp', 'AssignSubVariableOp'], 'variables',
-         assign_variable, _assign_example('AssignVariableOp'))
+register(
+  ['AssignVariableOp', 'AssignAddVariableOp', 'AssignSubVariableOp'],
+  'variables',
+  assign_variable,
+  _assign_example('AssignVariableOp'),
+)
 for _op in APPLY_OPS:
   register(_op, 'variables', apply_update, _apply_example(_op))
 register('ResourceGather', 'variables', resource_gather, _resource_gather_example)
-register(['ResourceScatterAdd', 'ResourceScatterSub', 'ResourceScatterUpdate',
-          'ResourceScatterMax', 'ResourceScatterMin', 'ResourceScatterMul', 'ResourceScatterDiv'],
-         'variables', resource_scatter, _scatter_example('ResourceScatterAdd'))
+register(
+  [
+    'ResourceScatterAdd',
+    'ResourceScatterSub',
+    'ResourceScatterUpdate',
+    'ResourceScatterMax',
+    'ResourceScatterMin',
+    'ResourceScatterMul',
+    'ResourceScatterDiv',
+  ],
+  'variables',
+  resource_scatter,
+  _scatter_example('ResourceScatterAdd'),
+)
 register('VarHandleOp', 'variables', var_handle, _var_handle_example)
 register('VariableShape', 'variables', variable_shape, _variable_shape_example)
 register('VarIsInitializedOp', 'variables', var_is_initialized, _var_is_initialized_example)

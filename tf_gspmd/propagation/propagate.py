@@ -32,8 +32,8 @@ import dataclasses
 import warnings
 from typing import Dict, List, Optional, Tuple
 
-from tf_gspmd.graph import ir
 from tf_gspmd import op_sharding
+from tf_gspmd.graph import ir
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.propagation import registry
 from tf_gspmd.propagation.registry import RuleContext, is_resource
@@ -50,27 +50,28 @@ class PropagationWarning(UserWarning):
 
 
 # Provenance kinds.
-ANNOTATION = 'annotation'    # the user annotated this tensor
-VARIABLE = 'variable'        # a resource placeholder of an annotated variable
-FORWARD = 'forward'          # from the operands of the op that produces it
-BACKWARD = 'backward'        # from an op that uses it (its results or other operands)
-NO_RULE = 'no_rule'          # produced by an op without a rule: replicated
-BY_RULE = 'rule'             # the producing op's rule replicates it (shape vectors, ...)
-AUXILIARY = 'auxiliary'      # only used as shape/axis/index-list operands (or unused): replicated
-SCALAR = 'scalar'            # rank 0: replicated
+ANNOTATION = 'annotation'  # the user annotated this tensor
+VARIABLE = 'variable'  # a resource placeholder of an annotated variable
+FORWARD = 'forward'  # from the operands of the op that produces it
+BACKWARD = 'backward'  # from an op that uses it (its results or other operands)
+NO_RULE = 'no_rule'  # produced by an op without a rule: replicated
+BY_RULE = 'rule'  # the producing op's rule replicates it (shape vectors, ...)
+AUXILIARY = 'auxiliary'  # only used as shape/axis/index-list operands (or unused): replicated
+SCALAR = 'scalar'  # rank 0: replicated
 UNKNOWN_RANK = 'unknown_rank'
-DEFAULT = 'default'          # nothing reached it: replicated
+DEFAULT = 'default'  # nothing reached it: replicated
 
 
 @dataclasses.dataclass(frozen=True)
 class Provenance:
   """Where a tensor's sharding came from."""
+
   kind: str
-  op: Optional[str] = None          # node through which it arrived (qualified)
+  op: Optional[str] = None  # node through which it arrived (qualified)
   op_type: Optional[str] = None
-  source: Optional[str] = None      # tensor it was read from (qualified)
-  origin: Optional[str] = None      # the annotated tensor or variable at the root of the path
-  path: Tuple[str, ...] = ()        # nodes passed from the origin to here, in order
+  source: Optional[str] = None  # tensor it was read from (qualified)
+  origin: Optional[str] = None  # the annotated tensor or variable at the root of the path
+  path: Tuple[str, ...] = ()  # nodes passed from the origin to here, in order
   level: Optional[int] = None
   detail: str = ''
 
@@ -84,14 +85,18 @@ class Provenance:
     if self.kind == VARIABLE:
       return f'variable {self.origin}'
     if self.kind in (FORWARD, BACKWARD):
-      return (f'{self.kind} via {self.op} ({self.op_type}) from {self.source}; origin '
-              f'{self.origin}, {len(self.path)} step(s), level {self.level}')
-    return {NO_RULE: f'no rule for {self.op_type}: replicated',
-            BY_RULE: f'{self.op_type} rule: replicated',
-            AUXILIARY: 'auxiliary operand (shape/axes/indices): replicated',
-            SCALAR: 'scalar: replicated', UNKNOWN_RANK: 'unknown rank: replicated',
-            DEFAULT: 'not reached by any sharding: replicated'}[self.kind] + (
-                f' ({self.detail})' if self.detail else '')
+      return (
+        f'{self.kind} via {self.op} ({self.op_type}) from {self.source}; origin '
+        f'{self.origin}, {len(self.path)} step(s), level {self.level}'
+      )
+    return {
+      NO_RULE: f'no rule for {self.op_type}: replicated',
+      BY_RULE: f'{self.op_type} rule: replicated',
+      AUXILIARY: 'auxiliary operand (shape/axes/indices): replicated',
+      SCALAR: 'scalar: replicated',
+      UNKNOWN_RANK: 'unknown rank: replicated',
+      DEFAULT: 'not reached by any sharding: replicated',
+    }[self.kind] + (f' ({self.detail})' if self.detail else '')
 
 
 def qualified(program: ir.Program, key: Key) -> str:
@@ -162,17 +167,29 @@ class PropagationResult:
       for node in graph.nodes:
         for out in node.outputs:
           prov = self.provenance[graph.name][out.name]
-          rows.append({
-              'graph': graph.name, 'node': node.name, 'op': node.op, 'tensor': out.name,
+          rows.append(
+            {
+              'graph': graph.name,
+              'node': node.name,
+              'op': node.op,
+              'tensor': out.name,
               'sharding': str(self.shardings[graph.name][out.name].spec),
-              'kind': prov.kind, 'direction': prov.direction, 'via': prov.op,
-              'source': prov.source, 'origin': prov.origin, 'path': list(prov.path),
-              'level': prov.level, 'detail': prov.describe()})
+              'kind': prov.kind,
+              'direction': prov.direction,
+              'via': prov.op,
+              'source': prov.source,
+              'origin': prov.origin,
+              'path': list(prov.path),
+              'level': prov.level,
+              'detail': prov.describe(),
+            }
+          )
     return rows
 
   def explain(self) -> str:
     """A readable table: each op's result shardings and where they came from."""
-    from tf_gspmd.propagation.explain import format_table  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.propagation.explain import format_table
+
     return format_table(self)
 
 
@@ -210,8 +227,9 @@ class Propagator:
       shape = getattr(var, 'shape', None)
       if shape is not None:
         self.resource_shapes[(main, tensor)] = tuple(
-            None if d is None else int(d) for d in (shape.as_list() if hasattr(shape, 'as_list')
-                                                    else shape))
+          None if d is None else int(d)
+          for d in (shape.as_list() if hasattr(shape, 'as_list') else shape)
+        )
     for _ in range(len(self.program.functions) + 2):
       before = len(self.resource_shapes)
       for graph in self.program.graphs():
@@ -254,7 +272,8 @@ class Propagator:
         if known:
           for k in group:
             if self._graph(k[0]).tensor(k[1]).dtype is not None and is_resource(
-                self._graph(k[0]).tensor(k[1]).dtype):
+              self._graph(k[0]).tensor(k[1]).dtype
+            ):
               rs.setdefault(k, known[0])
 
   def _shape(self, key: Key):
@@ -280,9 +299,12 @@ class Propagator:
         entry = registry.lookup(node.op)
         if entry is None:
           info.error = f'no sharding rule for op type {node.op}'
-          self._warn(node.op, f'tf_gspmd propagation: no sharding rule for op type {node.op!r} '
-                     f'(first seen at node {node.name!r} in graph {graph.name!r}); its results '
-                     'are replicated.')
+          self._warn(
+            node.op,
+            f'tf_gspmd propagation: no sharding rule for op type {node.op!r} '
+            f'(first seen at node {node.name!r} in graph {graph.name!r}); its results '
+            'are replicated.',
+          )
           continue
         if entry.handler is not None:
           info.handler = entry.handler
@@ -293,22 +315,28 @@ class Propagator:
           self._check_rule(node, rule, ctx)
         except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
           info.error = str(e)
-          self._warn(node.op, f'tf_gspmd propagation: the sharding rule of {node.op!r} failed at '
-                     f'node {node.name!r} in graph {graph.name!r} ({e}); results of such nodes '
-                     'are replicated.')
+          self._warn(
+            node.op,
+            f'tf_gspmd propagation: the sharding rule of {node.op!r} failed at '
+            f'node {node.name!r} in graph {graph.name!r} ({e}); results of such nodes '
+            'are replicated.',
+          )
           continue
         info.rule = rule
-        info.shapes = ([ctx.shape(t) for t in node.inputs] +
-                       [ctx.shape(o.name) for o in node.outputs])
+        info.shapes = [ctx.shape(t) for t in node.inputs] + [
+          ctx.shape(o.name) for o in node.outputs
+        ]
 
   @staticmethod
   def _check_rule(node, rule: OpRule, ctx):
     if len(rule.operands) != len(node.inputs) or len(rule.results) != len(node.outputs):
       raise ValueError(
-          f'rule {rule.text()} has {len(rule.operands)} operands and {len(rule.results)} results '
-          f'but the node has {len(node.inputs)} inputs and {len(node.outputs)} outputs')
-    for dims, t in zip(rule.operands + rule.results,
-                       list(node.inputs) + [o.name for o in node.outputs]):
+        f'rule {rule.text()} has {len(rule.operands)} operands and {len(rule.results)} results '
+        f'but the node has {len(node.inputs)} inputs and {len(node.outputs)} outputs'
+      )
+    for dims, t in zip(
+      rule.operands + rule.results, list(node.inputs) + [o.name for o in node.outputs]
+    ):
       shape = ctx.shape(t)
       if dims is not None and (shape is None or len(dims) != len(shape)):
         raise ValueError(f'rule {rule.text()} gives {t} {len(dims)} dims but its shape is {shape}')
@@ -319,8 +347,9 @@ class Propagator:
       for node in graph.nodes:
         for index, sharding in sorted(node.annotations.items()):
           key = (graph.name, node.outputs[index].name)
-          self._annotate(key, sharding, _unspecified_dims(node), ANNOTATION,
-                         qualified(self.program, key))
+          self._annotate(
+            key, sharding, _unspecified_dims(node), ANNOTATION, qualified(self.program, key)
+          )
     for tensor, var in self.program.variables.items():
       key = (self.program.main.name, tensor)
       if key in self.states:
@@ -332,16 +361,18 @@ class Propagator:
       elif self._rank(key) is not None:
         # Unannotated: replicated unless propagation shards it (open dims).
         rank = self._rank(key)
-        self.states[key] = _State(((),) * rank, (False,) * rank,
-                                  Provenance(VARIABLE, origin=name, detail='not annotated'))
+        self.states[key] = _State(
+          ((),) * rank, (False,) * rank, Provenance(VARIABLE, origin=name, detail='not annotated')
+        )
 
   def _annotate(self, key, sharding: Sharding, unspecified, kind, origin):
     rank = self._rank(key)
     if rank is None:
       if not sharding.is_replicated:
         raise ValueError(
-            f'Annotation {sharding} on {qualified(self.program, key)}: the tensor has unknown '
-            'rank, so a tiled sharding cannot be checked against it.')
+          f'Annotation {sharding} on {qualified(self.program, key)}: the tensor has unknown '
+          'rank, so a tiled sharding cannot be checked against it.'
+        )
       return
     try:
       # A tile assignment in another device order comes back on a reordering of the mesh.
@@ -353,10 +384,11 @@ class Propagator:
       named = None
     if named is None:
       raise ValueError(
-          f'Annotation {sharding} on {qualified(self.program, key)} (rank {rank}) cannot be '
-          f'written as a P(...) on mesh {self.mesh} in any device order: its devices are not '
-          f'the mesh\'s, or no grouping of the mesh axes gives its tile dims '
-          f'{list(sharding.tile_shape or ())}; annotate with shardings over this mesh.')
+        f'Annotation {sharding} on {qualified(self.program, key)} (rank {rank}) cannot be '
+        f'written as a P(...) on mesh {self.mesh} in any device order: its devices are not '
+        f"the mesh's, or no grouping of the mesh axes gives its tile dims "
+        f'{list(sharding.tile_shape or ())}; annotate with shardings over this mesh.'
+      )
     axes = [named.spec.axes_of(d) for d in range(rank)]
     closed = [d not in unspecified for d in range(rank)]
     self.states[key] = _State(axes, closed, Provenance(kind, origin=origin))
@@ -443,17 +475,25 @@ class Propagator:
     src = self.states[source].prov
     step = qualified(self.program, (info.graph.name, info.node.name))
     origin = src.origin or qualified(self.program, source)
-    return Provenance(kind, op=step, op_type=info.node.op,
-                      source=qualified(self.program, source), origin=origin,
-                      path=src.path + (step,), level=self.level)
+    return Provenance(
+      kind,
+      op=step,
+      op_type=info.node.op,
+      source=qualified(self.program, source),
+      origin=origin,
+      path=src.path + (step,),
+      level=self.level,
+    )
 
   def _apply(self, info: _NodeInfo, forward: bool) -> bool:
     rule, node, g = info.rule, info.node, info.graph.name
     keys = [(g, t) for t in node.inputs] + [(g, o.name) for o in node.outputs]
     n_in = len(node.inputs)
     dims_all = rule.tensor_dims()
-    specs = [self.states[k].axes if k in self.states and dims_all[i] is not None else None
-             for i, k in enumerate(keys)]
+    specs = [
+      self.states[k].axes if k in self.states and dims_all[i] is not None else None
+      for i, k in enumerate(keys)
+    ]
     if not any(s is not None for s in specs):
       return False
     if forward:
@@ -484,7 +524,7 @@ class Propagator:
     """The tensor whose sharding gave `key` its first new axes (None if nothing is new)."""
     current = self.states[key].axes if key in self.states else ((),) * len(dims)
     for entry, new, cur in zip(dims, proposed, current):
-      if len(new) > len(cur) and new[:len(cur)] == cur:
+      if len(new) > len(cur) and new[: len(cur)] == cur:
         for f in dim_factors(entry):
           if resolved.get(f) and f in picked:
             src = keys[picked[f][1]]
@@ -527,7 +567,7 @@ class Propagator:
     changed_dims = []
     for d in range(rank):
       new = tuple(proposed[d])
-      if closed[d] or len(new) <= len(cur[d]) or new[:len(cur[d])] != cur[d]:
+      if closed[d] or len(new) <= len(cur[d]) or new[: len(cur[d])] != cur[d]:
         continue
       merged[d] = new
       changed_dims.append(d)
@@ -537,7 +577,7 @@ class Propagator:
     used = {a for d in range(rank) if d not in changed_dims for a in merged[d]}
     for d in changed_dims:
       keep = list(cur[d])
-      for a in merged[d][len(cur[d]):]:
+      for a in merged[d][len(cur[d]) :]:
         if a in used:
           break
         keep.append(a)
@@ -558,6 +598,7 @@ class Propagator:
       if spec not in made:
         made[spec] = NamedSharding(self.mesh, P(*spec))
       return made[spec]
+
     for graph in self.program.graphs():
       gs, gp = shardings.setdefault(graph.name, {}), provenance.setdefault(graph.name, {})
       for node in graph.nodes:
@@ -575,8 +616,9 @@ class Propagator:
             continue
           gs[out.name] = named((None,) * rank)
           gp[out.name] = self._fallback_provenance(info, index, rank, key in aux_only)
-    return PropagationResult(self.program, self.mesh, shardings, provenance, self.infos,
-                             self.warnings, iterations)
+    return PropagationResult(
+      self.program, self.mesh, shardings, provenance, self.infos, self.warnings, iterations
+    )
 
   def _fallback_provenance(self, info: _NodeInfo, index: int, rank: int, aux: bool) -> Provenance:
     node = info.node
@@ -588,12 +630,16 @@ class Propagator:
       dims = info.rule.results[index]
       factors = [f for e in dims or () for f in dim_factors(e)]
       shape = info.shapes[len(node.inputs) + index] or ()
-      if dims is None or all(info.rule.kind(f) == NEED_REPLICATION for f in factors) or all(
-          s == 1 for s in shape):
+      if (
+        dims is None
+        or all(info.rule.kind(f) == NEED_REPLICATION for f in factors)
+        or all(s == 1 for s in shape)
+      ):
         return Provenance(BY_RULE, op_type=node.op)
     if aux:
-      return Provenance(AUXILIARY, detail='unused' if not info.graph.consumers(
-          node.outputs[index].name) else '')
+      return Provenance(
+        AUXILIARY, detail='unused' if not info.graph.consumers(node.outputs[index].name) else ''
+      )
     return Provenance(DEFAULT)
 
   def _auxiliary_tensors(self) -> set:
@@ -613,10 +659,14 @@ class Propagator:
           by_rule.add((info.graph.name, out.name))
     # Tensors nothing uses (dead code, e.g. unused gradient pieces) count as auxiliary.
     outputs = {(g.name, t) for g in self.program.graphs() for t in g.outputs}
-    aux: set = {(info.graph.name, o.name) for info in self.infos.values() for o in info.node.outputs
-                if (info.graph.name, o.name) not in consumers and
-                (info.graph.name, o.name) not in outputs and
-                (info.graph.name, o.name) not in self.states}
+    aux: set = {
+      (info.graph.name, o.name)
+      for info in self.infos.values()
+      for o in info.node.outputs
+      if (info.graph.name, o.name) not in consumers
+      and (info.graph.name, o.name) not in outputs
+      and (info.graph.name, o.name) not in self.states
+    }
     grew = True
     while grew:
       grew = False
@@ -651,9 +701,9 @@ def _merge_compatible(specs) -> tuple:
     used = {a for d in merged for a in d}
     for d, axes in enumerate(other):
       cur = merged[d]
-      if len(axes) > len(cur) and tuple(axes[:len(cur)]) == cur:
+      if len(axes) > len(cur) and tuple(axes[: len(cur)]) == cur:
         extra = []
-        for a in axes[len(cur):]:
+        for a in axes[len(cur) :]:
           if a in used:
             break
           extra.append(a)
@@ -699,7 +749,8 @@ def _unspecified_dims(node: ir.Node) -> Tuple[int, ...]:
 def _variable_sharding(var) -> Optional[Sharding]:
   """The sharding stored on a variable (tf_gspmd.annotations or TF's own), or None."""
   try:
-    from tf_gspmd.annotations import variable_sharding  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.annotations import variable_sharding
+
     return variable_sharding(var)
   except (ImportError, TypeError):
     pass

@@ -25,7 +25,6 @@ from tf_gspmd.graph import ir
 from tf_gspmd.propagation.rule import OpRule
 
 
-
 def family_modules() -> List[str]:
   """The rule family modules: every `ops_*` module of this package (none listed by hand)."""
   package = importlib.import_module('tf_gspmd.propagation')
@@ -39,18 +38,20 @@ class RuleError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Entry:
   """One registered op type."""
+
   op_type: str
   family: str
-  rule: Optional[Callable] = None      # (node, ctx) -> OpRule
-  handler: Optional[object] = None     # control flow: ties tensors across graphs
-  example: Optional[Callable] = None   # (GraphBuilder) -> node name
+  rule: Optional[Callable] = None  # (node, ctx) -> OpRule
+  handler: Optional[object] = None  # control flow: ties tensors across graphs
+  example: Optional[Callable] = None  # (GraphBuilder) -> node name
   note: str = ''
 
   def example_rule(self) -> Optional[OpRule]:
     """The rule of this op type's example node, or None for control flow."""
     if self.rule is None or self.example is None:
       return None
-    from tf_gspmd.propagation.builder import GraphBuilder  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.propagation.builder import GraphBuilder
+
     b = GraphBuilder()
     node_name = self.example(b)
     graph = b.graph()
@@ -78,8 +79,9 @@ class Registry:
     for op_type in op_types:
       if op_type in self._entries:
         raise ValueError(
-            f'Registry: op type {op_type!r} is registered twice (families '
-            f'{self._entries[op_type].family!r} and {family!r}).')
+          f'Registry: op type {op_type!r} is registered twice (families '
+          f'{self._entries[op_type].family!r} and {family!r}).'
+        )
       if rule is None and handler is None:
         raise ValueError(f'Registry: {op_type!r} needs a rule function or a handler.')
       self._entries[op_type] = Entry(op_type, family, rule, handler, example, note)
@@ -174,9 +176,10 @@ class RuleContext:
       return _tensor_value(node.attrs['value'])
     if self._folded is None:
       try:
-        from tf_gspmd.graph import static_values  # pylint: disable=g-import-not-at-top
+        from tf_gspmd.graph import static_values
+
         self._folded = static_values.fold(self.graph)
-      except Exception:  # pylint: disable=broad-except
+      except Exception:  # noqa: BLE001
         # Folding runs TF on a copy of the graph; when it cannot, values stay unknown
         # and rules fall back to what static shapes alone say.
         self._folded = {}
@@ -237,7 +240,8 @@ def attr(node: ir.Node, name: str, default=None):
 
 
 def _tensor_value(av) -> np.ndarray:
-  from tensorflow.python.framework import tensor_util  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.framework import tensor_util
+
   proto = av.tensor if hasattr(av, 'tensor') else av
   return tensor_util.MakeNdarray(proto)
 

@@ -36,8 +36,8 @@ import dataclasses
 import math
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from tf_gspmd.propagation.halo import WindowDim
 from tf_gspmd.mesh import Mesh
+from tf_gspmd.propagation.halo import WindowDim
 from tf_gspmd.sharding import NamedSharding, P
 
 PASS_THROUGH = 'pass_through'
@@ -45,8 +45,8 @@ REDUCTION = 'reduction'
 NEED_REPLICATION = 'need_replication'
 FACTOR_KINDS = (PASS_THROUGH, REDUCTION, NEED_REPLICATION)
 
-Axes = Tuple[str, ...]          # mesh axes splitting one dim or factor, major to minor
-DimEntry = Optional[object]     # None | factor name | tuple of factor names
+Axes = Tuple[str, ...]  # mesh axes splitting one dim or factor, major to minor
+DimEntry = Optional[object]  # None | factor name | tuple of factor names
 TensorDims = Optional[Tuple[DimEntry, ...]]  # None: auxiliary (replicated) operand
 
 
@@ -60,6 +60,7 @@ def dim_factors(entry: DimEntry) -> Tuple[str, ...]:
 @dataclasses.dataclass(frozen=True)
 class OpRule:
   """Factors of every dim of every operand and result of one node."""
+
   operands: Tuple[TensorDims, ...]
   results: Tuple[TensorDims, ...]
   kinds: Mapping[str, str] = dataclasses.field(default_factory=dict)  # default: pass_through
@@ -74,8 +75,12 @@ class OpRule:
   shifted: Tuple[str, ...] = ()
 
   def __post_init__(self):
-    object.__setattr__(self, 'operands', tuple(None if o is None else tuple(o) for o in self.operands))
-    object.__setattr__(self, 'results', tuple(None if r is None else tuple(r) for r in self.results))
+    object.__setattr__(
+      self, 'operands', tuple(None if o is None else tuple(o) for o in self.operands)
+    )
+    object.__setattr__(
+      self, 'results', tuple(None if r is None else tuple(r) for r in self.results)
+    )
     for f, k in self.kinds.items():
       if k not in FACTOR_KINDS:
         raise ValueError(f'OpRule: factor {f!r} has unknown kind {k!r}; use one of {FACTOR_KINDS}.')
@@ -133,6 +138,7 @@ class OpRule:
   # --- text form ---------------------------------------------------------------
   def text(self) -> str:
     """One-line form, e.g. `([i,k],[k,j])->([i,j]) reduction={k}`."""
+
     def dim_text(e):
       fs = dim_factors(e)
       return '-' if not fs else '*'.join(fs)
@@ -149,15 +155,21 @@ class OpRule:
     for f in self.factors():
       w = self.windows.get(f)
       if w is not None:
-        out += (f' window({f})={{size={w.window},stride={w.stride},dilation={w.dilation},'
-                f'pad={w.pad_lo}:{w.pad_hi}}}')
+        out += (
+          f' window({f})={{size={w.window},stride={w.stride},dilation={w.dilation},'
+          f'pad={w.pad_lo}:{w.pad_hi}}}'
+        )
     if self.shifted:
       out += ' shifted={' + ','.join(self.shifted) + '}'
-    compound = [f for dims in self.tensor_dims() for e in dims or () if not isinstance(e, str)
-                for f in dim_factors(e)]
+    compound = [
+      f
+      for dims in self.tensor_dims()
+      for e in dims or ()
+      if not isinstance(e, str)
+      for f in dim_factors(e)
+    ]
     if compound:
-      out += ' {' + ','.join(f'{f}={self.size(f)}' for f in self.factors()
-                             if f in compound) + '}'
+      out += ' {' + ','.join(f'{f}={self.size(f)}' for f in self.factors() if f in compound) + '}'
     return out
 
   def __str__(self):
@@ -176,15 +188,18 @@ class OpRule:
     out, rest = [], list(axes)
     for f in fs:
       size, taken = self.size(f), []
-      while rest and size is not None and size % (_product(mesh, taken) * mesh.axis_size(rest[0])) == 0:
+      while (
+        rest and size is not None and size % (_product(mesh, taken) * mesh.axis_size(rest[0])) == 0
+      ):
         taken.append(rest.pop(0))
       out.append((f, tuple(taken)))
       if size is None or _product(mesh, taken) != size:
         break
     return out
 
-  def join_dim(self, entry: DimEntry, factor_axes: Mapping[str, Axes], mesh: Mesh,
-               dim_size: Optional[int]) -> Axes:
+  def join_dim(
+    self, entry: DimEntry, factor_axes: Mapping[str, Axes], mesh: Mesh, dim_size: Optional[int]
+  ) -> Axes:
     """Mesh axes of one dim given each factor's axes (the inverse of `split_dim`).
 
     A plain dim keeps its factor's axes even when it is smaller than their
@@ -260,7 +275,8 @@ class OpRule:
     cached = self.__dict__.get('_together')  # a rule is frozen: computed once
     if cached is None:
       cached = self.__dict__['_together'] = {
-          f: frozenset(g) for f, g in self._cooccurring_sets().items()}
+        f: frozenset(g) for f, g in self._cooccurring_sets().items()
+      }
     return cached
 
   def _cooccurring_sets(self) -> Dict[str, set]:
@@ -279,8 +295,9 @@ class OpRule:
           together[g].add(f)
     return together
 
-  def representable(self, factor_axes: Mapping[str, Axes], mesh: Mesh,
-                    shapes: Optional[Sequence] = None) -> Dict[str, Axes]:
+  def representable(
+    self, factor_axes: Mapping[str, Axes], mesh: Mesh, shapes: Optional[Sequence] = None
+  ) -> Dict[str, Axes]:
     """`factor_axes` cut until every tensor's dims can hold them.
 
     A factor sharded in one tensor must be sharded alike in every tensor that
@@ -311,8 +328,13 @@ class OpRule:
               changed = True
     return out
 
-  def tensor_spec(self, dims: TensorDims, factor_axes: Mapping[str, Axes], mesh: Mesh,
-                  shape: Optional[Sequence[Optional[int]]]) -> Optional[Tuple[Axes, ...]]:
+  def tensor_spec(
+    self,
+    dims: TensorDims,
+    factor_axes: Mapping[str, Axes],
+    mesh: Mesh,
+    shape: Optional[Sequence[Optional[int]]],
+  ) -> Optional[Tuple[Axes, ...]]:
     if dims is None:
       return None
     shape = shape if shape is not None else (None,) * len(dims)
@@ -333,23 +355,33 @@ class OpRule:
       out.append(None if spec is None else P(*spec))
     return out
 
-  def infer_results(self, operand_shardings: Sequence[Optional[NamedSharding]],
-                    mesh: Mesh, result_shapes=None) -> List[Optional[NamedSharding]]:
+  def infer_results(
+    self, operand_shardings: Sequence[Optional[NamedSharding]], mesh: Mesh, result_shapes=None
+  ) -> List[Optional[NamedSharding]]:
     """Result shardings the operands' shardings imply (partial sums resolved, as propagation does)."""
-    specs = [None if s is None or d is None else _axes_of(s)
-             for s, d in zip(operand_shardings, self.operands)]
+    specs = [
+      None if s is None or d is None else _axes_of(s)
+      for s, d in zip(operand_shardings, self.operands)
+    ]
     fa = self.factor_axes(specs + [None] * len(self.results), mesh)
-    return [None if p is None else NamedSharding(mesh, p)
-            for p in self.result_specs(fa, mesh, result_shapes)]
+    return [
+      None if p is None else NamedSharding(mesh, p)
+      for p in self.result_specs(fa, mesh, result_shapes)
+    ]
 
-  def required_operands(self, result_shardings: Sequence[Optional[NamedSharding]],
-                        mesh: Mesh, operand_shapes=None) -> List[Optional[NamedSharding]]:
+  def required_operands(
+    self, result_shardings: Sequence[Optional[NamedSharding]], mesh: Mesh, operand_shapes=None
+  ) -> List[Optional[NamedSharding]]:
     """Operand shardings that produce `result_shardings` with no communication but reductions."""
     specs = [None] * len(self.operands) + [
-        None if s is None or d is None else _axes_of(s) for s, d in zip(result_shardings, self.results)]
+      None if s is None or d is None else _axes_of(s)
+      for s, d in zip(result_shardings, self.results)
+    ]
     fa = self.factor_axes(specs, mesh)
-    return [None if p is None else NamedSharding(mesh, p)
-            for p in self.operand_specs(fa, mesh, operand_shapes)]
+    return [
+      None if p is None else NamedSharding(mesh, p)
+      for p in self.operand_specs(fa, mesh, operand_shapes)
+    ]
 
 
 def pick_candidate(candidates: Sequence[Tuple[Axes, int]], mesh: Mesh) -> Tuple[Axes, int]:

@@ -29,8 +29,16 @@ class Namer:
     return [self.fresh() for _ in range(n)]
 
 
-def make_rule(operands, results, operand_shapes, result_shapes, kinds=None, windows=None,
-              broadcast_operands=(), sizes=None) -> OpRule:
+def make_rule(
+  operands,
+  results,
+  operand_shapes,
+  result_shapes,
+  kinds=None,
+  windows=None,
+  broadcast_operands=(),
+  sizes=None,
+) -> OpRule:
   """An OpRule whose plain (one-factor) dims get their factor size from the tensor shapes."""
   all_sizes: Dict[str, Optional[int]] = dict(sizes or {})
   for dims_list, shapes in ((operands, operand_shapes), (results, result_shapes)):
@@ -42,9 +50,14 @@ def make_rule(operands, results, operand_shapes, result_shapes, kinds=None, wind
         if len(fs) == 1 and size is not None and fs[0] not in (windows or {}):
           prev = all_sizes.get(fs[0])
           all_sizes[fs[0]] = size if prev is None else min(prev, size)
-  return OpRule(operands=tuple(operands), results=tuple(results), kinds=dict(kinds or {}),
-                sizes=all_sizes, windows=dict(windows or {}),
-                broadcast_operands=tuple(broadcast_operands))
+  return OpRule(
+    operands=tuple(operands),
+    results=tuple(results),
+    kinds=dict(kinds or {}),
+    sizes=all_sizes,
+    windows=dict(windows or {}),
+    broadcast_operands=tuple(broadcast_operands),
+  )
 
 
 def replicated_results(node, ctx, data_operands: Sequence[int] = (), aux=True) -> OpRule:

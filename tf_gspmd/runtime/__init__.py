@@ -21,14 +21,33 @@ The partitioner writes its per-partition program against `Collectives` only,
 so the same program lowers to either backend.
 """
 
-from tf_gspmd.runtime.collectives import (CollectiveRecord, Collectives, TFCollectives,
-                                          DEFAULT_TIMEOUT)
-from tf_gspmd.runtime.launcher import (CollectiveError, PartitionContext, PerPartitionProgram,
-                                       SpmdProgram, trace_per_partition)
+from tf_gspmd.runtime.collectives import (
+  DEFAULT_TIMEOUT,
+  CollectiveRecord,
+  Collectives,
+  TFCollectives,
+)
+from tf_gspmd.runtime.launcher import (
+  CollectiveError,
+  PartitionContext,
+  PerPartitionProgram,
+  SpmdProgram,
+  trace_per_partition,
+)
 from tf_gspmd.runtime.sharded import ShardedValue, ShardedVariable, assemble, split
 
 __all__ = [
-    'CollectiveError', 'CollectiveRecord', 'Collectives', 'DEFAULT_TIMEOUT', 'PartitionContext',
-    'PerPartitionProgram', 'ShardedValue', 'ShardedVariable', 'SpmdProgram', 'TFCollectives',
-    'assemble', 'split', 'trace_per_partition',
+  'CollectiveError',
+  'CollectiveRecord',
+  'Collectives',
+  'DEFAULT_TIMEOUT',
+  'PartitionContext',
+  'PerPartitionProgram',
+  'ShardedValue',
+  'ShardedVariable',
+  'SpmdProgram',
+  'TFCollectives',
+  'assemble',
+  'split',
+  'trace_per_partition',
 ]

@@ -56,11 +56,14 @@ def device_name(job: str, task: int, index: int, device_type: str = 'CPU') -> st
   return f'{task_name(job, task)}/device:{device_type}:{index}'
 
 
-def task_devices(spec: tf.train.ClusterSpec, devices_per_task: int, job: str = JOB,
-                 device_type: str = 'CPU') -> List[List[str]]:
+def task_devices(
+  spec: tf.train.ClusterSpec, devices_per_task: int, job: str = JOB, device_type: str = 'CPU'
+) -> List[List[str]]:
   """Per task of `job`, in task order, the names of its devices."""
-  return [[device_name(job, t, d, device_type) for d in range(devices_per_task)]
-          for t in spec.task_indices(job)]
+  return [
+    [device_name(job, t, d, device_type) for d in range(devices_per_task)]
+    for t in spec.task_indices(job)
+  ]
 
 
 def task_of(device: str) -> str:
@@ -70,8 +73,7 @@ def task_of(device: str) -> str:
 
 
 # --- the mesh over tasks ------------------------------------------------------------------
-def mesh_devices(mesh, task_devices_: Sequence[Sequence[str]],
-                 inside: Sequence[str] = ()) -> tuple:
+def mesh_devices(mesh, task_devices_: Sequence[Sequence[str]], inside: Sequence[str] = ()) -> tuple:
   """The device of each partition (mesh device id) so that every group along `inside` stays
   inside one task.
 
@@ -89,18 +91,23 @@ def mesh_devices(mesh, task_devices_: Sequence[Sequence[str]],
       raise ValueError(f'mesh_devices: {axis!r} is not an axis of the mesh {axes}.')
   per_task = {len(devices) for devices in task_devices_}
   if len(per_task) != 1:
-    raise ValueError(f'mesh_devices: tasks hold different numbers of devices '
-                     f'{[len(d) for d in task_devices_]}; give each task the same count.')
+    raise ValueError(
+      f'mesh_devices: tasks hold different numbers of devices '
+      f'{[len(d) for d in task_devices_]}; give each task the same count.'
+    )
   per_task = per_task.pop()
   total = per_task * len(task_devices_)
   if total != mesh.size:
-    raise ValueError(f'mesh_devices: {len(task_devices_)} tasks x {per_task} devices = {total} '
-                     f'devices for a mesh of {mesh.size} ({mesh.shape}).')
+    raise ValueError(
+      f'mesh_devices: {len(task_devices_)} tasks x {per_task} devices = {total} '
+      f'devices for a mesh of {mesh.size} ({mesh.shape}).'
+    )
   group = int(np.prod([mesh.axis_size(a) for a in inside], dtype=np.int64))
   if per_task % group:
     raise ValueError(
-        f'mesh_devices: a group along {inside} has {group} devices, which do not fit evenly in '
-        f'a task of {per_task} devices; such groups would straddle tasks.')
+      f'mesh_devices: a group along {inside} has {group} devices, which do not fit evenly in '
+      f'a task of {per_task} devices; such groups would straddle tasks.'
+    )
   outside = [a for a in axes if a not in inside]
   order = [axes.index(a) for a in outside + list(inside)]  # inside axes last = fastest
   ids = np.transpose(mesh.device_ids, order).reshape(-1)
@@ -134,11 +141,17 @@ def server_config(devices_per_task: int, job: str = JOB) -> tf.compat.v1.ConfigP
   return config
 
 
-def serve(spec: tf.train.ClusterSpec, task: int, devices_per_task: int, job: str = JOB,
-          ready_file: Optional[str] = None) -> None:
+def serve(
+  spec: tf.train.ClusterSpec,
+  task: int,
+  devices_per_task: int,
+  job: str = JOB,
+  ready_file: Optional[str] = None,
+) -> None:
   """Run task `task` of `job` until the process is killed (writes `ready_file` once serving)."""
-  server = tf.distribute.Server(spec, job_name=job, task_index=task,
-                                config=server_config(devices_per_task, job), start=True)
+  server = tf.distribute.Server(
+    spec, job_name=job, task_index=task, config=server_config(devices_per_task, job), start=True
+  )
   if ready_file:
     with open(ready_file + '.tmp', 'w') as f:
       f.write(server.target)
@@ -164,13 +177,15 @@ def connect(spec: tf.train.ClusterSpec, devices_per_task: int, job: str = JOB) -
     jobs[CLIENT_JOB] = [_client_address]
   tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(jobs), job_name=CLIENT_JOB)
   names = task_devices(spec, devices_per_task, job)
-  known = {tf.DeviceSpec.from_string(d.name).to_string()
-           for d in tf.config.list_logical_devices()}
-  missing = [d for devices in names for d in devices
-             if tf.DeviceSpec.from_string(d).to_string() not in known]
+  known = {tf.DeviceSpec.from_string(d.name).to_string() for d in tf.config.list_logical_devices()}
+  missing = [
+    d for devices in names for d in devices if tf.DeviceSpec.from_string(d).to_string() not in known
+  ]
   if missing:
-    raise ValueError(f'connect: the cluster has no devices {missing[:4]}; start each task with '
-                     f'{devices_per_task} devices (server_config).')
+    raise ValueError(
+      f'connect: the cluster has no devices {missing[:4]}; start each task with '
+      f'{devices_per_task} devices (server_config).'
+    )
   return names
 
 
@@ -178,12 +193,16 @@ def connect(spec: tf.train.ClusterSpec, devices_per_task: int, job: str = JOB) -
 def task_addresses() -> Dict[str, str]:
   """Task name -> address of the cluster this process is connected to (empty when none)."""
   # context.get_server_def is TF-private; it is where connect_to_cluster keeps the ClusterDef.
-  from tensorflow.python.eager import context  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.eager import context
+
   server_def = context.get_server_def()
   if server_def is None:
     return {}
-  return {task_name(job.name, t): address for job in server_def.cluster.job
-          for t, address in job.tasks.items()}
+  return {
+    task_name(job.name, t): address
+    for job in server_def.cluster.job
+    for t, address in job.tasks.items()
+  }
 
 
 def lost_tasks(devices: Sequence[str], error: Exception) -> List[str]:
@@ -204,8 +223,11 @@ def lost_tasks(devices: Sequence[str], error: Exception) -> List[str]:
   dead = [t for t in tasks if addresses.get(t) and not _accepts_connections(addresses[t])]
   if dead:
     return dead
-  return [t for t in tasks if re.search(re.escape(t) + r'(?!\d)', text) or
-          (addresses.get(t) and addresses[t] in text)]
+  return [
+    t
+    for t in tasks
+    if re.search(re.escape(t) + r'(?!\d)', text) or (addresses.get(t) and addresses[t] in text)
+  ]
 
 
 def _accepts_connections(address: str, timeout: float = 1.0) -> bool:
@@ -221,7 +243,8 @@ def _accepts_connections(address: str, timeout: float = 1.0) -> bool:
 def raise_if_task_lost(devices: Sequence[str], error: Exception, what: str) -> None:
   """Raise a CollectiveError naming the unreachable task(s), their addresses and partitions."""
   # Imported here: a LocalCluster worker runs this file as a script, without the package.
-  from tf_gspmd.runtime.errors import CollectiveError  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.runtime.errors import CollectiveError
+
   tasks = lost_tasks(devices, error)
   if not tasks:
     return
@@ -229,13 +252,17 @@ def raise_if_task_lost(devices: Sequence[str], error: Exception, what: str) -> N
   lines = []
   for task in tasks:
     partitions = [p for p, d in enumerate(devices) if task_of(d) == task]
-    lines.append(f'{what}: task {task} ({addresses.get(task, "address unknown")}), which runs '
-                 f'partitions {partitions}, is unreachable: it died or lost its network.')
-  lines.append(f'(TF reported {type(error).__name__}: {_root_cause(str(error))}.) Its devices and '
-               'the variable shards they held are gone, and the failure aborted the collectives '
-               'of the other tasks: restart every task, connect again '
-               '(tf_gspmd.runtime.cluster.connect), partition again and restore the last '
-               'checkpoint (tg.restore_checkpoint).')
+    lines.append(
+      f'{what}: task {task} ({addresses.get(task, "address unknown")}), which runs '
+      f'partitions {partitions}, is unreachable: it died or lost its network.'
+    )
+  lines.append(
+    f'(TF reported {type(error).__name__}: {_root_cause(str(error))}.) Its devices and '
+    'the variable shards they held are gone, and the failure aborted the collectives '
+    'of the other tasks: restart every task, connect again '
+    '(tf_gspmd.runtime.cluster.connect), partition again and restore the last '
+    'checkpoint (tg.restore_checkpoint).'
+  )
   raise CollectiveError('\n'.join(lines)) from error
 
 
@@ -256,9 +283,17 @@ class LocalCluster:
   `kill(task)` sends SIGKILL, `restart(task)` starts it again on its port.
   """
 
-  def __init__(self, tasks: int, devices_per_task: int, job: str = JOB, *,
-               start_timeout: float = 60.0, workdir: Optional[str] = None):
-    import tempfile  # pylint: disable=g-import-not-at-top
+  def __init__(
+    self,
+    tasks: int,
+    devices_per_task: int,
+    job: str = JOB,
+    *,
+    start_timeout: float = 60.0,
+    workdir: Optional[str] = None,
+  ):
+    import tempfile
+
     self.job = job
     self.devices_per_task = int(devices_per_task)
     self.start_timeout = start_timeout
@@ -282,11 +317,21 @@ class LocalCluster:
     if os.path.exists(ready):
       os.remove(ready)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get('TF_CPP_MIN_LOG_LEVEL', '2'))
-    log = open(os.path.join(self._workdir, f'task{task}.log'), 'ab')  # pylint: disable=consider-using-with
+    log = open(os.path.join(self._workdir, f'task{task}.log'), 'ab')
     self.processes[task] = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), json.dumps(self.spec.as_dict()), str(task),
-         str(self.devices_per_task), self.job, ready],
-        stdout=log, stderr=subprocess.STDOUT, env=env)
+      [
+        sys.executable,
+        os.path.abspath(__file__),
+        json.dumps(self.spec.as_dict()),
+        str(task),
+        str(self.devices_per_task),
+        self.job,
+        ready,
+      ],
+      stdout=log,
+      stderr=subprocess.STDOUT,
+      env=env,
+    )
     log.close()
 
   def _wait_ready(self, tasks: Sequence[int]) -> None:
@@ -295,11 +340,15 @@ class LocalCluster:
       while not os.path.exists(self._ready_file(task)):
         process = self.processes[task]
         if process.poll() is not None:
-          raise RuntimeError(f'LocalCluster: {task_name(self.job, task)} exited with '
-                             f'{process.returncode} before serving; see {self.log(task)}.')
+          raise RuntimeError(
+            f'LocalCluster: {task_name(self.job, task)} exited with '
+            f'{process.returncode} before serving; see {self.log(task)}.'
+          )
         if time.time() > deadline:
-          raise TimeoutError(f'LocalCluster: {task_name(self.job, task)} did not start within '
-                             f'{self.start_timeout:g} s; see {self.log(task)}.')
+          raise TimeoutError(
+            f'LocalCluster: {task_name(self.job, task)} did not start within '
+            f'{self.start_timeout:g} s; see {self.log(task)}.'
+          )
         time.sleep(0.05)
 
   def start(self) -> None:
@@ -336,13 +385,15 @@ class LocalCluster:
 
 def _exit_with_parent() -> None:
   """End this worker when the process that started it is gone (no orphaned servers)."""
-  import threading  # pylint: disable=g-import-not-at-top
+  import threading
+
   parent = os.getppid()
 
   def watch():
     while os.getppid() == parent:
       time.sleep(0.5)
-    os._exit(1)  # pylint: disable=protected-access
+    os._exit(1)  # noqa: SLF001
+
   threading.Thread(target=watch, daemon=True).start()
 
 

@@ -9,13 +9,21 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import collective_ops
-from tensorflow.python.ops import gen_resource_variable_ops
+from tensorflow.python.ops import collective_ops, gen_resource_variable_ops
 
 from tf_gspmd.collectives import tables
-from tf_gspmd.collectives.interface import (  # re-exported: pylint: disable=unused-import
-    DEFAULT_TIMEOUT, KINDS, CollectiveRecord, Collectives, _no_autograph, _no_dependencies,
-    merge_leading_into, pad_dim, slice_dim, split_leading_from)
+from tf_gspmd.collectives.interface import (  # noqa: F401  re-exported
+  DEFAULT_TIMEOUT,
+  KINDS,
+  CollectiveRecord,
+  Collectives,
+  _no_autograph,
+  _no_dependencies,
+  merge_leading_into,
+  pad_dim,
+  slice_dim,
+  split_leading_from,
+)
 from tf_gspmd.mesh import Mesh
 
 # --- TF collective V2 backend ------------------------------------------------------------------
@@ -25,10 +33,17 @@ _TF_MERGE_OPS = {'sum': 'Add', 'prod': 'Mul', 'max': 'Max', 'min': 'Min'}
 @functools.lru_cache(maxsize=64)
 def _tf_rank_keys(devices: Tuple[str, ...]) -> np.ndarray:
   """Each partition's place in the order TF sorts collective members (device name order)."""
+
   def sort_key(name):
     spec = tf.DeviceSpec.from_string(name)
-    return (spec.job or '', spec.replica or 0, spec.task or 0, spec.device_type or '',
-            spec.device_index or 0)
+    return (
+      spec.job or '',
+      spec.replica or 0,
+      spec.task or 0,
+      spec.device_type or '',
+      spec.device_index or 0,
+    )
+
   order = sorted(range(len(devices)), key=lambda p: sort_key(devices[p]))
   keys = np.empty(len(devices), dtype=np.int64)
   keys[order] = np.arange(len(devices))
@@ -68,8 +83,17 @@ class TFCollectives(Collectives):
 
   backend = 'tf'
 
-  def __init__(self, mesh: Mesh, partition_id, token, *, devices: Optional[Sequence[str]] = None,
-               timeout: float = 0.0, name: str = 'gspmd', progress_markers: bool = True):
+  def __init__(
+    self,
+    mesh: Mesh,
+    partition_id,
+    token,
+    *,
+    devices: Optional[Sequence[str]] = None,
+    timeout: float = 0.0,
+    name: str = 'gspmd',
+    progress_markers: bool = True,
+  ):
     super().__init__(mesh, partition_id, name=name)
     devices = default_devices(mesh.size) if devices is None else tuple(devices)
     if len(devices) != mesh.size:
@@ -85,15 +109,22 @@ class TFCollectives(Collectives):
       self._rank_keys = _tf_rank_keys(devices)
 
   def with_mesh(self, mesh: Mesh) -> 'TFCollectives':
-    return TFCollectives(mesh, self.partition_id, self.token, devices=self.devices,
-                         timeout=self.timeout, name=self.name,
-                         progress_markers=self.progress_markers)
+    return TFCollectives(
+      mesh,
+      self.partition_id,
+      self.token,
+      devices=self.devices,
+      timeout=self.timeout,
+      name=self.name,
+      progress_markers=self.progress_markers,
+    )
 
   # --- tables ----------------------------------------------------------------------------
   def _group_key(self, axes) -> tf.Tensor:
     ids = tables.group_ids(self.mesh, axes)
-    base = tables.KEYS.group_key_base((self._assignment, self.mesh, 'axes', axes),
-                                      len(tables.groups(self.mesh, axes)))
+    base = tables.KEYS.group_key_base(
+      (self._assignment, self.mesh, 'axes', axes), len(tables.groups(self.mesh, axes))
+    )
     return self.table((ids + base).astype(np.int32), name='group_key')
 
   def _rank_table(self, axes, inverse: bool):
@@ -107,14 +138,19 @@ class TFCollectives(Collectives):
     return tf.gather(tf.constant(ranks), group, name='rank_order')
 
   def _kwargs(self, axes):
-    return dict(group_size=self.mesh.axes_size(axes), group_key=self._group_key(axes),
-                instance_key=tables.KEYS.instance_key(), timeout=self.timeout,
-                ordering_token=[self.token])
+    return dict(
+      group_size=self.mesh.axes_size(axes),
+      group_key=self._group_key(axes),
+      instance_key=tables.KEYS.instance_key(),
+      timeout=self.timeout,
+      ordering_token=[self.token],
+    )
 
   # --- collectives -------------------------------------------------------------------------
   def _all_reduce(self, x, axes, op):
-    return collective_ops.all_reduce_v2(x, merge_op=_TF_MERGE_OPS[op], final_op='Id',
-                                        **self._kwargs(axes))
+    return collective_ops.all_reduce_v2(
+      x, merge_op=_TF_MERGE_OPS[op], final_op='Id', **self._kwargs(axes)
+    )
 
   def _all_gather(self, x, axes, dim):
     stacked = collective_ops.all_gather_v2(x[tf.newaxis], **self._kwargs(axes))  # [k, ...] by rank
@@ -160,17 +196,27 @@ class TFCollectives(Collectives):
 
     def send():
       return collective_ops.broadcast_send_v2(
-          x, group_size=2, group_key=self.table(send_key, 'send_key'), instance_key=instance,
-          timeout=self.timeout)
+        x,
+        group_size=2,
+        group_key=self.table(send_key, 'send_key'),
+        instance_key=instance,
+        timeout=self.timeout,
+      )
 
     def receive():
       return collective_ops.broadcast_recv_v2(
-          shape, dtype, group_size=2, group_key=self.table(recv_key, 'recv_key'),
-          instance_key=instance, timeout=self.timeout)
+        shape,
+        dtype,
+        group_size=2,
+        group_key=self.table(recv_key, 'recv_key'),
+        instance_key=instance,
+        timeout=self.timeout,
+      )
 
     sent = tf.cond(self.table(send_key != 0, 'sends'), send, lambda: x, name='send')
-    got = tf.cond(self.table(recv_key != 0, 'receives'), receive, lambda: tf.zeros_like(x),
-                  name='receive')
+    got = tf.cond(
+      self.table(recv_key != 0, 'receives'), receive, lambda: tf.zeros_like(x), name='receive'
+    )
     if stays.any():
       got = tf.where(self.table(stays, 'keeps'), x, got)
     with tf.control_dependencies([sent]):
@@ -183,12 +229,14 @@ class TFCollectives(Collectives):
     shape, dtype = x.shape.as_list(), x.dtype
 
     def send():
-      return collective_ops.broadcast_send_v2(x, group_size=k, group_key=group_key,
-                                              instance_key=instance, timeout=self.timeout)
+      return collective_ops.broadcast_send_v2(
+        x, group_size=k, group_key=group_key, instance_key=instance, timeout=self.timeout
+      )
 
     def receive():
-      return collective_ops.broadcast_recv_v2(shape, dtype, group_size=k, group_key=group_key,
-                                              instance_key=instance, timeout=self.timeout)
+      return collective_ops.broadcast_recv_v2(
+        shape, dtype, group_size=k, group_key=group_key, instance_key=instance, timeout=self.timeout
+      )
 
     return tf.cond(tf.equal(self.axis_index(axes), root), send, receive, name='root')
 
@@ -215,6 +263,8 @@ def set_marker(token, state: int, name: str = 'marker'):
   """token[0] = state; when a collective starts (odd state) also token[1] = now (host seconds)."""
   if state % 2:
     return gen_resource_variable_ops.resource_scatter_update(
-        token, [0, 1], tf.stack([tf.constant(float(state), tf.float64), tf.timestamp()]), name=name)
+      token, [0, 1], tf.stack([tf.constant(float(state), tf.float64), tf.timestamp()]), name=name
+    )
   return gen_resource_variable_ops.resource_scatter_update(
-      token, [0], tf.constant([float(state)], tf.float64), name=name)
+    token, [0], tf.constant([float(state)], tf.float64), name=name
+  )

@@ -44,12 +44,12 @@ from tensorflow.python.eager import context
 from tensorflow.python.framework import errors
 from tensorflow.python.ops import gen_functional_ops
 
+from tf_gspmd.collectives import tables
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.runtime import collectives as collectives_lib
 from tf_gspmd.runtime import remote_watch
 from tf_gspmd.runtime import sharded as sharded_lib
 from tf_gspmd.runtime.errors import CollectiveError
-from tf_gspmd.collectives import tables
 from tf_gspmd.runtime.sharded import ShardedValue, ShardedVariable
 from tf_gspmd.sharding import NamedSharding, P, Sharding
 
@@ -58,7 +58,7 @@ PARTITION_ID_SPEC = tf.TensorSpec([], tf.int32, name='partition_id')
 TOKEN_SPEC = tf.TensorSpec([], tf.resource, name='token')
 
 
-@collectives_lib._no_autograph  # pylint: disable=protected-access
+@collectives_lib._no_autograph  # noqa: SLF001
 class PartitionContext:
   """What a per-partition function receives as `ctx`.
 
@@ -91,6 +91,7 @@ class PerPartitionProgram:
   `function` is the concrete function, `records` the collectives it emits,
   `output_specs` its flat local outputs and `output_structure` how to pack them.
   """
+
   tf_function: Any
   function: Any
   records: List[collectives_lib.CollectiveRecord]
@@ -99,10 +100,19 @@ class PerPartitionProgram:
   backend: str
 
 
-def trace_per_partition(mesh: Mesh, fn: Callable, local_specs: Sequence, *, backend='tf',
-                        devices: Optional[Sequence[str]] = None, op_timeout: float = 0.0,
-                        jit_compile: Optional[bool] = None, progress_markers: bool = True,
-                        autograph: bool = True, name: Optional[str] = None) -> PerPartitionProgram:
+def trace_per_partition(
+  mesh: Mesh,
+  fn: Callable,
+  local_specs: Sequence,
+  *,
+  backend='tf',
+  devices: Optional[Sequence[str]] = None,
+  op_timeout: float = 0.0,
+  jit_compile: Optional[bool] = None,
+  progress_markers: bool = True,
+  autograph: bool = True,
+  name: Optional[str] = None,
+) -> PerPartitionProgram:
   """Trace `fn(ctx, *local_args)` once as the per-partition program.
 
   `op_timeout` is TF's per-op collective timeout (0: none; see `TFCollectives`
@@ -126,14 +136,21 @@ def trace_per_partition(mesh: Mesh, fn: Callable, local_specs: Sequence, *, back
 
   ctx_args = [None]
   if backend == 'tf':
+
     def per_partition(partition_id, token, *local_args):
       collectives = collectives_lib.TFCollectives(
-          mesh, partition_id, token, devices=devices, timeout=op_timeout,
-          progress_markers=progress_markers)
+        mesh,
+        partition_id,
+        token,
+        devices=devices,
+        timeout=op_timeout,
+        progress_markers=progress_markers,
+      )
       if progress_markers:  # 0: entered the program, no collective finished yet
         collectives_lib.set_marker(token, 0, name='entered')
       ctx_args[0] = local_args
       return run(PartitionContext(mesh, collectives))
+
     head = (PARTITION_ID_SPEC, TOKEN_SPEC)
     attributes = {'_noinline': True}
   elif isinstance(backend, type) and issubclass(backend, collectives_lib.Collectives):
@@ -142,18 +159,28 @@ def trace_per_partition(mesh: Mesh, fn: Callable, local_specs: Sequence, *, back
     def per_partition(partition_id, *local_args):
       ctx_args[0] = local_args
       return run(PartitionContext(mesh, backend(mesh, partition_id)))
+
     head = (PARTITION_ID_SPEC,)
     attributes = None
   else:
-    raise ValueError(f"trace_per_partition: unknown backend {backend!r}; use 'tf' or a "
-                     'Collectives subclass (e.g. tf_gspmd.xla_bridge.XlaCollectives).')
+    raise ValueError(
+      f"trace_per_partition: unknown backend {backend!r}; use 'tf' or a "
+      'Collectives subclass (e.g. tf_gspmd.xla_bridge.XlaCollectives).'
+    )
   per_partition.__name__ = name or f'{getattr(fn, "__name__", "fn")}_per_partition'
-  tf_function = tf.function(per_partition, jit_compile=jit_compile, autograph=autograph,
-                            experimental_attributes=attributes)
+  tf_function = tf.function(
+    per_partition, jit_compile=jit_compile, autograph=autograph, experimental_attributes=attributes
+  )
   concrete = tf_function.get_concrete_function(*head, *local_specs)
   output_specs = [tf.TensorSpec(t.shape, t.dtype) for t in concrete.structured_outputs]
-  return PerPartitionProgram(tf_function, concrete, captured.get('records', []), output_specs,
-                             captured.get('structure'), getattr(backend, 'backend', backend))
+  return PerPartitionProgram(
+    tf_function,
+    concrete,
+    captured.get('records', []),
+    output_specs,
+    captured.get('structure'),
+    getattr(backend, 'backend', backend),
+  )
 
 
 def default_devices(num_partitions: int) -> tuple:
@@ -206,11 +233,21 @@ class SpmdProgram:
   each device's variable, which the per-partition function can read and assign.
   """
 
-  def __init__(self, mesh: Mesh, fn: Callable, in_shardings: Optional[Sequence] = None,
-               out_shardings=None, *, out_shapes: Optional[Sequence] = None,
-               keep_sharded=False, devices: Optional[Sequence[str]] = None,
-               timeout: Optional[float] = DEFAULT_TIMEOUT, autograph: bool = True,
-               progress_markers: bool = True, name: Optional[str] = None):
+  def __init__(
+    self,
+    mesh: Mesh,
+    fn: Callable,
+    in_shardings: Optional[Sequence] = None,
+    out_shardings=None,
+    *,
+    out_shapes: Optional[Sequence] = None,
+    keep_sharded=False,
+    devices: Optional[Sequence[str]] = None,
+    timeout: Optional[float] = DEFAULT_TIMEOUT,
+    autograph: bool = True,
+    progress_markers: bool = True,
+    name: Optional[str] = None,
+  ):
     tables.check_mesh(mesh)
     self.mesh = mesh
     self.fn = fn
@@ -227,7 +264,7 @@ class SpmdProgram:
     self.name = re.sub(r'\W', '_', name or getattr(fn, '__name__', 'spmd')).strip('_') or 'spmd'
     self._programs = {}
     self._outer = {}
-    self._layouts = {}    # id(per-partition program) -> its output layouts
+    self._layouts = {}  # id(per-partition program) -> its output layouts
     self._described = {}  # argument key -> (described args, the ShardedVariables they name)
     self._tokens = None
     self._last = None
@@ -251,18 +288,21 @@ class SpmdProgram:
     tokens = [t.handle for t in token_variables]
     # Variables are captured by the outer function (see _outer_function): only the
     # other arguments are passed, so a call does not hand TF V x N variables to check.
-    inputs = [self._outer_input(a, value) for a, value in zip(args_spec, args)
-              if a.kind != 'variable']
+    inputs = [
+      self._outer_input(a, value) for a, value in zip(args_spec, args) if a.kind != 'variable'
+    ]
 
     def launch():
       with without_grappler():  # per thread: the call may run on remote_watch's thread
         return outer(tokens, *inputs)
+
     remote = self.timeout is not None and remote_watch.spans_other_tasks(self.devices)
     watch = None if remote else _WATCHDOG.watch(self, token_variables)
     try:
       if remote:  # partitions in other processes: watched for a task that stops answering
-        flat = remote_watch.run_watched(launch, token_variables, self.devices, self.timeout,
-                                        self.name)
+        flat = remote_watch.run_watched(
+          launch, token_variables, self.devices, self.timeout, self.name
+        )
       else:
         flat = launch()
     except remote_watch.Hang as hang:
@@ -293,8 +333,11 @@ class SpmdProgram:
     inputs = []
     for a, value in zip(args_spec, args):
       if a.kind == 'global':
-        inputs.append(value if isinstance(value, tf.TensorSpec) else tf.TensorSpec(
-            np.shape(value), tf.convert_to_tensor(value).dtype))
+        inputs.append(
+          value
+          if isinstance(value, tf.TensorSpec)
+          else tf.TensorSpec(np.shape(value), tf.convert_to_tensor(value).dtype)
+        )
       else:
         inputs.append(self._outer_input(a, value))
     return outer.get_concrete_function([TOKEN_SPEC] * self.mesh.size, *inputs)
@@ -317,8 +360,9 @@ class SpmdProgram:
 
   def _describe_args(self, args) -> tuple:
     if self.in_shardings is not None and len(self.in_shardings) != len(args):
-      raise ValueError(f'{self.name}: {len(args)} arguments but {len(self.in_shardings)} '
-                       'in_shardings.')
+      raise ValueError(
+        f'{self.name}: {len(args)} arguments but {len(self.in_shardings)} in_shardings.'
+      )
     described = []
     for i, value in enumerate(args):
       given = self.in_shardings[i] if self.in_shardings is not None else None
@@ -326,13 +370,18 @@ class SpmdProgram:
       if isinstance(value, (ShardedVariable, ShardedValue)):
         kind = 'variable' if isinstance(value, ShardedVariable) else 'sharded'
         if given is not None and given != value.sharding:
-          raise ValueError(f'{what}: it is sharded as {value.sharding} but in_shardings says '
-                           f'{given}; reshard it first.')
+          raise ValueError(
+            f'{what}: it is sharded as {value.sharding} but in_shardings says '
+            f'{given}; reshard it first.'
+          )
         count = len(value.variables) if kind == 'variable' else len(value.shards)
         if count != self.mesh.size:
           raise ValueError(f'{what}: {count} shards for a mesh of {self.mesh.size} partitions.')
-        local = (value.variables[0] if kind == 'variable' else
-                 tf.TensorSpec(value.shards[0].shape, value.shards[0].dtype))
+        local = (
+          value.variables[0]
+          if kind == 'variable'
+          else tf.TensorSpec(value.shards[0].shape, value.shards[0].dtype)
+        )
         described.append(_Arg(kind, value.sharding, local))
         continue
       if isinstance(value, tf.TensorSpec):
@@ -342,8 +391,9 @@ class SpmdProgram:
         shape, dtype = tuple(tensor.shape), tensor.dtype
       sharding = given if given is not None else NamedSharding(self.mesh, P(*[None] * len(shape)))
       sharding.check_shape(shape, what)
-      described.append(_Arg('global', sharding,
-                            tf.TensorSpec(sharding.shard_shape(shape), dtype, name=f'arg{i}')))
+      described.append(
+        _Arg('global', sharding, tf.TensorSpec(sharding.shard_shape(shape), dtype, name=f'arg{i}'))
+      )
     return tuple(described)
 
   def _outer_input(self, arg: _Arg, value):
@@ -358,11 +408,15 @@ class SpmdProgram:
     key = tuple((a.kind, _spec_key(a.local_spec)) for a in args_spec)
     program = self._programs.get(key)
     if program is None:
-      program = trace_per_partition(self.mesh, self.fn, [a.local_spec for a in args_spec],
-                                    devices=self.devices,
-                                    autograph=self.autograph,
-                                    progress_markers=self.progress_markers,
-                                    name=f'{self.name}_per_partition')
+      program = trace_per_partition(
+        self.mesh,
+        self.fn,
+        [a.local_spec for a in args_spec],
+        devices=self.devices,
+        autograph=self.autograph,
+        progress_markers=self.progress_markers,
+        name=f'{self.name}_per_partition',
+      )
       self._programs[key] = program
     return program
 
@@ -375,11 +429,16 @@ class SpmdProgram:
     shapes = list(self.out_shapes) if self.out_shapes is not None else [None] * len(specs)
     keep = self.keep_sharded
     keep = [bool(keep)] * len(specs) if isinstance(keep, bool) else list(keep)
-    for what, values in (('out_shardings', shardings), ('out_shapes', shapes),
-                         ('keep_sharded', keep)):
+    for what, values in (
+      ('out_shardings', shardings),
+      ('out_shapes', shapes),
+      ('keep_sharded', keep),
+    ):
       if len(values) != len(specs):
-        raise ValueError(f'{self.name}: the per-partition function has {len(specs)} outputs '
-                         f'but {what} has {len(values)} entries.')
+        raise ValueError(
+          f'{self.name}: the per-partition function has {len(specs)} outputs '
+          f'but {what} has {len(values)} entries.'
+        )
     layouts = []
     for j, (spec, sharding, shape, keep_j) in enumerate(zip(specs, shardings, shapes, keep)):
       local = tuple(spec.shape)
@@ -391,8 +450,9 @@ class SpmdProgram:
       shape = tuple(int(s) for s in shape)
       if tuple(sharding.shard_shape(shape)) != local:
         raise ValueError(
-            f'{self.name} output {j}: local shape {local} is not the shard shape '
-            f'{tuple(sharding.shard_shape(shape))} of global shape {shape} under {sharding}.')
+          f'{self.name} output {j}: local shape {local} is not the shard shape '
+          f'{tuple(sharding.shard_shape(shape))} of global shape {shape} under {sharding}.'
+        )
       layouts.append(_Out(sharding, shape, keep_j))
     return layouts
 
@@ -402,8 +462,11 @@ class SpmdProgram:
     # those are captured (their handles taken once, at tracing), not passed per call.
     # tf.function retraces it for other global shapes. Without `args` (`trace`),
     # variables are arguments.
-    bound = None if args is None else {
-        i: value for i, (a, value) in enumerate(zip(args_spec, args)) if a.kind == 'variable'}
+    bound = (
+      None
+      if args is None
+      else {i: value for i, (a, value) in enumerate(zip(args_spec, args)) if a.kind == 'variable'}
+    )
     key = (id(program), None if bound is None else tuple(id(v) for v in bound.values()))
     outer = self._outer.get(key)
     if outer is not None:
@@ -441,10 +504,14 @@ class SpmdProgram:
       for p, device in enumerate(devices):
         with tf.device(device):
           call = gen_functional_ops.stateful_partitioned_call(
-              args=[partition_ids[p], tokens[p]] + per_device[p] + captured, Tout=out_types,
-              f=function.name, config_proto=_call_config(), name=f'partition_{p}')
+            args=[partition_ids[p], tokens[p]] + per_device[p] + captured,
+            Tout=out_types,
+            f=function.name,
+            config_proto=_call_config(),
+            name=f'partition_{p}',
+          )
         if read_only is not None:
-          (call[0].op if out_types else call)._set_attr(*read_only)  # pylint: disable=protected-access
+          (call[0].op if out_types else call)._set_attr(*read_only)  # noqa: SLF001
         call = call if out_types else []  # with no outputs TF hands back the Operation
         for tensor, spec in zip(call, program.output_specs):
           tensor.set_shape(spec.shape)
@@ -453,8 +520,13 @@ class SpmdProgram:
       outputs = []
       for j, layout in enumerate(layouts):
         shards = [results[p][j] for p in range(n)]
-        outputs.append(shards if layout.keep_sharded else sharded_lib.assemble(
-            shards, layout.sharding, layout.shape, f'{self.name} output {j}'))
+        outputs.append(
+          shards
+          if layout.keep_sharded
+          else sharded_lib.assemble(
+            shards, layout.sharding, layout.shape, f'{self.name} output {j}'
+          )
+        )
       return outputs
 
     launch.__name__ = f'{self.name}_launch'
@@ -464,8 +536,10 @@ class SpmdProgram:
 
   def _pack(self, program, flat):
     layouts = self._layouts[id(program)]
-    values = [ShardedValue(out, layout.sharding, layout.shape) if layout.keep_sharded else out
-              for out, layout in zip(flat, layouts)]
+    values = [
+      ShardedValue(out, layout.sharding, layout.shape) if layout.keep_sharded else out
+      for out, layout in zip(flat, layouts)
+    ]
     if program.output_structure is None:
       return None
     return tf.nest.pack_sequence_as(program.output_structure, values)
@@ -477,18 +551,22 @@ class SpmdProgram:
       missing = [d for d in self.devices if _full_name(d) not in available]
       if missing:
         raise ValueError(
-            f'{self.name}: devices {missing[:4]}{"..." if len(missing) > 4 else ""} do not exist '
-            f'({len(available)} logical devices here). Configure {self.mesh.size} logical devices '
-            'with tf.config.set_logical_device_configuration before TF starts.')
-      self._tokens = [collectives_lib.new_token_variable(device, f'{self.name}_token{p}')
-                      for p, device in enumerate(self.devices)]
+          f'{self.name}: devices {missing[:4]}{"..." if len(missing) > 4 else ""} do not exist '
+          f'({len(available)} logical devices here). Configure {self.mesh.size} logical devices '
+          'with tf.config.set_logical_device_configuration before TF starts.'
+        )
+      self._tokens = [
+        collectives_lib.new_token_variable(device, f'{self.name}_token{p}')
+        for p, device in enumerate(self.devices)
+      ]
     return self._tokens
 
-  def _raise_collective_error(self, program: PerPartitionProgram, error: Exception,
-                              watch: Optional['_CallWatch']) -> None:
+  def _raise_collective_error(
+    self, program: PerPartitionProgram, error: Exception, watch: Optional['_CallWatch']
+  ) -> None:
     try:
       markers = [int(t.numpy()[0]) for t in self._tokens]
-    except Exception:  # pylint: disable=broad-except
+    except Exception:  # noqa: BLE001
       return
     stuck = {}
     for p, marker in enumerate(markers):
@@ -501,8 +579,9 @@ class SpmdProgram:
       record = program.records[index]
       waiting = stuck[index]
       if watch is not None and watch.fired:
-        lines.append(f'Collective {record.describe()} did not complete within its '
-                     f'{self.timeout:g} s timeout.')
+        lines.append(
+          f'Collective {record.describe()} did not complete within its {self.timeout:g} s timeout.'
+        )
       else:
         lines.append(f'Collective {record.describe()} failed.')
       seen = set()
@@ -513,12 +592,17 @@ class SpmdProgram:
         seen.add(group)
         in_group = [q for q in group if q in waiting]
         absent = [q for q in group if q not in waiting]
-        absent_text = '; '.join(f'partition {q} {_state(markers[q], program.records)}'
-                                for q in absent)
-        lines.append(f'  group {list(group)}: partitions {in_group} were waiting in it; '
-                     f'never joined: {absent_text or "none (the collective itself failed)"}.')
-    lines.append(f'(TF reported {type(error).__name__}: {_gist(str(error))}.) '
-                 'A failed collective aborts all later collectives in this process.')
+        absent_text = '; '.join(
+          f'partition {q} {_state(markers[q], program.records)}' for q in absent
+        )
+        lines.append(
+          f'  group {list(group)}: partitions {in_group} were waiting in it; '
+          f'never joined: {absent_text or "none (the collective itself failed)"}.'
+        )
+    lines.append(
+      f'(TF reported {type(error).__name__}: {_gist(str(error))}.) '
+      'A failed collective aborts all later collectives in this process.'
+    )
     raise CollectiveError('\n'.join(lines)) from error
 
 
@@ -542,8 +626,10 @@ class _CallWatch:
     for p, token in enumerate(self.tokens):
       state, started = token.numpy()
       if int(state) % 2 == 1 and now - started >= self.timeout:
-        return (f'{self.name}: partition {p} waited {now - started:.1f} s in collective '
-                f'#{(int(state) - 1) // 2} (timeout {self.timeout:g} s)')
+        return (
+          f'{self.name}: partition {p} waited {now - started:.1f} s in collective '
+          f'#{(int(state) - 1) // 2} (timeout {self.timeout:g} s)'
+        )
     return None
 
 
@@ -589,12 +675,13 @@ class _Watchdog:
           continue
         try:
           reason = call.stuck(now)
-        except Exception:  # pylint: disable=broad-except
+        except Exception:  # noqa: BLE001
           continue  # markers unreadable (e.g. variables being torn down): try again later
         if reason:
           call.fired = True
-          context.context().abort_collective_ops(errors.DEADLINE_EXCEEDED,
-                                                 f'tf_gspmd watchdog: {reason}')
+          context.context().abort_collective_ops(
+            errors.DEADLINE_EXCEEDED, f'tf_gspmd watchdog: {reason}'
+          )
 
 
 _WATCHDOG = _Watchdog()
@@ -627,22 +714,35 @@ def _read_only_inputs(function):
   call ops here are made directly (see `launch`), so they get the mark here
   (`auto_control_deps_utils` is TF-private: it is what TF's own calls use).
   """
-  from tensorflow.core.framework import attr_value_pb2  # pylint: disable=g-import-not-at-top
-  from tensorflow.python.framework import auto_control_deps_utils  # pylint: disable=g-import-not-at-top
+  from tensorflow.core.framework import attr_value_pb2
+  from tensorflow.python.framework import auto_control_deps_utils
+
   indices = auto_control_deps_utils.get_read_only_resource_input_indices_graph(function.graph)
   if not indices:
     return None
-  return (auto_control_deps_utils.READ_ONLY_RESOURCE_INPUTS_ATTR,
-          attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(i=indices)))
+  return (
+    auto_control_deps_utils.READ_ONLY_RESOURCE_INPUTS_ATTR,
+    attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(i=indices)),
+  )
 
 
 # Grappler passes run on the per-partition function (TF_GSPMD_GRAPPLER overrides: a comma-
 # separated list such as 'remapping', 'all' for TF's default pipeline, 'none' for none).
 DEFAULT_GRAPPLER = ()
-_GRAPPLER_PASSES = ('constant_folding', 'arithmetic_optimization', 'layout_optimizer',
-                    'dependency_optimization', 'loop_optimization', 'function_optimization',
-                    'shape_optimization', 'remapping', 'debug_stripper', 'pin_to_host_optimization',
-                    'implementation_selector', 'common_subgraph_elimination')
+_GRAPPLER_PASSES = (
+  'constant_folding',
+  'arithmetic_optimization',
+  'layout_optimizer',
+  'dependency_optimization',
+  'loop_optimization',
+  'function_optimization',
+  'shape_optimization',
+  'remapping',
+  'debug_stripper',
+  'pin_to_host_optimization',
+  'implementation_selector',
+  'common_subgraph_elimination',
+)
 
 
 _NO_GRAPPLER_OPTIONS = {}  # (the caller's config, executor type) -> the same, Grappler off
@@ -661,7 +761,8 @@ def without_grappler():
   The eager context's per-thread function call options are TF-private: they are
   what a tf.function call reads its config from.
   """
-  import contextlib  # pylint: disable=g-import-not-at-top
+  import contextlib
+
   ctx = context.context()
 
   @contextlib.contextmanager
@@ -673,12 +774,14 @@ def without_grappler():
       config.ParseFromString(saved.config_proto_serialized)
       config.graph_options.rewrite_options.disable_meta_optimizer = True
       _NO_GRAPPLER_OPTIONS[key] = context.FunctionCallOptions(
-          executor_type=saved.executor_type, config_proto=config)
+        executor_type=saved.executor_type, config_proto=config
+      )
     ctx.function_call_options = _NO_GRAPPLER_OPTIONS[key]
     try:
       yield
     finally:
       ctx.function_call_options = saved
+
   return options()
 
 
@@ -696,9 +799,13 @@ def _call_config() -> bytes:
   first step 5.3 s (instantiation 11.8 -> 6.5 s without it). TF_GSPMD_GRAPPLER
   brings passes back for a program that gains from them.
   """
-  import os  # pylint: disable=g-import-not-at-top
-  from tensorflow.core.protobuf import config_pb2  # pylint: disable=g-import-not-at-top
-  from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=g-import-not-at-top
+  import os
+
+  from tensorflow.core.protobuf import (
+    config_pb2,
+    rewriter_config_pb2,
+  )
+
   given = os.environ.get('TF_GSPMD_GRAPPLER')
   keep = DEFAULT_GRAPPLER if given is None else tuple(p for p in given.split(',') if p)
   config = config_pb2.ConfigProto()
@@ -710,8 +817,10 @@ def _call_config() -> bytes:
     return config.SerializeToString()
   unknown = [p for p in keep if p not in _GRAPPLER_PASSES]
   if unknown:
-    raise ValueError(f'TF_GSPMD_GRAPPLER: unknown Grappler passes {unknown}; use some of '
-                     f"{_GRAPPLER_PASSES}, 'all' or 'none'.")
+    raise ValueError(
+      f'TF_GSPMD_GRAPPLER: unknown Grappler passes {unknown}; use some of '
+      f"{_GRAPPLER_PASSES}, 'all' or 'none'."
+    )
   for name in _GRAPPLER_PASSES:
     if name not in keep:
       setattr(rewrite, name, rewriter_config_pb2.RewriterConfig.OFF)
@@ -721,9 +830,13 @@ def _call_config() -> bytes:
 
 def _full_name(device: str) -> str:
   spec = tf.DeviceSpec.from_string(device)
-  full = tf.DeviceSpec(job=spec.job or 'localhost', replica=spec.replica or 0,
-                       task=spec.task or 0, device_type=spec.device_type,
-                       device_index=spec.device_index)
+  full = tf.DeviceSpec(
+    job=spec.job or 'localhost',
+    replica=spec.replica or 0,
+    task=spec.task or 0,
+    device_type=spec.device_type,
+    device_index=spec.device_index,
+  )
   return full.to_string()
 
 

@@ -46,16 +46,21 @@ def spans_other_tasks(devices: Sequence[str]) -> bool:
   return any(tf.DeviceSpec.from_string(d).job not in (None, cluster.CLIENT_JOB) for d in devices)
 
 
-def run_watched(call: Callable[[], object], tokens: Sequence[tf.Variable],
-                devices: Sequence[str], timeout: float, what: str,
-                probe_seconds: Optional[float] = None):
+def run_watched(
+  call: Callable[[], object],
+  tokens: Sequence[tf.Variable],
+  devices: Sequence[str],
+  timeout: float,
+  what: str,
+  probe_seconds: Optional[float] = None,
+):
   """`call()`'s result (or its exception), raising `Hang` when a task stops answering."""
   outcome: Dict[str, object] = {}
 
   def run():
     try:
       outcome['result'] = call()
-    except BaseException as error:  # pylint: disable=broad-except  # re-raised by the caller
+    except BaseException as error:  # noqa: BLE001  re-raised by the caller
       outcome['error'] = error
 
   worker = threading.Thread(target=run, name='tf_gspmd_remote_call', daemon=True)
@@ -74,23 +79,33 @@ def run_watched(call: Callable[[], object], tokens: Sequence[tf.Variable],
         raise Hang(_describe(hung, devices, timeout, what))
 
 
-def _hung_partitions(tokens: Sequence[tf.Variable], timeout: float,
-                     probe_seconds: float) -> Dict[int, str]:
+def _hung_partitions(
+  tokens: Sequence[tf.Variable], timeout: float, probe_seconds: float
+) -> Dict[int, str]:
   """Partition -> why it is to blame; empty while the call may still be computing."""
   markers = _read_markers(tokens, probe_seconds)
-  silent = {p: 'its task did not answer a read of its progress marker within '
-               f'{probe_seconds:g} s' for p, m in enumerate(markers) if m is None}
+  silent = {
+    p: f'its task did not answer a read of its progress marker within {probe_seconds:g} s'
+    for p, m in enumerate(markers)
+    if m is None
+  }
   if silent:
     return silent
   now = time.time()
-  stuck = [int(state) for state, started in markers
-           if int(state) % 2 == 1 and now - float(started) >= timeout]
+  stuck = [
+    int(state)
+    for state, started in markers
+    if int(state) % 2 == 1 and now - float(started) >= timeout
+  ]
   if not stuck:
     return {}
   waited_in = min(stuck)  # the earliest collective some partition waits in past the timeout
-  return {p: f'never reached collective #{(waited_in - 1) // 2}, which partitions wait in '
-             f'for over {timeout:g} s' for p, (state, _) in enumerate(markers)
-          if int(state) < waited_in}
+  return {
+    p: f'never reached collective #{(waited_in - 1) // 2}, which partitions wait in '
+    f'for over {timeout:g} s'
+    for p, (state, _) in enumerate(markers)
+    if int(state) < waited_in
+  }
 
 
 def _read_markers(tokens: Sequence[tf.Variable], seconds: float) -> List[Optional[tuple]]:
@@ -101,11 +116,13 @@ def _read_markers(tokens: Sequence[tf.Variable], seconds: float) -> List[Optiona
     try:
       state, since = token.numpy()
       values[p] = (state, since)
-    except Exception:  # pylint: disable=broad-except  # unreadable counts as silent
+    except Exception:  # noqa: BLE001  unreadable counts as silent
       pass
 
-  readers = [threading.Thread(target=read, args=(p, t), daemon=True, name=f'tf_gspmd_probe{p}')
-             for p, t in enumerate(tokens)]
+  readers = [
+    threading.Thread(target=read, args=(p, t), daemon=True, name=f'tf_gspmd_probe{p}')
+    for p, t in enumerate(tokens)
+  ]
   for reader in readers:
     reader.start()
   deadline = time.time() + seconds
@@ -121,11 +138,15 @@ def _describe(hung: Dict[int, str], devices: Sequence[str], timeout: float, what
     by_task.setdefault(cluster.task_of(devices[p]), []).append(p)
   lines = []
   for task, partitions in sorted(by_task.items()):
-    lines.append(f'{what}: task {task} ({addresses.get(task, "address unknown")}), which runs '
-                 f'partitions {partitions}, stopped responding (partition {partitions[0]}: '
-                 f'{hung[partitions[0]]}).')
-  lines.append(f'The call had run for over its {timeout:g} s timeout. The call is abandoned, '
-               'not cancelled: kill and restart every task (the hung one first), connect again '
-               '(tf_gspmd.runtime.cluster.connect), partition again and restore the last '
-               'checkpoint (tg.restore_checkpoint).')
+    lines.append(
+      f'{what}: task {task} ({addresses.get(task, "address unknown")}), which runs '
+      f'partitions {partitions}, stopped responding (partition {partitions[0]}: '
+      f'{hung[partitions[0]]}).'
+    )
+  lines.append(
+    f'The call had run for over its {timeout:g} s timeout. The call is abandoned, '
+    'not cancelled: kill and restart every task (the hung one first), connect again '
+    '(tf_gspmd.runtime.cluster.connect), partition again and restore the last '
+    'checkpoint (tg.restore_checkpoint).'
+  )
   return '\n'.join(lines)

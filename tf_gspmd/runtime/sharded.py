@@ -25,8 +25,9 @@ import tensorflow as tf
 from tf_gspmd.sharding import PARTIAL_PREFIX, NamedSharding, Sharding
 
 
-def num_partitions_of(sharding: Sharding, num_partitions: Optional[int] = None,
-                      devices: Optional[Sequence[str]] = None) -> int:
+def num_partitions_of(
+  sharding: Sharding, num_partitions: Optional[int] = None, devices: Optional[Sequence[str]] = None
+) -> int:
   """How many partitions a value with `sharding` is spread over."""
   if num_partitions is not None:
     return int(num_partitions)
@@ -35,8 +36,9 @@ def num_partitions_of(sharding: Sharding, num_partitions: Optional[int] = None,
   if isinstance(sharding, NamedSharding):
     return sharding.mesh.size
   raise ValueError(
-      f'Cannot tell the number of partitions for sharding {sharding}: give a NamedSharding, '
-      '`num_partitions` or `devices`.')
+    f'Cannot tell the number of partitions for sharding {sharding}: give a NamedSharding, '
+    '`num_partitions` or `devices`.'
+  )
 
 
 def _check_layout(sharding: Sharding, shape, what: str) -> None:
@@ -54,15 +56,19 @@ def _tile_members(sharding: Sharding, num_partitions: int, what: str) -> np.ndar
   rank = sharding.rank
   # Index 0 along replicated/manual subgroup dims; all members along partial dims.
   take = (slice(None),) * rank + tuple(
-      slice(None) if k.startswith(PARTIAL_PREFIX) else slice(0, 1) for k in sharding.subgroups)
+    slice(None) if k.startswith(PARTIAL_PREFIX) else slice(0, 1) for k in sharding.subgroups
+  )
   members = tile[take].reshape(int(np.prod(tile.shape[:rank], dtype=np.int64)), -1)
   if (members >= num_partitions).any():
-    raise ValueError(f'{what}: sharding {sharding} names devices beyond the {num_partitions} '
-                     'partitions.')
+    raise ValueError(
+      f'{what}: sharding {sharding} names devices beyond the {num_partitions} partitions.'
+    )
   return members
 
 
-def split(value, sharding: Sharding, devices: Sequence[str], what: str = 'value') -> List[tf.Tensor]:
+def split(
+  value, sharding: Sharding, devices: Sequence[str], what: str = 'value'
+) -> List[tf.Tensor]:
   """One padded shard per partition (partition p's for `devices[p]`).
 
   Vectorized so that the ops added do not grow with N beyond one output per
@@ -74,8 +80,9 @@ def split(value, sharding: Sharding, devices: Sequence[str], what: str = 'value'
   _check_layout(sharding, shape, what)
   if sharding.partial is not None:
     raise ValueError(
-        f'{what}: cannot split a global value into partial shards ({sharding}); only a '
-        'computation produces partial results.')
+      f'{what}: cannot split a global value into partial shards ({sharding}); only a '
+      'computation produces partial results.'
+    )
   n = len(devices)
   if sharding.kind != 'tiled':
     if sharding.is_maximal:
@@ -95,7 +102,8 @@ def split(value, sharding: Sharding, devices: Sequence[str], what: str = 'value'
   tile_of = np.full(n, -1, dtype=np.int64)  # partition -> linear tile index
   tile = sharding.tile_assignment
   linear = np.broadcast_to(
-      np.arange(count).reshape(tiles + (1,) * (tile.ndim - rank)), tile.shape).reshape(-1)
+    np.arange(count).reshape(tiles + (1,) * (tile.ndim - rank)), tile.shape
+  ).reshape(-1)
   inside = tile.reshape(-1) < n
   tile_of[tile.reshape(-1)[inside]] = linear[inside]
   zeros = None
@@ -109,12 +117,17 @@ def split(value, sharding: Sharding, devices: Sequence[str], what: str = 'value'
   return shards
 
 
-_REDUCERS = {'sum': tf.reduce_sum, 'max': tf.reduce_max, 'min': tf.reduce_min,
-             'prod': tf.reduce_prod}
+_REDUCERS = {
+  'sum': tf.reduce_sum,
+  'max': tf.reduce_max,
+  'min': tf.reduce_min,
+  'prod': tf.reduce_prod,
+}
 
 
-def assemble(shards: Sequence[tf.Tensor], sharding: Sharding, shape: Sequence[int],
-             what: str = 'value') -> tf.Tensor:
+def assemble(
+  shards: Sequence[tf.Tensor], sharding: Sharding, shape: Sequence[int], what: str = 'value'
+) -> tf.Tensor:
   """The global tensor of `shape` from per-partition padded `shards` (padding dropped).
 
   For a sharding with a pending reduction (partial), the partial pieces are
@@ -129,8 +142,10 @@ def assemble(shards: Sequence[tf.Tensor], sharding: Sharding, shape: Sequence[in
   local = sharding.shard_shape(shape)
   for p in set(members.reshape(-1).tolist()):
     if tuple(shards[p].shape) != tuple(local):
-      raise ValueError(f'{what}: shard of partition {p} has shape {tuple(shards[p].shape)}, '
-                       f'expected {tuple(local)} for {shape} under {sharding}.')
+      raise ValueError(
+        f'{what}: shard of partition {p} has shape {tuple(shards[p].shape)}, '
+        f'expected {tuple(local)} for {shape} under {sharding}.'
+      )
   count, terms = members.shape
   if count * terms == 1:
     stacked = shards[int(members[0, 0])][tf.newaxis]
@@ -164,8 +179,10 @@ class ShardedValue:
     local = sharding.shard_shape(self.shape)
     for p, shard in enumerate(self.shards):
       if tuple(shard.shape) != tuple(local):
-        raise ValueError(f'ShardedValue: shard {p} has shape {tuple(shard.shape)}, expected the '
-                         f'padded shard shape {tuple(local)} of {self.shape} under {sharding}.')
+        raise ValueError(
+          f'ShardedValue: shard {p} has shape {tuple(shard.shape)}, expected the '
+          f'padded shard shape {tuple(local)} of {self.shape} under {sharding}.'
+        )
 
   @classmethod
   def from_global(cls, value, sharding: Sharding, devices: Sequence[str]) -> 'ShardedValue':
@@ -191,8 +208,10 @@ class ShardedValue:
     return self.assemble().numpy()
 
   def __repr__(self):
-    return (f'ShardedValue({self.dtype.name}{list(self.shape)}, {self.sharding}, '
-            f'{len(self.shards)} shards of {list(self.shards[0].shape)})')
+    return (
+      f'ShardedValue({self.dtype.name}{list(self.shape)}, {self.sharding}, '
+      f'{len(self.shards)} shards of {list(self.shards[0].shape)})'
+    )
 
 
 def _identifier(name: str) -> str:
@@ -224,18 +243,29 @@ class ShardedVariable(tf.Module):
   >>> v.scatter(new_global_value); v.assemble()                                  # doctest: +SKIP
   """
 
-  def __init__(self, initial_value, sharding: Sharding, *, devices: Optional[Sequence[str]] = None,
-               num_partitions: Optional[int] = None, name: str = 'sharded', dtype=None,
-               trainable: bool = True):
+  def __init__(
+    self,
+    initial_value,
+    sharding: Sharding,
+    *,
+    devices: Optional[Sequence[str]] = None,
+    num_partitions: Optional[int] = None,
+    name: str = 'sharded',
+    dtype=None,
+    trainable: bool = True,
+  ):
     super().__init__(name=_identifier(name))
     value = tf.convert_to_tensor(initial_value, dtype=dtype)
     n = num_partitions_of(sharding, num_partitions, devices)
-    from tf_gspmd.runtime.collectives import default_devices  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.runtime.collectives import default_devices
+
     self.devices = tuple(devices) if devices is not None else default_devices(n)
     if len(self.devices) != n:
       raise ValueError(f'ShardedVariable {name!r}: {len(self.devices)} devices for {n} partitions.')
     if sharding.partial is not None:
-      raise ValueError(f'ShardedVariable {name!r}: a variable cannot hold partial results ({sharding}).')
+      raise ValueError(
+        f'ShardedVariable {name!r}: a variable cannot hold partial results ({sharding}).'
+      )
     self.sharding = sharding
     self.shape = tuple(int(s) for s in value.shape)
     self.label = name
@@ -273,12 +303,17 @@ class ShardedVariable(tf.Module):
     """Assign a new global value (same shape) to the shards."""
     value = tf.convert_to_tensor(value, dtype=self.dtype)
     if tuple(value.shape) != self.shape:
-      raise ValueError(f'ShardedVariable {self.label!r}.scatter: shape {tuple(value.shape)} is not '
-                       f'the variable shape {self.shape}.')
-    for var, shard in zip(self.shards,
-                          split(value, self.sharding, self.devices, f'ShardedVariable {self.label!r}')):
+      raise ValueError(
+        f'ShardedVariable {self.label!r}.scatter: shape {tuple(value.shape)} is not '
+        f'the variable shape {self.shape}.'
+      )
+    for var, shard in zip(
+      self.shards, split(value, self.sharding, self.devices, f'ShardedVariable {self.label!r}')
+    ):
       var.assign(shard)
 
   def __repr__(self):
-    return (f'ShardedVariable({self.label!r}, {self.dtype.name}{list(self.shape)}, {self.sharding}, '
-            f'{len(self.shards)} shards of {list(self.local_shape)})')
+    return (
+      f'ShardedVariable({self.label!r}, {self.dtype.name}{list(self.shape)}, {self.sharding}, '
+      f'{len(self.shards)} shards of {list(self.local_shape)})'
+    )

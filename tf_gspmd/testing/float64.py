@@ -7,6 +7,7 @@ under a float64 policy, its variables set to the float32 build's values
 the same policy: a Keras loss takes the policy it is made under, and one made
 outside computes in float32, so the "exact" run would not be.
 """
+
 import contextlib
 import re
 
@@ -16,7 +17,8 @@ import numpy as np
 @contextlib.contextmanager
 def float64_policy():
   """Keras' float type and dtype policy are float64 inside (both put back on leaving)."""
-  import keras  # pylint: disable=g-import-not-at-top  (the oracle itself needs no Keras)
+  import keras  # (the oracle itself needs no Keras)
+
   previous = keras.config.floatx(), keras.config.dtype_policy()
   keras.config.set_floatx('float64')
   keras.config.set_dtype_policy('float64')
@@ -36,14 +38,18 @@ def float64_twin(build, **kwargs):
   mine = model.variables + optimizer.variables
   theirs = donor.variables + donor_optimizer.variables
   if len(mine) != len(theirs):
-    raise ValueError(f'float64_twin: the float64 build holds {len(mine)} variables, the float32 '
-                     f'one {len(theirs)}; build() must make the same model each time.')
+    raise ValueError(
+      f'float64_twin: the float64 build holds {len(mine)} variables, the float32 '
+      f'one {len(theirs)}; build() must make the same model each time.'
+    )
   for v, w in zip(mine, theirs):
     if str(v.dtype) not in ('float64', 'int64', 'int32') and v.dtype != np.float64:
       raise ValueError(f'float64_twin: {v.path} is {v.dtype} under the float64 policy.')
     if _role(v) != _role(w) or tuple(v.shape) != tuple(w.shape):
-      raise ValueError(f'float64_twin: variables out of step: {v.path} {tuple(v.shape)} vs '
-                       f'{w.path} {tuple(w.shape)}')
+      raise ValueError(
+        f'float64_twin: variables out of step: {v.path} {tuple(v.shape)} vs '
+        f'{w.path} {tuple(w.shape)}'
+      )
     v.assign(np.asarray(w.numpy(), v.dtype))
   return model, optimizer
 

@@ -22,6 +22,7 @@ the assign, the mesh's device order, shrink input dims) while it fails the same 
 
   python -m tf_gspmd.testing.fuzz --programs N --seed S [--xla-every K] [--out DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,6 +51,7 @@ LEARNING_RATE = 0.1
 class Input:
   """A program input. kind: 'arg' (float argument), 'var' (tf.Variable), 'index' (int32
   argument of values in [0, bound)), 'pred' (float scalar argument a cond tests)."""
+
   name: str
   kind: str
   shape: Tuple[int, ...]
@@ -81,8 +83,10 @@ class Program:
     flags = ' grad' * self.grad + ' assign' * bool(self.assign)
     specs = sum(x.spec is not None for x in self.ops + self.inputs)
     elements = sum(int(np.prod(i.shape)) for i in self.inputs)
-    return (f'[{self.seed}:{self.index}] {len(self.ops)} ops mesh {mesh}{order}{flags} '
-            f'({specs} annotations, {elements} input elements)')
+    return (
+      f'[{self.seed}:{self.index}] {len(self.ops)} ops mesh {mesh}{order}{flags} '
+      f'({specs} annotations, {elements} input elements)'
+    )
 
 
 def xla_lowers(program: Program) -> bool:
@@ -123,8 +127,9 @@ class _Drawer:
     name = self.fresh({'arg': 'x', 'var': 'v', 'index': 'i', 'pred': 'p'}[kind])
     annotate = kind in ('arg', 'var', 'index') and shape and self.rng.rand() < 0.6
     spec = self.spec(len(shape)) if annotate else None
-    self.inputs.append(Input(name, kind, tuple(shape), spec, round(scale, 4), shift, bound,
-                             broadcast))
+    self.inputs.append(
+      Input(name, kind, tuple(shape), spec, round(scale, 4), shift, bound, broadcast)
+    )
     self.shapes[name] = tuple(shape)
     return name
 
@@ -182,8 +187,19 @@ def generate(seed: int, index: int, max_ops: int = 30, min_ops: int = 3) -> Prog
       drawer.add(op)
   variables = [i.name for i in drawer.inputs if i.kind == 'var']
   assign = drawer.choice(variables) if variables and rng.rand() < 0.3 else ''
-  return _tidy(Program(seed, index, mesh_shape, axes, devices, tuple(drawer.inputs),
-                       tuple(drawer.ops), grad=bool(rng.rand() < 0.3), assign=assign))
+  return _tidy(
+    Program(
+      seed,
+      index,
+      mesh_shape,
+      axes,
+      devices,
+      tuple(drawer.inputs),
+      tuple(drawer.ops),
+      grad=bool(rng.rand() < 0.3),
+      assign=assign,
+    )
+  )
 
 
 # --- shapes, validity, outputs ---------------------------------------------------------------
@@ -239,7 +255,7 @@ def _tidy(program: Program) -> Program:
 # --- printing a program as Python ------------------------------------------------------------
 def _spec_code(spec) -> str:
   entries = ['None' if e is None else repr(e[0]) if len(e) == 1 else repr(tuple(e)) for e in spec]
-  return f"tg.P({', '.join(entries)})"
+  return f'tg.P({", ".join(entries)})'
 
 
 def _value_code(i: Input) -> str:
@@ -258,36 +274,50 @@ def render(program: Program, name: str = 'build') -> str:
   outputs = outputs_of(program)
   args = [i for i in program.inputs if i.kind != 'var']
   variables = [i for i in program.inputs if i.kind == 'var']
-  lines = [f'def {name}(dtype=np.float32):',
-           f'  """{program.label()}"""',
-           f'  mesh = tg.Mesh(np.array({list(program.devices)}).reshape({program.mesh_shape}), '
-           f'{program.axes})',
-           f'  rng = np.random.RandomState({program.seed % 2**31 + program.index})']
-  lines += [f"  {i.name}{'_value' if i.kind == 'var' else ''} = {_value_code(i)}"
-            for i in program.inputs]
+  lines = [
+    f'def {name}(dtype=np.float32):',
+    f'  """{program.label()}"""',
+    f'  mesh = tg.Mesh(np.array({list(program.devices)}).reshape({program.mesh_shape}), '
+    f'{program.axes})',
+    f'  rng = np.random.RandomState({program.seed % 2**31 + program.index})',
+  ]
+  lines += [
+    f'  {i.name}{"_value" if i.kind == "var" else ""} = {_value_code(i)}' for i in program.inputs
+  ]
   if program.grad:
-    lines += [f'  loss_weight_{n} = rng.standard_normal({shapes[n]}).astype(dtype)'
-              for n in outputs]
+    lines += [
+      f'  loss_weight_{n} = rng.standard_normal({shapes[n]}).astype(dtype)' for n in outputs
+    ]
   lines += ['', '  def make():']
   for v in variables:
     lines.append(f'    {v.name} = tf.Variable({v.name}_value)')
     if v.spec is not None:
       lines.append(f'    tg.shard_variable({v.name}, mesh, {_spec_code(v.spec)})')
-  lines += ['', '    @tf.function(autograph=False)',
-            f"    def program({', '.join(i.name for i in args)}):"]
+  lines += [
+    '',
+    '    @tf.function(autograph=False)',
+    f'    def program({", ".join(i.name for i in args)}):',
+  ]
   lines += _body(program, shapes, outputs, args, variables)
-  lines += ['', f"    return program, [{', '.join(v.name for v in variables)}]", '',
-            f"  return mesh, make, [{', '.join(i.name for i in args)}]"]
+  lines += [
+    '',
+    f'    return program, [{", ".join(v.name for v in variables)}]',
+    '',
+    f'  return mesh, make, [{", ".join(i.name for i in args)}]',
+  ]
   return '\n'.join(lines) + '\n'
 
 
 def _body(program, shapes, outputs, args, variables) -> List[str]:
   pad = '        ' if program.grad else '      '
-  body = [f'{pad}{i.name} = tg.shard({i.name}, mesh, {_spec_code(i.spec)})'
-          for i in args if i.spec is not None]
+  body = [
+    f'{pad}{i.name} = tg.shard({i.name}, mesh, {_spec_code(i.spec)})'
+    for i in args
+    if i.spec is not None
+  ]
   float_args = [i.name for i in args if i.kind == 'arg']
   if program.grad and float_args:
-    body.append(f"{pad}tape.watch([{', '.join(float_args)}])")
+    body.append(f'{pad}tape.watch([{", ".join(float_args)}])')
   for op in program.ops:
     names = list(op.inputs)
     body.append(f'{pad}{op.name} = {FAMILIES[op.kind].code(op, names, shapes)}')
@@ -298,37 +328,45 @@ def _body(program, shapes, outputs, args, variables) -> List[str]:
   if program.grad:
     loss = ' + '.join(f'tf.reduce_sum({n} * loss_weight_{n})' for n in outputs)
     body = ['      with tf.GradientTape() as tape:'] + body + [f'{pad}loss = {loss}']
-    body += [f"      grads = tape.gradient(loss, [{', '.join(targets)}], "
-             'unconnected_gradients=tf.UnconnectedGradients.ZERO)',
-             '      grads = [tf.convert_to_tensor(g) for g in grads]']
+    body += [
+      f'      grads = tape.gradient(loss, [{", ".join(targets)}], '
+      'unconnected_gradients=tf.UnconnectedGradients.ZERO)',
+      '      grads = [tf.convert_to_tensor(g) for g in grads]',
+    ]
     results += [f'grads[{k}]' for k in range(len(targets))]
   if program.assign:
     # A gradient step where there is one, else a step of the variable's own values.
-    step = (f'grads[{targets.index(program.assign)}]'
-            if program.grad and program.assign in targets else f'tf.tanh({program.assign})')
+    step = (
+      f'grads[{targets.index(program.assign)}]'
+      if program.grad and program.assign in targets
+      else f'tf.tanh({program.assign})'
+    )
     body.append(f'      {program.assign}.assign_add({LEARNING_RATE} * {step})')
-  return body + [f"      return [{', '.join(results)}]"]
+  return body + [f'      return [{", ".join(results)}]']
 
 
 def fused_batch_norm(x, scale, offset, epsilon=1e-3):
   """Training-mode FusedBatchNormV3 in float32; its formula in float64 (no float64 kernel), so
   a program's float64 twin computes the same function."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+
   if x.dtype == tf.float32:
     return tf.compat.v1.nn.fused_batch_norm(x, scale, offset, epsilon=epsilon, is_training=True)[0]
   mean, variance = tf.nn.moments(x, [0, 1, 2])
   return tf.nn.batch_normalization(x, mean, variance, offset, scale, epsilon)
 
 
-HEADER = ('import numpy as np\nimport tensorflow as tf\n\nimport tf_gspmd as tg\n'
-          'from tf_gspmd.testing import fuzz\n')
+HEADER = (
+  'import numpy as np\nimport tensorflow as tf\n\nimport tf_gspmd as tg\n'
+  'from tf_gspmd.testing import fuzz\n'
+)
 
 
 def load(source: str, name: str = 'build') -> Callable:
   """The `build` function a rendered program defines."""
   namespace: Dict[str, Any] = {}
   code = compile(HEADER + source, f'<fuzz program {name}>', 'exec')
-  exec(code, namespace)  # pylint: disable=exec-used
+  exec(code, namespace)
   return namespace[name]
 
 
@@ -340,12 +378,13 @@ CALLS = 2  # state (a variable's assign_add) shows on the second call
 class Outcome:
   """status: 'pass', 'mismatch', 'crash', 'refusal' (a ValueError of tf_gspmd naming what it
   refuses), 'invalid' (the unpartitioned program failed: a fuzzer bug)."""
+
   status: str
   message: str = ''
   error_type: str = ''
   seconds: float = 0.0
   poisoned: bool = False  # a collective failed: later collectives in this process fail too
-  float64: bool = False   # passed by the float64 rule, not the float32 bound
+  float64: bool = False  # passed by the float64 rule, not the float32 bound
 
   def same_failure(self, other: 'Outcome') -> bool:
     return self.status == other.status and self.error_type == other.error_type
@@ -358,7 +397,8 @@ def _calls(fn, args) -> List[List[np.ndarray]]:
 def reference(build, dtype=np.float32, jit: bool = False):
   """Outputs of every call and the variables after them, unpartitioned (compiled by XLA
   on one device with `jit`)."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
+
   _, make, args = build(dtype)
   fn, variables = make()
   if jit:
@@ -368,7 +408,8 @@ def reference(build, dtype=np.float32, jit: bool = False):
 
 
 def partitioned(build, backend: str = 'tf', timeout: float = 60.0):
-  from tf_gspmd.partitioned import partition  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.partitioned import partition
+
   mesh, make, args = build(np.float32)
   fn, variables = make()
   pf = partition(fn, mesh, backend=backend, timeout=timeout, progress=False)
@@ -380,7 +421,8 @@ def partitioned(build, backend: str = 'tf', timeout: float = 60.0):
 def compare(build, got, want, backend: str = 'tf') -> Optional[str]:
   """None when `got` is `want` by the oracle; '' when it passes only by the float64 rule
   (float32 itself ill-conditioned); else why it fails."""
-  from tf_gspmd.testing.oracle import assert_close  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.testing.oracle import assert_close
+
   try:
     assert_close(got, want, 'result')
     return None
@@ -403,7 +445,7 @@ def compare(build, got, want, backend: str = 'tf') -> Optional[str]:
 def _xla_witness(build):
   try:
     return reference(build, np.float32, jit=True)
-  except Exception:  # pylint: disable=broad-except  (an op XLA cannot compile: no witness)
+  except Exception:  # noqa: BLE001  (an op XLA cannot compile: no witness)
     return None
 
 
@@ -411,14 +453,16 @@ def _further(a, b, exact):
   """Leaf by leaf, whichever of `a` and `b` is further from `exact`."""
   if isinstance(a, (list, tuple)):
     return [_further(x, y, e) for x, y, e in zip(a, b, exact)]
-  from tf_gspmd.testing.oracle import relative_error  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.testing.oracle import relative_error
+
   if np.asarray(a).dtype.kind not in 'fc':
     return a
   return b if relative_error(b, exact) > relative_error(a, exact) else a
 
 
 def _further_from_float64(got, want, exact) -> str:
-  from tf_gspmd.testing.oracle import assert_close_to_float64  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.testing.oracle import assert_close_to_float64
+
   try:
     assert_close_to_float64(got, want, exact, 'result')
     return ''
@@ -431,13 +475,18 @@ def judge(build, backend: str = 'tf', timeout: float = 60.0) -> Outcome:
   start = time.time()
   try:
     want = reference(build)
-  except Exception as error:  # pylint: disable=broad-except
+  except Exception as error:  # noqa: BLE001
     return Outcome('invalid', _error_text(error), type(error).__name__, time.time() - start)
   try:
     got = partitioned(build, backend, timeout)
-  except Exception as error:  # pylint: disable=broad-except
-    return Outcome(classify(error), _error_text(error), type(error).__name__,
-                   time.time() - start, poisoned=_is_poison(error))
+  except Exception as error:  # noqa: BLE001
+    return Outcome(
+      classify(error),
+      _error_text(error),
+      type(error).__name__,
+      time.time() - start,
+      poisoned=_is_poison(error),
+    )
   why = compare(build, got, want, backend)
   status = 'pass' if why is None or why == '' else 'mismatch'
   return Outcome(status, why or '', '', time.time() - start, float64=why == '')
@@ -477,13 +526,21 @@ def _error_text(error: BaseException, limit: int = 600) -> str:
 
 def _is_poison(error: BaseException) -> bool:
   text = str(error)
-  return (type(error).__name__ == 'CollectiveError' or 'Collective ops is aborted' in text or
-          'timed out' in text.lower())
+  return (
+    type(error).__name__ == 'CollectiveError'
+    or 'Collective ops is aborted' in text
+    or 'timed out' in text.lower()
+  )
 
 
 # --- shrinking -------------------------------------------------------------------------------
-def shrink(program: Program, fails: Callable[[Program], bool], budget: int = 150,
-           log: Callable[[str], None] = lambda _: None, seconds: float = math.inf) -> Program:
+def shrink(
+  program: Program,
+  fails: Callable[[Program], bool],
+  budget: int = 150,
+  log: Callable[[str], None] = lambda _: None,
+  seconds: float = math.inf,
+) -> Program:
   """The smallest program found (greedily) that still `fails`: each accepted change restarts
   the candidate list; at most `budget` candidates are run, for at most `seconds`."""
   best, tried = program, 0
@@ -526,7 +583,7 @@ def candidates(p: Program):
   for k, i in enumerate(p.inputs):
     for d, size in enumerate(i.shape):
       for smaller in sorted({1, size // 2, size - 1} - {0, size}):
-        shape = i.shape[:d] + (smaller,) + i.shape[d + 1:]
+        shape = i.shape[:d] + (smaller,) + i.shape[d + 1 :]
         yield _replace_input(p, k, dataclasses.replace(i, shape=shape))
 
 
@@ -544,23 +601,28 @@ def _without(p: Program, name: str) -> Program:
 
 def _bypass(p: Program, op: Op, source: str) -> Program:
   """`op` removed, its readers reading `source` instead (valid when the shapes agree)."""
-  ops = tuple(dataclasses.replace(o, inputs=tuple(source if n == op.name else n for n in o.inputs))
-              for o in p.ops if o is not op)
+  ops = tuple(
+    dataclasses.replace(o, inputs=tuple(source if n == op.name else n for n in o.inputs))
+    for o in p.ops
+    if o is not op
+  )
   return dataclasses.replace(p, ops=ops)
 
 
 def _replace_op(p: Program, k: int, op: Op) -> Program:
-  return dataclasses.replace(p, ops=p.ops[:k] + (op,) + p.ops[k + 1:])
+  return dataclasses.replace(p, ops=p.ops[:k] + (op,) + p.ops[k + 1 :])
 
 
 def _replace_input(p: Program, k: int, i: Input) -> Program:
-  return dataclasses.replace(p, inputs=p.inputs[:k] + (i,) + p.inputs[k + 1:])
+  return dataclasses.replace(p, inputs=p.inputs[:k] + (i,) + p.inputs[k + 1 :])
 
 
 def failing_like(outcome: Outcome, backend: str, timeout: float = 60.0):
   """The shrinker's test: a candidate fails as `outcome` did (status and exception type)."""
+
   def fails(candidate: Program) -> bool:
     return run(candidate, backend, timeout).same_failure(outcome)
+
   return fails
 
 
@@ -569,9 +631,14 @@ def test_case(program: Program, outcome: Outcome, backend: str = 'tf') -> str:
   tag = f'{program.seed}_{program.index}'
   why = '\n'.join(outcome.message.splitlines()[:2]) if outcome.message else outcome.status
   body = render(program, f'build_{tag}')
-  return (f'"""Shrunk by tf_gspmd.testing.fuzz (seed {program.seed}, program {program.index}, '
-          f"backend '{backend}'): {outcome.status}.\n\n{why}\n\"\"\"\n" + HEADER + '\n\n' + body +
-          f"\n\ndef test_fuzz_{tag}():\n  fuzz.check(build_{tag}, backend='{backend}')\n")
+  return (
+    f'"""Shrunk by tf_gspmd.testing.fuzz (seed {program.seed}, program {program.index}, '
+    f'backend \'{backend}\'): {outcome.status}.\n\n{why}\n"""\n'
+    + HEADER
+    + '\n\n'
+    + body
+    + f"\n\ndef test_fuzz_{tag}():\n  fuzz.check(build_{tag}, backend='{backend}')\n"
+  )
 
 
 # --- the campaign ----------------------------------------------------------------------------
@@ -586,14 +653,24 @@ class Tally:
   def line(self, seconds: float) -> str:
     c = self.counts
     rate = self.programs / seconds if seconds else 0.0
-    return (f'programs run {self.programs} (xla {self.xla_runs}), mismatches {c["mismatch"]}, '
-            f'crashes {c["crash"]}, refusals {c["refusal"]}, invalid {c["invalid"]}, '
-            f'float64 rule {c["float64"]}; {seconds:.1f} s ({rate:.2f} programs/s)')
+    return (
+      f'programs run {self.programs} (xla {self.xla_runs}), mismatches {c["mismatch"]}, '
+      f'crashes {c["crash"]}, refusals {c["refusal"]}, invalid {c["invalid"]}, '
+      f'float64 rule {c["float64"]}; {seconds:.1f} s ({rate:.2f} programs/s)'
+    )
 
 
-def campaign(seed: int, programs: int, start: int = 0, xla_every: int = 0, out: str = '',
-             max_ops: int = 30, shrink_budget: int = 150, echo=print,
-             shrink_seconds: float = 300) -> Tally:
+def campaign(
+  seed: int,
+  programs: int,
+  start: int = 0,
+  xla_every: int = 0,
+  out: str = '',
+  max_ops: int = 30,
+  shrink_budget: int = 150,
+  echo=print,
+  shrink_seconds: float = 300,
+) -> Tally:
   """Run programs start..start+programs-1 of `seed`; shrink and write each failure."""
   tally = Tally()
   began = time.time()
@@ -657,11 +734,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument('--shrink-seconds', type=float, default=300, help='time per failure')
   args = parser.parse_args(argv)
   warnings.filterwarnings('ignore', message='tf_gspmd propagation: no sharding rule')
-  from tf_gspmd.testing.op_sweep import configure_devices  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.testing.op_sweep import configure_devices
+
   configure_devices(8)
-  tally = campaign(args.seed, args.programs, args.start, args.xla_every, args.out,
-                   args.max_ops, args.shrink_budget, echo=lambda s: print(s, flush=True),
-                   shrink_seconds=args.shrink_seconds)
+  tally = campaign(
+    args.seed,
+    args.programs,
+    args.start,
+    args.xla_every,
+    args.out,
+    args.max_ops,
+    args.shrink_budget,
+    echo=lambda s: print(s, flush=True),
+    shrink_seconds=args.shrink_seconds,
+  )
   return 1 if tally.counts['mismatch'] or tally.counts['crash'] else 0
 
 

@@ -12,6 +12,7 @@ Parameters are plain data (ints, strings, tuples), so a program prints as runnab
 compares equal after a round trip. Values stay of moderate scale (weights scaled by
 1/sqrt(fan-in), bounded activations, loops that contract) so float32 stays well conditioned.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,6 +31,7 @@ class Invalid(ValueError):
 class Op:
   """One op: `kind` (a family), the names of the values it reads, its parameters, and the
   annotation of its output (`spec`: one entry per dim, None or a tuple of mesh axes)."""
+
   name: str
   kind: str
   inputs: Tuple[str, ...]
@@ -59,10 +61,13 @@ def _need(ok: bool, what: str) -> None:
 
 def _needs_rank(least: int):
   """A draw for values of rank `least` or more: None for the others."""
+
   def wrap(draw):
     def checked(g, x):
       return draw(g, x) if len(g.shapes[x]) >= least else None
+
     return checked
+
   return wrap
 
 
@@ -74,9 +79,16 @@ def _window_out(size: int, window: int, stride: int, padding: str) -> int:
 
 
 # --- elementwise ---------------------------------------------------------------------------
-UNARY = {'tanh': 'tf.tanh({})', 'sigmoid': 'tf.sigmoid({})', 'relu': 'tf.nn.relu({})',
-         'sin': 'tf.sin({})', 'neg': '-{}', 'abs': 'tf.abs({})', 'softplus': 'tf.nn.softplus({})',
-         'affine': '{} * 0.5 + 0.25'}
+UNARY = {
+  'tanh': 'tf.tanh({})',
+  'sigmoid': 'tf.sigmoid({})',
+  'relu': 'tf.nn.relu({})',
+  'sin': 'tf.sin({})',
+  'neg': '-{}',
+  'abs': 'tf.abs({})',
+  'softplus': 'tf.nn.softplus({})',
+  'affine': '{} * 0.5 + 0.25',
+}
 BINARY = {'add': '{} + {}', 'sub': '{} - {}', 'mul': '{} * {}', 'max': 'tf.maximum({}, {})'}
 
 
@@ -94,7 +106,7 @@ def draw_binary(g, x):
     other = g.choice(same)
   else:  # a new operand: a suffix of x's shape, some dims 1 (broadcast)
     rank = g.rng.randint(0, len(shape) + 1)
-    dims = tuple(1 if g.rng.rand() < 0.3 else d for d in shape[len(shape) - rank:])
+    dims = tuple(1 if g.rng.rand() < 0.3 else d for d in shape[len(shape) - rank :])
     other = g.new_input('var' if g.rng.rand() < 0.4 else 'arg', dims, broadcast=dims != shape)
   pair = [x, other] if g.rng.rand() < 0.7 else [other, x]
   return _op(g, 'binary', pair, fn=fn)
@@ -126,8 +138,13 @@ def code_binary(op, names, shapes):
 def draw_matmul(g, x):
   shape = g.shapes[x]
   k, n = shape[-1], g.dim()
-  form = g.choice(['matmul', 'einsum', 'batch', 'transpose_b'] if len(shape) == 3 else
-                  ['matmul', 'transpose_b'] if len(shape) == 2 else ['einsum'])
+  form = g.choice(
+    ['matmul', 'einsum', 'batch', 'transpose_b']
+    if len(shape) == 3
+    else ['matmul', 'transpose_b']
+    if len(shape) == 2
+    else ['einsum']
+  )
   if form == 'batch':
     w = g.new_input('arg', shape[:-2] + (k, n), scale=1 / math.sqrt(k))
   elif form == 'transpose_b':
@@ -156,7 +173,7 @@ def code_matmul(op, names, shapes):
   if form == 'transpose_b':
     return f'tf.matmul({x}, {w}, transpose_b=True)'
   if form == 'einsum':
-    lead = 'abcd'[:len(shapes[op.inputs[0]]) - 1]
+    lead = 'abcd'[: len(shapes[op.inputs[0]]) - 1]
     return f"tf.einsum('{lead}k,kn->{lead}n', {x}, {w})"
   return f'tf.matmul({x}, {w})'
 
@@ -183,8 +200,10 @@ def shape_reduce(op, shapes):
 
 
 def code_reduce(op, names, shapes):
-  return (f"{REDUCE[op.param('fn')]}({names[0]}, axis={list(op.param('axes'))}, "
-          f"keepdims={op.param('keep')})")
+  return (
+    f'{REDUCE[op.param("fn")]}({names[0]}, axis={list(op.param("axes"))}, '
+    f'keepdims={op.param("keep")})'
+  )
 
 
 # --- reshape and transpose -----------------------------------------------------------------
@@ -203,9 +222,9 @@ def shape_reshape(op, shapes):
   shape, i, f = shapes[op.inputs[0]], op.param('dim'), op.param('factor')
   if op.param('how') == 'merge':
     _need(i + 1 < len(shape), f'merge {i} of {shape}')
-    return shape[:i] + (shape[i] * shape[i + 1],) + shape[i + 2:]
+    return shape[:i] + (shape[i] * shape[i + 1],) + shape[i + 2 :]
   _need(i < len(shape) and shape[i] % f == 0, f'split {i} by {f} of {shape}')
-  return shape[:i] + (f, shape[i] // f) + shape[i + 1:]
+  return shape[:i] + (f, shape[i] // f) + shape[i + 1 :]
 
 
 def code_reshape(op, names, shapes):
@@ -226,7 +245,7 @@ def shape_transpose(op, shapes):
 
 
 def code_transpose(op, names, shapes):
-  return f"tf.transpose({names[0]}, {list(op.param('perm'))})"
+  return f'tf.transpose({names[0]}, {list(op.param("perm"))})'
 
 
 # --- slices, pads, concat, gather ----------------------------------------------------------
@@ -255,16 +274,19 @@ def shape_slice(op, shapes):
 
 
 def code_slice(op, names, shapes):
-  parts = [':' if c is None else f'{c[0]}:{c[1]}' + (f':{c[2]}' if c[2] != 1 else '')
-           for c in op.param('cut')]
-  return f"{names[0]}[{', '.join(parts)}]"
+  parts = [
+    ':' if c is None else f'{c[0]}:{c[1]}' + (f':{c[2]}' if c[2] != 1 else '')
+    for c in op.param('cut')
+  ]
+  return f'{names[0]}[{", ".join(parts)}]'
 
 
 @_needs_rank(1)
 def draw_pad(g, x):
   shape = g.shapes[x]
-  pads = tuple((g.rng.randint(0, 3), g.rng.randint(0, 3)) if g.rng.rand() < 0.6 else (0, 0)
-               for _ in shape)
+  pads = tuple(
+    (g.rng.randint(0, 3), g.rng.randint(0, 3)) if g.rng.rand() < 0.6 else (0, 0) for _ in shape
+  )
   mode = g.choice(['CONSTANT', 'CONSTANT', 'REFLECT', 'SYMMETRIC'])
   return _op(g, 'pad', [x], pads=pads, mode=mode)
 
@@ -285,26 +307,34 @@ def code_pad(op, names, shapes):
 def draw_concat(g, x):
   shape = g.shapes[x]
   axis = g.rng.randint(len(shape))
-  fits = [n for n in g.float_values() if n != x and len(g.shapes[n]) == len(shape) and
-          all(a == b for i, (a, b) in enumerate(zip(g.shapes[n], shape)) if i != axis)]
+  fits = [
+    n
+    for n in g.float_values()
+    if n != x
+    and len(g.shapes[n]) == len(shape)
+    and all(a == b for i, (a, b) in enumerate(zip(g.shapes[n], shape)) if i != axis)
+  ]
   if fits and g.rng.rand() < 0.5:
     other = g.choice(fits)
   else:
-    other = g.new_input(g.choice(['arg', 'var']),
-                        shape[:axis] + (g.rng.randint(1, 6),) + shape[axis + 1:])
+    other = g.new_input(
+      g.choice(['arg', 'var']), shape[:axis] + (g.rng.randint(1, 6),) + shape[axis + 1 :]
+    )
   return _op(g, 'concat', [x, other], axis=axis)
 
 
 def shape_concat(op, shapes):
   a, b = (shapes[n] for n in op.inputs)
   axis = op.param('axis')
-  _need(len(a) == len(b) > axis and a[:axis] + a[axis + 1:] == b[:axis] + b[axis + 1:],
-        f'concat {a} {b} on {axis}')
-  return a[:axis] + (a[axis] + b[axis],) + a[axis + 1:]
+  _need(
+    len(a) == len(b) > axis and a[:axis] + a[axis + 1 :] == b[:axis] + b[axis + 1 :],
+    f'concat {a} {b} on {axis}',
+  )
+  return a[:axis] + (a[axis] + b[axis],) + a[axis + 1 :]
 
 
 def code_concat(op, names, shapes):
-  return f"tf.concat([{names[0]}, {names[1]}], {op.param('axis')})"
+  return f'tf.concat([{names[0]}, {names[1]}], {op.param("axis")})'
 
 
 @_needs_rank(1)
@@ -319,11 +349,11 @@ def shape_gather(op, shapes):
   x, idx = (shapes[n] for n in op.inputs)
   axis = op.param('axis')
   _need(axis < len(x) and x[axis] >= 1, f'gather axis {axis} of {x}')
-  return x[:axis] + idx + x[axis + 1:]
+  return x[:axis] + idx + x[axis + 1 :]
 
 
 def code_gather(op, names, shapes):
-  return f"tf.gather({names[0]}, {names[1]}, axis={op.param('axis')})"
+  return f'tf.gather({names[0]}, {names[1]}, axis={op.param("axis")})'
 
 
 # --- convolutions, pools, softmax, batch norm ----------------------------------------------
@@ -348,14 +378,23 @@ def shape_conv(op, shapes):
 
 
 def code_conv(op, names, shapes):
-  return (f"tf.nn.conv2d({names[0]}, {names[1]}, strides={op.param('stride')}, "
-          f"padding='{op.param('padding')}')")
+  return (
+    f'tf.nn.conv2d({names[0]}, {names[1]}, strides={op.param("stride")}, '
+    f"padding='{op.param('padding')}')"
+  )
 
 
 def draw_pool(g, x):
   x = _image(g, x) or g.new_input('arg', (g.dim(), g.dim(4), g.dim(4), g.dim()))
-  return _op(g, 'pool', [x], fn=g.choice(['max', 'avg']), window=g.choice([2, 3]),
-             stride=g.choice([1, 2]), padding=g.choice(['SAME', 'VALID']))
+  return _op(
+    g,
+    'pool',
+    [x],
+    fn=g.choice(['max', 'avg']),
+    window=g.choice([2, 3]),
+    stride=g.choice([1, 2]),
+    padding=g.choice(['SAME', 'VALID']),
+  )
 
 
 def shape_pool(op, shapes):
@@ -366,8 +405,10 @@ def shape_pool(op, shapes):
 
 
 def code_pool(op, names, shapes):
-  return (f"tf.nn.{op.param('fn')}_pool2d({names[0]}, {op.param('window')}, "
-          f"{op.param('stride')}, '{op.param('padding')}')")
+  return (
+    f'tf.nn.{op.param("fn")}_pool2d({names[0]}, {op.param("window")}, '
+    f"{op.param('stride')}, '{op.param('padding')}')"
+  )
 
 
 @_needs_rank(1)
@@ -382,7 +423,7 @@ def shape_softmax(op, shapes):
 
 
 def code_softmax(op, names, shapes):
-  return f"tf.nn.softmax({names[0]}, axis={op.param('axis')})"
+  return f'tf.nn.softmax({names[0]}, axis={op.param("axis")})'
 
 
 @_needs_rank(2)
@@ -408,20 +449,28 @@ def code_batch_norm(op, names, shapes):
   if op.param('fused'):
     return f'fuzz.fused_batch_norm({x}, {scale}, {offset})'
   axes = list(range(len(shapes[op.inputs[0]]) - 1))
-  return (f'tf.nn.batch_normalization({x}, *tf.nn.moments({x}, {axes}, keepdims=True), '
-          f'{offset}, {scale}, 1e-3)')
+  return (
+    f'tf.nn.batch_normalization({x}, *tf.nn.moments({x}, {axes}, keepdims=True), '
+    f'{offset}, {scale}, 1e-3)'
+  )
 
 
 # --- control flow --------------------------------------------------------------------------
 # Shape-preserving bodies of y; some reduce (a sum pending across the branch boundary). Not
 # y - mean(y): any mean of it after is 0 in exact arithmetic, and float32's round-off of 0 is
 # no result two programs can agree on (seen as a false mismatch of 5e-9 against 2e-9).
-BRANCHES = {'tanh': 'tf.tanh(y)', 'double': 'y * 2.0', 'center': 'y - 0.5 * tf.reduce_mean(y)',
-            'relu1': 'tf.nn.relu(y) + 1.0', 'rownorm': 'y / (1.0 + tf.reduce_sum(tf.abs(y), '
-                                                        'axis=-1, keepdims=True))'}
-LOOP_BODIES = {'contract': 'tf.tanh(y) * 0.9 + 0.1',
-               'mix': 'y * 0.5 + tf.reduce_mean(y, axis=-1, keepdims=True)',
-               'matmul': 'tf.tanh(tf.matmul(y, w))'}
+BRANCHES = {
+  'tanh': 'tf.tanh(y)',
+  'double': 'y * 2.0',
+  'center': 'y - 0.5 * tf.reduce_mean(y)',
+  'relu1': 'tf.nn.relu(y) + 1.0',
+  'rownorm': 'y / (1.0 + tf.reduce_sum(tf.abs(y), axis=-1, keepdims=True))',
+}
+LOOP_BODIES = {
+  'contract': 'tf.tanh(y) * 0.9 + 0.1',
+  'mix': 'y * 0.5 + tf.reduce_mean(y, axis=-1, keepdims=True)',
+  'matmul': 'tf.tanh(tf.matmul(y, w))',
+}
 
 
 @_needs_rank(1)
@@ -469,25 +518,27 @@ def shape_while(op, shapes):
 
 def code_while(op, names, shapes):
   body = _bind(LOOP_BODIES[op.param('body')], w=names[-1])  # y stays the loop variable
-  return (f"tf.while_loop(lambda i, y: i < {op.param('steps')}, lambda i, y: (i + 1, {body}), "
-          f'[0, {names[0]}])[1]')
+  return (
+    f'tf.while_loop(lambda i, y: i < {op.param("steps")}, lambda i, y: (i + 1, {body}), '
+    f'[0, {names[0]}])[1]'
+  )
 
 
 FAMILIES: Dict[str, Family] = {
-    'unary': Family(draw_unary, shape_elementwise, code_unary, 3),
-    'binary': Family(draw_binary, shape_elementwise, code_binary, 3),
-    'matmul': Family(draw_matmul, shape_matmul, code_matmul, 3),
-    'reduce': Family(draw_reduce, shape_reduce, code_reduce, 2),
-    'reshape': Family(draw_reshape, shape_reshape, code_reshape, 1.5),
-    'transpose': Family(draw_transpose, shape_transpose, code_transpose, 1.5),
-    'slice': Family(draw_slice, shape_slice, code_slice, 2),
-    'pad': Family(draw_pad, shape_pad, code_pad, 1.5),
-    'concat': Family(draw_concat, shape_concat, code_concat, 1.5),
-    'gather': Family(draw_gather, shape_gather, code_gather, 1.5),
-    'conv': Family(draw_conv, shape_conv, code_conv, 1.5),
-    'pool': Family(draw_pool, shape_pool, code_pool, 1),
-    'softmax': Family(draw_softmax, shape_softmax, code_softmax, 1),
-    'batch_norm': Family(draw_batch_norm, shape_batch_norm, code_batch_norm, 1),
-    'cond': Family(draw_cond, shape_cond, code_cond, 1),
-    'while': Family(draw_while, shape_while, code_while, 1),
+  'unary': Family(draw_unary, shape_elementwise, code_unary, 3),
+  'binary': Family(draw_binary, shape_elementwise, code_binary, 3),
+  'matmul': Family(draw_matmul, shape_matmul, code_matmul, 3),
+  'reduce': Family(draw_reduce, shape_reduce, code_reduce, 2),
+  'reshape': Family(draw_reshape, shape_reshape, code_reshape, 1.5),
+  'transpose': Family(draw_transpose, shape_transpose, code_transpose, 1.5),
+  'slice': Family(draw_slice, shape_slice, code_slice, 2),
+  'pad': Family(draw_pad, shape_pad, code_pad, 1.5),
+  'concat': Family(draw_concat, shape_concat, code_concat, 1.5),
+  'gather': Family(draw_gather, shape_gather, code_gather, 1.5),
+  'conv': Family(draw_conv, shape_conv, code_conv, 1.5),
+  'pool': Family(draw_pool, shape_pool, code_pool, 1),
+  'softmax': Family(draw_softmax, shape_softmax, code_softmax, 1),
+  'batch_norm': Family(draw_batch_norm, shape_batch_norm, code_batch_norm, 1),
+  'cond': Family(draw_cond, shape_cond, code_cond, 1),
+  'while': Family(draw_while, shape_while, code_while, 1),
 }

@@ -67,13 +67,17 @@ def configure_devices(n: int = 8) -> None:
   """Split the CPU into `n` logical devices; call before TensorFlow initializes."""
   cpus = tf.config.list_physical_devices('CPU')
   try:
-    tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * n)
+    tf.config.set_logical_device_configuration(
+      cpus[0], [tf.config.LogicalDeviceConfiguration()] * n
+    )
   except RuntimeError:
     pass  # already initialized; the check below tells whether it is usable
   have = len(tf.config.list_logical_devices('CPU'))
   if have < n:
-    raise RuntimeError(f'op sweep: needs {n} logical CPU devices, TensorFlow has {have}; call '
-                       'configure_devices() before anything else touches TensorFlow.')
+    raise RuntimeError(
+      f'op sweep: needs {n} logical CPU devices, TensorFlow has {have}; call '
+      'configure_devices() before anything else touches TensorFlow.'
+    )
 
 
 def fast_first_runs() -> dict:
@@ -86,7 +90,8 @@ def fast_first_runs() -> dict:
 
 def restore_optimizer(previous: dict) -> None:
   tf.config.optimizer.set_experimental_options(
-      dict(previous, disable_meta_optimizer=previous.get('disable_meta_optimizer', False)))
+    dict(previous, disable_meta_optimizer=previous.get('disable_meta_optimizer', False))
+  )
 
 
 def mesh_named(name: str) -> Mesh:
@@ -121,6 +126,7 @@ def _full_split(mesh: Mesh, rank: int) -> P:
 @dataclasses.dataclass(frozen=True)
 class Case:
   """One sweep case: a program, a mesh, operand specs (None: unannotated), output specs."""
+
   spec: str
   mesh: str
   in_specs: Tuple[Optional[P], ...]
@@ -130,7 +136,9 @@ class Case:
     ins = ', '.join('-' if s is None else _spec_text(s) for s in self.in_specs)
     text = f'{self.spec} [{self.mesh}] in=({ins})'
     if self.out_specs is not None:
-      text += ' out=(' + ', '.join('-' if s is None else _spec_text(s) for s in self.out_specs) + ')'
+      text += (
+        ' out=(' + ', '.join('-' if s is None else _spec_text(s) for s in self.out_specs) + ')'
+      )
     return text
 
 
@@ -144,18 +152,22 @@ class KnownIssue:
   excused. `example` is a case that shows it, run as a strict expected
   failure by the tests.
   """
+
   name: str
   programs: Tuple[str, ...]  # program names or op types
-  fix_in: str                # file and function that must change
+  fix_in: str  # file and function that must change
   diagnosis: str
-  raises: str                # the exception's class name, e.g. 'ValueError'
-  match: str                 # regex searched in the error message
+  raises: str  # the exception's class name, e.g. 'ValueError'
+  match: str  # regex searched in the error message
   example: 'Case'
 
   def matches(self, spec, result: 'CaseResult') -> bool:
-    return ((spec.name in self.programs or spec.op_type in self.programs) and
-            result.status == 'error' and result.error_type == self.raises and
-            re.search(self.match, result.message) is not None)
+    return (
+      (spec.name in self.programs or spec.op_type in self.programs)
+      and result.status == 'error'
+      and result.error_type == self.raises
+      and re.search(self.match, result.message) is not None
+    )
 
 
 class KnownFailure(Exception):
@@ -170,12 +182,16 @@ def known_issue(spec, result: 'CaseResult') -> Optional[KnownIssue]:
 
 
 def _spec_text(s: P) -> str:
-  return 'P(' + ','.join('_' if e is None else (e if isinstance(e, str) else '+'.join(e))
-                         for e in s) + ')'
+  return (
+    'P('
+    + ','.join('_' if e is None else (e if isinstance(e, str) else '+'.join(e)) for e in s)
+    + ')'
+  )
 
 
-def enumerate_cases(spec: OpSpec, mesh_name: str, out_ranks: Sequence[int],
-                    budget: Optional[int] = DEFAULT_BUDGET) -> List[Case]:
+def enumerate_cases(
+  spec: OpSpec, mesh_name: str, out_ranks: Sequence[int], budget: Optional[int] = DEFAULT_BUDGET
+) -> List[Case]:
   """Every operand-sharding combination (up to `budget`), then one sharded output at a time."""
   mesh = mesh_named(mesh_name)
   lists = [all_specs(mesh, o.rank) if o.shard else [None] for o in spec.operands]
@@ -200,8 +216,9 @@ def _subset(spec: OpSpec, lists, budget: int, mesh: Mesh) -> List[tuple]:
   ranks = [o.rank for o in spec.operands]
   for rank in sorted(set(r for r, o in zip(ranks, spec.operands) if o.shard)):
     for s in all_specs(mesh, rank):
-      chosen.append(tuple(s if (o.shard and r == rank) else None
-                          for o, r in zip(spec.operands, ranks)))
+      chosen.append(
+        tuple(s if (o.shard and r == rank) else None for o, r in zip(spec.operands, ranks))
+      )
   for i, options in enumerate(lists):
     for s in options:
       if s is not None:
@@ -223,18 +240,27 @@ def _subset(spec: OpSpec, lists, budget: int, mesh: Mesh) -> List[tuple]:
   return out
 
 
-def sample_cases(spec: OpSpec, mesh_name: str, out_ranks: Sequence[int], count: int = 2) -> List[Case]:
+def sample_cases(
+  spec: OpSpec, mesh_name: str, out_ranks: Sequence[int], count: int = 2
+) -> List[Case]:
   """A deterministic sample: every operand split on dim 0 by all mesh axes, then seeded picks."""
   mesh = mesh_named(mesh_name)
   cases = enumerate_cases(spec, mesh_name, out_ranks, budget=DEFAULT_BUDGET)
   first = None
   if any(o.shard for o in spec.operands):
-    first = Case(spec.name, mesh_name, tuple(
-        _full_split(mesh, o.rank) if o.shard else None for o in spec.operands))
+    first = Case(
+      spec.name,
+      mesh_name,
+      tuple(_full_split(mesh, o.rank) if o.shard else None for o in spec.operands),
+    )
   elif spec.shard_outputs and any(out_ranks):
     j = next(k for k, r in enumerate(out_ranks) if r)
-    first = Case(spec.name, mesh_name, (None,) * len(spec.operands),
-                 tuple(_full_split(mesh, r) if k == j else None for k, r in enumerate(out_ranks)))
+    first = Case(
+      spec.name,
+      mesh_name,
+      (None,) * len(spec.operands),
+      tuple(_full_split(mesh, r) if k == j else None for k, r in enumerate(out_ranks)),
+    )
   picked = [first] if first is not None else []
   rest = [c for c in cases if c not in picked]
   rng = np.random.RandomState(zlib.crc32(f'{spec.name}/{mesh_name}'.encode()))
@@ -243,9 +269,12 @@ def sample_cases(spec: OpSpec, mesh_name: str, out_ranks: Sequence[int], count: 
   return picked
 
 
-def ci_sample(sweep: 'Sweep', meshes: Sequence[str] = tuple(MESHES),
-              count: Optional[Callable[[str, str], int]] = None, every_program=()
-              ) -> List[Case]:
+def ci_sample(
+  sweep: 'Sweep',
+  meshes: Sequence[str] = tuple(MESHES),
+  count: Optional[Callable[[str, str], int]] = None,
+  every_program=(),
+) -> List[Case]:
   """`count(op_type, mesh)` cases (default 1) of every op type on each mesh.
 
   Each op type takes its programs in turn (a different one first on each
@@ -259,7 +288,7 @@ def ci_sample(sweep: 'Sweep', meshes: Sequence[str] = tuple(MESHES),
   cases = []
   for k, mesh_name in enumerate(meshes):
     for op_type, names in sorted(by_type.items()):
-      order = names[k % len(names):] + names[:k % len(names)]
+      order = names[k % len(names) :] + names[: k % len(names)]
       wanted = count(op_type, mesh_name) if count else 1
       chosen = []
       for name in order:
@@ -273,9 +302,12 @@ def ci_sample(sweep: 'Sweep', meshes: Sequence[str] = tuple(MESHES),
   return cases
 
 
-def full_cases(sweep: 'Sweep', names: Optional[Sequence[str]] = None,
-               meshes: Sequence[str] = tuple(MESHES), budget: Optional[int] = DEFAULT_BUDGET
-               ) -> List[Case]:
+def full_cases(
+  sweep: 'Sweep',
+  names: Optional[Sequence[str]] = None,
+  meshes: Sequence[str] = tuple(MESHES),
+  budget: Optional[int] = DEFAULT_BUDGET,
+) -> List[Case]:
   """The full sweep in a fixed order: programs by name, then meshes, then their cases."""
   out = []
   for name in sorted(names if names is not None else sweep.specs):
@@ -301,8 +333,13 @@ def rotating_slice(cases: Sequence[Case], index: int, count: int) -> List[Case]:
 def commit_count(root: str) -> Optional[int]:
   """Commits reachable from HEAD of the git checkout at `root` (None without git)."""
   try:
-    out = subprocess.run(['git', '-C', root, 'rev-list', '--count', 'HEAD'], capture_output=True,
-                         text=True, check=True, timeout=30)
+    out = subprocess.run(
+      ['git', '-C', root, 'rev-list', '--count', 'HEAD'],
+      capture_output=True,
+      text=True,
+      check=True,
+      timeout=30,
+    )
     return int(out.stdout.strip())
   except (OSError, subprocess.SubprocessError, ValueError):
     return None
@@ -313,6 +350,7 @@ def commit_count(root: str) -> Optional[int]:
 class CaseResult:
   """What one case did. `status`: 'pass', 'fail' (wrong values or unexpected
   collectives) or 'error' (an exception)."""
+
   spec: str
   op_type: str
   mesh: str
@@ -350,7 +388,7 @@ CALLS = 2  # each case (and its reference) is called this many times
 @dataclasses.dataclass
 class Reference:
   calls: List[List[np.ndarray]]  # outputs of each call
-  variables: List[np.ndarray]    # after the last call
+  variables: List[np.ndarray]  # after the last call
 
   @property
   def outputs(self) -> List[np.ndarray]:
@@ -363,7 +401,7 @@ class Reference:
 
 def _fed(operand) -> bool:
   """Non-float operands are arguments: as constants they would be folded away."""
-  return not operand.variable and not (operand.value.dtype.kind in 'fc')
+  return not operand.variable and operand.value.dtype.kind not in 'fc'
 
 
 def _flat(result) -> List[np.ndarray]:
@@ -374,7 +412,7 @@ def _flat(result) -> List[np.ndarray]:
 
 def _program(spec: OpSpec, mesh: Optional[Mesh], in_specs, variables):
   """`spec.fn` as a tf.function whose operands carry `in_specs` annotations."""
-  from tf_gspmd.annotations import shard  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.annotations import shard
 
   def program(*args):
     fed = iter(args)
@@ -406,15 +444,23 @@ def _error_text(error: BaseException, limit: int = 400) -> str:
 
 def _is_poison(error: BaseException) -> bool:
   text = str(error)
-  return (type(error).__name__ == 'CollectiveError' or 'Collective ops is aborted' in text or
-          isinstance(error, tf.errors.DeadlineExceededError) or 'timed out' in text.lower())
+  return (
+    type(error).__name__ == 'CollectiveError'
+    or 'Collective ops is aborted' in text
+    or isinstance(error, tf.errors.DeadlineExceededError)
+    or 'timed out' in text.lower()
+  )
 
 
 class Sweep:
   """Runs cases; caches each program's unpartitioned reference result."""
 
-  def __init__(self, specs: Optional[Sequence[OpSpec]] = None, timeout: float = 60.0,
-               max_error: Optional[float] = None):
+  def __init__(
+    self,
+    specs: Optional[Sequence[OpSpec]] = None,
+    timeout: float = 60.0,
+    max_error: Optional[float] = None,
+  ):
     self.specs = {s.name: s for s in (specs if specs is not None else op_specs())}
     self.timeout = timeout
     self.max_error = max_error  # None: the oracle's bound for each result's dtype
@@ -437,8 +483,9 @@ class Sweep:
 
   def run(self, case: Case) -> CaseResult:
     """Partition, run and check one case. Raises `Poisoned` after a failed collective."""
-    from tf_gspmd.annotations import shard_variable  # pylint: disable=g-import-not-at-top
-    from tf_gspmd.partitioned import partition  # pylint: disable=g-import-not-at-top
+    from tf_gspmd.annotations import shard_variable
+    from tf_gspmd.partitioned import partition
+
     spec = self.specs[case.spec]
     mesh = mesh_named(case.mesh)
     result = CaseResult(spec.name, spec.op_type, case.mesh, case.label(), 'pass')
@@ -451,15 +498,22 @@ class Sweep:
         if v is not None and s is not None:
           shard_variable(v, mesh, s)
         variables.append(v)
-      program = _program(spec, mesh, [None if o.variable else s
-                                      for o, s in zip(spec.operands, case.in_specs)], variables)
-      out_shardings = None if case.out_specs is None else [
-          None if s is None else NamedSharding(mesh, s) for s in case.out_specs]
+      program = _program(
+        spec,
+        mesh,
+        [None if o.variable else s for o, s in zip(spec.operands, case.in_specs)],
+        variables,
+      )
+      out_shardings = (
+        None
+        if case.out_specs is None
+        else [None if s is None else NamedSharding(mesh, s) for s in case.out_specs]
+      )
       pf = partition(program, mesh, out_shardings=out_shardings, timeout=self.timeout)
       args = _arguments(spec)
       calls = [_flat(pf(*args)) for _ in range(CALLS)]
       self._check(result, case, spec, pf, args, calls, ref, variables)
-    except Exception as error:  # pylint: disable=broad-except
+    except Exception as error:  # noqa: BLE001
       result.status = 'error'
       result.error_type = type(error).__name__
       result.message = _error_text(error)
@@ -508,8 +562,10 @@ class Sweep:
     alike = _pass_through_alike(spec, case, _rule_of(program, nodes))
     result.expect_no_collectives = alike
     if result.expect_no_collectives and result.n_collectives:
-      errors.append(f'pass-through op with operands sharded alike emitted {result.n_collectives} '
-                    f'collectives {result.collectives}')
+      errors.append(
+        f'pass-through op with operands sharded alike emitted {result.n_collectives} '
+        f'collectives {result.collectives}'
+      )
     if errors:
       result.status = 'fail'
       result.message = '; '.join(errors)
@@ -519,12 +575,15 @@ def _frozen_outputs(calls, ref_calls) -> List[str]:
   """Outputs TF changes from call to call that the partitioned function repeats."""
   out = []
   for k in range(min(len(calls[0]), len(ref_calls[0]))):
-    tf_changes = any(not np.array_equal(r[k], ref_calls[0][k], equal_nan=_has_nan(r[k]))
-                     for r in ref_calls[1:])
+    tf_changes = any(
+      not np.array_equal(r[k], ref_calls[0][k], equal_nan=_has_nan(r[k])) for r in ref_calls[1:]
+    )
     repeated = all(np.array_equal(c[k], calls[0][k], equal_nan=_has_nan(c[k])) for c in calls[1:])
     if tf_changes and repeated:
-      out.append(f'output {k}: TF gives new values on every call, the partitioned function '
-                 'repeats its first (a stateful op computed once?)')
+      out.append(
+        f'output {k}: TF gives new values on every call, the partitioned function '
+        'repeats its first (a stateful op computed once?)'
+      )
   return out
 
 
@@ -534,7 +593,8 @@ def _has_nan(x: np.ndarray) -> bool:
 
 def _rule_of(program, nodes):
   """The propagation rule of the swept node, when it sits in the top-level graph and has one."""
-  from tf_gspmd.propagation import registry  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.propagation import registry
+
   graph, node = nodes[0]
   if graph is not program.main:
     return None
@@ -557,8 +617,7 @@ def _pass_through_alike(spec: OpSpec, case: Case, rule) -> bool:
   if not any(dims for dims in rule.operands if dims is not None):
     return False  # a sink (Assert, PrintV2): its operands are used whole
   shapes = {o.value.shape for o in spec.operands}
-  return (len(shapes) == 1 and all(o.shard for o in spec.operands) and
-          len(set(case.in_specs)) == 1)
+  return len(shapes) == 1 and all(o.shard for o in spec.operands) and len(set(case.in_specs)) == 1
 
 
 # --- reporting -------------------------------------------------------------------------------
@@ -597,8 +656,11 @@ def format_table(results: Iterable[CaseResult], meshes: Sequence[str] = tuple(ME
     lines += ['', f'NOTES ({len(noted)} cases)']
     for note in sorted({r.note for r in noted}):
       which = [f'{r.spec}[{r.mesh}]' for r in noted if r.note == note]
-      lines.append(f'  {note}: ' + ', '.join(which[:12]) + (
-          f' and {len(which) - 12} more' if len(which) > 12 else ''))
+      lines.append(
+        f'  {note}: '
+        + ', '.join(which[:12])
+        + (f' and {len(which) - 12} more' if len(which) > 12 else '')
+      )
   issues = sorted({r.known for r in results if r.known})
   if issues:
     lines += ['', 'KNOWN ISSUES (reported; fix outside the sweep)']
@@ -607,8 +669,10 @@ def format_table(results: Iterable[CaseResult], meshes: Sequence[str] = tuple(ME
         lines.append(f'  {k.name}: {k.diagnosis} Fix in: {k.fix_in}.')
   lines += ['', summary(results)]
   if UNSWEPT:
-    lines.append('not swept (no tf.function produces them): ' + ', '.join(
-        f'{k} ({v})' for k, v in sorted(UNSWEPT.items())))
+    lines.append(
+      'not swept (no tf.function produces them): '
+      + ', '.join(f'{k} ({v})' for k, v in sorted(UNSWEPT.items()))
+    )
   return '\n'.join(lines)
 
 
@@ -618,27 +682,43 @@ def summary(results: Sequence[CaseResult]) -> str:
   op_types = {r.op_type for r in results}
   seconds = sum(r.seconds for r in results)
   known = sum(1 for r in results if r.known)
-  return (f'{len(results)} cases of {len(programs)} programs ({len(op_types)} op types): '
-          f'{counts.get("pass", 0)} pass, {counts.get("fail", 0)} fail, '
-          f'{counts.get("error", 0)} error; {known} known failures (by error signature), '
-          f'{len(results) - counts.get("pass", 0) - known} unexpected; '
-          f'{seconds:.0f} s in cases')
+  return (
+    f'{len(results)} cases of {len(programs)} programs ({len(op_types)} op types): '
+    f'{counts.get("pass", 0)} pass, {counts.get("fail", 0)} fail, '
+    f'{counts.get("error", 0)} error; {known} known failures (by error signature), '
+    f'{len(results) - counts.get("pass", 0) - known} unexpected; '
+    f'{seconds:.0f} s in cases'
+  )
 
 
 # --- failures found by the sweep in code outside it (reported to its owners) ----------------------
-_SLOT_APPLY = ('ResourceApplyGradientDescent', 'ResourceApplyMomentum', 'ResourceApplyKerasMomentum',
-               'ResourceApplyAdagrad', 'ResourceApplyRMSProp', 'ResourceApplyAdam',
-               'ResourceApplyAdaMax', 'ResourceApplyAdadelta', 'ResourceApplyAdagradV2',
-               'ResourceApplyAdamWithAmsgrad', 'ResourceApplyCenteredRMSProp')
+_SLOT_APPLY = (
+  'ResourceApplyGradientDescent',
+  'ResourceApplyMomentum',
+  'ResourceApplyKerasMomentum',
+  'ResourceApplyAdagrad',
+  'ResourceApplyRMSProp',
+  'ResourceApplyAdam',
+  'ResourceApplyAdaMax',
+  'ResourceApplyAdadelta',
+  'ResourceApplyAdagradV2',
+  'ResourceApplyAdamWithAmsgrad',
+  'ResourceApplyCenteredRMSProp',
+)
 _WHOLE = P(None, None)
 
-KNOWN_ISSUES.extend([
+KNOWN_ISSUES.extend(
+  [
     KnownIssue(
-        'slot-sharded-unlike-variable', _SLOT_APPLY,
-        'nothing: a documented refusal (graph_rewrite/variables.py apply_handler)',
-        'a slot variable sharded unlike its variable is refused with a clear error naming '
-        'both layouts (variables cannot be resharded in place). Listed so the sweep does not '
-        'count the refusal as a wrong result.',
-        raises='ValueError', match=r'slot variable \S+ is sharded .* but its variable \S+ is sharded',
-        example=Case('ResourceApplyAdagrad', '1d', (_WHOLE, P('x', None), _WHOLE))),
-])
+      'slot-sharded-unlike-variable',
+      _SLOT_APPLY,
+      'nothing: a documented refusal (graph_rewrite/variables.py apply_handler)',
+      'a slot variable sharded unlike its variable is refused with a clear error naming '
+      'both layouts (variables cannot be resharded in place). Listed so the sweep does not '
+      'count the refusal as a wrong result.',
+      raises='ValueError',
+      match=r'slot variable \S+ is sharded .* but its variable \S+ is sharded',
+      example=Case('ResourceApplyAdagrad', '1d', (_WHOLE, P('x', None), _WHOLE)),
+    ),
+  ]
+)

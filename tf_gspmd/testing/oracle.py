@@ -38,6 +38,7 @@ False
 >>> check(np.int32([1, 2]), np.int32([1, 3]), 'ids').ok
 False
 """
+
 import dataclasses
 import math
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
@@ -108,6 +109,7 @@ def relative_error(got, want) -> float:
 @dataclasses.dataclass(frozen=True)
 class Verdict:
   """One tensor's comparison: its name, the error measured, the bound, and why it failed."""
+
   name: str
   ok: bool
   error: float
@@ -115,8 +117,11 @@ class Verdict:
   why: str = ''
 
   def __str__(self):
-    return f'{self.name}: {self.why}' if not self.ok else (
-        f'{self.name}: error {self.error:.3g} <= bound {self.bound:.3g}')
+    return (
+      f'{self.name}: {self.why}'
+      if not self.ok
+      else (f'{self.name}: error {self.error:.3g} <= bound {self.bound:.3g}')
+    )
 
 
 def check(got, want, name: str = 'result', max_error: Optional[float] = None) -> Verdict:
@@ -130,16 +135,30 @@ def check(got, want, name: str = 'result', max_error: Optional[float] = None) ->
     return Verdict(name, False, math.inf, limit, f'dtype {got.dtype} != expected {want.dtype}')
   if not is_floating(want.dtype):
     bad = int(np.sum(got != want))
-    why = '' if bad == 0 else (f'{bad} of {want.size} elements differ (exact dtype '
-                               f'{want.dtype}), first {_worst(got, want)}')
+    why = (
+      ''
+      if bad == 0
+      else (
+        f'{bad} of {want.size} elements differ (exact dtype '
+        f'{want.dtype}), first {_worst(got, want)}'
+      )
+    )
     return Verdict(name, bad == 0, float(bad), 0.0, why)
   error = relative_error(got, want)
   ok = error <= limit
-  why = '' if ok else (f'normwise relative error {error:.3g} > bound {limit:.3g} ({want.dtype}, '
-                       f'shape {want.shape}); largest difference {_worst(got, want)}')
+  why = (
+    ''
+    if ok
+    else (
+      f'normwise relative error {error:.3g} > bound {limit:.3g} ({want.dtype}, '
+      f'shape {want.shape}); largest difference {_worst(got, want)}'
+    )
+  )
   if not ok and python_floats and error <= _BOUND_FLOAT32:
-    why += ('; Python floats are read as float64: pass float32 results (a Keras loss or '
-            'metric) through as_float32(...)')
+    why += (
+      '; Python floats are read as float64: pass float32 results (a Keras loss or '
+      'metric) through as_float32(...)'
+    )
   return Verdict(name, ok, error, limit, why)
 
 
@@ -154,12 +173,14 @@ def assert_close(got, want, name: str = 'result', max_error: Optional[float] = N
   """
   failures = [str(v) for v in _verdicts(got, want, name, max_error) if not v.ok]
   if failures:
-    raise AssertionError('partitioned result differs from unpartitioned:\n  ' +
-                         '\n  '.join(failures))
+    raise AssertionError(
+      'partitioned result differs from unpartitioned:\n  ' + '\n  '.join(failures)
+    )
 
 
-def assert_close_to_float64(got, want, exact, name: str = 'result',
-                            floor: Optional[float] = None) -> None:
+def assert_close_to_float64(
+  got, want, exact, name: str = 'result', floor: Optional[float] = None
+) -> None:
   """The float64 rule, where float32 (or bf16) itself is ill-conditioned.
 
   `got` (partitioned) and `want` (unpartitioned) ran in the same low precision;
@@ -180,11 +201,13 @@ def assert_close_to_float64(got, want, exact, name: str = 'result',
     limit = 2 * err_want + limit_floor
     if not err_got <= limit:
       failures.append(
-          f'{path}: partitioned is {err_got:.3g} from float64, unpartitioned {err_want:.3g}; '
-          f'bound 2 x {err_want:.3g} + {limit_floor:.3g} = {limit:.3g} ({w.dtype}, shape {w.shape})')
+        f'{path}: partitioned is {err_got:.3g} from float64, unpartitioned {err_want:.3g}; '
+        f'bound 2 x {err_want:.3g} + {limit_floor:.3g} = {limit:.3g} ({w.dtype}, shape {w.shape})'
+      )
   if failures:
-    raise AssertionError('partitioned result is further from float64 than unpartitioned:\n  ' +
-                         '\n  '.join(failures))
+    raise AssertionError(
+      'partitioned result is further from float64 than unpartitioned:\n  ' + '\n  '.join(failures)
+    )
 
 
 def report(verdicts: Sequence[Verdict], headline: str) -> Tuple[List[str], bool]:
@@ -193,8 +216,9 @@ def report(verdicts: Sequence[Verdict], headline: str) -> Tuple[List[str], bool]
   every check passed."""
   lines = [f'MISMATCH {v}' for v in verdicts if not v.ok]
   worst = max(verdicts, key=lambda v: v.error)
-  lines.append(f'{headline} {worst.error:.2e} ({worst.name}; normwise per tensor, '
-               f'bound {worst.bound:g})')
+  lines.append(
+    f'{headline} {worst.error:.2e} ({worst.name}; normwise per tensor, bound {worst.bound:g})'
+  )
   return lines, all(v.ok for v in verdicts)
 
 
@@ -231,8 +255,10 @@ def _walk(path: str, nodes: tuple, out: List[tuple]) -> None:
     keys = list(first)
     for other in nodes[1:]:
       if not isinstance(other, dict) or set(other) != set(keys):
-        raise AssertionError(f'{path}: keys {sorted(map(str, keys))} != '
-                             f'{sorted(map(str, other)) if isinstance(other, dict) else other}')
+        raise AssertionError(
+          f'{path}: keys {sorted(map(str, keys))} != '
+          f'{sorted(map(str, other)) if isinstance(other, dict) else other}'
+        )
     for key in keys:
       _walk(f'{path}[{key!r}]', tuple(n[key] for n in nodes), out)
   elif isinstance(first, (list, tuple)) and not _is_leaf(first):

@@ -17,12 +17,31 @@ See `tf_gspmd.runtime` for why this backend lives apart from the TF runtime.
 
 from tf_gspmd.xla_bridge.collectives import XlaCollectives
 from tf_gspmd.xla_bridge.export import Layout, XlaExport, XlaLoweringError, export_per_replica
-from tf_gspmd.xla_bridge.hlo import (GraphCollective, HloCollective, graph_collectives,
-                                     hlo_collectives, per_partition_hlo, stablehlo_collectives)
+from tf_gspmd.xla_bridge.hlo import (
+  GraphCollective,
+  HloCollective,
+  graph_collectives,
+  hlo_collectives,
+  per_partition_hlo,
+  stablehlo_collectives,
+)
 from tf_gspmd.xla_bridge.native import NativeCollectives
 from tf_gspmd.xla_bridge.pjrt import PjrtExecutable, XlaShardedVariable, jax_devices
 
-__all__ = ['GraphCollective', 'HloCollective', 'Layout', 'NativeCollectives', 'PjrtExecutable',
-           'XlaCollectives', 'XlaExport', 'XlaLoweringError', 'XlaShardedVariable',
-           'export_per_replica', 'graph_collectives', 'hlo_collectives', 'jax_devices',
-           'per_partition_hlo', 'stablehlo_collectives']
+__all__ = [
+  'GraphCollective',
+  'HloCollective',
+  'Layout',
+  'NativeCollectives',
+  'PjrtExecutable',
+  'XlaCollectives',
+  'XlaExport',
+  'XlaLoweringError',
+  'XlaShardedVariable',
+  'export_per_replica',
+  'graph_collectives',
+  'hlo_collectives',
+  'jax_devices',
+  'per_partition_hlo',
+  'stablehlo_collectives',
+]

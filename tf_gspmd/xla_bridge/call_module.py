@@ -47,40 +47,48 @@ _MAIN = re.compile(r'func\.func (public )?@main\(')
 
 def _stablehlo_only(text: str) -> str:
   """tf2xla's `mhlo.copy` (an identity) as the StableHLO identity of the same type."""
-  text = _COPY.sub(lambda m: f'= stablehlo.reshape {m.group("operand")} : '
-                   f'({m.group("type")}) -> {m.group("type")}', text)
+  text = _COPY.sub(
+    lambda m: (
+      f'= stablehlo.reshape {m.group("operand")} : ({m.group("type")}) -> {m.group("type")}'
+    ),
+    text,
+  )
   leftover = sorted(set(_MHLO_OP.findall(text)))
   if leftover:
-    raise ValueError(f'call_module: the exported module has non-StableHLO ops {leftover}; '
-                     'a portable artifact holds StableHLO only.')
+    raise ValueError(
+      f'call_module: the exported module has non-StableHLO ops {leftover}; '
+      'a portable artifact holds StableHLO only.'
+    )
   return text
 
 
 def _with_platform_index(text: str, context) -> str:
   """The module with `@main(platform index, args...)` calling the original `@main(args...)`."""
-  from jaxlib.mlir import ir  # pylint: disable=g-import-not-at-top
+  from jaxlib.mlir import ir
+
   if not _MAIN.search(text):
     raise ValueError('call_module: the exported module has no @main function.')
   text = _MAIN.sub(f'func.func private @{_BODY}(', text, count=1)
   module = ir.Module.parse(text, context=context)
-  body = next(op for op in module.body.operations
-              if ir.StringAttr(op.attributes['sym_name']).value == _BODY)
+  body = next(
+    op for op in module.body.operations if ir.StringAttr(op.attributes['sym_name']).value == _BODY
+  )
   signature = ir.FunctionType(ir.TypeAttr(body.attributes['function_type']).value)
   inputs = [str(t) for t in signature.inputs]
   results = [str(t) for t in signature.results]
-  params = ', '.join(['%platform_index: tensor<i32>'] + [f'%arg{i}: {t}'
-                                                          for i, t in enumerate(inputs)])
+  params = ', '.join(
+    ['%platform_index: tensor<i32>'] + [f'%arg{i}: {t}' for i, t in enumerate(inputs)]
+  )
   operands = ', '.join(f'%arg{i}' for i in range(len(inputs)))
-  call = (f'func.call @{_BODY}({operands}) : ({", ".join(inputs)}) -> '
-          f'({", ".join(results)})')
+  call = f'func.call @{_BODY}({operands}) : ({", ".join(inputs)}) -> ({", ".join(results)})'
   if results:
     values = ', '.join(f'%outputs#{j}' for j in range(len(results)))
-    lines = [f'    %outputs:{len(results)} = {call}',
-             f'    return {values} : {", ".join(results)}']
+    lines = [f'    %outputs:{len(results)} = {call}', f'    return {values} : {", ".join(results)}']
   else:
     lines = [f'    {call}', '    return']
-  main = '\n'.join([f'  func.func public @main({params}) -> ({", ".join(results)}) {{'] + lines
-                   + ['  }'])
+  main = '\n'.join(
+    [f'  func.func public @main({params}) -> ({", ".join(results)}) {{'] + lines + ['  }']
+  )
   # Before the module's closing brace (the location aliases that follow it stay).
   end = _MODULE_END.search(text).start()
   return text[:end] + main + '\n' + text[end:]
@@ -88,9 +96,10 @@ def _with_platform_index(text: str, context) -> str:
 
 def serialized_module(export: XlaExport, platforms: Sequence[str] = DEFAULT_PLATFORMS) -> bytes:
   """`export.module` as a StableHLO portable artifact that `XlaCallModule` can run."""
-  from jax._src.interpreters import mlir as jax_mlir  # pylint: disable=g-import-not-at-top
-  from jaxlib.mlir import ir  # pylint: disable=g-import-not-at-top
-  from jaxlib.mlir.dialects import stablehlo  # pylint: disable=g-import-not-at-top
+  from jax._src.interpreters import mlir as jax_mlir
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.dialects import stablehlo
+
   text = _stablehlo_only(export.module)
   # jax's context registers the dialects the text uses (func, stablehlo, chlo).
   with jax_mlir.make_ir_context() as context:
@@ -102,9 +111,14 @@ def serialized_module(export: XlaExport, platforms: Sequence[str] = DEFAULT_PLAT
     return stablehlo.serialize_portable_artifact(module, stablehlo.get_minimum_version())
 
 
-def call_module(export: XlaExport, local_args: Sequence, *,
-                module: bytes = None, platforms: Sequence[str] = DEFAULT_PLATFORMS,
-                name: str = None) -> List[tf.Tensor]:
+def call_module(
+  export: XlaExport,
+  local_args: Sequence,
+  *,
+  module: bytes = None,
+  platforms: Sequence[str] = DEFAULT_PLATFORMS,
+  name: str = None,
+) -> List[tf.Tensor]:
   """Run `export`'s module on this replica's local arguments (an `XlaCallModule` op).
 
   Returns the module's results: the outputs, then the new values of the
@@ -113,20 +127,31 @@ def call_module(export: XlaExport, local_args: Sequence, *,
   computation) the op has no kernel: it runs only through XLA.
   """
   if len(local_args) != len(export.args):
-    raise ValueError(f'call_module {export.name}: {len(local_args)} arguments for '
-                     f'{len(export.args)} parameters ({[a.name for a in export.args]}).')
+    raise ValueError(
+      f'call_module {export.name}: {len(local_args)} arguments for '
+      f'{len(export.args)} parameters ({[a.name for a in export.args]}).'
+    )
   args = []
   for value, layout in zip(local_args, export.args):
     value = tf.convert_to_tensor(value)
     if tuple(value.shape) != tuple(layout.local_shape) or value.dtype != layout.dtype:
-      raise ValueError(f'call_module {export.name}: {layout.kind} {layout.name} is '
-                       f'{value.dtype.name}{list(value.shape)} here, the module takes '
-                       f'{layout.dtype.name}{list(layout.local_shape)}.')
+      raise ValueError(
+        f'call_module {export.name}: {layout.kind} {layout.name} is '
+        f'{value.dtype.name}{list(value.shape)} here, the module takes '
+        f'{layout.dtype.name}{list(layout.local_shape)}.'
+      )
     args.append(value)
   if module is None:
     module = serialized_module(export, platforms)
-  return list(gen_xla_ops.xla_call_module(
-      args, version=CALL_MODULE_VERSION, module=module,
+  return list(
+    gen_xla_ops.xla_call_module(
+      args,
+      version=CALL_MODULE_VERSION,
+      module=module,
       Sout=[tf.TensorShape(r.local_shape) for r in export.results],
-      Tout=[r.dtype for r in export.results], dim_args_spec=[], platforms=list(platforms),
-      name=name or re.sub(r'\W', '_', export.name)))
+      Tout=[r.dtype for r in export.results],
+      dim_args_spec=[],
+      platforms=list(platforms),
+      name=name or re.sub(r'\W', '_', export.name),
+    )
+  )

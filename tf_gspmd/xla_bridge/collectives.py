@@ -32,9 +32,9 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
-from tf_gspmd.mesh import Mesh
 from tf_gspmd.collectives import tables
-from tf_gspmd.collectives.interface import Collectives, _no_autograph  # pylint: disable=protected-access
+from tf_gspmd.collectives.interface import Collectives, _no_autograph  # noqa: SLF001
+from tf_gspmd.mesh import Mesh
 
 _XLA_REDUCE_OPS = {'sum': 'Add', 'prod': 'Mul', 'max': 'Max', 'min': 'Min'}
 MODES = ('CrossReplica', 'CrossReplicaAndPartition')
@@ -60,8 +60,9 @@ class XlaCollectives(Collectives):
 
   def _xla_all_reduce(self, x, axes, op):
     """The one place an XlaAllReduce is made (all-reduce, all-gather and broadcast use it)."""
-    return gen_xla_ops.xla_all_reduce(x, self._group_assignment(axes), _XLA_REDUCE_OPS[op],
-                                      self.mode)
+    return gen_xla_ops.xla_all_reduce(
+      x, self._group_assignment(axes), _XLA_REDUCE_OPS[op], self.mode
+    )
 
   def _all_reduce(self, x, axes, op):
     return self._xla_all_reduce(x, axes, op)
@@ -69,24 +70,28 @@ class XlaCollectives(Collectives):
   def _all_gather(self, x, axes, dim):
     k = self.mesh.axes_size(axes)
     shape = x.shape.as_list()
-    buffer_shape = shape[:dim] + [k * shape[dim]] + shape[dim + 1:]
+    buffer_shape = shape[:dim] + [k * shape[dim]] + shape[dim + 1 :]
     start = tf.one_hot(dim, len(shape), dtype=tf.int32) * (self.axis_index(axes) * shape[dim])
     placed = gen_xla_ops.xla_dynamic_update_slice(tf.zeros(buffer_shape, x.dtype), x, start)
     return self._xla_all_reduce(placed, axes, 'sum')
 
   def _reduce_scatter(self, x, axes, dim, op):
-    return gen_xla_ops.xla_reduce_scatter(x, self._group_assignment(axes), dim,
-                                          _XLA_REDUCE_OPS[op])
+    return gen_xla_ops.xla_reduce_scatter(x, self._group_assignment(axes), dim, _XLA_REDUCE_OPS[op])
 
   def _all_to_all(self, x, axes, split_dim, concat_dim):
-    return tf.raw_ops.AllToAll(input=x, group_assignment=self._group_assignment(axes),
-                               concat_dimension=concat_dim, split_dimension=split_dim,
-                               split_count=self.mesh.axes_size(axes))
+    return tf.raw_ops.AllToAll(
+      input=x,
+      group_assignment=self._group_assignment(axes),
+      concat_dimension=concat_dim,
+      split_dimension=split_dim,
+      split_count=self.mesh.axes_size(axes),
+    )
 
   def _permute(self, x, pairs, family):
     del family  # XLA takes the pairs themselves
     return tf.raw_ops.CollectivePermute(
-        input=x, source_target_pairs=tf.constant(pairs.astype(np.int32), name='source_target_pairs'))
+      input=x, source_target_pairs=tf.constant(pairs.astype(np.int32), name='source_target_pairs')
+    )
 
   def _broadcast(self, x, axes, root):
     is_root = tf.equal(self.axis_index(axes), root)

@@ -42,19 +42,22 @@ class Layout:
   `sharding` is None for a value with no global form (a hand-written
   per-replica program's local values): replica r simply holds its own value.
   """
+
   name: str
-  kind: str                 # 'argument', 'capture', 'variable' (argument or result), 'output'
-  shape: tuple              # global shape (the local shape when sharding is None)
+  kind: str  # 'argument', 'capture', 'variable' (argument or result), 'output'
+  shape: tuple  # global shape (the local shape when sharding is None)
   dtype: tf.DType
   sharding: Optional[Sharding]
-  local_shape: tuple        # what one replica holds (ceil shard shape, padded)
+  local_shape: tuple  # what one replica holds (ceil shard shape, padded)
   updates: Optional[int] = None  # for a variable result: the argument index it replaces
 
   def describe(self) -> str:
     where = 'per replica' if self.sharding is None else str(self.sharding)
     target = f' (new value of argument {self.updates})' if self.updates is not None else ''
-    return (f'{self.kind} {self.name}: {self.dtype.name}{list(self.shape)} as {where}, '
-            f'{self.dtype.name}{list(self.local_shape)} per replica{target}')
+    return (
+      f'{self.kind} {self.name}: {self.dtype.name}{list(self.shape)} as {where}, '
+      f'{self.dtype.name}{list(self.local_shape)} per replica{target}'
+    )
 
 
 @dataclasses.dataclass
@@ -65,6 +68,7 @@ class XlaExport:
   replica r on mesh device id r; `args[i]`/`results[j]` describe parameter i
   and result j of `@main`.
   """
+
   module: str
   mesh: Mesh
   args: List[Layout]
@@ -82,16 +86,23 @@ class XlaExport:
     return '\n'.join(lines)
 
 
-def export_per_replica(mesh: Mesh, fn, local_args: Sequence, *, name: str = 'per_replica',
-                       arg_layouts: Optional[Sequence[Layout]] = None,
-                       output_layouts: Optional[Sequence[Layout]] = None) -> XlaExport:
+def export_per_replica(
+  mesh: Mesh,
+  fn,
+  local_args: Sequence,
+  *,
+  name: str = 'per_replica',
+  arg_layouts: Optional[Sequence[Layout]] = None,
+  output_layouts: Optional[Sequence[Layout]] = None,
+) -> XlaExport:
   """Trace `fn(ctx, *local_args)` per replica and lower it to StableHLO with native collectives.
 
   `local_args` are example local values: tensors (or numpy arrays) of the
   local shapes, and `tf.Variable`s for variables the program reads or
   assigns. Layouts default to per-replica values named by position.
   """
-  from tf_gspmd.runtime.launcher import PartitionContext  # pylint: disable=g-import-not-at-top
+  from tf_gspmd.runtime.launcher import PartitionContext
+
   local_args = [a if isinstance(a, tf.Variable) else tf.convert_to_tensor(a) for a in local_args]
 
   def per_replica(*local):
@@ -106,31 +117,55 @@ def export_per_replica(mesh: Mesh, fn, local_args: Sequence, *, name: str = 'per
     text = function.experimental_get_compiler_ir(*local_args)(stage='stablehlo')
   except (tf.errors.OpError, ValueError) as error:  # TF wraps tf2xla's refusal in a ValueError
     raise _lowering_error(error, name) from None
-  args = list(arg_layouts) if arg_layouts is not None else [
+  args = (
+    list(arg_layouts)
+    if arg_layouts is not None
+    else [
       _local_layout(f'arg{i}', 'variable' if isinstance(a, tf.Variable) else 'argument', a)
-      for i, a in enumerate(local_args)]
+      for i, a in enumerate(local_args)
+    ]
+  )
   _check_parameters(text, local_args, [a.name for a in args], name)
   aliases = _input_output_aliases(text)
   module = native.to_native(_clean_module(text, per_replica.__name__))
   outputs = [tf.TensorSpec(t.shape, t.dtype) for t in concrete.outputs]
-  results = list(output_layouts) if output_layouts is not None else [
-      _local_layout(f'output{j}', 'output', spec) for j, spec in enumerate(outputs)]
+  results = (
+    list(output_layouts)
+    if output_layouts is not None
+    else [_local_layout(f'output{j}', 'output', spec) for j, spec in enumerate(outputs)]
+  )
   if len(args) != len(local_args) or len(results) != len(outputs):
-    raise ValueError(f'export {name}: {len(args)} argument layouts for {len(local_args)} '
-                     f'arguments, {len(results)} output layouts for {len(outputs)} outputs.')
+    raise ValueError(
+      f'export {name}: {len(args)} argument layouts for {len(local_args)} '
+      f'arguments, {len(results)} output layouts for {len(outputs)} outputs.'
+    )
   for output_index, param in sorted(aliases):
     if output_index != len(results):
-      raise ValueError(f'export {name}: tf2xla put the new value of argument {param} at result '
-                       f'{output_index}, expected {len(results)} (after the outputs).')
+      raise ValueError(
+        f'export {name}: tf2xla put the new value of argument {param} at result '
+        f'{output_index}, expected {len(results)} (after the outputs).'
+      )
     results.append(dataclasses.replace(args[param], kind='variable', updates=param))
   return XlaExport(module, mesh, args, results, name)
 
 
 _MAIN_SIGNATURE = re.compile(r'func\.func @main\((?P<params>.*?)\) -> ')
 _PARAM_TYPE = re.compile(r'%arg\d+: (?P<type>tensor<[^>]*>)')
-_ELEMENT_TYPES = {'float32': 'f32', 'float64': 'f64', 'float16': 'f16', 'bfloat16': 'bf16',
-                  'int8': 'i8', 'int16': 'i16', 'int32': 'i32', 'int64': 'i64', 'uint8': 'ui8',
-                  'uint16': 'ui16', 'uint32': 'ui32', 'uint64': 'ui64', 'bool': 'i1'}
+_ELEMENT_TYPES = {
+  'float32': 'f32',
+  'float64': 'f64',
+  'float16': 'f16',
+  'bfloat16': 'bf16',
+  'int8': 'i8',
+  'int16': 'i16',
+  'int32': 'i32',
+  'int64': 'i64',
+  'uint8': 'ui8',
+  'uint16': 'ui16',
+  'uint32': 'ui32',
+  'uint64': 'ui64',
+  'bool': 'i1',
+}
 
 
 def _tensor_type(value) -> str:
@@ -139,8 +174,7 @@ def _tensor_type(value) -> str:
   return 'tensor<' + ''.join(f'{d}x' for d in shape) + element + '>'
 
 
-def _check_parameters(text: str, local_args: Sequence, arg_names: Sequence[str],
-                      name: str) -> None:
+def _check_parameters(text: str, local_args: Sequence, arg_names: Sequence[str], name: str) -> None:
   """Raise when tf2xla folded an argument into the program as a compile-time constant.
 
   XLA needs some inputs as constants (a `tf.range` bound, a shape); tf2xla then
@@ -158,10 +192,11 @@ def _check_parameters(text: str, local_args: Sequence, arg_names: Sequence[str],
     else:
       dropped.append(arg_names[i] if i < len(arg_names) else f'#{i}')
   raise XlaLoweringError(
-      f'export {name}: XLA needs argument(s) {dropped} as compile-time '
-      'constants (e.g. the bound of a tf.range loop or a shape), so they cannot be run-time '
-      'inputs of the exported program. Pass such values as Python numbers (they become part '
-      'of the traced function) instead of tensors.')
+    f'export {name}: XLA needs argument(s) {dropped} as compile-time '
+    'constants (e.g. the bound of a tf.range loop or a shape), so they cannot be run-time '
+    'inputs of the exported program. Pass such values as Python numbers (they become part '
+    'of the traced function) instead of tensors.'
+  )
 
 
 def _local_layout(name: str, kind: str, value) -> Layout:
@@ -171,8 +206,10 @@ def _local_layout(name: str, kind: str, value) -> Layout:
 
 # --- reading and cleaning tf2xla's module text -------------------------------------------------
 _ALIAS_ATTR = re.compile(r'mhlo\.input_output_alias = \[(?P<body>.*?)\](?=, mhlo\.|\})')
-_ALIAS = re.compile(r'parameter_number = (?P<param>\d+) : i64\}, output_index = array<i64: '
-                    r'(?P<output>\d+)>')
+_ALIAS = re.compile(
+  r'parameter_number = (?P<param>\d+) : i64\}, output_index = array<i64: '
+  r'(?P<output>\d+)>'
+)
 
 
 def _input_output_aliases(text: str) -> List[tuple]:
@@ -181,8 +218,9 @@ def _input_output_aliases(text: str) -> List[tuple]:
   match = _ALIAS_ATTR.search(header)
   if not match:
     return []
-  return [(int(m.group('output')), int(m.group('param')))
-          for m in _ALIAS.finditer(match.group('body'))]
+  return [
+    (int(m.group('output')), int(m.group('param'))) for m in _ALIAS.finditer(match.group('body'))
+  ]
 
 
 def _clean_module(text: str, name: str) -> str:
@@ -205,10 +243,10 @@ def _lowering_error(error: Exception, name: str) -> XlaLoweringError:
   ops = sorted({m.group('op') for m in _UNSUPPORTED.finditer(message)})
   nodes = sorted({m.group('node') for m in _NODE.finditer(message)})
   if ops:
-    what = (f'op type {", ".join(ops)} (node {", ".join(nodes) or "unknown"}) has no XLA '
-            'lowering')
+    what = f'op type {", ".join(ops)} (node {", ".join(nodes) or "unknown"}) has no XLA lowering'
   else:
     what = f'XLA could not compile it (nodes: {", ".join(nodes) or "unknown"})'
   gist = next((line.strip() for line in message.splitlines() if line.strip()), '')
-  return XlaLoweringError(f'export {name}: {what}; the XLA backend cannot run this program. '
-                          f'(tf2xla: {gist[:400]})')
+  return XlaLoweringError(
+    f'export {name}: {what}; the XLA backend cannot run this program. (tf2xla: {gist[:400]})'
+  )

@@ -30,7 +30,7 @@ import tensorflow as tf
 from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
 from tf_gspmd.collectives import tables
-from tf_gspmd.collectives.interface import _no_autograph  # pylint: disable=protected-access
+from tf_gspmd.collectives.interface import _no_autograph  # noqa: SLF001
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.xla_bridge.collectives import XlaCollectives
 
@@ -57,8 +57,14 @@ class NativeCollectives(XlaCollectives):
     """An XlaCustomCallV2 that `to_native` turns into the native collective `kind`."""
     config = ';'.join(f'{k}={json.dumps(v, separators=(",", ":"))}' for k, v in params.items())
     return gen_xla_ops.xla_custom_call_v2(
-        [x], call_target_name=MARKER_PREFIX + kind, backend_config=config, has_side_effect=False,
-        result_dtypes=[x.dtype], result_shapes=[list(out_shape)], name=kind)[0]
+      [x],
+      call_target_name=MARKER_PREFIX + kind,
+      backend_config=config,
+      has_side_effect=False,
+      result_dtypes=[x.dtype],
+      result_shapes=[list(out_shape)],
+      name=kind,
+    )[0]
 
   def _groups(self, axes):
     return tables.groups(self.mesh, axes).tolist()
@@ -73,20 +79,24 @@ class NativeCollectives(XlaCollectives):
     shape = [int(d) for d in x.shape]
     shape[split_dim] //= k
     shape[concat_dim] *= k
-    return self._marker(x, 'all_to_all', shape, split_dim=split_dim, concat_dim=concat_dim,
-                        groups=self._groups(axes))
+    return self._marker(
+      x, 'all_to_all', shape, split_dim=split_dim, concat_dim=concat_dim, groups=self._groups(axes)
+    )
 
   def _permute(self, x, pairs, family):
     del family
-    return self._marker(x, 'collective_permute', x.shape.as_list(),
-                        pairs=np.asarray(pairs).tolist())
+    return self._marker(
+      x, 'collective_permute', x.shape.as_list(), pairs=np.asarray(pairs).tolist()
+    )
 
 
 # --- rewriting the markers of lowered StableHLO ------------------------------------------------
 _MARKER_LINE = re.compile(
-    r'^(?P<indent>\s*)(?P<result>%[\w.#]+) = stablehlo\.custom_call @'
-    + re.escape(MARKER_PREFIX) + r'(?P<kind>\w+)\((?P<operand>%[\w.#]+)\) \{(?P<attrs>.*)\} : '
-    r'\((?P<in_type>tensor<[^>]*>)\) -> (?P<out_type>tensor<[^>]*>)(?P<loc> loc\(.*\))?\s*$')
+  r'^(?P<indent>\s*)(?P<result>%[\w.#]+) = stablehlo\.custom_call @'
+  + re.escape(MARKER_PREFIX)
+  + r'(?P<kind>\w+)\((?P<operand>%[\w.#]+)\) \{(?P<attrs>.*)\} : '
+  r'\((?P<in_type>tensor<[^>]*>)\) -> (?P<out_type>tensor<[^>]*>)(?P<loc> loc\(.*\))?\s*$'
+)
 _CONFIG = re.compile(r'backend_config = "(?P<config>[^"]*)"')
 
 
@@ -98,13 +108,16 @@ def _dense_i64(rows) -> str:
 
 def _native_attrs(kind: str, params: Dict) -> str:
   if kind == 'all_gather':
-    return (f'all_gather_dim = {params["dim"]} : i64, '
-            f'replica_groups = {_dense_i64(params["groups"])}')
+    return (
+      f'all_gather_dim = {params["dim"]} : i64, replica_groups = {_dense_i64(params["groups"])}'
+    )
   if kind == 'all_to_all':
     groups = params['groups']
-    return (f'concat_dimension = {params["concat_dim"]} : i64, '
-            f'replica_groups = {_dense_i64(groups)}, split_count = {len(groups[0])} : i64, '
-            f'split_dimension = {params["split_dim"]} : i64')
+    return (
+      f'concat_dimension = {params["concat_dim"]} : i64, '
+      f'replica_groups = {_dense_i64(groups)}, split_count = {len(groups[0])} : i64, '
+      f'split_dimension = {params["split_dim"]} : i64'
+    )
   if kind == 'collective_permute':
     return f'source_target_pairs = {_dense_i64(params["pairs"])}'
   raise ValueError(f'to_native: unknown collective marker {MARKER_PREFIX}{kind}.')
@@ -127,10 +140,14 @@ def to_native(module_text: str) -> str:
     match = _MARKER_LINE.match(line)
     config = _CONFIG.search(line)
     if not match or not config:
-      raise ValueError(f'to_native: cannot read the collective marker in line {i + 1}: {line.strip()}')
+      raise ValueError(
+        f'to_native: cannot read the collective marker in line {i + 1}: {line.strip()}'
+      )
     params = _parse_config(config.group('config'))
     kind = match.group('kind')
-    lines[i] = (f'{match.group("indent")}{match.group("result")} = "stablehlo.{kind}"'
-                f'({match.group("operand")}) <{{{_native_attrs(kind, params)}}}> : '
-                f'({match.group("in_type")}) -> {match.group("out_type")}{match.group("loc") or ""}')
+    lines[i] = (
+      f'{match.group("indent")}{match.group("result")} = "stablehlo.{kind}"'
+      f'({match.group("operand")}) <{{{_native_attrs(kind, params)}}}> : '
+      f'({match.group("in_type")}) -> {match.group("out_type")}{match.group("loc") or ""}'
+    )
   return '\n'.join(lines) + '\n'

@@ -46,16 +46,19 @@ def _import_jax(num_devices: int):
       count = max(num_devices, MIN_HOST_DEVICES)
       os.environ['XLA_FLAGS'] = f'{flags} {HOST_DEVICE_FLAG}={count}'.strip()
   try:
-    import jax  # pylint: disable=g-import-not-at-top
+    import jax
   except ImportError as error:
-    raise ImportError("backend='xla' runs programs through PJRT with jax/jaxlib: install them "
-                      "with `pip install tf_gspmd[xla]` (or `make test`).") from error
+    raise ImportError(
+      "backend='xla' runs programs through PJRT with jax/jaxlib: install them "
+      'with `pip install tf_gspmd[xla]` (or `make test`).'
+    ) from error
   return jax
 
 
 def _backends_initialized() -> bool:
   # jax keeps no public flag for this; xla_bridge.backends_are_initialized is the one place.
-  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+  from jax._src import xla_bridge
+
   return xla_bridge.backends_are_initialized()
 
 
@@ -68,9 +71,10 @@ def jax_devices(num_devices: int) -> list:
   cpus = jax.devices('cpu')
   if len(cpus) < num_devices:
     raise RuntimeError(
-        f"backend='xla' needs {num_devices} devices but jax has {len(cpus)} CPU device(s) and "
-        f'was initialized before tf_gspmd could ask for more. Set XLA_FLAGS='
-        f'{HOST_DEVICE_FLAG}={max(num_devices, MIN_HOST_DEVICES)} before the first use of jax.')
+      f"backend='xla' needs {num_devices} devices but jax has {len(cpus)} CPU device(s) and "
+      f'was initialized before tf_gspmd could ask for more. Set XLA_FLAGS='
+      f'{HOST_DEVICE_FLAG}={max(num_devices, MIN_HOST_DEVICES)} before the first use of jax.'
+    )
   return list(cpus[:num_devices])
 
 
@@ -88,8 +92,10 @@ def devices_named(names: Sequence[str]) -> list:
   for kind, index in parsed:
     available = jax.devices(kind)
     if index >= len(available):
-      raise RuntimeError(f"backend='xla': device {kind}:{index} asked for, but jax has "
-                         f'{len(available)} {kind} device(s).')
+      raise RuntimeError(
+        f"backend='xla': device {kind}:{index} asked for, but jax has "
+        f'{len(available)} {kind} device(s).'
+      )
     out.append(available[index])
   return out
 
@@ -128,19 +134,23 @@ class PjrtExecutable:
     if len(self.devices) != n:
       raise ValueError(f'{export.name}: {len(self.devices)} devices for {n} replicas.')
     jax = _import_jax(n)
-    from jax._src.lib import xla_client  # pylint: disable=g-import-not-at-top
+    from jax._src.lib import xla_client
+
     options = xla_client.CompileOptions()
     build = options.executable_build_options
     build.num_replicas, build.num_partitions = n, 1
     build.device_assignment = xla_client.DeviceAssignment.create(
-        np.array([[d.id] for d in self.devices]))
+      np.array([[d.id] for d in self.devices])
+    )
     client = self.devices[0].client
-    self.executable = client.compile_and_load(export.module,
-                                              xla_client.DeviceList(tuple(self.devices)), options)
+    self.executable = client.compile_and_load(
+      export.module, xla_client.DeviceList(tuple(self.devices)), options
+    )
     # execute_sharded takes one array per parameter; an array replicated over the devices
     # is the container for "one buffer per replica" (the values differ, as replicas' do).
     self._replicated = jax.sharding.NamedSharding(
-        jax.sharding.Mesh(np.array(self.devices), ('replicas',)), jax.sharding.PartitionSpec())
+      jax.sharding.Mesh(np.array(self.devices), ('replicas',)), jax.sharding.PartitionSpec()
+    )
     self._jax = jax
 
   def run(self, inputs: Sequence[Sequence]) -> List[list]:
@@ -151,8 +161,11 @@ class PjrtExecutable:
     arrays = []
     for layout, buffers in zip(args, inputs):
       with self._jax.enable_x64(True):
-        arrays.append(self._jax.make_array_from_single_device_arrays(
-            tuple(layout.local_shape), self._replicated, list(buffers)))
+        arrays.append(
+          self._jax.make_array_from_single_device_arrays(
+            tuple(layout.local_shape), self._replicated, list(buffers)
+          )
+        )
     results = self.executable.execute_sharded(arrays)
     return [list(r) for r in results.disassemble_into_single_device_arrays()]
 
@@ -173,8 +186,16 @@ class XlaShardedVariable:
   the local shape, used only to trace the per-replica program.
   """
 
-  def __init__(self, initial_value, sharding: Sharding, *, devices: Optional[Sequence] = None,
-               name: str = 'sharded', trainable: bool = True, **unused):
+  def __init__(
+    self,
+    initial_value,
+    sharding: Sharding,
+    *,
+    devices: Optional[Sequence] = None,
+    name: str = 'sharded',
+    trainable: bool = True,
+    **unused,
+  ):
     del unused  # TF device options of runtime.ShardedVariable do not apply
     value = tf.convert_to_tensor(initial_value)
     if sharding.partial is not None:
@@ -193,8 +214,9 @@ class XlaShardedVariable:
   @property
   def template(self) -> tf.Variable:
     if self._template is None:
-      self._template = tf.Variable(tf.zeros(self.local_shape, self.dtype),
-                                   name=f'{self.label}_template', trainable=False)
+      self._template = tf.Variable(
+        tf.zeros(self.local_shape, self.dtype), name=f'{self.label}_template', trainable=False
+      )
     return self._template
 
   # Its shards are PJRT buffers, which a traced TF function cannot read: assemble eagerly.
@@ -202,10 +224,13 @@ class XlaShardedVariable:
 
   def assemble(self) -> tf.Tensor:
     if not tf.executing_eagerly():
-      raise RuntimeError(f'XlaShardedVariable {self.label!r}: its shards are device buffers '
-                         'outside TF; assemble() runs eagerly, not inside a tf.function.')
-    return assemble_global(self.shards, self.sharding, self.shape,
-                           f'XlaShardedVariable {self.label!r}')
+      raise RuntimeError(
+        f'XlaShardedVariable {self.label!r}: its shards are device buffers '
+        'outside TF; assemble() runs eagerly, not inside a tf.function.'
+      )
+    return assemble_global(
+      self.shards, self.sharding, self.shape, f'XlaShardedVariable {self.label!r}'
+    )
 
   def numpy(self) -> np.ndarray:
     return self.assemble().numpy()
@@ -214,5 +239,7 @@ class XlaShardedVariable:
     self.shards = put_global(value, self.layout, self.devices)
 
   def __repr__(self):
-    return (f'XlaShardedVariable({self.label!r}, {self.dtype.name}{list(self.shape)}, '
-            f'{self.sharding}, {len(self.shards)} device buffers of {list(self.local_shape)})')
+    return (
+      f'XlaShardedVariable({self.label!r}, {self.dtype.name}{list(self.shape)}, '
+      f'{self.sharding}, {len(self.shards)} device buffers of {list(self.local_shape)})'
+    )

@@ -86,30 +86,40 @@ def is_tpu_strategy(strategy) -> bool:
 
 
 # --- topology and device assignment -------------------------------------------------------------
-def topology_proto(chips: Sequence[int] = (2, 2, 1), cores_per_chip: int = 2,
-                   num_tasks: int = 1) -> bytes:
+def topology_proto(
+  chips: Sequence[int] = (2, 2, 1), cores_per_chip: int = 2, num_tasks: int = 1
+) -> bytes:
   """A serialized `TopologyProto` like the one TPU system initialization returns.
 
   Devices are numbered per task chip by chip (x fastest, then y, then z),
   the cores of a chip consecutively -- the TPU runtime's ordinal order.
   """
-  from tensorflow.core.protobuf.tpu import topology_pb2  # pylint: disable=g-import-not-at-top
+  from tensorflow.core.protobuf.tpu import topology_pb2
+
   mesh_shape = list(chips) + [cores_per_chip]
-  coordinates = [(x, y, z, core) for z, y, x, core in itertools.product(
-      range(chips[2]), range(chips[1]), range(chips[0]), range(cores_per_chip))]
+  coordinates = [
+    (x, y, z, core)
+    for z, y, x, core in itertools.product(
+      range(chips[2]), range(chips[1]), range(chips[0]), range(cores_per_chip)
+    )
+  ]
   per_task, rest = divmod(len(coordinates), num_tasks)
   if rest:
-    raise ValueError(f'topology_proto: {len(coordinates)} cores do not split over '
-                     f'{num_tasks} tasks.')
+    raise ValueError(
+      f'topology_proto: {len(coordinates)} cores do not split over {num_tasks} tasks.'
+    )
   proto = topology_pb2.TopologyProto(
-      mesh_shape=mesh_shape, num_tasks=num_tasks, num_tpu_devices_per_task=per_task,
-      device_coordinates=[c for coords in coordinates for c in coords])
+    mesh_shape=mesh_shape,
+    num_tasks=num_tasks,
+    num_tpu_devices_per_task=per_task,
+    device_coordinates=[c for coords in coordinates for c in coords],
+  )
   return proto.SerializeToString()
 
 
-def mesh_device_assignment(topology, mesh: Mesh,
-                           core_order: Sequence[str] = ('core', 'x', 'y', 'z')
-                           ) -> tf.tpu.experimental.DeviceAssignment:
+def mesh_device_assignment(
+  topology, mesh: Mesh, core_order: Sequence[str] = ('core', 'x', 'y', 'z')
+) -> tf.tpu.experimental.DeviceAssignment:
   """Replica r (= partition r = mesh device r) on one physical core, mesh-aligned.
 
   The mesh's devices in row-major order (the last mesh axis fastest) are laid
@@ -122,14 +132,17 @@ def mesh_device_assignment(topology, mesh: Mesh,
   if isinstance(topology, bytes):
     topology = tf.tpu.experimental.Topology(serialized=topology)
   if sorted(core_order) != sorted(TOPOLOGY_AXES):
-    raise ValueError(f'mesh_device_assignment: core_order must order {TOPOLOGY_AXES}, '
-                     f'got {tuple(core_order)}.')
+    raise ValueError(
+      f'mesh_device_assignment: core_order must order {TOPOLOGY_AXES}, got {tuple(core_order)}.'
+    )
   shape = [int(s) for s in topology.mesh_shape]
   cores = int(np.prod(shape))
   if cores != mesh.size:
-    raise ValueError(f'mesh_device_assignment: the mesh {mesh} has {mesh.size} devices but the '
-                     f'TPU topology {shape} (x, y, z, cores per chip) has {cores} cores; '
-                     'one replica per core is needed.')
+    raise ValueError(
+      f'mesh_device_assignment: the mesh {mesh} has {mesh.size} devices but the '
+      f'TPU topology {shape} (x, y, z, cores per chip) has {cores} cores; '
+      'one replica per core is needed.'
+    )
   slowest_first = [TOPOLOGY_AXES.index(a) for a in reversed(core_order)]
   walk = np.indices(shape).transpose(*(i + 1 for i in slowest_first), 0).reshape(-1, 4)
   assignment = np.zeros((mesh.size, 1, 4), np.int32)
@@ -172,10 +185,13 @@ class ReplicaVariable:
     with strategy.scope():
       # One component per replica, each free to hold its own shard (sync-on-read with no
       # aggregation: TF never averages or copies the components onto each other).
-      self.variable = tf.Variable(tf.zeros(self.local_shape, self.dtype), trainable=False,
-                                  synchronization=tf.VariableSynchronization.ON_READ,
-                                  aggregation=tf.VariableAggregation.NONE,
-                                  name=f'{self.label.replace("/", "_")}_shard')
+      self.variable = tf.Variable(
+        tf.zeros(self.local_shape, self.dtype),
+        trainable=False,
+        synchronization=tf.VariableSynchronization.ON_READ,
+        aggregation=tf.VariableAggregation.NONE,
+        name=f'{self.label.replace("/", "_")}_shard',
+      )
     self.scatter(original.read_value())
 
   def components(self) -> list:
@@ -195,14 +211,17 @@ class ReplicaVariable:
   def scatter(self, value) -> None:
     """Each replica's component := its shard of the global `value`."""
     components = self.components()
-    shards = sharded_lib.split(tf.convert_to_tensor(value, self.dtype), self.sharding,
-                               [None] * len(components), self.label)
+    shards = sharded_lib.split(
+      tf.convert_to_tensor(value, self.dtype), self.sharding, [None] * len(components), self.label
+    )
     for component, shard in zip(components, shards):
       component.assign(shard)
 
   def __repr__(self):
-    return (f'ReplicaVariable({self.label!r}, {self.dtype.name}{list(self.shape)}, '
-            f'{self.sharding}, {len(self.components())} replicas of {list(self.local_shape)})')
+    return (
+      f'ReplicaVariable({self.label!r}, {self.dtype.name}{list(self.shape)}, '
+      f'{self.sharding}, {len(self.components())} replicas of {list(self.local_shape)})'
+    )
 
 
 class ReplicaVariables:
@@ -214,8 +233,12 @@ class ReplicaVariables:
   registered there too, where the store's other users (keras_fit's mirror) find it.
   """
 
-  def __init__(self, strategy, sharded: Optional[Dict[int, object]] = None,
-               originals: Optional[Dict[int, object]] = None):
+  def __init__(
+    self,
+    strategy,
+    sharded: Optional[Dict[int, object]] = None,
+    originals: Optional[Dict[int, object]] = None,
+  ):
     self.strategy = strategy
     self.sharded = {} if sharded is None else sharded
     self.originals = {} if originals is None else originals
@@ -227,13 +250,17 @@ class ReplicaVariables:
       held = self.sharded[id(original)] = ReplicaVariable(self.strategy, original, sharding)
       self.originals[id(original)] = original
     elif not isinstance(held, ReplicaVariable) or held.strategy is not self.strategy:
-      raise ValueError(f'ReplicaVariables: variable {original.name} is held by {held!r}, not '
-                       'by this strategy; steps under another strategy or backend need their '
-                       'own store.')
+      raise ValueError(
+        f'ReplicaVariables: variable {original.name} is held by {held!r}, not '
+        'by this strategy; steps under another strategy or backend need their '
+        'own store.'
+      )
     elif held.sharding != sharding:
-      raise ValueError(f'ReplicaVariables: variable {original.name} is sharded {held.sharding} by '
-                       f'an earlier step but {sharding} by this one; annotate it with '
-                       'shard_variable to fix its layout.')
+      raise ValueError(
+        f'ReplicaVariables: variable {original.name} is sharded {held.sharding} by '
+        f'an earlier step but {sharding} by this one; annotate it with '
+        'shard_variable to fix its layout.'
+      )
     return held
 
   def sync(self, originals) -> None:
@@ -247,20 +274,29 @@ class ReplicaVariables:
       self.sharded[id(original)].scatter(original.read_value())
 
 
-def _check_options(strategy, mesh: Mesh, collectives: str, exported: Optional[bool],
-                   variables: Optional[ReplicaVariables]) -> bool:
+def _check_options(
+  strategy,
+  mesh: Mesh,
+  collectives: str,
+  exported: Optional[bool],
+  variables: Optional[ReplicaVariables],
+) -> bool:
   """Refuse what cannot run, by name; returns whether the replica runs the exported module."""
   if strategy.num_replicas_in_sync != mesh.size:
-    raise ValueError(f'TPUStrategyStep: the strategy runs {strategy.num_replicas_in_sync} '
-                     f'replicas but the mesh {mesh} has {mesh.size} devices.')
+    raise ValueError(
+      f'TPUStrategyStep: the strategy runs {strategy.num_replicas_in_sync} '
+      f'replicas but the mesh {mesh} has {mesh.size} devices.'
+    )
   if collectives not in ('xla', 'tf'):
     raise ValueError(f"TPUStrategyStep: collectives must be 'xla' or 'tf', got {collectives!r}.")
   if variables is not None and variables.strategy is not strategy:
     raise ValueError('TPUStrategyStep: the ReplicaVariables given belong to another strategy.')
   exported = collectives == 'xla' if exported is None else bool(exported)
   if exported and collectives == 'tf':
-    raise ValueError("TPUStrategyStep: the exported module's collectives are XLA's; "
-                     "collectives='tf' runs the traced program (exported=False).")
+    raise ValueError(
+      "TPUStrategyStep: the exported module's collectives are XLA's; "
+      "collectives='tf' runs the traced program (exported=False)."
+    )
   return exported
 
 
@@ -276,10 +312,16 @@ class TPUStrategyStep:
   CPUs or GPUs standing in for the TPU; runs the traced program).
   """
 
-  def __init__(self, partitioned, strategy, *example_args,
-               replica_id: Callable[[], tf.Tensor] = _tpu_replica_id,
-               exported: Optional[bool] = None, collectives: str = 'xla',
-               variables: Optional[ReplicaVariables] = None):
+  def __init__(
+    self,
+    partitioned,
+    strategy,
+    *example_args,
+    replica_id: Callable[[], tf.Tensor] = _tpu_replica_id,
+    exported: Optional[bool] = None,
+    collectives: str = 'xla',
+    variables: Optional[ReplicaVariables] = None,
+  ):
     self.mesh: Mesh = partitioned.mesh
     exported = _check_options(strategy, self.mesh, collectives, exported, variables)
     self.strategy = strategy
@@ -289,7 +331,8 @@ class TPUStrategyStep:
     self._compiled = compiled
     self.arg_shardings = list(compiled.arg_shardings)
     self.capture_shardings = [
-        compiled.plan.target(compiled.program.main, n) for n in compiled.program.captures]
+      compiled.plan.target(compiled.program.main, n) for n in compiled.program.captures
+    ]
     self.local_specs = list(compiled.local_specs)
     self._n_args = len(compiled.program.arg_inputs)
     self._take_variables(partitioned, compiled, variables)
@@ -307,11 +350,13 @@ class TPUStrategyStep:
     """Each variable's shards from `variables` (made there from the original if new)."""
     self.variables = ReplicaVariables(self.strategy) if variables is None else variables
     shardings = [partitioned.store.sharded[id(v)].sharding for v in compiled.variables]
-    self.variable_layouts = [(v.name, s, tuple(v.shape))
-                             for v, s in zip(compiled.variables, shardings)]
+    self.variable_layouts = [
+      (v.name, s, tuple(v.shape)) for v, s in zip(compiled.variables, shardings)
+    ]
     self._originals = list(compiled.variables)
-    self.replica_variables = [self.variables.get(v, s)
-                              for v, s in zip(compiled.variables, shardings)]
+    self.replica_variables = [
+      self.variables.get(v, s) for v, s in zip(compiled.variables, shardings)
+    ]
     self.shard_variables = [r.variable for r in self.replica_variables]
 
   def _trace_tf_program(self):
@@ -323,13 +368,19 @@ class TPUStrategyStep:
     collective V2 ops run between the devices of one function).
     """
     devices = tuple(self.strategy.extended.worker_devices)
-    self._tokens = [tf_collectives.new_token_variable(d, f'replica_token{r}')
-                    for r, d in enumerate(devices)]
+    self._tokens = [
+      tf_collectives.new_token_variable(d, f'replica_token{r}') for r, d in enumerate(devices)
+    ]
     by_replica = [r.components() for r in self.replica_variables]
     self._components = [list(c) for c in zip(*by_replica)] or [[] for _ in devices]
-    return trace_per_partition(self.mesh, self._compiled.per_partition,
-                               self.local_specs + self._components[0], devices=devices,
-                               progress_markers=False, name='replica_per_partition')
+    return trace_per_partition(
+      self.mesh,
+      self._compiled.per_partition,
+      self.local_specs + self._components[0],
+      devices=devices,
+      progress_markers=False,
+      name='replica_per_partition',
+    )
 
   # --- what strategy.run calls ------------------------------------------------------------------
   def replica_program(self, partition_id, *local):
@@ -347,8 +398,9 @@ class TPUStrategyStep:
     """
     local = list(local)
     values = [v.read_value() for v in variables]
-    results = call_module_lib.call_module(self.export, local + values, module=self._module,
-                                          name='tpu_replica_module')
+    results = call_module_lib.call_module(
+      self.export, local + values, module=self._module, name='tpu_replica_module'
+    )
     outputs = []
     for layout, value in zip(self.export.results, results):
       if layout.updates is None:
@@ -361,14 +413,19 @@ class TPUStrategyStep:
     """collectives='tf': the program traced once, called with this replica's components."""
     replica = tf.get_static_value(_tpu_replica_id())
     if replica is None:
-      raise ValueError("TPUStrategyStep: collectives='tf' needs a strategy whose replica id is "
-                       'known while tracing (MirroredStrategy); a TPU runs collectives="xla".')
+      raise ValueError(
+        "TPUStrategyStep: collectives='tf' needs a strategy whose replica id is "
+        'known while tracing (MirroredStrategy); a TPU runs collectives="xla".'
+      )
     replica = int(replica)
     # The concrete function, not the tf.function: under a MirroredStrategy a tf.function
     # retraces for each replica's device, and each trace would get new collective keys.
-    return self._tf_program.function(tf.constant(replica, tf.int32),
-                                     self._tokens[replica].handle, *local,
-                                     *self._components[replica])
+    return self._tf_program.function(
+      tf.constant(replica, tf.int32),
+      self._tokens[replica].handle,
+      *local,
+      *self._components[replica],
+    )
 
   def replica_fn(self, *local):
     """The function `strategy.run` runs on every replica: partition id = replica id."""
@@ -383,10 +440,10 @@ class TPUStrategyStep:
 
   # --- host side --------------------------------------------------------------------------------
   def _per_replica(self, value, sharding, what: str):
-    shards = sharded_lib.split(tf.convert_to_tensor(value), sharding, [None] * self.mesh.size,
-                               what)
+    shards = sharded_lib.split(tf.convert_to_tensor(value), sharding, [None] * self.mesh.size, what)
     return self.strategy.experimental_distribute_values_from_function(
-        lambda ctx: shards[ctx.replica_id_in_sync_group])
+      lambda ctx: shards[ctx.replica_id_in_sync_group]
+    )
 
   def _refuse_unlinked_collectives(self) -> None:
     """Outside a TPU, each replica's XlaCallModule is compiled on its own (CPU XLA has a
@@ -399,20 +456,25 @@ class TPUStrategyStep:
     self._collectives_checked = not found
     if found:
       raise ValueError(
-          f'TPUStrategyStep: the exported module runs collectives ({", ".join(found)}), which '
-          f'join the replicas only in one XLA program over them (a TPU\'s); under '
-          f'{type(self.strategy).__name__} each replica would run them alone. Run it under a '
-          "TPUStrategy, or use collectives='tf' (TF collective ops between the replicas).")
+        f'TPUStrategyStep: the exported module runs collectives ({", ".join(found)}), which '
+        f"join the replicas only in one XLA program over them (a TPU's); under "
+        f'{type(self.strategy).__name__} each replica would run them alone. Run it under a '
+        "TPUStrategy, or use collectives='tf' (TF collective ops between the replicas)."
+      )
 
   def __call__(self, *args):
     self._refuse_unlinked_collectives()
     flat = [a for a in tf.nest.flatten(args) if a is not None]  # Keras' absent sample weights
     if len(flat) != self._n_args:
       raise ValueError(f'TPUStrategyStep: {len(flat)} tensor arguments, expected {self._n_args}.')
-    inputs = [self._per_replica(a, s, f'argument {i}')
-              for i, (a, s) in enumerate(zip(flat, self.arg_shardings))]
-    inputs += [self._per_replica(c, s, f'capture {i}') for i, (c, s) in
-               enumerate(zip(self._compiled.capture_values, self.capture_shardings))]
+    inputs = [
+      self._per_replica(a, s, f'argument {i}')
+      for i, (a, s) in enumerate(zip(flat, self.arg_shardings))
+    ]
+    inputs += [
+      self._per_replica(c, s, f'capture {i}')
+      for i, (c, s) in enumerate(zip(self._compiled.capture_values, self.capture_shardings))
+    ]
     if self._tf_program is None:
       outputs = self._step(*inputs)
     else:
@@ -423,11 +485,14 @@ class TPUStrategyStep:
     structure = self._compiled.program.structured_outputs
     if structure is None:
       return None
-    flat_out = [sharded_lib.assemble(list(self.strategy.experimental_local_results(o)), s, shape,
-                                     f'output {j}')
-                for j, (o, s, shape) in enumerate(zip(tf.nest.flatten(outputs),
-                                                     self._compiled.out_shardings,
-                                                     self._compiled.out_shapes))]
+    flat_out = [
+      sharded_lib.assemble(
+        list(self.strategy.experimental_local_results(o)), s, shape, f'output {j}'
+      )
+      for j, (o, s, shape) in enumerate(
+        zip(tf.nest.flatten(outputs), self._compiled.out_shardings, self._compiled.out_shapes)
+      )
+    ]
     return tf.nest.pack_sequence_as(structure, flat_out, expand_composites=True)
 
   def scatter_variables(self) -> None:
@@ -445,12 +510,15 @@ class TPUStrategyStep:
 
     Variables are passed in so that tf2xla makes them parameters and their new values results.
     """
+
     def replica(*local):
       if self.export is not None:  # the module's partition id is XLA's replica id already
         n_variables = len(self.shard_variables)
-        return self.exported_program(local[:-n_variables] if n_variables else local,
-                                     local[len(local) - n_variables:])
+        return self.exported_program(
+          local[:-n_variables] if n_variables else local, local[len(local) - n_variables :]
+        )
       return self.replica_program(replica_id(), *local)
+
     replica.__name__ = 'tpu_replica'
     return tf.function(replica, jit_compile=True)
 

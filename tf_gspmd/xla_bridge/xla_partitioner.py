@@ -48,14 +48,16 @@ from tf_gspmd.xla_bridge import pjrt
 def _xla_client():
   # jaxlib's XLA client is the only Python handle on PJRT's compile options (num_partitions,
   # use_spmd_partitioning, the partitioner choice) and on HLO -> StableHLO conversion.
-  from jax._src.lib import xla_client  # pylint: disable=g-import-not-at-top
+  from jax._src.lib import xla_client
+
   return xla_client
 
 
 def _gspmd_sharding(devices, proto):
   # jax's public NamedSharding needs a mesh; GSPMDSharding takes the compiled executable's own
   # OpSharding, so arguments are laid out exactly as XLA's partitioner decided to read them.
-  from jax._src.sharding_impls import GSPMDSharding  # pylint: disable=g-import-not-at-top
+  from jax._src.sharding_impls import GSPMDSharding
+
   return GSPMDSharding(tuple(devices), proto)
 
 
@@ -76,12 +78,13 @@ def spmd_compile_options(num_partitions: int):
 @dataclasses.dataclass
 class Parameter:
   """One entry parameter of the lowered step: an argument, a variable or a captured tensor."""
+
   number: int
-  kind: str                       # 'argument', 'variable' or 'capture'
+  kind: str  # 'argument', 'variable' or 'capture'
   name: str
   sharding: Sharding
   variable: Optional[tf.Variable] = None
-  value: Optional[np.ndarray] = None   # captured tensors: their (constant) value
+  value: Optional[np.ndarray] = None  # captured tensors: their (constant) value
 
 
 def _entry(module: hlo_pb2.HloModuleProto):
@@ -108,13 +111,20 @@ def _check_even(sharding: Sharding, shape: tuple, what: str) -> None:
   sharding.check_shape(shape, what)
   tiles = sharding.tile_shape if sharding.is_tiled else None
   if tiles and any(size % t for size, t in zip(shape, tiles)):
-    raise ValueError(f'{what}: sharding {sharding} splits shape {shape} unevenly; the XLA '
-                     'partitioner side feeds its parameters as jax arrays, which need every '
-                     'split dim divisible by its shard count.')
+    raise ValueError(
+      f'{what}: sharding {sharding} splits shape {shape} unevenly; the XLA '
+      'partitioner side feeds its parameters as jax arrays, which need every '
+      'split dim divisible by its shard count.'
+    )
 
 
-def lower_annotated(fn, args: Sequence, arg_shardings: Sequence[Optional[Sharding]],
-                    variable_sharding, out_shardings=None) -> tuple:
+def lower_annotated(
+  fn,
+  args: Sequence,
+  arg_shardings: Sequence[Optional[Sharding]],
+  variable_sharding,
+  out_shardings=None,
+) -> tuple:
   """(HloModuleProto with parameter and result shardings, [Parameter], {result: parameter} of
   the variables' new values, number of results).
 
@@ -127,17 +137,20 @@ def lower_annotated(fn, args: Sequence, arg_shardings: Sequence[Optional[Shardin
   jitted = tf.function(getattr(fn, 'python_function', fn), jit_compile=True)
   tensors = [tf.convert_to_tensor(a) for a in args]
   module = hlo_pb2.HloModuleProto.FromString(
-      jitted.experimental_get_compiler_ir(*tensors)(stage='hlo_serialized'))
+    jitted.experimental_get_compiler_ir(*tensors)(stage='hlo_serialized')
+  )
   concrete = jitted.get_concrete_function(*tensors)
   step_name = getattr(fn, '__name__', None) or concrete.name.decode()
   entry = _entry(module)
-  hlo_params = sorted((i for i in entry.instructions if i.opcode == 'parameter'),
-                      key=lambda i: i.parameter_number)
+  hlo_params = sorted(
+    (i for i in entry.instructions if i.opcode == 'parameter'), key=lambda i: i.parameter_number
+  )
   captured = list(concrete.captured_inputs)
   if len(hlo_params) != len(tensors) + len(captured):
     raise ValueError(
-        f'XLA partitioner: step {step_name} lowered to {len(hlo_params)} parameters, expected '
-        f'{len(tensors)} arguments + {len(captured)} captured inputs.')
+      f'XLA partitioner: step {step_name} lowered to {len(hlo_params)} parameters, expected '
+      f'{len(tensors)} arguments + {len(captured)} captured inputs.'
+    )
   variables = {id(v.handle): v for v in concrete.variables}
   params = []
   for number, hlo_param in enumerate(hlo_params):
@@ -151,24 +164,31 @@ def lower_annotated(fn, args: Sequence, arg_shardings: Sequence[Optional[Shardin
       else:
         param = Parameter(number, 'capture', f'capture{number}', None, value=handle.numpy())
     if param.sharding is not None:
-      _check_even(param.sharding, tuple(hlo_param.shape.dimensions),
-                  f'XLA partitioner: {param.kind} {param.name} of {step_name}')
-    hlo_param.sharding.CopyFrom(_proto(param.sharding) if param.sharding is not None
-                                else _replicated())
+      _check_even(
+        param.sharding,
+        tuple(hlo_param.shape.dimensions),
+        f'XLA partitioner: {param.kind} {param.name} of {step_name}',
+      )
+    hlo_param.sharding.CopyFrom(
+      _proto(param.sharding) if param.sharding is not None else _replicated()
+    )
     params.append(param)
-  alias = {e.output_shape_index[0]: e.parameter_number
-           for e in module.input_output_alias.entries}
+  alias = {e.output_shape_index[0]: e.parameter_number for e in module.input_output_alias.entries}
   # No donation, as in tf_gspmd's exported program: both sides keep their inputs alive, so
   # peak memory compares like with like and an input may be fed again (benchmarks do).
   module.ClearField('input_output_alias')
   root = _root(module)
   outputs = len(root.shape.tuple_shapes) if root.shape.tuple_shapes else 1
   given = iter(_proto(s) if s is not None else _replicated() for s in out_shardings or ())
-  results = [hlo_params[alias[k]].sharding if k in alias else next(given, _replicated())
-             for k in range(outputs)]
-  root.sharding.CopyFrom(xla_data_pb2.OpSharding(type=xla_data_pb2.OpSharding.TUPLE,
-                                                 tuple_shardings=results)
-                         if root.shape.tuple_shapes else results[0])
+  results = [
+    hlo_params[alias[k]].sharding if k in alias else next(given, _replicated())
+    for k in range(outputs)
+  ]
+  root.sharding.CopyFrom(
+    xla_data_pb2.OpSharding(type=xla_data_pb2.OpSharding.TUPLE, tuple_shardings=results)
+    if root.shape.tuple_shapes
+    else results[0]
+  )
   return module, params, alias, outputs
 
 
@@ -181,31 +201,47 @@ class XlaPartitionedStep:
   written back into the tf.Variables by `sync_variables()`.
   """
 
-  def __init__(self, fn, args: Sequence, num_devices: int, *,
-               arg_shardings: Optional[Sequence[Optional[Sharding]]] = None,
-               variable_sharding=lambda v: None,
-               out_shardings: Optional[Sequence[Optional[Sharding]]] = None):
-    import jax  # pylint: disable=g-import-not-at-top
+  def __init__(
+    self,
+    fn,
+    args: Sequence,
+    num_devices: int,
+    *,
+    arg_shardings: Optional[Sequence[Optional[Sharding]]] = None,
+    variable_sharding=lambda v: None,
+    out_shardings: Optional[Sequence[Optional[Sharding]]] = None,
+  ):
+    import jax
+
     self._jax = jax
     self.devices = pjrt.jax_devices(num_devices)
     arg_shardings = list(arg_shardings) if arg_shardings is not None else [None] * len(args)
     self.module, self.parameters, self.alias, self.num_outputs = lower_annotated(
-        fn, args, arg_shardings, variable_sharding, out_shardings)
+      fn, args, arg_shardings, variable_sharding, out_shardings
+    )
     xc = _xla_client()
-    stablehlo = xc._xla.mlir.hlo_to_stablehlo(self.module.SerializeToString())  # pylint: disable=protected-access
+    stablehlo = xc._xla.mlir.hlo_to_stablehlo(self.module.SerializeToString())  # noqa: SLF001
     start = time.perf_counter()
     self.executable = self.devices[0].client.compile_and_load(
-        stablehlo, xc.DeviceList(tuple(self.devices)), spmd_compile_options(num_devices))
+      stablehlo, xc.DeviceList(tuple(self.devices)), spmd_compile_options(num_devices)
+    )
     self.compile_seconds = time.perf_counter() - start
-    self._in_shardings = [_gspmd_sharding(self.devices, s)
-                          for s in self.executable.get_parameter_shardings()]
-    self._out_shardings = [_gspmd_sharding(self.devices, s)
-                           for s in self.executable.get_output_shardings()]
+    self._in_shardings = [
+      _gspmd_sharding(self.devices, s) for s in self.executable.get_parameter_shardings()
+    ]
+    self._out_shardings = [
+      _gspmd_sharding(self.devices, s) for s in self.executable.get_output_shardings()
+    ]
     root = _root(self.module)
-    self._output_shapes = [tuple(s.dimensions) for s in
-                           (root.shape.tuple_shapes if root.shape.tuple_shapes else [root.shape])]
-    self._state = {p.number: self._put(p, p.variable.numpy() if p.variable is not None else p.value)
-                   for p in self.parameters if p.kind != 'argument'}
+    self._output_shapes = [
+      tuple(s.dimensions)
+      for s in (root.shape.tuple_shapes if root.shape.tuple_shapes else [root.shape])
+    ]
+    self._state = {
+      p.number: self._put(p, p.variable.numpy() if p.variable is not None else p.value)
+      for p in self.parameters
+      if p.kind != 'argument'
+    }
 
   def _put(self, param: Parameter, value):
     # 64-bit on: TF steps hold int64 state (Keras's iteration count), which jax would narrow.
@@ -214,14 +250,19 @@ class XlaPartitionedStep:
 
   def run(self, *args) -> list:
     """One step on device arrays: returns the outputs of `fn` as jax arrays (variables stay)."""
-    inputs = [self._put(p, args[p.number]) if p.kind == 'argument' else self._state[p.number]
-              for p in self.parameters]
+    inputs = [
+      self._put(p, args[p.number]) if p.kind == 'argument' else self._state[p.number]
+      for p in self.parameters
+    ]
     results = self.executable.execute_sharded(inputs)
     per_device = results.disassemble_into_single_device_arrays()
     with self._jax.enable_x64(True):
-      outputs = [self._jax.make_array_from_single_device_arrays(
-          self._output_shapes[k], self._out_shardings[k], shards)
-                 for k, shards in enumerate(per_device)]
+      outputs = [
+        self._jax.make_array_from_single_device_arrays(
+          self._output_shapes[k], self._out_shardings[k], shards
+        )
+        for k, shards in enumerate(per_device)
+      ]
     for k, number in self.alias.items():
       self._state[number] = outputs[k]
     return [outputs[k] for k in range(self.num_outputs) if k not in self.alias]
@@ -232,8 +273,9 @@ class XlaPartitionedStep:
 
   def read_variables(self) -> Dict[str, np.ndarray]:
     """Global value of every variable, by variable name."""
-    return {p.name: np.asarray(self._state[p.number])
-            for p in self.parameters if p.kind == 'variable'}
+    return {
+      p.name: np.asarray(self._state[p.number]) for p in self.parameters if p.kind == 'variable'
+    }
 
   def sync_variables(self) -> None:
     for p in self.parameters:
@@ -254,15 +296,39 @@ class XlaPartitionedStep:
 def compiled_memory(executable) -> dict:
   """Per-device bytes from XLA's buffer assignment; peak = arguments + outputs - aliased + temps."""
   stats = executable.get_compiled_memory_stats()
-  peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
-          + stats.temp_size_in_bytes)
-  return dict(arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
-              aliased=stats.alias_size_in_bytes, temps=stats.temp_size_in_bytes, peak=peak)
+  peak = (
+    stats.argument_size_in_bytes
+    + stats.output_size_in_bytes
+    - stats.alias_size_in_bytes
+    + stats.temp_size_in_bytes
+  )
+  return dict(
+    arguments=stats.argument_size_in_bytes,
+    outputs=stats.output_size_in_bytes,
+    aliased=stats.alias_size_in_bytes,
+    temps=stats.temp_size_in_bytes,
+    peak=peak,
+  )
 
 
 # --- reading collectives from HLO text ---------------------------------------------------------
-_DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16': 2, 's32': 4,
-                'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8, 'c128': 16}
+_DTYPE_BYTES = {
+  'pred': 1,
+  's8': 1,
+  'u8': 1,
+  's16': 2,
+  'u16': 2,
+  'f16': 2,
+  'bf16': 2,
+  's32': 4,
+  'u32': 4,
+  'f32': 4,
+  's64': 8,
+  'u64': 8,
+  'f64': 8,
+  'c64': 8,
+  'c128': 16,
+}
 _COLLECTIVES = ('all-gather', 'all-to-all', 'collective-permute', 'all-reduce', 'reduce-scatter')
 _OTHER_COMMUNICATION = ('send', 'recv', 'collective-broadcast', 'ragged-all-to-all')
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$')
@@ -291,7 +357,7 @@ def _split_instruction(line: str):
     return None
   name, rest = match.groups()
   depth, end = 0, None
-  for i, c in enumerate(rest):   # the shape ends at the first space outside brackets
+  for i, c in enumerate(rest):  # the shape ends at the first space outside brackets
     depth += c in '([{'
     depth -= c in ')]}'
     if c == ' ' and depth == 0:
@@ -299,7 +365,7 @@ def _split_instruction(line: str):
       break
   if end is None:
     return None
-  shape, rest = rest[:end], rest[end + 1:]
+  shape, rest = rest[:end], rest[end + 1 :]
   opcode = re.match(r'([\w\-]+)\(', rest)
   if not opcode:
     return None
@@ -309,8 +375,8 @@ def _split_instruction(line: str):
     depth -= rest[i] == ')'
     if depth == 0:
       break
-  operands = re.findall(r'%([\w.\-]+)', rest[opcode.end():i])
-  return name, shape, opcode.group(1), operands, rest[i + 1:]
+  operands = re.findall(r'%([\w.\-]+)', rest[opcode.end() : i])
+  return name, shape, opcode.group(1), operands, rest[i + 1 :]
 
 
 def _group_size(attrs: str, num_devices: int) -> int:
@@ -319,11 +385,13 @@ def _group_size(attrs: str, num_devices: int) -> int:
     return int(iota.group(2))
   # Mesh form: replica_groups=mesh['a'=2,'b'=4](, device_ids=...)? {'b'} -- one group spans the
   # listed axes (or sub-axes 'b':(pre)size).
-  mesh = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", attrs)
+  mesh = re.search(r'replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}', attrs)
   if mesh:
     sizes = dict((n, int(s)) for n, s in re.findall(r"'([^']+)'=(\d+)", mesh.group(1)))
-    return math.prod(int(sub) if sub else sizes[name]
-                     for name, sub in re.findall(r"'([^']+)'(?::\(\d+\)(\d+))?", mesh.group(2)))
+    return math.prod(
+      int(sub) if sub else sizes[name]
+      for name, sub in re.findall(r"'([^']+)'(?::\(\d+\)(\d+))?", mesh.group(2))
+    )
   explicit = re.search(r'replica_groups=\{(\{[\d,]*\})?', attrs)
   if explicit:
     first = explicit.group(1)
@@ -335,8 +403,11 @@ def partitioned_collectives(hlo_text: str, num_devices: int) -> List[dict]:
   """Every collective of (partitioned) HLO text: kind, shapes, group size, bytes per device."""
   lines = [s for s in (_split_instruction(l) for l in hlo_text.splitlines()) if s is not None]
   shapes = {name: shape for name, shape, *_ in lines}
-  done_shape = {operands[0]: shape for _, shape, opcode, operands, _ in lines
-                if opcode.endswith('-done') and operands}
+  done_shape = {
+    operands[0]: shape
+    for _, shape, opcode, operands, _ in lines
+    if opcode.endswith('-done') and operands
+  }
   found = []
   for name, shape, opcode, operands, attrs in lines:
     kind = re.sub(r'-(start|done)$', '', opcode)
@@ -352,8 +423,9 @@ def partitioned_collectives(hlo_text: str, num_devices: int) -> List[dict]:
       received = operand_bytes if any(s != t for s, t in pairs) else 0
     else:
       size = _group_size(attrs, num_devices)
-      received = _received(kind, operand_bytes, _bytes(result),
-                           [_arrays(shapes[o]) for o in operands], size)
+      received = _received(
+        kind, operand_bytes, _bytes(result), [_arrays(shapes[o]) for o in operands], size
+      )
     found.append(dict(kind=kind, name=name, shape=result, group_size=size, bytes=received))
   return found
 
@@ -366,5 +438,8 @@ def _received(kind: str, operand: int, result: int, operand_arrays, g: int) -> i
   if kind in ('all-to-all', 'reduce-scatter'):
     return operand * (g - 1) // g
   # all-reduce: ring reduce-scatter then ring all-gather, per operand array
-  return sum(2 * (g - 1) * -(-math.prod(dims) // g) * _DTYPE_BYTES[dtype]
-             for arrays in operand_arrays for dtype, dims in arrays)
+  return sum(
+    2 * (g - 1) * -(-math.prod(dims) // g) * _DTYPE_BYTES[dtype]
+    for arrays in operand_arrays
+    for dtype, dims in arrays
+  )
