@@ -6,6 +6,7 @@ a failure prints its shrunk program as a pytest test, so any CI failure reproduc
 `python -m tf_gspmd.testing.fuzz --seed S --start I --programs 1`.
 """
 
+import dataclasses
 import datetime
 import os
 import time
@@ -14,6 +15,7 @@ import warnings
 import pytest
 
 from tf_gspmd.graph_rewrite import factors, handlers
+from tf_gspmd.propagation import registry
 from tf_gspmd.testing import fuzz
 
 BUDGET_SECONDS = 45
@@ -100,7 +102,10 @@ def _program_with_sin():
 def test_shrinker_finds_a_planted_bug(monkeypatch, tmp_path):
   program = _program_with_sin()
   assert fuzz.run(program).status == 'pass'
-  monkeypatch.setitem(handlers.HANDLERS, 'Sin', _wrong_sin)
+  sin = registry.lookup('Sin')
+  entries = registry.REGISTRY._entries  # noqa: SLF001 (plant a bug in one entry, undone below)
+  monkeypatch.setitem(handlers.LOCAL, 'wrong_sin', _wrong_sin)
+  monkeypatch.setitem(entries, 'Sin', dataclasses.replace(sin, local='wrong_sin'))
   outcome = fuzz.run(program)
   assert outcome.status == 'mismatch'
   small = fuzz.shrink(program, fuzz.failing_like(outcome, 'tf'), budget=80)
@@ -110,7 +115,7 @@ def test_shrinker_finds_a_planted_bug(monkeypatch, tmp_path):
   test = _load_case(tmp_path, fuzz.test_case(small, outcome))
   with pytest.raises(AssertionError, match='differs from unpartitioned'):
     test()  # the printed case reproduces the bug...
-  monkeypatch.delitem(handlers.HANDLERS, 'Sin')
+  monkeypatch.setitem(entries, 'Sin', sin)
   test()  # ...and passes once it is fixed
 
 

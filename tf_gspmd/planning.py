@@ -42,6 +42,7 @@ from tf_gspmd import partitioned
 from tf_gspmd.annotations import shard_variable
 from tf_gspmd.graph_rewrite.partitioner import OpRecord
 from tf_gspmd.mesh import Mesh
+from tf_gspmd.propagation import registry
 from tf_gspmd.sharding import NamedSharding
 
 
@@ -290,23 +291,6 @@ def _variable_bytes(variable, shards: _AbstractShards) -> VariableBytes:
   )
 
 
-# Ops whose outputs alias memory held elsewhere (a variable's buffer, their input),
-# so the liveness pass gives them no bytes of their own.
-_ALIASING_OPS = frozenset(
-  {
-    'ReadVariableOp',
-    'Identity',
-    'IdentityN',
-    'Reshape',
-    'Squeeze',
-    'ExpandDims',
-    'StopGradient',
-    'Snapshot',
-    'Placeholder',
-  }
-)
-
-
 def activation_peak(graph: tf.Graph) -> tuple:
   """(peak bytes, tensors counted): the most local tensor bytes live at once in `graph`.
 
@@ -317,7 +301,7 @@ def activation_peak(graph: tf.Graph) -> tuple:
   together. Not counted: the function's own arguments (the local shards of
   the inputs: the caller holds them), variables (parameters and optimizer
   state, reported apart) and outputs of ops that alias another buffer
-  (`_ALIASING_OPS`, e.g. a variable read), resources and variants, and tensors
+  (their registry entry's `aliasing`, e.g. a variable read), resources and variants, and tensors
   of unknown shape. Ops inside called functions and loop bodies count only
   through the call's outputs.
   """
@@ -332,7 +316,7 @@ def activation_peak(graph: tf.Graph) -> tuple:
   born_at: Dict[int, int] = {}
   counted = 0
   for op in ops:
-    if op.type in _ALIASING_OPS:
+    if registry.entry_of(op.type).aliasing:
       continue
     for t in op.outputs:
       size = _tensor_bytes(t)

@@ -30,13 +30,10 @@ from tensorflow.core.framework import attr_value_pb2
 
 from tf_gspmd.graph import emit
 from tf_gspmd.graph_rewrite import factors, uneven
-from tf_gspmd.graph_rewrite.handlers import check_local_shape, global_shape, handles
+from tf_gspmd.graph_rewrite.handlers import check_local_shape, global_shape, computes
 from tf_gspmd.graph_rewrite.partitioner import Local, replicated
 from tf_gspmd.propagation.registry import attr
 from tf_gspmd.sharding import NamedSharding, P
-
-FORWARD = ('FusedBatchNorm', 'FusedBatchNormV2', 'FusedBatchNormV3')
-GRADIENT = ('FusedBatchNormGrad', 'FusedBatchNormGradV2', 'FusedBatchNormGradV3')
 
 
 def _channel_dim(node, rank: int) -> int:
@@ -90,7 +87,7 @@ def _along_channel(v: tf.Tensor, rank: int, channel: int) -> tf.Tensor:
   return tf.reshape(v, shape)
 
 
-@handles(*FORWARD, unshaped_results_ok=True)
+@computes('batch_norm')
 def fused_batch_norm_handler(p, graph, node, operands):
   chosen = factors.choose_layouts(p, graph, node, operands)
   x, scale, offset, mean, variance = _operands(p, node, operands, chosen)
@@ -152,7 +149,7 @@ def _global_batch_statistics(
   return _finish(p, graph, node, tensors, chosen.results)
 
 
-@handles(*GRADIENT, unshaped_results_ok=True)
+@computes('batch_norm_grad')
 def fused_batch_norm_grad_handler(p, graph, node, operands):
   chosen = factors.choose_layouts(p, graph, node, operands)
   values = _operands(p, node, operands, chosen)

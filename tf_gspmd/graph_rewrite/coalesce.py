@@ -72,10 +72,17 @@ from tf_gspmd.sharding import NamedSharding
 
 BUCKET_BYTES = 32 * 2**20  # largest fused all-reduce buffer (per device)
 
-_ADDS = ('AddV2', 'Add', 'AddN', 'Sub')
-_SCALED = ('Mul', 'RealDiv')  # operand 0 pending (RealDiv: the numerator only)
-_LAYOUT_ONLY = ('Identity', 'Snapshot', 'XlaSharding')
-LINEAR_OPS = _ADDS + _SCALED + ('Neg', 'Reshape', 'Sum') + _LAYOUT_ONLY
+# Linear forms (`Entry.linear`) by what their pending operands must be.
+_ADDS = ('add', 'add_n', 'subtract')  # every operand pending alike
+_SCALED = ('scale', 'divide')  # operand 0 pending (divide: the numerator only)
+_LAYOUT_ONLY = ('layout', 'annotate')
+
+
+def linear_form(node) -> Optional[str]:
+  """How `node` runs on pending sums (its registry entry's `linear`), None if it cannot."""
+  from tf_gspmd.propagation import registry
+
+  return registry.entry_of(node.op).linear
 
 
 def enabled() -> bool:
@@ -303,7 +310,8 @@ def _only_consumer(frame: Frame, tensor: str, node) -> bool:
 
 def _linear_on_pending(p, frame: Frame, node, operands: List[Local]) -> bool:
   """Whether `node` is linear in its pending operands and may run on their partial blocks."""
-  if node.op not in LINEAR_OPS or len(node.outputs) != 1:
+  form = linear_form(node)
+  if form is None or len(node.outputs) != 1:
     return False
   pending = [t in frame.pending for t in node.inputs]
   if not all(_only_consumer(frame, t, node) for t, is_p in zip(node.inputs, pending) if is_p):
@@ -313,7 +321,7 @@ def _linear_on_pending(p, frame: Frame, node, operands: List[Local]) -> bool:
   out_shape = frame.graph.tensor(out).shape
   if out_shape is None or None in out_shape:
     return False
-  if node.op in _ADDS:
+  if form in _ADDS:
     return (
       all(pending)
       and first.sharding.partial == 'sum'
@@ -322,8 +330,8 @@ def _linear_on_pending(p, frame: Frame, node, operands: List[Local]) -> bool:
         for o in operands
       )
     )
-  if node.op in _SCALED:
-    if node.op == 'Mul' and pending == [False, True]:  # c * x: the same as x * c
+  if form in _SCALED:
+    if form == 'scale' and pending == [False, True]:  # c * x: the same as x * c
       first, pending = operands[1], [True, False]
     other = operands[0] if first is not operands[0] else operands[1]
     return (
@@ -334,18 +342,18 @@ def _linear_on_pending(p, frame: Frame, node, operands: List[Local]) -> bool:
       and len(other.shape) <= len(first.shape)
       and tuple(out_shape) == tuple(first.shape)
     )
-  if node.op == 'Neg':
+  if form == 'negate':
     return pending == [True] and first.sharding.partial == 'sum'
-  if node.op in _LAYOUT_ONLY:
+  if form in _LAYOUT_ONLY:
     if not pending[0] or any(pending[1:]):
       return False
     target = p.target(frame.graph, out)
-    return node.op != 'XlaSharding' or (
+    return form != 'annotate' or (
       target.spec == first.sharding.spec and target.mesh == first.sharding.mesh
     )
-  if node.op == 'Reshape':
+  if form == 'reshape':
     return pending == [True, False] and _reshape_prefix(first, tuple(out_shape)) is not None
-  if node.op == 'Sum':
+  if form == 'sum':
     return (
       pending == [True, False]
       and first.sharding.partial == 'sum'
@@ -382,29 +390,30 @@ def _reshape_prefix(value: Local, out_shape: tuple) -> Optional[int]:
 
 def linear_handler(p, graph, node, operands: List[Local]) -> List[Local]:
   """`node` on the local partial blocks of its pending operands; the result is partial."""
+  form = linear_form(node)
   first, other = operands[0], operands[1:]
-  if node.op == 'Mul' and first.sharding.partial_axes == () and other[0].sharding.partial_axes:
+  if form == 'scale' and first.sharding.partial_axes == () and other[0].sharding.partial_axes:
     first, other = other[0], [first]  # c * x
   out = node.outputs[0].name
   out_shape = tuple(int(d) for d in graph.tensor(out).shape)
   name = node.name + '/gspmd/pending'
   sharding = first.sharding
-  if node.op in ('AddV2', 'Add'):
+  if form == 'add':
     y = tf.add(first.tensor, operands[1].tensor, name=name)
-  elif node.op == 'AddN':
+  elif form == 'add_n':
     y = tf.add_n([o.tensor for o in operands], name=name)
-  elif node.op == 'Sub':
+  elif form == 'subtract':
     y = tf.subtract(first.tensor, operands[1].tensor, name=name)
-  elif node.op == 'Neg':
+  elif form == 'negate':
     y = tf.negative(first.tensor, name=name)
-  elif node.op in _SCALED:
+  elif form in _SCALED:
     # The one-element factor whole on every partition: split by an axis (its element on one
     # shard, the others empty or padding) it would scale most blocks by nothing.
     scalar = tf.reshape(p.replicate(other[0], f'factor of pending {node.op}').tensor, [])
-    y = (tf.multiply if node.op == 'Mul' else tf.math.truediv)(first.tensor, scalar, name=name)
-  elif node.op in _LAYOUT_ONLY:
+    y = (tf.multiply if form == 'scale' else tf.math.truediv)(first.tensor, scalar, name=name)
+  elif form in _LAYOUT_ONLY:
     y = tf.identity(first.tensor, name=name)
-  elif node.op == 'Sum':  # over unsharded dims: the partial axes stay, those dims go
+  elif form == 'sum':  # over unsharded dims: the partial axes stay, those dims go
     dims = _summed_dims(operands[1], first)
     keep = bool(node.attrs['keep_dims'].b) if 'keep_dims' in node.attrs else False
     spec = tuple(first.sharding.spec) + (None,) * (len(first.shape) - len(first.sharding.spec))

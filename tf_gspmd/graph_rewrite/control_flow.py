@@ -13,7 +13,7 @@ from typing import List
 import tensorflow as tf
 from tensorflow.python.ops import handle_data_util
 
-from tf_gspmd.graph_rewrite.handlers import handles
+from tf_gspmd.graph_rewrite.handlers import computes
 from tf_gspmd.graph_rewrite.partitioner import Local, Partitioner
 
 
@@ -69,7 +69,7 @@ def _attr(node, name, default):
   return default if value is None else value.i
 
 
-@handles('While', 'StatelessWhile')
+@computes('while')
 def while_handler(p, graph, node, operands):
   carried = _loop_layouts(p, graph, node, operands)
   names = node.called_functions()
@@ -108,7 +108,7 @@ def _run_branches(p, graph, node, args: List[Local], choose, branch_names) -> Li
   return [Local(t, l.sharding, l.shape) for t, l in zip(outs, layouts)]
 
 
-@handles('If', 'StatelessIf')
+@computes('if')
 def if_handler(p, graph, node, operands):
   pred = tf.reshape(tf.cast(p.replicate(operands[0], 'branch predicate').tensor, tf.bool), [])
   names = node.called_functions()
@@ -122,7 +122,7 @@ def if_handler(p, graph, node, operands):
   )
 
 
-@handles('Case', 'StatelessCase')
+@computes('case')
 def case_handler(p, graph, node, operands):
   index = tf.reshape(p.replicate(operands[0], 'branch index').tensor, [])
   return _run_branches(
@@ -135,7 +135,7 @@ def case_handler(p, graph, node, operands):
   )
 
 
-@handles('PartitionedCall', 'StatefulPartitionedCall')
+@computes('call')
 def call_handler(p, graph, node, operands):
   """A call is partitioned inline: its body's ops are emitted here."""
   callee = p.program.function(node.called_functions()['f'][0])

@@ -1,10 +1,11 @@
 """Which handler partitions an IR node: `lookup(partitioner, node, graph) -> (handler, how)`.
 
 Values known before run time and values of run-time shape come first (no
-sharding applies to them), then hand-written handlers, then the op's
-propagation rule, then the replicated fallback. Hand-written handler modules
-of this package register themselves on import (`handlers.handles`); they are
-found by listing the package, so no list of them is kept by hand.
+sharding applies to them), then the hand-written local computation the op's
+registry entry names (`Entry.local`), then the op's propagation rule, then the
+replicated fallback. Hand-written handler modules of this package register
+their computations by name on import (`handlers.computes`); they are found by
+listing the package, so no list of them is kept by hand.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pkgutil
 from tf_gspmd.graph import ir
 from tf_gspmd.graph_rewrite import factors, handlers
 from tf_gspmd.graph_rewrite.partitioner import Partitioner
+from tf_gspmd.propagation import registry
 
 
 @functools.lru_cache(maxsize=None)
@@ -28,6 +30,7 @@ def _load_families() -> None:
 def lookup(p: Partitioner, node: ir.Node, graph: ir.Graph):
   """The handler for `node` and a word on how it is partitioned."""
   _load_families()
+  entry = registry.entry_of(node.op)
   # Values known before run time and values of run-time shape come first: no
   # sharding can apply to them, whatever the op.
   if (
@@ -39,11 +42,13 @@ def lookup(p: Partitioner, node: ir.Node, graph: ir.Graph):
   if (
     any(handlers.is_dynamic(t) for t in node.outputs)
     and not node.called_functions()
-    and node.op not in handlers.UNSHAPED_RESULTS_OK
+    and not entry.unshaped_results_ok
   ):
     return handlers.dynamic_handler, 'replicated (dynamic shape)'
-  if node.op in handlers.HANDLERS:
-    return handlers.HANDLERS[node.op], 'hand-written'
+  if entry.local is not None:
+    return handlers.LOCAL[entry.local], 'hand-written'
+  if node.op in handlers.SEEDED_STATEFUL_OPS:  # TF's seeded random ops not registered (yet)
+    return handlers.random_handler, 'hand-written'
   if factors.has_rule(node, graph):
     if graph is not p.program.main and any(
       handlers.is_dynamic(graph.tensor(t)) for t in node.inputs

@@ -25,24 +25,6 @@ from tf_gspmd.graph_rewrite.partitioner import Local, Partitioner
 from tf_gspmd.propagation.rule import REDUCTION, OpRule, dim_factors
 from tf_gspmd.sharding import NamedSharding, P
 
-# The pending reduction a reduction factor leaves, by op type (default: sum).
-_REDUCTION_OF_OP = {'Max': 'max', 'Min': 'min', 'Prod': 'prod'}
-# Reductions whose partial results no collective can combine: reduced dims stay whole.
-_NOT_COMBINABLE = ('All', 'Any', 'ArgMax', 'ArgMin', 'EuclideanNorm')
-
-# Ops that divide by their second operand: its padding must not be zero.
-_DIVISIONS = (
-  'FloorDiv',
-  'FloorMod',
-  'Mod',
-  'TruncateDiv',
-  'TruncateMod',
-  'Div',
-  'RealDiv',
-  'DivNoNan',
-  'Reciprocal',
-)
-
 Assignment = Dict[str, Tuple[str, ...]]
 
 
@@ -216,9 +198,13 @@ def _cost(p, layouts: FactorLayouts, operands, result_shapes, targets):
 def factor_handler(p: Partitioner, graph, node, operands: List[Local]) -> List[Local]:
   """An op with a rule and no hand-written handler: reshard operands to the chosen
   layouts and run the op as it is on the local blocks."""
-  reduction = _REDUCTION_OF_OP.get(node.op, 'sum')
+  from tf_gspmd.propagation import registry
+
+  entry = registry.entry_of(node.op)
+  # A mean leaves a pending sum, scaled once it is taken (`_mean`).
+  reduction = 'sum' if entry.reduction == 'mean' else entry.reduction
   chosen = choose_layouts(
-    p, graph, node, operands, combinable=node.op not in _NOT_COMBINABLE, reduction=reduction
+    p, graph, node, operands, combinable=entry.combinable, reduction=reduction
   )
   inputs = []
   for i, (dims, need, op) in enumerate(zip(chosen.rule.operands, chosen.operands, operands)):
@@ -227,10 +213,11 @@ def factor_handler(p: Partitioner, graph, node, operands: List[Local]) -> List[L
       continue
     local = p.reshard(op, need, f'operand {i} of {node.op}')
     inputs.append(_mask_reduced(p, dims, local, chosen.reduced, reduction))
-  if node.op in _DIVISIONS and len(inputs) == 2:
+  d = entry.divisor
+  if d is not None and len(inputs) > d:
     # Padding holds zeros; an integer division by them is an error, not just garbage.
-    divisor = Local(inputs[1], chosen.operands[1], operands[1].shape)
-    inputs[1] = uneven.mask_padding(
+    divisor = Local(inputs[d], chosen.operands[d], operands[d].shape)
+    inputs[d] = uneven.mask_padding(
       divisor.tensor,
       divisor.sharding,
       divisor.shape,
@@ -239,7 +226,7 @@ def factor_handler(p: Partitioner, graph, node, operands: List[Local]) -> List[L
       p.backend.partition_id,
     )
   shapes = [global_shape(graph, t.name) for t in node.outputs]
-  if node.op == 'Mean':
+  if entry.reduction == 'mean':
     return _mean(p, graph, node, inputs, chosen.results, operands[0].shape, shapes[0])
   return emit_outputs(p, graph, node, inputs, chosen.results)
 

@@ -14,7 +14,7 @@ from typing import List
 import tensorflow as tf
 
 from tf_gspmd.graph_rewrite import uneven
-from tf_gspmd.graph_rewrite.handlers import check_local_shape, global_shape, handles
+from tf_gspmd.graph_rewrite.handlers import check_local_shape, global_shape, computes
 from tf_gspmd.graph_rewrite.partitioner import Local
 from tf_gspmd.sharding import NamedSharding, P
 
@@ -81,7 +81,7 @@ def rule_gather(p, graph, node, operands, axis: int, batch_dims: int = 0) -> Lis
   return [p.finish(graph, value, out)]
 
 
-@handles('GatherV2')
+@computes('gather_v2')
 def gather_v2_handler(p, graph, node, operands):
   params = operands[0]
   axis = p.static_value(graph, node.inputs[2])

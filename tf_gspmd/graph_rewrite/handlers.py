@@ -1,16 +1,17 @@
 """Per-op partitioning helpers and the generic handlers.
 
-Hand-written handlers (registered with `@handles`) cover ops whose attributes
-or constant inputs carry global shapes, and values known statically; every
-other op is partitioned from its propagation rule by `factors.factor_handler`,
-or, when it has none, computed on replicated operands (`fallback_handler`)
-with one warning naming it. `dispatch.lookup` picks among them.
+Hand-written local computations (registered by name with `@computes`, named by
+the op's registry entry) cover ops whose attributes or constant inputs carry
+global shapes, and values known statically; every other op is partitioned
+from its propagation rule by `factors.factor_handler`, or, when it has none,
+computed on replicated operands (`fallback_handler`) with one warning naming
+it. `dispatch.lookup` picks among them.
 """
 
 from __future__ import annotations
 
 import random
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List, Mapping
 
 import numpy as np
 import tensorflow as tf
@@ -20,21 +21,34 @@ from tf_gspmd.graph import emit, ir
 from tf_gspmd.graph_rewrite.partitioner import Local, Partitioner, replicated
 
 Handler = Callable[[Partitioner, ir.Graph, ir.Node, List[Local]], List[Local]]
-HANDLERS: Dict[str, Handler] = {}
-# Op types whose handler partitions them although some result has no static shape
-# (FusedBatchNormV3's reserve space, unshaped on CPU and read by nothing but its gradient).
-UNSHAPED_RESULTS_OK = set()
+# Hand-written local computations by name; a registry entry names its own (`Entry.local`).
+LOCAL: Dict[str, Handler] = {}
 
 
-def handles(*op_types: str, unshaped_results_ok: bool = False):
+def computes(name: str):
+  """Register the decorated function as the local computation called `name`."""
+
   def register(fn):
-    for t in op_types:
-      HANDLERS[t] = fn
-      if unshaped_results_ok:
-        UNSHAPED_RESULTS_OK.add(t)
+    if name in LOCAL:
+      raise ValueError(f'two local computations are called {name!r}')
+    LOCAL[name] = fn
     return fn
 
   return register
+
+
+def hand_written() -> Dict[str, Handler]:
+  """Op type -> its hand-written local computation, for every registry entry naming one."""
+  from tf_gspmd.propagation import registry
+
+  return {e.op_type: LOCAL[e.local] for e in registry.entries() if e.local is not None}
+
+
+def local_params(node: ir.Node) -> Mapping[str, Any]:
+  """What the registry entry of `node`'s op type tells its local computation."""
+  from tf_gspmd.propagation import registry
+
+  return registry.entry_of(node.op).local_params
 
 
 # --- helpers ------------------------------------------------------------------
@@ -97,13 +111,13 @@ def static_local(p: Partitioner, graph: ir.Graph, tensor: str, value: np.ndarray
 
 
 # --- values known statically, and pure data movement ------------------------------
-@handles('Const', 'Shape', 'ShapeN', 'Size', 'Rank')
+@computes('static')
 def static_handler(p, graph, node, operands):
   """Values known before run time (constants, shape arithmetic): the global value,
   then sliced to its sharding."""
   values = [p.static_value(graph, t.name) for t in node.outputs]
   if any(v is None for v in values):
-    if node.op == 'Const':  # a non-foldable dtype (float, string): emit it as it is
+    if not node.inputs:  # a Const of a non-foldable dtype (float, string): emit it as it is
       return emit_outputs(p, graph, node, [], [replicated(p.mesh, t.rank) for t in node.outputs])
     raise ValueError(f'{node.op} {node.name}: input shape is not static.')
   return [
@@ -120,22 +134,22 @@ def _finish_static(p, graph, value: Local, tensor: str) -> Local:
   return p.finish(graph, value, tensor)
 
 
-@handles('Identity', 'Snapshot', 'StopGradient', 'PreventGradient', 'EnsureShape', 'CheckNumerics')
+@computes('identity')
 def identity_handler(p, graph, node, operands):
   """Pass-through: the output keeps the operand's layout, then moves to its own."""
   src = operands[0]
   attrs = {}
-  if node.op == 'EnsureShape':
+  if 'shape' in node.attrs:  # EnsureShape: the local block's shape
     attrs['shape'] = attr_value_pb2.AttrValue(shape=tf.TensorShape(src.tensor.shape).as_proto())
   return emit_outputs(p, graph, node, [src.tensor], [src.sharding], attrs=attrs)
 
 
-@handles('IdentityN')
+@computes('identity_n')
 def identity_n_handler(p, graph, node, operands):
   return emit_outputs(p, graph, node, [o.tensor for o in operands], [o.sharding for o in operands])
 
 
-@handles('XlaSharding')
+@computes('sharding_annotation')
 def sharding_annotation_handler(p, graph, node, operands):
   """An annotation: move the value to the annotated layout; no op remains."""
   out = node.outputs[0]
@@ -144,7 +158,7 @@ def sharding_annotation_handler(p, graph, node, operands):
   return [Local(tf.identity(moved.tensor, name=node.name), moved.sharding, moved.shape)]
 
 
-@handles('NoOp')
+@computes('no_op')
 def no_op_handler(p, graph, node, operands):
   emit.emit_node(node, [])
   return []
@@ -238,17 +252,7 @@ def shared_seed_attrs(node: ir.Node) -> Dict[str, attr_value_pb2.AttrValue]:
   return {k: attr_value_pb2.AttrValue(i=draw.randrange(1, 2**31)) for k in ('seed', 'seed2')}
 
 
-@handles(
-  'StatelessRandomUniformV2',
-  'StatelessRandomNormalV2',
-  'StatelessTruncatedNormalV2',
-  'StatelessRandomUniformIntV2',
-  'StatelessRandomUniformFullIntV2',
-  'StatelessRandomGetKeyCounter',
-  'StatelessRandomGetKeyCounterAlg',
-  'StatelessRandomGetAlg',
-  *SEEDED_STATEFUL_OPS,
-)
+@computes('random')
 def random_handler(p, graph, node, operands):
   """Random values: generate the global tensor on every partition, then keep this
   partition's shard. Stateless ops give the same values everywhere from the same

@@ -16,12 +16,12 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tf_gspmd.graph_rewrite import factors, uneven
-from tf_gspmd.graph_rewrite.handlers import check_local_shape, emit_outputs, global_shape, handles
+from tf_gspmd.graph_rewrite.handlers import check_local_shape, emit_outputs, global_shape, computes
 from tf_gspmd.graph_rewrite.partitioner import Local
 from tf_gspmd.propagation.rule import REDUCTION
 
 
-@handles('Reshape')
+@computes('reshape')
 def reshape_handler(p, graph, node, operands):
   """Reshape: layouts from its rule (the factors both shapes share), so a sharded dim stays
   sharded wherever the split lines up with shard boundaries; locally a reshape to this
@@ -33,7 +33,7 @@ def reshape_handler(p, graph, node, operands):
   return emit_outputs(p, graph, node, [src.tensor, local], list(chosen.results))
 
 
-@handles('BiasAddGrad')
+@computes('bias_add_grad')
 def bias_add_grad_handler(p, graph, node, operands):
   """BiasAddGrad as the sum it is: over every dim but the channel, partial over the axes
   splitting them (the rule's reduction factors).
@@ -61,7 +61,7 @@ def _local_shape(chosen, graph, node, dtype) -> tf.Tensor:
   return tf.constant(chosen.results[0].shard_shape(shape), dtype=dtype)
 
 
-@handles('Fill')
+@computes('fill')
 def fill_handler(p, graph, node, operands):
   """Fill(dims, value): the result's layout from its rule (its users decide); fill the
   local shard shape directly."""
@@ -72,7 +72,7 @@ def fill_handler(p, graph, node, operands):
   )
 
 
-@handles('BroadcastTo')
+@computes('broadcast_to')
 def broadcast_to_handler(p, graph, node, operands):
   """BroadcastTo(x, shape) in the layouts of its (broadcasting) rule: x's dims split like
   the result dims they become; broadcast to the local shard shape."""
@@ -82,7 +82,7 @@ def broadcast_to_handler(p, graph, node, operands):
   return emit_outputs(p, graph, node, [src.tensor, local], chosen.results)
 
 
-@handles('Tile')
+@computes('tile')
 def tile_handler(p, graph, node, operands):
   """Tile(x, multiples) in the layouts of its rule.
 

@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gspmd.graph_rewrite import factors
-from tf_gspmd.graph_rewrite.handlers import check_local_shape, global_shape, handles
+from tf_gspmd.graph_rewrite.handlers import check_local_shape, global_shape, computes
 from tf_gspmd.graph_rewrite.partitioner import Local
 
 
@@ -85,7 +85,7 @@ def _unevenly_split(chosen, shape, shifts, mesh) -> list:
   return [dims[d] for d in shifts if spec.axes_of(d) and shape[d] % mesh.axes_size(spec.axes_of(d))]
 
 
-@handles('Roll')
+@computes('roll')
 def roll_handler(p, graph, node, operands):
   """Roll in its rule's layout; split rolled dims exchange shards (see the module doc)."""
   shape = global_shape(graph, node.inputs[0])

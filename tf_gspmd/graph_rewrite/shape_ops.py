@@ -48,13 +48,12 @@ import tensorflow as tf
 from tf_gspmd.graph import emit
 from tf_gspmd.graph_rewrite import uneven
 from tf_gspmd.graph_rewrite.handlers import (
-  HANDLERS,
   _shape_input,
   check_local_shape,
   emit_outputs,
   global_shape,
-  handles,
-  random_handler,
+  computes,
+  local_params,
   static_handler,
 )
 from tf_gspmd.graph_rewrite.partitioner import Local
@@ -311,7 +310,7 @@ def _masks(node) -> dict:
   }
 
 
-@handles('Slice')
+@computes('slice')
 @_static_first
 def slice_handler(p, graph, node, operands):
   x = operands[0]
@@ -320,7 +319,7 @@ def slice_handler(p, graph, node, operands):
   return [_result(p, graph, node, local, sharding)]
 
 
-@handles('StridedSlice')
+@computes('strided_slice')
 @_static_first
 def strided_slice_handler(p, graph, node, operands):
   x = operands[0]
@@ -330,7 +329,7 @@ def strided_slice_handler(p, graph, node, operands):
   return [_result(p, graph, node, local, sharding)]
 
 
-@handles('StridedSliceGrad')
+@computes('strided_slice_grad')
 @_static_first
 def strided_slice_grad_handler(p, graph, node, operands):
   """dx = zeros(shape) with dy written into the slice. Layouts from the rule: dims the
@@ -359,7 +358,7 @@ def strided_slice_grad_handler(p, graph, node, operands):
 
 
 # --- padding -------------------------------------------------------------------------------
-@handles('Pad', 'PadV2', 'MirrorPad')
+@computes('pad')
 @_static_first
 def pad_handler(p, graph, node, operands):
   """Layouts from the rule (`ops_shape.pad`): a padded dim is a width-1 window. The local
@@ -397,7 +396,7 @@ def pad_handler(p, graph, node, operands):
   x = p.reshard(x, chosen.operands[0], f'{node.op} {node.name}: padded operand')
   local_paddings = [(0, 0) if d in split else paddings[d] for d in range(rank)]
   inputs = [x.tensor, tf.constant(local_paddings, dtype=operands[1].dtype)]
-  if node.op == 'PadV2':
+  if local_params(node)['fill'] == 'operand':  # PadV2: the pad value, operand 2
     inputs.append(p.replicate(operands[2], 'pad value').tensor)
   tensor = x.tensor
   if any(pads != (0, 0) for pads in local_paddings):
@@ -417,7 +416,9 @@ def _pads_shard_tails(node, n: int, pads, shards: int) -> bool:
   """A constant pad at the end of a dim whose shards keep their size: the new rows are the
   tail of the last shards (a local mask, no rows move)."""
   return (
-    node.op != 'MirrorPad' and pads[0] == 0 and _chunk(n + pads[1], shards) == _chunk(n, shards)
+    local_params(node)['fill'] != 'reflect'
+    and pads[0] == 0
+    and _chunk(n + pads[1], shards) == _chunk(n, shards)
   )
 
 
@@ -434,9 +435,10 @@ def _fill_tails(p, x: Local, tensor: tf.Tensor, dims, value: tf.Tensor) -> tf.Te
 
 def _static_pad_value(p, graph, node):
   """The constant a Pad/PadV2 fills with, when known before run time (else None)."""
-  if node.op == 'Pad':
+  fill = local_params(node)['fill']  # the registry entry's: 'zero', 'operand' or 'reflect'
+  if fill == 'zero':
     return 0
-  if node.op == 'PadV2':
+  if fill == 'operand':
     value = p.static_value(graph, node.inputs[2])
     producer = graph.producer(node.inputs[2])
     if value is None and producer.op == 'Const':  # folding keeps int/bool tensors only
@@ -457,7 +459,7 @@ def _sequence(p, graph, node, values_at):
   return [_result(p, graph, node, values_at(index, n), target)]
 
 
-@handles('Range')
+@computes('range')
 @_static_first
 def range_handler(p, graph, node, operands):
   start, _, delta = (p.replicate(o, 'Range operand').tensor for o in operands)
@@ -469,7 +471,7 @@ def range_handler(p, graph, node, operands):
   return _sequence(p, graph, node, values_at)
 
 
-@handles('LinSpace')
+@computes('lin_space')
 @_static_first
 def lin_space_handler(p, graph, node, operands):
   start, stop, _ = (p.replicate(o, 'LinSpace operand').tensor for o in operands)
@@ -486,15 +488,7 @@ def lin_space_handler(p, graph, node, operands):
 
 
 # --- segment reductions ------------------------------------------------------------------
-_SEGMENT_REDUCTION = {
-  'UnsortedSegmentSum': 'sum',
-  'UnsortedSegmentMax': 'max',
-  'UnsortedSegmentMin': 'min',
-  'UnsortedSegmentProd': 'prod',
-}
-
-
-@handles(*_SEGMENT_REDUCTION)
+@computes('unsorted_segment')
 @_static_first
 def unsorted_segment_handler(p, graph, node, operands):
   """Rows split over partitions reduce into partial segments, combined by one all-reduce.
@@ -508,7 +502,9 @@ def unsorted_segment_handler(p, graph, node, operands):
 
   data, ids, num = operands
   r = len(ids.shape)
-  reduction = _SEGMENT_REDUCTION[node.op]
+  from tf_gspmd.propagation import registry
+
+  reduction = registry.entry_of(node.op).reduction
   chosen = factors.choose_layouts(
     p, graph, node, operands, reduction=reduction, combinable=data.dtype in _SUMMABLE
   )
@@ -522,7 +518,7 @@ def unsorted_segment_handler(p, graph, node, operands):
 
 
 # --- gathers --------------------------------------------------------------------------------
-@handles('Gather')
+@computes('gather_v1')
 @_static_first
 def gather_v1_handler(p, graph, node, operands):
   """Gather (v1) is GatherV2 on axis 0: the table-sharded gather of `gather.py`, in the
@@ -533,7 +529,7 @@ def gather_v1_handler(p, graph, node, operands):
 
 
 # --- shapes of variables, random values ------------------------------------------------------
-@handles('VariableShape')
+@computes('variable_shape')
 def variable_shape_handler(p, graph, node, operands):
   """The global shape of the variable (its handle's Local knows it), not its shard's."""
   out = node.outputs[0]
@@ -542,27 +538,8 @@ def variable_shape_handler(p, graph, node, operands):
   return [p.finish(graph, local, out.name)]
 
 
-# Stateless random ops whose `shape` input is the global shape; the random
-# handler generates them whole (same seeds, same values everywhere) and keeps
-# this partition's shard. Registered only where no other family has.
-_STATELESS_V1 = (
-  'StatelessRandomUniform',
-  'StatelessRandomNormal',
-  'StatelessTruncatedNormal',
-  'StatelessRandomUniformInt',
-  'StatelessRandomUniformFullInt',
-  'StatelessRandomBinomial',
-  'StatelessRandomPoisson',
-  'StatelessRandomGammaV2',
-  'StatelessParameterizedTruncatedNormal',
-  'StatelessMultinomial',
-)
-for _op in _STATELESS_V1:
-  HANDLERS.setdefault(_op, random_handler)
-
-
 # --- one-hot ------------------------------------------------------------------------------------
-@handles('OneHot')
+@computes('one_hot')
 @_static_first
 def one_hot_handler(p, graph, node, operands):
   """OneHot with its depth dim split: each partition one-hots against its own depth range.

@@ -11,17 +11,17 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tf_gspmd.graph import emit
-from tf_gspmd.graph_rewrite.handlers import emit_outputs, global_shape, handles
+from tf_gspmd.graph_rewrite.handlers import computes, emit_outputs, global_shape, local_params
 from tf_gspmd.graph_rewrite.partitioner import Local, replicated
 
 
-@handles('ReadVariableOp')
+@computes('read_variable')
 def read_handler(p, graph, node, operands):
   var = operands[0]
   return emit_outputs(p, graph, node, [var.tensor], [var.sharding])
 
 
-@handles('AssignVariableOp', 'AssignAddVariableOp', 'AssignSubVariableOp')
+@computes('assign_variable')
 def assign_handler(p, graph, node, operands):
   var, value = operands
   value = p.reshard(value, var.sharding, f'value assigned to {node.inputs[0]}')
@@ -29,19 +29,7 @@ def assign_handler(p, graph, node, operands):
   return []
 
 
-@handles(
-  'ResourceApplyGradientDescent',
-  'ResourceApplyAdam',
-  'ResourceApplyMomentum',
-  'ResourceApplyKerasMomentum',
-  'ResourceApplyAdagrad',
-  'ResourceApplyRMSProp',
-  'ResourceApplyAdaMax',
-  'ResourceApplyAdadelta',
-  'ResourceApplyAdagradV2',
-  'ResourceApplyAdamWithAmsgrad',
-  'ResourceApplyCenteredRMSProp',
-)
+@computes('apply_update')
 def apply_handler(p, graph, node, operands):
   """Fused optimizer updates: tensors shaped like the variable follow its layout."""
   var = operands[0]
@@ -63,7 +51,7 @@ def apply_handler(p, graph, node, operands):
   return []
 
 
-@handles('ResourceGather')
+@computes('resource_gather')
 def resource_gather_handler(p, graph, node, operands):
   """Embedding lookup from a variable: read the local shard, then gather like GatherV2."""
   from tf_gspmd.graph_rewrite import gather
@@ -86,23 +74,24 @@ def resource_gather_handler(p, graph, node, operands):
   return [p.finish(graph, out, node.outputs[0].name)]
 
 
-@handles('VarIsInitializedOp')
+@computes('var_is_initialized')
 def initialized_handler(p, graph, node, operands):
   return emit_outputs(p, graph, node, [operands[0].tensor], [replicated(p.mesh, 0)])
 
 
-# tf.tensor_scatter_nd_* flavour of each ResourceScatter op; Mul and Div have none and
-# run as the op itself with neutral updates for rows this partition does not hold.
+# tf.tensor_scatter_nd_* flavour of each kind of row update (the registry entry's
+# `local_params['update']`); 'mul' and 'div' have none and run as the op itself with
+# neutral updates for rows this partition does not hold.
 _SCATTER_ND = {
-  'ResourceScatterAdd': tf.tensor_scatter_nd_add,
-  'ResourceScatterSub': tf.tensor_scatter_nd_sub,
-  'ResourceScatterUpdate': tf.tensor_scatter_nd_update,
-  'ResourceScatterMax': tf.tensor_scatter_nd_max,
-  'ResourceScatterMin': tf.tensor_scatter_nd_min,
+  'add': tf.tensor_scatter_nd_add,
+  'sub': tf.tensor_scatter_nd_sub,
+  'update': tf.tensor_scatter_nd_update,
+  'max': tf.tensor_scatter_nd_max,
+  'min': tf.tensor_scatter_nd_min,
 }
 
 
-@handles(*_SCATTER_ND, 'ResourceScatterMul', 'ResourceScatterDiv')
+@computes('resource_scatter')
 def resource_scatter_handler(p, graph, node, operands):
   """Row updates of a variable: each partition applies those that land in its rows.
 
@@ -122,7 +111,8 @@ def resource_scatter_handler(p, graph, node, operands):
     updates, NamedSharding(p.mesh, P(*([None] * idx_rank), *spec[1:])), 'scatter updates'
   )
   dtype = tf.as_dtype(node.attrs['dtype'].type)
-  if node.op in ('ResourceScatterMul', 'ResourceScatterDiv'):
+  update = local_params(node)['update']
+  if update in ('mul', 'div'):
     # Padding of unevenly split trailing dims would multiply or divide by zero.
     updates = Local(
       uneven.mask_padding(
@@ -143,11 +133,11 @@ def resource_scatter_handler(p, graph, node, operands):
   offset = uneven.shard_offset(var.sharding, var.shape, 0, p.backend.partition_id)
   local = tf.cast(indices.tensor, tf.int32) - offset
   mine = tf.logical_and(local >= 0, tf.logical_and(local < rows, local < var.shape[0] - offset))
-  if node.op in _SCATTER_ND:
+  if update in _SCATTER_ND:
     current = tf.raw_ops.ReadVariableOp(resource=var.tensor, dtype=dtype)
     spare = tf.zeros([1] + list(current.shape[1:]), dtype)
     target = tf.where(mine, local, rows)[..., None]
-    new = _SCATTER_ND[node.op](tf.concat([current, spare], 0), target, updates.tensor)[:rows]
+    new = _SCATTER_ND[update](tf.concat([current, spare], 0), target, updates.tensor)[:rows]
     tf.raw_ops.AssignVariableOp(resource=var.tensor, value=new, name=node.name)
     return []
   neutral = tf.ones_like(updates.tensor)

@@ -59,7 +59,8 @@ from tf_gspmd.graph_rewrite.handlers import (
   check_local_shape,
   fallback_handler,
   global_shape,
-  handles,
+  computes,
+  local_params,
 )
 from tf_gspmd.graph_rewrite.partitioner import Local
 from tf_gspmd.propagation.halo import (
@@ -473,18 +474,20 @@ def _mask(p, value: Local, tensor: tf.Tensor, dims: Sequence[int], fill=0) -> tf
 
 
 # --- layouts from the rule ------------------------------------------------------------------
-# Ops whose image (the tensor whose spatial dims the halo plan splits) is their result.
-_IMAGE_IS_RESULT = ('Conv2DBackpropInput', 'AvgPoolGrad', 'DepthwiseConv2dNativeBackpropInput')
 _SPATIAL_FACTORS = ('h', 'w')
+
+
+def _image_is_result(node) -> bool:
+  """Whether the op's image (the tensor whose spatial dims the halo plan splits) is its
+  result (image gradients), not its operand 0."""
+  return bool(local_params(node).get('image_is_result'))
 
 
 def _check_haloable(p, graph, node, operands) -> Layout:
   """The op's layout, or NotHaloable when its form is outside halo exchange."""
   from tf_gspmd.propagation.registry import RuleError
 
-  image = (
-    global_shape(graph, node.outputs[0].name) if node.op in _IMAGE_IS_RESULT else operands[0].shape
-  )
+  image = global_shape(graph, node.outputs[0].name) if _image_is_result(node) else operands[0].shape
   if len(image) != 4:
     raise NotHaloable(
       f'{node.op} {node.name}: its image has shape {image}; halo exchange '
@@ -511,7 +514,7 @@ def _rule_layouts(p, graph, node, operands, layout: Layout):
 
   rule = factors.rule_for(p, node, graph)
   windows = [rule.windows[n] for n in _SPATIAL_FACTORS]
-  on_result = node.op in _IMAGE_IS_RESULT
+  on_result = _image_is_result(node)
   image = node.outputs[0].name if on_result else node.inputs[0]
   whole = []
   while True:
@@ -571,7 +574,7 @@ def _pool(p, node, values, chosen, dims, layout, out_shape):
   """MaxPool / AvgPool: rows outside the image are -inf for max; AvgPool divides by the
   real count of each window."""
   (x,) = values
-  is_max = node.op == 'MaxPool'
+  is_max = local_params(node)['form'] == 'max_pool'
   fill = uneven.identity_value('max', x.dtype) if is_max else 0
   y = _emit_valid(node, [gather_window(p, x.tensor, x.sharding, dims, fill)])
   if not is_max:
@@ -665,21 +668,21 @@ def _depthwise_backprop_input(p, node, values, chosen, dims, layout, out_shape):
   return _image_gradient(p, node, sizes, f.tensor, g, gt, chosen, dims, out_shape)
 
 
+# The windowed local computation of each form (the registry entry's `local_params['form']`).
 _LOCAL = {
-  'Conv2D': _conv,
-  'MaxPool': _pool,
-  'AvgPool': _pool,
-  'Conv2DBackpropInput': _conv_backprop_input,
-  'Conv2DBackpropFilter': _filter_gradient,
-  'MaxPoolGrad': _max_pool_grad,
-  'AvgPoolGrad': _avg_pool_grad,
-  'DepthwiseConv2dNative': _depthwise,
-  'DepthwiseConv2dNativeBackpropInput': _depthwise_backprop_input,
-  'DepthwiseConv2dNativeBackpropFilter': _filter_gradient,
+  'conv': _conv,
+  'max_pool': _pool,
+  'avg_pool': _pool,
+  'conv_backprop_input': _conv_backprop_input,
+  'filter_gradient': _filter_gradient,
+  'max_pool_grad': _max_pool_grad,
+  'avg_pool_grad': _avg_pool_grad,
+  'depthwise': _depthwise,
+  'depthwise_backprop_input': _depthwise_backprop_input,
 }
 
 
-@handles(*_LOCAL)
+@computes('windowed')
 def windowed_handler(p, graph, node, operands):
   """A convolution, pooling or one of their gradients, in the layouts its rule gives.
 
@@ -704,32 +707,10 @@ def windowed_handler(p, graph, node, operands):
   values = _resharded(p, node, operands, chosen)
   out_shape = global_shape(graph, node.outputs[0].name)
   if any(sd.axes for sd in dims):
-    local = _LOCAL[node.op](p, node, values, chosen, dims, layout, out_shape)
+    local = _LOCAL[local_params(node)['form']](p, node, values, chosen, dims, layout, out_shape)
   else:
     local = _whole_images(p, node, values, chosen, layout, out_shape)
   return _finish(p, graph, node, local, chosen.results[0])
-
-
-# Operand -> the dims where padding of an uneven shard must read as zero when the op runs
-# on whole images (the same masks the windowed forms apply; see each of them for why).
-# 'c'/'o': only when that channel factor is split (a partial sum over it).
-_WHOLE_IMAGE_MASKS = {
-  'Conv2D': {0: ('c', 'channel'), 1: ('c', [2])},
-  'Conv2DBackpropInput': {1: ('o', [3]), 2: (None, range(4))},
-  'Conv2DBackpropFilter': {0: (None, 'batch'), 2: (None, range(4))},
-  'DepthwiseConv2dNativeBackpropInput': {2: (None, range(4))},
-  'DepthwiseConv2dNativeBackpropFilter': {0: (None, 'batch'), 2: (None, range(4))},
-  'MaxPoolGrad': {2: (None, range(4))},
-  'AvgPoolGrad': {1: (None, range(4))},
-}
-# Ops whose operand 0 (image gradients) or 1 (filter gradients) is the result's shape.
-_SIZES_OPERAND = {
-  'Conv2DBackpropInput': 0,
-  'AvgPoolGrad': 0,
-  'DepthwiseConv2dNativeBackpropInput': 0,
-  'Conv2DBackpropFilter': 1,
-  'DepthwiseConv2dNativeBackpropFilter': 1,
-}
 
 
 def _whole_images(p, node, values, chosen, layout, out_shape) -> tf.Tensor:
@@ -738,12 +719,13 @@ def _whole_images(p, node, values, chosen, layout, out_shape) -> tf.Tensor:
   rewrite knows: its backprop-input kernels take SAME/VALID, not EXPLICIT padding, and the
   explicit form fell back to Eigen, 7x slower on ResNet50's image gradients."""
   inputs = [value.tensor if value is not None else None for value in values]
-  for i, (factor, dims) in _WHOLE_IMAGE_MASKS.get(node.op, {}).items():
+  params = local_params(node)
+  for i, (factor, dims) in params.get('whole_image_masks', {}).items():
     if factor is not None and not chosen.axes(factor):
       continue
     dims = [getattr(layout, dims)] if isinstance(dims, str) else dims
     inputs[i] = _mask(p, values[i], inputs[i], dims)
-  sizes = _SIZES_OPERAND.get(node.op)
+  sizes = params.get('sizes_operand')
   if sizes is not None:
     local = _unpartial(chosen.results[0]).shard_shape(out_shape)
     inputs[sizes] = _local_shape_const(values[sizes].tensor.dtype, local)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
-from tf_gspmd.propagation.registry import register
+from tf_gspmd.propagation.registry import declare, register
 
 Key = Tuple[str, str]  # (graph name, tensor name)
 
@@ -95,3 +95,10 @@ register(['Case', 'StatelessCase'], 'control_flow', handler=ControlFlowHandler('
 register(
   ['PartitionedCall', 'StatefulPartitionedCall'], 'control_flow', handler=ControlFlowHandler('call')
 )
+
+
+# --- properties ---------------------------------------------------------------------
+declare(['While', 'StatelessWhile'], local='while')
+declare(['If', 'StatelessIf'], local='if')
+declare(['Case', 'StatelessCase'], local='case')
+declare(['PartitionedCall', 'StatefulPartitionedCall'], local='call')

@@ -9,7 +9,7 @@ at the last propagation level.
 
 from __future__ import annotations
 
-from tf_gspmd.propagation.registry import attr, register
+from tf_gspmd.propagation.registry import attr, declare, register
 from tf_gspmd.propagation.rule_builders import Namer, make_rule
 
 UNARY = [
@@ -282,3 +282,27 @@ register('AddN', 'elementwise', broadcasting_rule, _addn_example)
 register('IdentityN', 'elementwise', identity_n, _identity_n_example)
 register(['BiasAdd', 'BiasAddV1'], 'elementwise', bias_add, _bias_add_example('BiasAdd'))
 register('Bitcast', 'elementwise', _bitcast, _bitcast_example)
+
+
+# --- properties ---------------------------------------------------------------------
+# Pass-through ops: the result is the operand (on the local block too).
+declare(
+  ['Identity', 'Snapshot', 'StopGradient', 'PreventGradient', 'EnsureShape', 'CheckNumerics'],
+  local='identity',
+)
+declare(['Identity', 'Snapshot', 'StopGradient'], aliasing=True)
+declare(['Identity', 'Snapshot'], linear='layout')
+declare('Identity', resource='forwards')
+declare('IdentityN', local='identity_n', aliasing=True, resource='forwards')
+declare('XlaSharding', local='sharding_annotation', linear='annotate')
+declare(['AddV2', 'Add'], linear='add')
+declare('AddN', linear='add_n')
+declare('Sub', linear='subtract')
+declare('Neg', linear='negate')
+declare('Mul', linear='scale')
+declare('RealDiv', linear='divide')
+# Ops dividing by operand 1: its padding must not be zero.
+declare(
+  ['FloorDiv', 'FloorMod', 'Mod', 'TruncateDiv', 'TruncateMod', 'Div', 'RealDiv', 'DivNoNan'],
+  divisor=1,
+)

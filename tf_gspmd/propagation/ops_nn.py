@@ -11,7 +11,7 @@ which still pass through to its normalized output.
 from __future__ import annotations
 
 from tf_gspmd.propagation.halo import WindowDim, same_padding
-from tf_gspmd.propagation.registry import RuleError, attr, register
+from tf_gspmd.propagation.registry import RuleError, attr, declare, register
 from tf_gspmd.propagation.rule import NEED_REPLICATION, REDUCTION
 from tf_gspmd.propagation.rule_builders import make_rule
 
@@ -418,4 +418,60 @@ register(
   'nn',
   fused_batch_norm_grad,
   _bn_grad_example,
+)
+
+
+# --- properties ---------------------------------------------------------------------
+# Windowed local computations (`graph_rewrite/windowed.py`): the form, whether the image
+# (the tensor whose spatial dims are split with halos) is the result, the operand holding
+# the result's shape, and per operand the dims whose padding must read as zero when the
+# op runs on whole images ('c'/'o': only when that channel factor is split).
+_ALL_DIMS = (0, 1, 2, 3)
+_WINDOWED = {
+  'Conv2D': dict(form='conv', whole_image_masks={0: ('c', 'channel'), 1: ('c', (2,))}),
+  'MaxPool': dict(form='max_pool'),
+  'AvgPool': dict(form='avg_pool'),
+  'Conv2DBackpropInput': dict(
+    form='conv_backprop_input',
+    image_is_result=True,
+    sizes_operand=0,
+    whole_image_masks={1: ('o', (3,)), 2: (None, _ALL_DIMS)},
+  ),
+  'Conv2DBackpropFilter': dict(
+    form='filter_gradient',
+    sizes_operand=1,
+    whole_image_masks={0: (None, 'batch'), 2: (None, _ALL_DIMS)},
+  ),
+  'MaxPoolGrad': dict(form='max_pool_grad', whole_image_masks={2: (None, _ALL_DIMS)}),
+  'AvgPoolGrad': dict(
+    form='avg_pool_grad',
+    image_is_result=True,
+    sizes_operand=0,
+    whole_image_masks={1: (None, _ALL_DIMS)},
+  ),
+  'DepthwiseConv2dNative': dict(form='depthwise'),
+  'DepthwiseConv2dNativeBackpropInput': dict(
+    form='depthwise_backprop_input',
+    image_is_result=True,
+    sizes_operand=0,
+    whole_image_masks={2: (None, _ALL_DIMS)},
+  ),
+  'DepthwiseConv2dNativeBackpropFilter': dict(
+    form='filter_gradient',
+    sizes_operand=1,
+    whole_image_masks={0: (None, 'batch'), 2: (None, _ALL_DIMS)},
+  ),
+}
+for _op, _params in _WINDOWED.items():
+  declare(_op, local='windowed', local_params=_params)
+# FusedBatchNormV3's reserve space is unshaped on CPU and read by nothing but its gradient.
+declare(
+  ['FusedBatchNorm', 'FusedBatchNormV2', 'FusedBatchNormV3'],
+  local='batch_norm',
+  unshaped_results_ok=True,
+)
+declare(
+  ['FusedBatchNormGrad', 'FusedBatchNormGradV2', 'FusedBatchNormGradV3'],
+  local='batch_norm_grad',
+  unshaped_results_ok=True,
 )

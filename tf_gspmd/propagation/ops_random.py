@@ -15,7 +15,7 @@ auxiliary (whole) and every result dim is a result-only factor (any layout).
 
 from __future__ import annotations
 
-from tf_gspmd.propagation.registry import register
+from tf_gspmd.propagation.registry import declare, register
 from tf_gspmd.propagation.rule_builders import free_results, replicated_results
 
 RANDOM = [
@@ -143,4 +143,15 @@ register(
   'generators',
   _key_counter,
   _key_counter_example,
+)
+
+
+# --- properties ---------------------------------------------------------------------
+declare('Fill', local='fill')
+declare('Range', local='range')
+declare('LinSpace', local='lin_space')
+# Drawn whole from seeds shared by every partition, then this partition's shard kept.
+declare(
+  RANDOM + list(DRAWN_WHOLE) + ['StatelessRandomGetKeyCounter', 'StatelessRandomGetKeyCounterAlg'],
+  local='random',
 )

@@ -7,7 +7,7 @@ all-reduce (sum, mean, max, min, prod, all, any); a dim the op must see whole
 
 from __future__ import annotations
 
-from tf_gspmd.propagation.registry import RuleError, attr, register
+from tf_gspmd.propagation.registry import RuleError, attr, declare, register
 from tf_gspmd.propagation.rule import NEED_REPLICATION, REDUCTION
 from tf_gspmd.propagation.rule_builders import Namer, make_rule, normalize_axis
 
@@ -230,3 +230,14 @@ register(
   ['Cumsum', 'Cumprod', 'CumulativeLogsumexp'], 'reductions', scan_rule, _scan_example('Cumsum')
 )
 register('TopKV2', 'reductions', top_k, _top_k_example)
+
+
+# --- properties ---------------------------------------------------------------------
+declare('Max', reduction='max')
+declare('Min', reduction='min')
+declare('Prod', reduction='prod')
+declare('Mean', reduction='mean')
+declare('Sum', linear='sum')
+# Partial results no collective can combine: reduced dims stay whole.
+declare(['All', 'Any', 'ArgMax', 'ArgMin', 'EuclideanNorm'], combinable=False)
+declare('BiasAddGrad', local='bias_add_grad')

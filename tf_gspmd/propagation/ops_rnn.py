@@ -12,7 +12,7 @@ against the unpartitioned op on the logical CPU devices, so it is not claimed.
 
 from __future__ import annotations
 
-from tf_gspmd.propagation.registry import register
+from tf_gspmd.propagation.registry import declare, register
 from tf_gspmd.propagation.rule_builders import free_results
 
 _T, _B, _IN, _UNITS, _PARAMS = 5, 4, 3, 6, 200
@@ -68,3 +68,7 @@ def _example(op):
 
 for _op in SIGNATURES:
   register(_op, 'rnn', free_results, _example(_op))
+
+
+# No CPU kernel to run them locally: drawn whole like the random ops' results.
+declare(list(SIGNATURES), local='random')

@@ -19,7 +19,7 @@ import math
 
 from tf_gspmd.propagation.halo import WindowDim
 from tf_gspmd.propagation.ops_elementwise import broadcasting_rule
-from tf_gspmd.propagation.registry import RuleError, attr, register
+from tf_gspmd.propagation.registry import RuleError, attr, declare, register
 from tf_gspmd.propagation.rule import NEED_REPLICATION, REDUCTION
 from tf_gspmd.propagation.rule_builders import Namer, make_rule, normalize_axis, replicated_results
 
@@ -839,3 +839,26 @@ register(['BroadcastGradientArgs', 'BroadcastArgs'], 'shape', int_vector_op, _bg
 register('InvertPermutation', 'shape', int_vector_op, _invert_perm_example)
 register('ConcatOffset', 'shape', int_vector_op, _concat_offset_example)
 register('StridedSliceGrad', 'shape', strided_slice_grad, _strided_slice_grad_example)
+
+
+# --- properties ---------------------------------------------------------------------
+declare('Reshape', local='reshape', linear='reshape')
+declare(['Reshape', 'ExpandDims', 'Squeeze'], aliasing=True)
+declare('Tile', local='tile')
+declare('BroadcastTo', local='broadcast_to')
+declare('Roll', local='roll')
+declare('Slice', local='slice')
+declare('StridedSlice', local='strided_slice')
+declare('StridedSliceGrad', local='strided_slice_grad')
+# The pad value: zero, operand 2, or rows reflected (not a shift).
+declare('Pad', local='pad', local_params={'fill': 'zero'})
+declare('PadV2', local='pad', local_params={'fill': 'operand'})
+declare('MirrorPad', local='pad', local_params={'fill': 'reflect'})
+declare('GatherV2', local='gather_v2')
+declare('Gather', local='gather_v1')
+declare('UnsortedSegmentSum', local='unsorted_segment', reduction='sum')
+declare('UnsortedSegmentMax', local='unsorted_segment', reduction='max')
+declare('UnsortedSegmentMin', local='unsorted_segment', reduction='min')
+declare('UnsortedSegmentProd', local='unsorted_segment', reduction='prod')
+declare('OneHot', local='one_hot')
+declare(['Shape', 'ShapeN', 'Size', 'Rank'], local='static')

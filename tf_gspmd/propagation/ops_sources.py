@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tf_gspmd.propagation.registry import register
+from tf_gspmd.propagation.registry import declare, register
 from tf_gspmd.propagation.rule_builders import free_results, make_rule
 
 
@@ -48,3 +48,9 @@ register('Const', 'sources', free_results, _const_example)
 register(['Placeholder', '_Arg'], 'sources', free_results, _placeholder_example)
 register('NoOp', 'sources', _sink, _noop_example)
 register(['Assert', '_Retval', 'PrintV2'], 'sources', _sink, _assert_example)
+
+
+# --- properties ---------------------------------------------------------------------
+declare('Const', local='static')
+declare('Placeholder', aliasing=True)  # the caller's buffer
+declare('NoOp', local='no_op')

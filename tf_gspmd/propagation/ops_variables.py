@@ -10,7 +10,7 @@ with their variable's sharding.
 from __future__ import annotations
 
 from tf_gspmd.propagation.ops_shape import gather_rule
-from tf_gspmd.propagation.registry import RuleError, attr, register
+from tf_gspmd.propagation.registry import RuleError, attr, declare, register
 from tf_gspmd.propagation.rule import NEED_REPLICATION
 from tf_gspmd.propagation.rule_builders import Namer, make_rule, replicated_results
 
@@ -226,3 +226,27 @@ register(
 register('VarHandleOp', 'variables', var_handle, _var_handle_example)
 register('VariableShape', 'variables', variable_shape, _variable_shape_example)
 register('VarIsInitializedOp', 'variables', var_is_initialized, _var_is_initialized_example)
+
+
+# --- properties ---------------------------------------------------------------------
+declare('VarHandleOp', resource='declares')
+declare('ReadVariableOp', local='read_variable', resource='reads', aliasing=True)
+declare(
+  ['AssignVariableOp', 'AssignAddVariableOp', 'AssignSubVariableOp'],
+  local='assign_variable',
+  resource='assigns',
+)
+declare(list(APPLY_OPS), local='apply_update')
+declare('ResourceGather', local='resource_gather')
+for _op, _update in (
+  ('ResourceScatterAdd', 'add'),
+  ('ResourceScatterSub', 'sub'),
+  ('ResourceScatterUpdate', 'update'),
+  ('ResourceScatterMax', 'max'),
+  ('ResourceScatterMin', 'min'),
+  ('ResourceScatterMul', 'mul'),
+  ('ResourceScatterDiv', 'div'),
+):
+  declare(_op, local='resource_scatter', local_params={'update': _update})
+declare('VariableShape', local='variable_shape')
+declare('VarIsInitializedOp', local='var_is_initialized')

@@ -241,7 +241,8 @@ class Propagator:
     rs = self.resource_shapes
     for node in graph.nodes:
       g = graph.name
-      if node.op == 'VarHandleOp':
+      how = registry.entry_of(node.op).resource  # what the op says about a variable's shape
+      if how == registry.RESOURCE_DECLARES:
         shape = registry.attr(node, 'shape')
         if shape is not None and node.outputs:
           rs.setdefault((g, node.outputs[0].name), tuple(shape))
@@ -251,13 +252,13 @@ class Propagator:
       src = graph.tensor(node.inputs[0])
       if not is_resource(src.dtype):
         continue
-      if node.op == 'ReadVariableOp' and node.outputs[0].shape is not None:
+      if how == registry.RESOURCE_READS and node.outputs[0].shape is not None:
         rs.setdefault(first, tuple(node.outputs[0].shape))
-      elif node.op in ('AssignVariableOp', 'AssignAddVariableOp', 'AssignSubVariableOp'):
+      elif how == registry.RESOURCE_ASSIGNS:
         shape = graph.tensor(node.inputs[1]).shape
         if shape is not None:
           rs.setdefault(first, tuple(shape))
-      elif node.op in ('Identity', 'IdentityN') and first in rs:
+      elif how == registry.RESOURCE_FORWARDS and first in rs:
         rs.setdefault((g, node.outputs[0].name), rs[first])
     for node in graph.nodes:
       entry = registry.lookup(node.op)

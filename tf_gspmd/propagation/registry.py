@@ -17,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
-from typing import Callable, Dict, List, Optional
+import types
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import numpy as np
 
@@ -35,9 +36,55 @@ class RuleError(ValueError):
   """A rule could not be built for a node (unknown constant input, bad attrs)."""
 
 
+# How a resource-typed first operand relates to the variable whose shape it stands for.
+RESOURCE_DECLARES = 'declares'  # the op makes the handle: its `shape` attr is the variable's
+RESOURCE_READS = 'reads'  # result 0 is the variable's value
+RESOURCE_ASSIGNS = 'assigns'  # operand 1 is the variable's new value
+RESOURCE_FORWARDS = 'forwards'  # result 0 is the same handle
+RESOURCE_KINDS = (RESOURCE_DECLARES, RESOURCE_READS, RESOURCE_ASSIGNS, RESOURCE_FORWARDS)
+
+# How an op runs on the local partial blocks of operands holding pending sums (each
+# yields a pending sum again; `coalesce` defers the all-reduce past such ops).
+LINEAR_FORMS = (
+  'add',  # x + y, both pending alike
+  'add_n',  # the sum of n pending operands alike
+  'subtract',  # x - y, both pending alike
+  'negate',  # -x
+  'scale',  # x * c or c * x, c one element
+  'divide',  # x / c, c one element (the numerator pending)
+  'layout',  # the value itself (an identity)
+  'annotate',  # the value itself, if its sharding annotation names the pending layout
+  'reshape',  # a reshape keeping the sharded leading dims
+  'sum',  # a sum over unsharded dims
+)
+# The pending reduction a sharded reduction factor leaves ('mean': a sum, then scaled).
+REDUCTION_KINDS = ('sum', 'max', 'min', 'prod', 'mean')
+
+
 @dataclasses.dataclass(frozen=True)
 class Entry:
-  """One registered op type."""
+  """Everything tf_gspmd knows about one op type.
+
+  `rule` says how shardings flow through it (`handler` instead for control
+  flow, which ties tensors across graphs). `local` names its hand-written
+  local computation in `graph_rewrite` (resolved by `graph_rewrite.handlers.local`;
+  `local_params` are what that computation reads about this op type); None means
+  the local computation is derived from the rule (or, with no rule, the
+  replicated fallback). The properties:
+
+  - `reduction`: what a sharded reduction factor leaves pending (`REDUCTION_KINDS`);
+  - `combinable`: whether partial results of a sharded reduction factor combine by
+    a collective (False: reduced dims stay whole);
+  - `divisor`: the operand this op divides by (its padding is filled with ones);
+  - `linear`: how it runs on pending sums (`LINEAR_FORMS`), None when it cannot;
+  - `aliasing`: its results alias memory held elsewhere (no bytes of their own);
+  - `resource`: what its resource-typed first operand says about the variable's
+    shape (`RESOURCE_KINDS`);
+  - `unshaped_results_ok`: its local computation partitions it although some
+    result has no static shape;
+  - `sweep`: how the op sweep produces it (`testing/op_builders.py` reads it):
+    the name of a program kind and its parameters, or `unswept`: why no program can.
+  """
 
   op_type: str
   family: str
@@ -45,6 +92,31 @@ class Entry:
   handler: Optional[object] = None  # control flow: ties tensors across graphs
   example: Optional[Callable] = None  # (GraphBuilder) -> node name
   note: str = ''
+  local: Optional[str] = None
+  local_params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  reduction: str = 'sum'
+  combinable: bool = True
+  divisor: Optional[int] = None
+  linear: Optional[str] = None
+  aliasing: bool = False
+  resource: Optional[str] = None
+  unshaped_results_ok: bool = False
+  sweep: Optional[str] = None
+  sweep_params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  unswept: str = ''
+
+  def __post_init__(self):
+    for name in ('local_params', 'sweep_params'):
+      object.__setattr__(self, name, types.MappingProxyType(dict(getattr(self, name))))
+    checks = (
+      (self.reduction in REDUCTION_KINDS, f'reduction {self.reduction!r}'),
+      (self.linear is None or self.linear in LINEAR_FORMS, f'linear form {self.linear!r}'),
+      (self.resource is None or self.resource in RESOURCE_KINDS, f'resource {self.resource!r}'),
+      (not (self.sweep and self.unswept), 'both a sweep program and a reason it has none'),
+    )
+    for ok, what in checks:
+      if not ok:
+        raise ValueError(f'Registry: {self.op_type!r} has {what}.')
 
   def example_rule(self) -> Optional[OpRule]:
     """The rule of this op type's example node, or None for control flow."""
@@ -68,15 +140,20 @@ class Entry:
     return self.handler.text(self.op_type) if self.handler is not None else self.note
 
 
+def _op_type_list(op_types) -> List[str]:
+  return [op_types] if isinstance(op_types, str) else list(op_types)
+
+
 class Registry:
   """Op type -> Entry."""
 
   def __init__(self):
     self._entries: Dict[str, Entry] = {}
 
-  def register(self, op_types, family: str, rule=None, example=None, handler=None, note=''):
-    op_types = [op_types] if isinstance(op_types, str) else list(op_types)
-    for op_type in op_types:
+  def register(
+    self, op_types, family: str, rule=None, example=None, handler=None, note='', **props
+  ):
+    for op_type in _op_type_list(op_types):
       if op_type in self._entries:
         raise ValueError(
           f'Registry: op type {op_type!r} is registered twice (families '
@@ -84,7 +161,14 @@ class Registry:
         )
       if rule is None and handler is None:
         raise ValueError(f'Registry: {op_type!r} needs a rule function or a handler.')
-      self._entries[op_type] = Entry(op_type, family, rule, handler, example, note)
+      self._entries[op_type] = Entry(op_type, family, rule, handler, example, note, **props)
+
+  def declare(self, op_types, **props):
+    """Set properties of registered op types (their family module declares them)."""
+    for op_type in _op_type_list(op_types):
+      if op_type not in self._entries:
+        raise ValueError(f'Registry: {op_type!r} is declared before it is registered.')
+      self._entries[op_type] = dataclasses.replace(self._entries[op_type], **props)
 
   def lookup(self, op_type: str) -> Optional[Entry]:
     return self._entries.get(op_type)
@@ -111,8 +195,14 @@ def _ensure_loaded():
       importlib.import_module(f'tf_gspmd.propagation.{mod}')
 
 
-def register(op_types, family, rule=None, example=None, handler=None, note=''):
-  REGISTRY.register(op_types, family, rule, example, handler, note)
+def register(op_types, family, rule=None, example=None, handler=None, note='', **props):
+  """Register op types of one family (props: `Entry`'s properties)."""
+  REGISTRY.register(op_types, family, rule, example, handler, note, **props)
+
+
+def declare(op_types, **props):
+  """Set `Entry` properties of op types registered before (in the same family module)."""
+  REGISTRY.declare(op_types, **props)
 
 
 def lookup(op_type: str) -> Optional[Entry]:
@@ -123,6 +213,17 @@ def lookup(op_type: str) -> Optional[Entry]:
 def op_types() -> List[str]:
   _ensure_loaded()
   return REGISTRY.op_types()
+
+
+def entries() -> List[Entry]:
+  """Every entry, by op type."""
+  return [REGISTRY.lookup(t) for t in op_types()]
+
+
+def entry_of(op_type: str) -> Entry:
+  """The entry of `op_type`, or a default one (no rule, no properties) when unregistered."""
+  found = lookup(op_type)
+  return found if found is not None else Entry(op_type, '', note='unregistered')
 
 
 def families() -> Dict[str, List[str]]:
@@ -240,10 +341,10 @@ def attr(node: ir.Node, name: str, default=None):
 
 
 def _tensor_value(av) -> np.ndarray:
-  from tensorflow.python.framework import tensor_util
+  import tensorflow as tf
 
   proto = av.tensor if hasattr(av, 'tensor') else av
-  return tensor_util.MakeNdarray(proto)
+  return tf.make_ndarray(proto)
 
 
 def _is_resource(dtype) -> bool:
