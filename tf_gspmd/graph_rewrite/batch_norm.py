@@ -30,7 +30,7 @@ from tensorflow.core.framework import attr_value_pb2
 
 from tf_gspmd.graph import emit
 from tf_gspmd.graph_rewrite import factors, uneven
-from tf_gspmd.graph_rewrite.handlers import check_local_shape, global_shape, computes
+from tf_gspmd.graph_rewrite.handlers import check_local_shape, computes, global_shape
 from tf_gspmd.graph_rewrite.partitioner import Local, replicated
 from tf_gspmd.propagation.registry import attr
 from tf_gspmd.sharding import NamedSharding, P

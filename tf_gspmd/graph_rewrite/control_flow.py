@@ -105,7 +105,7 @@ def _run_branches(p, graph, node, args: List[Local], choose, branch_names) -> Li
 
   outs = choose([branch(n) for n in branch_names])
   outs = outs if isinstance(outs, (list, tuple)) else [outs]
-  return [Local(t, l.sharding, l.shape) for t, l in zip(outs, layouts)]
+  return [Local(t, lay.sharding, lay.shape) for t, lay in zip(outs, layouts)]
 
 
 @computes('if')

@@ -130,8 +130,9 @@ def choose_layouts(
   wins, then the one with the smallest peak buffer. Windowed factors (conv
   and pool spatial dims) stay whole unless the caller computes halos
   (`windowed=True`); reduction factors stay whole when partial results
-  cannot be combined (`combinable=False`), and so do the factors in `whole`. Every hand-written handler of an
-  op with a rule takes its layouts from here, so rule and handler agree.
+  cannot be combined (`combinable=False`), and so do the factors in `whole`.
+  Every hand-written handler of an op with a rule takes its layouts from
+  here, so rule and handler agree.
   """
   rule = rule if rule is not None else rule_for(p, node, graph)
   targets = [p.target(graph, t.name) for t in node.outputs]

@@ -14,7 +14,7 @@ from typing import List
 import tensorflow as tf
 
 from tf_gspmd.graph_rewrite import uneven
-from tf_gspmd.graph_rewrite.handlers import check_local_shape, global_shape, computes
+from tf_gspmd.graph_rewrite.handlers import check_local_shape, computes, global_shape
 from tf_gspmd.graph_rewrite.partitioner import Local
 from tf_gspmd.sharding import NamedSharding, P
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tf_gspmd.graph_rewrite import factors, uneven
-from tf_gspmd.graph_rewrite.handlers import check_local_shape, emit_outputs, global_shape, computes
+from tf_gspmd.graph_rewrite.handlers import check_local_shape, computes, emit_outputs, global_shape
 from tf_gspmd.graph_rewrite.partitioner import Local
 from tf_gspmd.propagation.rule import REDUCTION
 

@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gspmd.graph_rewrite import factors
-from tf_gspmd.graph_rewrite.handlers import check_local_shape, global_shape, computes
+from tf_gspmd.graph_rewrite.handlers import check_local_shape, computes, global_shape
 from tf_gspmd.graph_rewrite.partitioner import Local
 
 

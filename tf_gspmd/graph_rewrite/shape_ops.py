@@ -50,9 +50,9 @@ from tf_gspmd.graph_rewrite import uneven
 from tf_gspmd.graph_rewrite.handlers import (
   _shape_input,
   check_local_shape,
+  computes,
   emit_outputs,
   global_shape,
-  computes,
   local_params,
   static_handler,
 )

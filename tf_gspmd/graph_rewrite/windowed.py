@@ -57,9 +57,9 @@ from tf_gspmd.graph import emit
 from tf_gspmd.graph_rewrite import uneven
 from tf_gspmd.graph_rewrite.handlers import (
   check_local_shape,
+  computes,
   fallback_handler,
   global_shape,
-  computes,
   local_params,
 )
 from tf_gspmd.graph_rewrite.partitioner import Local
@@ -70,7 +70,7 @@ from tf_gspmd.propagation.halo import (
   plan_halo,
   plan_input_gradient,
 )
-from tf_gspmd.sharding import NamedSharding
+from tf_gspmd.sharding import NamedSharding, P
 
 Axes = Tuple[str, ...]
 
@@ -694,9 +694,9 @@ def windowed_handler(p, graph, node, operands):
   output-gradient rows and send the borrowed rows back (`scatter_window`).
   With a spatial dim split, the unsplit ones are padded explicitly the same way,
   so the local op runs VALID (image gradients: the op's own padding, explicit);
-  with none split, the op runs as written on the local blocks (`_whole_images`). An op of another form (rank, data format,
-  pooling over batch or channels) is computed on replicated operands with a
-  warning.
+  with none split, the op runs as written on the local blocks (`_whole_images`).
+  An op of another form (rank, data format, pooling over batch or channels) is
+  computed on replicated operands with a warning.
   """
   try:
     layout = _check_haloable(p, graph, node, operands)

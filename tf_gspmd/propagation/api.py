@@ -48,7 +48,8 @@ class Plan:
     return self.result.sharding(tensor_name, graph.name)
 
   def variable_sharding(self, variable) -> Optional[NamedSharding]:
-    """The sharding propagation gave a variable (by its resource placeholder), None if not captured."""
+    """The sharding propagation gave a variable (by its resource placeholder), None if not
+    captured."""
     from tf_gspmd.annotations import _tf_variable_or_none
 
     target = _tf_variable_or_none(variable)  # a Keras variable: its tf.Variable

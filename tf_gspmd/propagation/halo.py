@@ -131,7 +131,7 @@ def plan_halo(dim: WindowDim, shards: int) -> HaloPlan:
   lefts = [i * ci - s for i, s in enumerate(starts)]
   rights = [s + span - (i + 1) * ci for i, s in enumerate(starts)]
   left, right = max(0, max(lefts)), max(0, max(rights))
-  window_starts = tuple(left - l for l in lefts)
+  window_starts = tuple(left - lo for lo in lefts)
   return HaloPlan(shards, ci, co, left, right, span, window_starts, tuple(starts))
 
 

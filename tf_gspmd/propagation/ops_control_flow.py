@@ -37,7 +37,8 @@ class ControlFlowHandler:
     return out
 
   def ties(self, node, graph, program) -> List[List[Key]]:
-    """Groups of (graph, tensor) that share one sharding, each ordered from upstream to downstream."""
+    """Groups of (graph, tensor) that share one sharding, each ordered from upstream to
+    downstream."""
     g = graph.name
     outs = [(g, o.name) for o in node.outputs]
     ins = [(g, t) for t in node.inputs]
@@ -83,7 +84,9 @@ class ControlFlowHandler:
   def text(self, op_type: str) -> str:
     return {
       'while': 'tie: input[k] = cond.arg[k] = body.arg[k] = body.result[k] = output[k]',
-      'if': 'tie: input[k+1] = then.arg[k] = else.arg[k]; then.result[k] = else.result[k] = output[k]',
+      'if': (
+        'tie: input[k+1] = then.arg[k] = else.arg[k]; then.result[k] = else.result[k] = output[k]'
+      ),
       'case': 'tie: input[k+1] = branch.arg[k] (every branch); branch.result[k] = output[k]',
       'call': 'tie: input[k] = f.arg[k]; f.result[k] = output[k]',
     }[self.kind]

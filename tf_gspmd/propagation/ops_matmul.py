@@ -84,7 +84,7 @@ def einsum(node, ctx):
       dims += list(tail)
     else:
       dims = list(spec)
-    for d, f in enumerate(dims):
+    for f in dims:
       if f is not None and dims.count(f) > 1:
         kinds[f] = NEED_REPLICATION  # a diagonal: its entries are not independent
     operands.append(tuple(dims))

@@ -410,7 +410,8 @@ def strided_slice(node, ctx):
 
 
 def pad(node, ctx):
-  """Pad/PadV2/MirrorPad: a padded dim stays sharded with its window (the partitioner pads edges)."""
+  """Pad/PadV2/MirrorPad: a padded dim stays sharded with its window (the partitioner pads
+  edges)."""
   shape, out_shape = ctx.shape(node.inputs[0]), ctx.out_shape(node)
   paddings = ctx.const(node.inputs[1])
   namer, kinds, windows, sizes = Namer(), {}, {}, {}

@@ -403,7 +403,7 @@ class Propagator:
     iterations = {}
     for level in LEVELS:
       self.level = level
-      for sweep in range(self.max_sweeps):
+      for sweeps in range(1, self.max_sweeps + 1):
         changed = False
         for root in roots:
           changed |= self._sweep(root, forward=True)
@@ -413,7 +413,7 @@ class Propagator:
           break
       else:
         raise RuntimeError(f'Sharding propagation did not converge in {self.max_sweeps} sweeps.')
-      iterations[level] = sweep + 1
+      iterations[level] = sweeps
     return self._result(iterations)
 
   def _uncalled_functions(self) -> List[ir.Graph]:

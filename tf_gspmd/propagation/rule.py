@@ -358,7 +358,8 @@ class OpRule:
   def infer_results(
     self, operand_shardings: Sequence[Optional[NamedSharding]], mesh: Mesh, result_shapes=None
   ) -> List[Optional[NamedSharding]]:
-    """Result shardings the operands' shardings imply (partial sums resolved, as propagation does)."""
+    """Result shardings the operands' shardings imply (partial sums resolved, as propagation
+    does)."""
     specs = [
       None if s is None or d is None else _axes_of(s)
       for s, d in zip(operand_shardings, self.operands)

@@ -593,8 +593,8 @@ def drawn_whole_specs(v: Values) -> List[OpSpec]:
   positive = arg(v.uniform((10, 3), 0.5, 3.0))
   box = arg(np.array([[[0.1, 0.2, 0.7, 0.9]]], np.float32))
   out += [
-    spec('Multinomial', lambda l: raw('Multinomial', l, 7, **seeds), logits),
-    spec('StatelessMultinomial', lambda l: raw('StatelessMultinomial', l, 7, [1, 2]), logits),
+    spec('Multinomial', lambda x: raw('Multinomial', x, 7, **seeds), logits),
+    spec('StatelessMultinomial', lambda x: raw('StatelessMultinomial', x, 7, [1, 2]), logits),
     spec(
       'ParameterizedTruncatedNormal',
       lambda *b: raw('ParameterizedTruncatedNormal', [10, 3], *b, **seeds),
@@ -1102,7 +1102,8 @@ def _assign(op):
 
 
 def _apply(op, n_slots, *scalars):
-  """ResourceApply<op>(var, *slots, *scalars, grad): returns nothing; the sweep compares variables."""
+  """ResourceApply<op>(var, *slots, *scalars, grad): returns nothing; the sweep compares
+  variables."""
 
   def fn(*operands):
     handles = [handle(o) for o in operands[: 1 + n_slots]]

@@ -195,7 +195,7 @@ def enumerate_cases(
   """Every operand-sharding combination (up to `budget`), then one sharded output at a time."""
   mesh = mesh_named(mesh_name)
   lists = [all_specs(mesh, o.rank) if o.shard else [None] for o in spec.operands]
-  total = math.prod(len(l) for l in lists)
+  total = math.prod(len(choices) for choices in lists)
   if budget is None or total <= budget:
     combos = list(itertools.product(*lists))
   else:
