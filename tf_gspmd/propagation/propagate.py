@@ -404,6 +404,7 @@ class Propagator:
     for level in LEVELS:
       self.level = level
       for sweeps in range(1, self.max_sweeps + 1):
+        iterations[level] = sweeps
         changed = False
         for root in roots:
           changed |= self._sweep(root, forward=True)
@@ -413,7 +414,6 @@ class Propagator:
           break
       else:
         raise RuntimeError(f'Sharding propagation did not converge in {self.max_sweeps} sweeps.')
-      iterations[level] = sweeps
     return self._result(iterations)
 
   def _uncalled_functions(self) -> List[ir.Graph]:
