@@ -1,0 +1,225 @@
+"""One registry entry per op type holds everything tf_gspmd knows about it.
+
+- No property table outside the registry: an AST scan of `tf_gspmd/` (but the
+  registry and the `ops_*.py` modules declaring entries) finds no set, list,
+  tuple or dict literal, and no `==`/`in` comparison, holding a registered op
+  type's name, but for the few listed below with why they are not a per-op
+  property.
+- Every name an entry gives (its local computation, its sweep program) resolves.
+- Every entry's properties fit its op (a linear op's pending operands exist, ...).
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+from tf_gspmd.propagation import registry
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / 'tf_gspmd'
+
+# Modules that may name registered op types, by file name (the name survives a move between
+# packages), each with the names it may use and why those are not per-op properties.
+_GRAPH_LAYER = 'the graph layer sits below the registry (tests/test_layout.py) and cannot read it'
+ALLOWED = {
+  'ir.py': (
+    {'If', 'StatelessIf', 'While', 'StatelessWhile', 'PartitionedCall'}
+    | {'StatefulPartitionedCall', 'Case', 'StatelessCase'},
+    f'control-flow ops and the attrs naming their functions: {_GRAPH_LAYER}',
+  ),
+  'capture.py': (
+    {'If', 'StatelessIf', 'Case', 'StatelessCase', 'PartitionedCall', 'StatefulPartitionedCall'}
+    | {'While', 'StatelessWhile', 'ReadVariableOp', 'AssignVariableOp', 'AssignAddVariableOp'}
+    | {'AssignSubVariableOp', 'VariableShape'},
+    f'capture follows called functions and variable handles: {_GRAPH_LAYER}',
+  ),
+  'static_values.py': (
+    {'Shape', 'ShapeN', 'Size', 'Rank', 'Placeholder', 'Const'},
+    f'constant folding of shape queries and literals: {_GRAPH_LAYER}',
+  ),
+  'rebuild.py': ({'Placeholder'}, f"a function's argument nodes: {_GRAPH_LAYER}"),
+  'annotations.py': (
+    {'XlaSharding', 'Identity', 'ReadVariableOp'},
+    'reads back the annotation chain tf_gspmd itself writes (Identity -> XlaSharding, a '
+    'variable read); below the registry in the layers',
+  ),
+  'partitioned.py': (
+    {'Identity', 'XlaSharding'},
+    'recognises the annotation ops tf_gspmd writes around boundary tensors',
+  ),
+  'hlo.py': ({'Identity', 'Const'}, 'XLA-side names of pass-through and literal nodes it emits'),
+  'saved_model.py': (
+    {'Placeholder', 'XlaSharding', 'ReadVariableOp', 'VarIsInitializedOp', 'VariableShape'},
+    "the exported signature's placeholders and annotations; the read-only variable ops are a "
+    'per-op property still to move into the entries (owned by the export package)',
+  ),
+  'coalesce.py': ({'Const'}, 'a literal node: its value is known before run time'),
+  'shape_ops.py': ({'Const'}, "a literal node's value, which folding keeps only for ints"),
+  '__init__.py': ({'Case'}, '`testing.Case`, a class name in `__all__`, not the op'),
+  'op_sweep.py': (
+    {'XlaSharding'},
+    'the sweep counts the annotation ops it wrote itself, not a property of an op type',
+  ),
+}
+
+
+def _registry_modules(path: pathlib.Path) -> bool:
+  rel = path.relative_to(ROOT).as_posix()
+  return rel == 'propagation/registry.py' or (
+    rel.startswith('propagation/ops_') and rel.count('/') == 1
+  )
+
+
+def _string_constants(node: ast.AST):
+  if isinstance(node, (ast.Set, ast.List, ast.Tuple)):
+    items = node.elts
+  elif isinstance(node, ast.Dict):
+    items = [k for k in node.keys if k is not None]
+  elif isinstance(node, ast.Compare):
+    items = [node.left, *node.comparators]
+  else:
+    return []
+  return [c.value for c in items if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+
+
+def op_type_names_in(root: pathlib.Path, op_types):
+  """(file, line, op type) for each registered op type named in a table or comparison."""
+  found = []
+  for path in sorted(root.rglob('*.py')):
+    if _registry_modules(path):
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      for name in _string_constants(node):
+        if name in op_types:
+          found.append((path, node.lineno, name))
+  return found
+
+
+def test_no_property_table_outside_the_registry_names_an_op_type():
+  op_types = set(registry.op_types())
+  unexplained = [
+    f'{path.relative_to(ROOT)}:{line}: {name!r}'
+    for path, line, name in op_type_names_in(ROOT, op_types)
+    if name not in ALLOWED.get(path.name, (set(), ''))[0]
+  ]
+  assert not unexplained, (
+    'op types named outside their registry entry (declare the property in the ops_*.py '
+    'module registering the op, and read it from `registry.entry_of(op).<property>`):\n'
+    + '\n'.join(unexplained)
+  )
+
+
+def test_the_allowed_names_are_still_used():
+  op_types = set(registry.op_types())
+  used = {}
+  for path, _, name in op_type_names_in(ROOT, op_types):
+    used.setdefault(path.name, set()).add(name)
+  stale = {f: sorted(names - used.get(f, set())) for f, (names, _) in ALLOWED.items()}
+  assert not {f: n for f, n in stale.items() if n}, f'allowed but no longer named: {stale}'
+
+
+def test_the_scan_sees_a_table():
+  # The scan itself can tell: a side table of op types is found.
+  tree = ast.parse("_DIVISIONS = ('FloorDiv', 'Mod')\nif node.op == 'Mean': pass\n")
+  names = [n for node in ast.walk(tree) for n in _string_constants(node)]
+  assert names == ['FloorDiv', 'Mod', 'Mean']
+
+
+# --- every named thing resolves ---------------------------------------------------------------
+def test_every_local_computation_an_entry_names_exists():
+  from tf_gspmd.graph_rewrite import dispatch, handlers
+
+  dispatch._load_families()  # noqa: SLF001 (imports every handler module)
+  named = {e.local for e in registry.entries() if e.local is not None}
+  assert named <= set(handlers.LOCAL), sorted(named - set(handlers.LOCAL))
+  assert set(handlers.LOCAL) <= named, f'never named: {sorted(set(handlers.LOCAL) - named)}'
+
+
+def test_every_sweep_program_an_entry_names_exists():
+  from tf_gspmd.testing import op_builders
+
+  named = {e.sweep for e in registry.entries() if e.sweep is not None}
+  assert named <= set(op_builders.PROGRAMS), sorted(named - set(op_builders.PROGRAMS))
+
+
+def test_every_op_type_is_swept_or_says_why_not():
+  from tf_gspmd.testing import op_builders
+
+  swept = set(op_builders.specs_by_op_type())
+  for entry in registry.entries():
+    assert (entry.op_type in swept) != bool(entry.unswept), entry
+
+
+# --- properties fit their ops ------------------------------------------------------------------
+def _example_node(entry):
+  from tf_gspmd.propagation.builder import GraphBuilder
+
+  b = GraphBuilder()
+  name = entry.example(b)
+  node = b.graph().node(name)
+  node.op = entry.op_type
+  return node
+
+
+@pytest.mark.parametrize(
+  'entry', [e for e in registry.entries() if e.linear is not None], ids=lambda e: e.op_type
+)
+def test_a_linear_op_has_the_operands_its_form_reads(entry):
+  node = _example_node(entry)
+  least = {'negate': 1, 'layout': 1, 'annotate': 1, 'add_n': 2}.get(entry.linear, 2)
+  assert len(node.inputs) >= least and len(node.outputs) == 1, (entry, node.inputs)
+
+
+@pytest.mark.parametrize(
+  'entry', [e for e in registry.entries() if e.divisor is not None], ids=lambda e: e.op_type
+)
+def test_a_divisor_operand_exists(entry):
+  assert entry.divisor < len(_example_node(entry).inputs)
+
+
+@pytest.mark.parametrize(
+  'entry',
+  [e for e in registry.entries() if e.reduction != 'sum' or not e.combinable],
+  ids=lambda e: e.op_type,
+)
+def test_a_reduction_kind_is_given_to_ops_that_reduce(entry):
+  from tf_gspmd.propagation.rule import NEED_REPLICATION, REDUCTION
+
+  rule = entry.example_rule()
+  # Not combinable: the reduced factor is a reduction kept whole, or one never sharded.
+  reduced = (REDUCTION,) if entry.combinable else (REDUCTION, NEED_REPLICATION)
+  assert rule is not None and any(rule.kind(f) in reduced for f in rule.factors()), entry
+
+
+@pytest.mark.parametrize(
+  'entry', [e for e in registry.entries() if e.resource is not None], ids=lambda e: e.op_type
+)
+def test_a_resource_op_reads_or_makes_a_handle(entry):
+  node = _example_node(entry)
+  if entry.resource == registry.RESOURCE_DECLARES:
+    assert not node.inputs and registry.attr(node, 'shape') is not None
+  else:
+    assert node.inputs
+  if entry.resource == registry.RESOURCE_ASSIGNS:
+    assert len(node.inputs) >= 2
+
+
+def test_windowed_entries_name_a_form_and_operands_that_exist():
+  from tf_gspmd.graph_rewrite import windowed
+
+  for entry in registry.entries():
+    if entry.local != 'windowed':
+      continue
+    params = entry.local_params
+    assert params['form'] in windowed._LOCAL, entry  # noqa: SLF001
+    n = len(_example_node(entry).inputs)
+    operands = list(params.get('whole_image_masks', {})) + [params.get('sizes_operand', 0)]
+    assert all(0 <= i < n for i in operands), entry
+
+
+def test_entries_are_immutable():
+  entry = registry.lookup('Pad')
+  with pytest.raises(Exception):  # noqa: B017 (frozen dataclass or read-only mapping)
+    entry.local = 'other'
+  with pytest.raises(TypeError):
+    entry.local_params['fill'] = 'other'
