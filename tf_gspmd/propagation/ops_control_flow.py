@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
-from tf_gspmd.propagation.registry import declare, register
+from tf_gspmd.propagation.registry import declare, op_types_of, register
 
 Key = Tuple[str, str]  # (graph name, tensor name)
 
@@ -105,3 +105,6 @@ declare(['While', 'StatelessWhile'], local='while')
 declare(['If', 'StatelessIf'], local='if')
 declare(['Case', 'StatelessCase'], local='case')
 declare(['PartitionedCall', 'StatefulPartitionedCall'], local='call')
+
+# --- sweep programs (testing/programs/state.py) -----------------------------------
+declare(op_types_of('control_flow'), sweep='control_flow')

@@ -306,3 +306,147 @@ declare(
   ['FloorDiv', 'FloorMod', 'Mod', 'TruncateDiv', 'TruncateMod', 'Div', 'RealDiv', 'DivNoNan'],
   divisor=1,
 )
+
+# --- sweep programs (testing/programs/elementwise.py) -----------------------------------
+# Unary float ops and the range their input is drawn from.
+_UNARY_FLOAT = {
+  'Abs': None,
+  'Acos': (-0.9, 0.9),
+  'Acosh': (1.1, 3.0),
+  'Asin': (-0.9, 0.9),
+  'Asinh': None,
+  'Atan': None,
+  'Atanh': (-0.9, 0.9),
+  'Ceil': None,
+  'Cos': None,
+  'Cosh': None,
+  'Digamma': (0.5, 3.0),
+  'Elu': None,
+  'Erf': None,
+  'Erfc': None,
+  'Erfinv': (-0.9, 0.9),
+  'Exp': None,
+  'Expm1': None,
+  'Floor': None,
+  'Inv': (0.5, 2.0),
+  'LeakyRelu': None,
+  'Lgamma': (0.5, 3.0),
+  'Log': (0.5, 3.0),
+  'Log1p': (0.0, 3.0),
+  'Ndtri': (0.05, 0.95),
+  'Neg': None,
+  'OnesLike': None,
+  'Reciprocal': (0.5, 2.0),
+  'Relu': None,
+  'Relu6': (-2.0, 8.0),
+  'Rint': (-4.0, 4.0),
+  'Round': (-4.0, 4.0),
+  'Rsqrt': (0.5, 3.0),
+  'Selu': None,
+  'Sigmoid': None,
+  'Sign': None,
+  'Sin': None,
+  'Sinh': None,
+  'Softplus': None,
+  'Softsign': None,
+  'Sqrt': (0.1, 3.0),
+  'Square': None,
+  'Tan': (-1.0, 1.0),
+  'Tanh': None,
+  'ZerosLike': None,
+  'Identity': None,
+  'Snapshot': None,
+  'StopGradient': None,
+  'PreventGradient': None,
+}
+_UNARY_SPECIAL = ('IsFinite', 'IsInf', 'IsNan')
+_UNARY_COMPLEX = ('Angle', 'ComplexAbs', 'Conj', 'Imag', 'Real')
+
+# Binary float ops: (range of x, range of y); None: the default range.
+_BINARY_FLOAT = {
+  'Atan2': (None, None),
+  'Div': (None, 'nonzero'),
+  'DivNoNan': (None, 'with_zeros'),
+  'Igamma': ((0.5, 3.0), (0.5, 3.0)),
+  'Igammac': ((0.5, 3.0), (0.5, 3.0)),
+  'Maximum': (None, None),
+  'Minimum': (None, None),
+  'MulNoNan': (None, 'with_zeros'),
+  'NextAfter': (None, None),
+  'Polygamma': ('orders', (0.5, 3.0)),
+  'Pow': ((0.5, 2.0), (-2.0, 2.0)),
+  'RealDiv': (None, 'nonzero'),
+  'SquaredDifference': (None, None),
+  'Sub': (None, None),
+  'Xdivy': (None, 'nonzero'),
+  'Xlog1py': (None, (0.0, 3.0)),
+  'Xlogy': (None, (0.5, 3.0)),
+  'Zeta': ((1.5, 4.0), (0.5, 3.0)),
+  # Gradients of unary ops: (y or features, dy).
+  'EluGrad': (None, None),
+  'InvGrad': (None, None),
+  'LeakyReluGrad': (None, None),
+  'ReciprocalGrad': (None, None),
+  'Relu6Grad': (None, (-2.0, 8.0)),
+  'ReluGrad': (None, None),
+  'RsqrtGrad': (None, None),
+  'SeluGrad': (None, None),
+  'SigmoidGrad': (None, None),
+  'SoftplusGrad': (None, None),
+  'SoftsignGrad': (None, None),
+  'SqrtGrad': (None, None),
+  'TanhGrad': (None, None),
+}
+_COMPARE = ('Equal', 'NotEqual', 'Greater', 'GreaterEqual', 'Less', 'LessEqual')
+# Integer binary ops: range of y (x is drawn from [-20, 20)).
+_BINARY_INT = {
+  'BitwiseAnd': (-20, 20),
+  'BitwiseOr': (-20, 20),
+  'BitwiseXor': (-20, 20),
+  'FloorDiv': 'nonzero',
+  'FloorMod': 'nonzero',
+  'TruncateDiv': 'nonzero',
+  'TruncateMod': 'nonzero',
+  'Mod': (1, 7),
+  'LeftShift': (0, 8),
+  'RightShift': (0, 8),
+}
+
+
+for _op, _domain in _UNARY_FLOAT.items():
+  declare(_op, sweep='unary', sweep_params={} if _domain is None else {'domain': _domain})
+declare(_UNARY_SPECIAL, sweep='unary_special')
+declare(_UNARY_COMPLEX, sweep='unary_complex')
+for _op, (_x, _y) in _BINARY_FLOAT.items():
+  declare(_op, sweep='binary', sweep_params={'x': _x, 'y': _y})
+declare(['Add', 'AddV2', 'Mul'], sweep='binary')
+declare(_COMPARE, sweep='compare')
+for _op, _y in _BINARY_INT.items():
+  declare(
+    _op, sweep='binary_int', sweep_params={'y': _y, 'x': (0, 20) if _op == 'Mod' else (-20, 20)}
+  )
+declare(['LogicalAnd', 'LogicalOr'], sweep='logical')
+# Programs of their own: casts, annotations, broadcasting, ternary and n-ary ops.
+declare(
+  [
+    'Invert',
+    'PopulationCount',
+    'LogicalNot',
+    'CheckNumerics',
+    'EnsureShape',
+    'Cast',
+    'Bitcast',
+    'XlaSharding',
+    'ApproximateEqual',
+    'Complex',
+    'Betainc',
+    'Select',
+    'SelectV2',
+    'ClipByValue',
+    'AddN',
+    'IdentityN',
+    'BiasAdd',
+    'BiasAddV1',
+  ],
+  sweep='elementwise',
+)

@@ -7,7 +7,7 @@ propagated result sharding is that of the output dims alone).
 
 from __future__ import annotations
 
-from tf_gspmd.propagation.registry import attr, register
+from tf_gspmd.propagation.registry import attr, declare, op_types_of, register
 from tf_gspmd.propagation.rule import NEED_REPLICATION, REDUCTION
 from tf_gspmd.propagation.rule_builders import Namer, make_rule
 
@@ -140,3 +140,6 @@ register(
   _batch_matmul_example('BatchMatMulV2'),
 )
 register('Einsum', 'matmul', einsum, _einsum_example)
+
+# --- sweep programs (testing/programs/nn.py) -----------------------------------
+declare(op_types_of('matmul'), sweep='matmul')

@@ -11,7 +11,7 @@ which still pass through to its normalized output.
 from __future__ import annotations
 
 from tf_gspmd.propagation.halo import WindowDim, same_padding
-from tf_gspmd.propagation.registry import RuleError, attr, declare, register
+from tf_gspmd.propagation.registry import RuleError, attr, declare, op_types_of, register
 from tf_gspmd.propagation.rule import NEED_REPLICATION, REDUCTION
 from tf_gspmd.propagation.rule_builders import make_rule
 
@@ -475,3 +475,6 @@ declare(
   local='batch_norm_grad',
   unshaped_results_ok=True,
 )
+
+# --- sweep programs (testing/programs/nn.py) -----------------------------------
+declare(op_types_of('nn'), sweep='nn')

@@ -15,7 +15,7 @@ auxiliary (whole) and every result dim is a result-only factor (any layout).
 
 from __future__ import annotations
 
-from tf_gspmd.propagation.registry import declare, register
+from tf_gspmd.propagation.registry import declare, op_types_of, register
 from tf_gspmd.propagation.rule_builders import free_results, replicated_results
 
 RANDOM = [
@@ -155,3 +155,6 @@ declare(
   RANDOM + list(DRAWN_WHOLE) + ['StatelessRandomGetKeyCounter', 'StatelessRandomGetKeyCounterAlg'],
   local='random',
 )
+
+# --- sweep programs (testing/programs/generators.py) -----------------------------------
+declare(op_types_of('generators'), sweep='generators')

@@ -7,7 +7,7 @@ all-reduce (sum, mean, max, min, prod, all, any); a dim the op must see whole
 
 from __future__ import annotations
 
-from tf_gspmd.propagation.registry import RuleError, attr, declare, register
+from tf_gspmd.propagation.registry import RuleError, attr, declare, op_types_of, register
 from tf_gspmd.propagation.rule import NEED_REPLICATION, REDUCTION
 from tf_gspmd.propagation.rule_builders import Namer, make_rule, normalize_axis
 
@@ -241,3 +241,17 @@ declare('Sum', linear='sum')
 # Partial results no collective can combine: reduced dims stay whole.
 declare(['All', 'Any', 'ArgMax', 'ArgMin', 'EuclideanNorm'], combinable=False)
 declare('BiasAddGrad', local='bias_add_grad')
+
+# --- sweep programs (testing/programs/reductions.py) -----------------------------------
+# `form`: the program's loop sweeping the op; `order`: the order its values are drawn in
+# (one seeded stream); `near_one`: values near 1, so products stay finite.
+declare(op_types_of('reductions'), sweep='reductions')
+for _form, _ops in (
+  ('reduce', ['Sum', 'Max', 'Min', 'Mean', 'EuclideanNorm', 'Prod']),
+  ('reduce_bool', ['All', 'Any']),
+  ('arg_reduce', ['ArgMax', 'ArgMin']),
+  ('scan', ['Cumsum', 'Cumprod', 'CumulativeLogsumexp']),
+):
+  for _order, _op in enumerate(_ops):
+    _params = {'form': _form, 'order': _order, 'near_one': _op in ('Prod', 'Cumprod')}
+    declare(_op, sweep_params=_params)

@@ -72,3 +72,6 @@ for _op in SIGNATURES:
 
 # No CPU kernel to run them locally: drawn whole like the random ops' results.
 declare(list(SIGNATURES), local='random')
+# TF registers no CPU kernel for cuDNN's fused RNN ops, so no program runs them here
+# (tests/test_one_definition.py checks TF's kernel registry still says so).
+declare(list(SIGNATURES), unswept='no CPU kernel (GPU only)')

@@ -19,7 +19,7 @@ import math
 
 from tf_gspmd.propagation.halo import WindowDim
 from tf_gspmd.propagation.ops_elementwise import broadcasting_rule
-from tf_gspmd.propagation.registry import RuleError, attr, declare, register
+from tf_gspmd.propagation.registry import RuleError, attr, declare, op_types_of, register
 from tf_gspmd.propagation.rule import NEED_REPLICATION, REDUCTION
 from tf_gspmd.propagation.rule_builders import Namer, make_rule, normalize_axis, replicated_results
 
@@ -863,3 +863,13 @@ declare('UnsortedSegmentMin', local='unsorted_segment', reduction='min')
 declare('UnsortedSegmentProd', local='unsorted_segment', reduction='prod')
 declare('OneHot', local='one_hot')
 declare(['Shape', 'ShapeN', 'Size', 'Rank'], local='static')
+
+# --- sweep programs (testing/programs/shape.py) -----------------------------------
+declare(op_types_of('shape'), sweep='shape')
+# Segment reductions: `order` of their value draws (one seeded stream), `near_one` for a
+# product that stays finite.
+for _order, _op in enumerate(
+  ['UnsortedSegmentSum', 'UnsortedSegmentMax', 'UnsortedSegmentMin', 'UnsortedSegmentProd']
+):
+  _params = {'form': 'segment', 'order': _order, 'near_one': _op == 'UnsortedSegmentProd'}
+  declare(_op, sweep_params=_params)

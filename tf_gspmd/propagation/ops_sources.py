@@ -54,3 +54,8 @@ register(['Assert', '_Retval', 'PrintV2'], 'sources', _sink, _assert_example)
 declare('Const', local='static')
 declare('Placeholder', aliasing=True)  # the caller's buffer
 declare('NoOp', local='no_op')
+
+# --- sweep programs (testing/programs/state.py) -----------------------------------
+declare(['Const', 'Placeholder', 'NoOp', 'Assert', 'PrintV2'], sweep='sources')
+declare('_Arg', unswept='function arguments are captured as Placeholders (swept as Placeholder)')
+declare('_Retval', unswept='function results are captured as graph outputs, not _Retval nodes')

@@ -205,6 +205,11 @@ def declare(op_types, **props):
   REGISTRY.declare(op_types, **props)
 
 
+def op_types_of(family: str) -> List[str]:
+  """The op types registered so far in `family` (for a family module's declarations)."""
+  return REGISTRY.families().get(family, [])
+
+
 def lookup(op_type: str) -> Optional[Entry]:
   _ensure_loaded()
   return REGISTRY.lookup(op_type)
