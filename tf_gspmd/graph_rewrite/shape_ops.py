@@ -266,7 +266,7 @@ def _factor_of(rule, dim: int) -> str:
 def partitioned_slice(p, graph, node, operands: Sequence[Local], plan: Sequence[DimSlice]):
   """(local tensor, sharding) of `operands[0]` sliced by `plan`, in the layouts of the rule.
 
-  The rule's factor of each sliced dim says how (`ops_shape.slice_rule`,
+  The rule's factor of each sliced dim says how (`ops_indexing.slice_rule`,
   `strided_slice`): a kept dim passes through; a range is a width-1 window
   whose split keeps the result split, rows shifted from the neighbours by halo
   exchange (`shift_window`), as XLA's partitioner keeps a slice of a split dim
@@ -361,7 +361,7 @@ def strided_slice_grad_handler(p, graph, node, operands):
 @computes('pad')
 @_static_first
 def pad_handler(p, graph, node, operands):
-  """Layouts from the rule (`ops_shape.pad`): a padded dim is a width-1 window. The local
+  """Layouts from the rule (`ops_indexing.pad`): a padded dim is a width-1 window. The local
   computation: dims held whole are padded by the op itself; split padded dims shift rows
   between shards by halo exchange with the pad value as fill (`shift_window`). A pad value
   known only at run time (PadV2) can fill only the end of shards that keep their size (a

@@ -178,7 +178,8 @@ def plan_input_gradient(dim: WindowDim, shards: int) -> InputGradientPlan:
   ci, co = -(-n // shards), -(-m // shards)
   real = [i for i in range(shards) if i * ci < n]
   if shards == 1:
-    starts, pad_lo, offsets = {0: 0}, dim.pad_lo, (0,)
+    starts, pad_lo = {0: 0}, dim.pad_lo
+    offsets: Tuple[int, ...] = (0,)
   else:
     first = {i: i * ci + dim.pad_lo - eff + 1 for i in real}  # r_min * s before rounding up
     phase = {i: (-x) % s for i, x in first.items()}

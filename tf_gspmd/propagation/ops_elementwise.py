@@ -421,9 +421,9 @@ for _op, (_x, _y) in _BINARY_FLOAT.items():
   declare(_op, sweep='binary', sweep_params={'x': _x, 'y': _y})
 declare(['Add', 'AddV2', 'Mul'], sweep='binary')
 declare(_COMPARE, sweep='compare')
-for _op, _y in _BINARY_INT.items():
+for _op, _int_y in _BINARY_INT.items():
   declare(
-    _op, sweep='binary_int', sweep_params={'y': _y, 'x': (0, 20) if _op == 'Mod' else (-20, 20)}
+    _op, sweep='binary_int', sweep_params={'y': _int_y, 'x': (0, 20) if _op == 'Mod' else (-20, 20)}
   )
 declare(['LogicalAnd', 'LogicalOr'], sweep='logical')
 # Programs of their own: casts, annotations, broadcasting, ternary and n-ary ops.

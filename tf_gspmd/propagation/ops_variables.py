@@ -9,7 +9,7 @@ with their variable's sharding.
 
 from __future__ import annotations
 
-from tf_gspmd.propagation.ops_shape import gather_rule
+from tf_gspmd.propagation.ops_indexing import gather_rule
 from tf_gspmd.propagation.registry import RuleError, attr, declare, register
 from tf_gspmd.propagation.rule import NEED_REPLICATION
 from tf_gspmd.propagation.rule_builders import Namer, make_rule, replicated_results

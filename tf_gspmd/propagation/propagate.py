@@ -36,73 +36,30 @@ from tf_gspmd import op_sharding
 from tf_gspmd.graph import ir
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.propagation import registry
+from tf_gspmd.propagation.provenance import (
+  ANNOTATION,
+  AUXILIARY,
+  BACKWARD,
+  BY_RULE,
+  DEFAULT,
+  FORWARD,
+  NO_RULE,
+  SCALAR,
+  UNKNOWN_RANK,
+  VARIABLE,
+  Key,
+  PropagationResult,
+  PropagationWarning,
+  Provenance,
+  qualified,
+)
 from tf_gspmd.propagation.registry import RuleContext, is_resource
+from tf_gspmd.propagation.resource_shapes import infer_resource_shapes
 from tf_gspmd.propagation.rule import NEED_REPLICATION, OpRule, dim_factors, pick_candidate
 from tf_gspmd.sharding import NamedSharding, P, Sharding, named_for_rank
 
-Key = Tuple[str, str]  # (graph name, tensor name)
 LEVELS = (0, 1, 2)
 LEVEL_NAMES = {0: 'pass-through ops', 1: 'all ops, broadcasts backward only', 2: 'all ops'}
-
-
-class PropagationWarning(UserWarning):
-  """An op with no usable rule: its results are replicated."""
-
-
-# Provenance kinds.
-ANNOTATION = 'annotation'  # the user annotated this tensor
-VARIABLE = 'variable'  # a resource placeholder of an annotated variable
-FORWARD = 'forward'  # from the operands of the op that produces it
-BACKWARD = 'backward'  # from an op that uses it (its results or other operands)
-NO_RULE = 'no_rule'  # produced by an op without a rule: replicated
-BY_RULE = 'rule'  # the producing op's rule replicates it (shape vectors, ...)
-AUXILIARY = 'auxiliary'  # only used as shape/axis/index-list operands (or unused): replicated
-SCALAR = 'scalar'  # rank 0: replicated
-UNKNOWN_RANK = 'unknown_rank'
-DEFAULT = 'default'  # nothing reached it: replicated
-
-
-@dataclasses.dataclass(frozen=True)
-class Provenance:
-  """Where a tensor's sharding came from."""
-
-  kind: str
-  op: Optional[str] = None  # node through which it arrived (qualified)
-  op_type: Optional[str] = None
-  source: Optional[str] = None  # tensor it was read from (qualified)
-  origin: Optional[str] = None  # the annotated tensor or variable at the root of the path
-  path: Tuple[str, ...] = ()  # nodes passed from the origin to here, in order
-  level: Optional[int] = None
-  detail: str = ''
-
-  @property
-  def direction(self) -> str:
-    return self.kind if self.kind in (FORWARD, BACKWARD) else '-'
-
-  def describe(self) -> str:
-    if self.kind == ANNOTATION:
-      return 'user annotation'
-    if self.kind == VARIABLE:
-      return f'variable {self.origin}'
-    if self.kind in (FORWARD, BACKWARD):
-      return (
-        f'{self.kind} via {self.op} ({self.op_type}) from {self.source}; origin '
-        f'{self.origin}, {len(self.path)} step(s), level {self.level}'
-      )
-    return {
-      NO_RULE: f'no rule for {self.op_type}: replicated',
-      BY_RULE: f'{self.op_type} rule: replicated',
-      AUXILIARY: 'auxiliary operand (shape/axes/indices): replicated',
-      SCALAR: 'scalar: replicated',
-      UNKNOWN_RANK: 'unknown rank: replicated',
-      DEFAULT: 'not reached by any sharding: replicated',
-    }[self.kind] + (f' ({self.detail})' if self.detail else '')
-
-
-def qualified(program: ir.Program, key: Key) -> str:
-  """'tensor' for the top-level graph, 'function::tensor' inside a library function."""
-  graph, tensor = key
-  return tensor if graph == program.main.name else f'{graph}::{tensor}'
 
 
 class _State:
@@ -123,74 +80,6 @@ class _NodeInfo:
   ties: Optional[List[List[Key]]] = None
   shapes: Optional[List] = None  # operand shapes then result shapes (value shapes for resources)
   error: Optional[str] = None
-
-
-class PropagationResult:
-  """Shardings and provenance of every tensor of a program."""
-
-  def __init__(self, program, mesh, shardings, provenance, infos, warnings_list, iterations):
-    self.program = program
-    self.mesh = mesh
-    self.shardings: Dict[str, Dict[str, NamedSharding]] = shardings
-    self.provenance: Dict[str, Dict[str, Provenance]] = provenance
-    self._infos = infos
-    self.warnings: List[str] = warnings_list
-    self.iterations = iterations  # sweeps run per level
-
-  def _split(self, name: str, graph: Optional[str]) -> Key:
-    if graph is None and '::' in name:
-      graph, name = name.split('::', 1)
-    graph = graph or self.program.main.name
-    if ':' not in name:
-      name += ':0'
-    if graph not in self.shardings or name not in self.shardings[graph]:
-      raise KeyError(f'No tensor {name!r} in graph {graph!r} of the propagated program.')
-    return graph, name
-
-  def sharding(self, name: str, graph: Optional[str] = None) -> NamedSharding:
-    """The sharding of tensor `name` ('node:0', 'node', or 'function::node:0')."""
-    g, t = self._split(name, graph)
-    return self.shardings[g][t]
-
-  def provenance_of(self, name: str, graph: Optional[str] = None) -> Provenance:
-    g, t = self._split(name, graph)
-    return self.provenance[g][t]
-
-  def rule(self, node: str, graph: Optional[str] = None) -> Optional[OpRule]:
-    info = self._infos.get((graph or self.program.main.name, node))
-    return None if info is None else info.rule
-
-  def records(self) -> List[dict]:
-    """One record per op result: the data behind `explain()`."""
-    rows = []
-    for graph in self.program.graphs():
-      for node in graph.nodes:
-        for out in node.outputs:
-          prov = self.provenance[graph.name][out.name]
-          rows.append(
-            {
-              'graph': graph.name,
-              'node': node.name,
-              'op': node.op,
-              'tensor': out.name,
-              'sharding': str(self.shardings[graph.name][out.name].spec),
-              'kind': prov.kind,
-              'direction': prov.direction,
-              'via': prov.op,
-              'source': prov.source,
-              'origin': prov.origin,
-              'path': list(prov.path),
-              'level': prov.level,
-              'detail': prov.describe(),
-            }
-          )
-    return rows
-
-  def explain(self) -> str:
-    """A readable table: each op's result shardings and where they came from."""
-    from tf_gspmd.propagation.explain import format_table
-
-    return format_table(self)
 
 
 class Propagator:
@@ -219,63 +108,6 @@ class Propagator:
 
   def _graph(self, name: str) -> ir.Graph:
     return self.program.main if name == self.program.main.name else self.program.functions[name]
-
-  def _infer_resource_shapes(self):
-    """Value shape of every resource tensor: variables, reads, assigns, ties, VarHandleOp attrs."""
-    main = self.program.main.name
-    for tensor, var in self.program.variables.items():
-      shape = getattr(var, 'shape', None)
-      if shape is not None:
-        self.resource_shapes[(main, tensor)] = tuple(
-          None if d is None else int(d)
-          for d in (shape.as_list() if hasattr(shape, 'as_list') else shape)
-        )
-    for _ in range(len(self.program.functions) + 2):
-      before = len(self.resource_shapes)
-      for graph in self.program.graphs():
-        self._resource_shapes_in(graph)
-      if len(self.resource_shapes) == before:
-        break
-
-  def _resource_shapes_in(self, graph):
-    rs = self.resource_shapes
-    for node in graph.nodes:
-      g = graph.name
-      how = registry.entry_of(node.op).resource  # what the op says about a variable's shape
-      if how == registry.RESOURCE_DECLARES:
-        shape = registry.attr(node, 'shape')
-        if shape is not None and node.outputs:
-          rs.setdefault((g, node.outputs[0].name), tuple(shape))
-      if not node.inputs:
-        continue
-      first = (g, node.inputs[0])
-      src = graph.tensor(node.inputs[0])
-      if not is_resource(src.dtype):
-        continue
-      if how == registry.RESOURCE_READS and node.outputs[0].shape is not None:
-        rs.setdefault(first, tuple(node.outputs[0].shape))
-      elif how == registry.RESOURCE_ASSIGNS:
-        shape = graph.tensor(node.inputs[1]).shape
-        if shape is not None:
-          rs.setdefault(first, tuple(shape))
-      elif how == registry.RESOURCE_FORWARDS and first in rs:
-        rs.setdefault((g, node.outputs[0].name), rs[first])
-    for node in graph.nodes:
-      entry = registry.lookup(node.op)
-      if entry is None or entry.handler is None:
-        continue
-      try:
-        groups = entry.handler.ties(node, graph, self.program)
-      except ValueError:
-        continue
-      for group in groups:
-        known = [rs[k] for k in group if k in rs]
-        if known:
-          for k in group:
-            if self._graph(k[0]).tensor(k[1]).dtype is not None and is_resource(
-              self._graph(k[0]).tensor(k[1]).dtype
-            ):
-              rs.setdefault(k, known[0])
 
   def _shape(self, key: Key):
     t = self._graph(key[0]).tensor(key[1])
@@ -396,7 +228,7 @@ class Propagator:
 
   # --- the passes ----------------------------------------------------------------------
   def run(self) -> PropagationResult:
-    self._infer_resource_shapes()
+    self.resource_shapes = infer_resource_shapes(self.program)
     self._build_infos()
     self._seed()
     roots = [self.program.main] + self._uncalled_functions()

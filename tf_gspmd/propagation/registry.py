@@ -1,12 +1,23 @@
-"""The op-rule registry: TF op type -> how shardings flow through it.
+"""The op registry: one entry per TF op type holds everything tf_gspmd knows about it.
 
-Family modules (`ops_elementwise`, `ops_matmul`, `ops_reduction`, `ops_shape`,
-`ops_nn`, `ops_random`, `ops_variables`, `ops_control_flow`, `ops_sources`)
-register their op types here. Most entries are a rule function
-`(node, ctx) -> OpRule`; control-flow entries carry a handler that ties
-tensors of the caller and the called functions together instead. Every entry
-has an example node, so the rule text of every op type can be printed (the
-support table, the golden test).
+An `Entry` holds the op's rule (how shardings flow through it), how it is
+computed on local blocks (derived from the rule, or the hand-written local
+computation `graph_rewrite` registers under the name the entry gives), its
+properties (the reduction a sharded reduction factor leaves, whether partial
+results combine, the operand it divides by, how it runs on pending sums,
+whether its results alias another buffer, what it says about a variable's
+shape, whether unshaped results are fine) and the op sweep's program for it.
+No other module keeps a table of op types (`tests/test_op_registry.py`).
+
+The family modules (every `ops_*` module of this package: `ops_elementwise`,
+`ops_matmul`, `ops_reduction`, `ops_shape`, `ops_indexing`, `ops_nn`,
+`ops_random`, `ops_rnn`, `ops_variables`, `ops_control_flow`, `ops_sources`)
+register their op types here (`register`) and then declare their properties
+(`declare`): adding an op touches its family module only. Most rules are a
+function `(node, ctx) -> OpRule`; control-flow entries carry a handler that
+ties tensors of the caller and the called functions together instead. Every
+entry has an example node, so the rule text of every op type can be printed
+(the support table, the golden test).
 
 >>> lookup('MatMul').family
 'matmul'
@@ -89,7 +100,7 @@ class Entry:
   op_type: str
   family: str
   rule: Optional[Callable] = None  # (node, ctx) -> OpRule
-  handler: Optional[object] = None  # control flow: ties tensors across graphs
+  handler: Optional[Any] = None  # control flow: ties tensors across graphs
   example: Optional[Callable] = None  # (GraphBuilder) -> node name
   note: str = ''
   local: Optional[str] = None
@@ -222,7 +233,7 @@ def op_types() -> List[str]:
 
 def entries() -> List[Entry]:
   """Every entry, by op type."""
-  return [REGISTRY.lookup(t) for t in op_types()]
+  return [e for e in (REGISTRY.lookup(t) for t in op_types()) if e is not None]
 
 
 def entry_of(op_type: str) -> Entry:
@@ -296,9 +307,10 @@ class RuleContext:
 
   def _broadcast_gradient_args(self, node, tensor) -> Optional[np.ndarray]:
     """Reduction indices of a broadcasting gradient, from two constant shapes (TF's semantics)."""
-    shapes = [self.const_ints(t) for t in node.inputs[:2]]
-    if any(s is None for s in shapes):
+    first, second = (self.const_ints(t) for t in node.inputs[:2])
+    if first is None or second is None:
       return None
+    shapes = [first, second]
     index = int(tensor.rpartition(':')[2])
     if shapes[0] == shapes[1]:
       return np.zeros((0,), np.int32)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.propagation.halo import WindowDim
@@ -46,7 +46,7 @@ NEED_REPLICATION = 'need_replication'
 FACTOR_KINDS = (PASS_THROUGH, REDUCTION, NEED_REPLICATION)
 
 Axes = Tuple[str, ...]  # mesh axes splitting one dim or factor, major to minor
-DimEntry = Optional[object]  # None | factor name | tuple of factor names
+DimEntry = Optional[Union[str, Tuple[str, ...]]]  # None | factor name | tuple of factor names
 TensorDims = Optional[Tuple[DimEntry, ...]]  # None: auxiliary (replicated) operand
 
 
@@ -187,7 +187,7 @@ class OpRule:
       return [(fs[0], tuple(axes))]
     out, rest = [], list(axes)
     for f in fs:
-      size, taken = self.size(f), []
+      size, taken = self.size(f), list[str]()
       while (
         rest and size is not None and size % (_product(mesh, taken) * mesh.axis_size(rest[0])) == 0
       ):
@@ -216,7 +216,7 @@ class OpRule:
       return tuple(factor_axes.get(fs[0], ()))
     out = []
     for f in fs:
-      size, axes = self.size(f), []
+      size, axes = self.size(f), list[str]()
       for a in factor_axes.get(f, ()):
         if size is None or size % (_product(mesh, axes) * mesh.axis_size(a)) != 0:
           break

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List, Optional, Sequence
 
-from tf_gspmd.propagation.rule import NEED_REPLICATION, OpRule, dim_factors
+from tf_gspmd.propagation.rule import NEED_REPLICATION, OpRule, TensorDims, dim_factors
 
 LETTERS = 'ijklmnopqrstuvwxyzabcdefgh'
 
@@ -67,7 +67,8 @@ def replicated_results(node, ctx, data_operands: Sequence[int] = (), aux=True) -
   sharding is unconstrained); the others are auxiliary.
   """
   namer = Namer()
-  operands, op_shapes = [], []
+  operands: List[TensorDims] = []
+  op_shapes = []
   for i, t in enumerate(node.inputs):
     shape = ctx.shape(t)
     if i in data_operands and shape is not None:
@@ -75,7 +76,8 @@ def replicated_results(node, ctx, data_operands: Sequence[int] = (), aux=True) -
     else:
       operands.append(None)
     op_shapes.append(shape)
-  results, res_shapes, kinds = [], [], {}
+  results: List[TensorDims] = []
+  res_shapes, kinds = [], {}
   for out in node.outputs:
     shape = ctx.shape(out.name)
     if shape is None:
