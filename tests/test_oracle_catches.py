@@ -16,7 +16,7 @@ import tensorflow as tf
 
 import tf_gspmd as tg
 from tf_gspmd.collectives.interface import Collectives
-from tf_gspmd.graph_rewrite import windowed
+from tf_gspmd.graph_rewrite import halo_exchange
 from tf_gspmd.runtime import sharded
 from tf_gspmd.testing import assert_close, check
 
@@ -71,7 +71,7 @@ def _drop_first_all_reduce(monkeypatch):
 
 
 def _halo_one_row_off(monkeypatch):
-  original = windowed._borrow
+  original = halo_exchange._borrow  # noqa: SLF001 (the function a bug is planted in)
   shifted = []
 
   def borrow(p, x, sd, piece, side, of=''):
@@ -79,7 +79,7 @@ def _halo_one_row_off(monkeypatch):
     shifted.append((side, piece.start, start))
     return original(p, x, sd, dataclasses.replace(piece, start=start), side, of)
 
-  monkeypatch.setattr(windowed, '_borrow', borrow)
+  monkeypatch.setattr(halo_exchange, '_borrow', borrow)
   return shifted
 
 

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tf_gspmd as tg
-from tf_gspmd.graph_rewrite.windowed import trim_plan
+from tf_gspmd.graph_rewrite.halo_exchange import trim_plan
 from tf_gspmd.partitioned import partition
 from tf_gspmd.propagation.halo import WindowDim, plan_input_gradient, same_padding
 from tf_gspmd.runtime import trace_per_partition

@@ -47,6 +47,7 @@ import tensorflow as tf
 
 from tf_gspmd.graph import emit
 from tf_gspmd.graph_rewrite import uneven
+from tf_gspmd.graph_rewrite.halo_exchange import SpatialDim, gather_window, trim_plan
 from tf_gspmd.graph_rewrite.handlers import (
   _shape_input,
   check_local_shape,
@@ -57,7 +58,6 @@ from tf_gspmd.graph_rewrite.handlers import (
   static_handler,
 )
 from tf_gspmd.graph_rewrite.partitioner import Local
-from tf_gspmd.graph_rewrite.windowed import SpatialDim, gather_window, trim_plan
 from tf_gspmd.propagation.rule import dim_factors
 from tf_gspmd.sharding import NamedSharding, P
 
