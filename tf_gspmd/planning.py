@@ -33,17 +33,17 @@ from typing import Any, Dict, List
 import numpy as np
 import tensorflow as tf
 
-# UninitializedVariable is the only TF variable that has a shape and a dtype but never
-# allocates its value (tf.Variable's public constructor always materializes an initial
-# value, which for a planned 2048-way model would be tens of GB).
-from tensorflow.python.ops.resource_variable_ops import UninitializedVariable
-
 from tf_gspmd import partitioned
 from tf_gspmd.annotations import shard_variable
 from tf_gspmd.graph_rewrite.partitioner import OpRecord
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.propagation import registry
 from tf_gspmd.sharding import NamedSharding
+
+# UninitializedVariable is the only TF variable that has a shape and a dtype but never
+# allocates its value (tf.Variable's public constructor always materializes an initial
+# value, which for a planned 2048-way model would be tens of GB).
+from tf_gspmd.tf_private import UninitializedVariable
 
 
 def abstract_variable(

@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import List
 
 import tensorflow as tf
-from tensorflow.python.ops import handle_data_util
 
 from tf_gspmd.graph_rewrite.handlers import computes
 from tf_gspmd.graph_rewrite.partitioner import Local, Partitioner
+from tf_gspmd.tf_private import handle_data_util
 
 
 def _run_body(p: Partitioner, graph_name: str, tensors, params: List[Local], result_layouts):

@@ -398,7 +398,7 @@ _BINARY_FLOAT = {
   'TanhGrad': (None, None),
 }
 _COMPARE = ('Equal', 'NotEqual', 'Greater', 'GreaterEqual', 'Less', 'LessEqual')
-# Integer binary ops: range of y (x is drawn from [-20, 20)).
+# Integer binary ops: range of y, or 'nonzero' (x is drawn from [-20, 20), Mod's from [0, 20)).
 _BINARY_INT = {
   'BitwiseAnd': (-20, 20),
   'BitwiseOr': (-20, 20),
