@@ -6,11 +6,11 @@ sharding (which may hold a pending reduction) and its global shape. Before an
 op runs, each operand is resharded to what the op's handler requires; the
 reshard planner decides how, and `lower_reshard` emits the collectives.
 
-Handlers are chosen by `lookup` (`dispatch.lookup`: hand-written handlers
-for shape-carrying ops, variables, control flow, windowed ops; otherwise
-derived from the op's propagation rule; an op with neither is computed on
-replicated operands with one warning naming it). The engine is given it, so
-it imports no handler.
+Handlers are chosen by `lookup` (`dispatch.lookup`: hand-written handlers,
+named by the op's registry entry, for shape-carrying ops, variables, control
+flow, windowed ops; otherwise derived from the op's propagation rule; an op
+with neither is computed on replicated operands with one warning naming it).
+The engine is given it, so it imports no handler.
 """
 
 from __future__ import annotations
