@@ -249,6 +249,7 @@ for _op, _update in (
 ):
   declare(_op, local='resource_scatter', local_params={'update': _update})
 declare('VariableShape', local='variable_shape')
+declare(['ReadVariableOp', 'VarIsInitializedOp', 'VariableShape'], reads_variable_only=True)
 declare('VarIsInitializedOp', local='var_is_initialized')
 
 # --- sweep programs (testing/programs/state.py) -----------------------------------

@@ -90,7 +90,8 @@ class Entry:
   - `linear`: how it runs on pending sums (`LINEAR_FORMS`), None when it cannot;
   - `aliasing`: its results alias memory held elsewhere (no bytes of their own);
   - `resource`: what its resource-typed first operand says about the variable's
-    shape (`RESOURCE_KINDS`);
+    shape (`RESOURCE_KINDS`); `reads_variable_only`: it only reads the variable its
+    handle operands stand for (any other use of a handle may write it);
   - `unshaped_results_ok`: its local computation partitions it although some
     result has no static shape;
   - `sweep`: how the op sweep produces it (`testing/op_builders.py` reads it):
@@ -111,6 +112,7 @@ class Entry:
   linear: Optional[str] = None
   aliasing: bool = False
   resource: Optional[str] = None
+  reads_variable_only: bool = False
   unshaped_results_ok: bool = False
   sweep: Optional[str] = None
   sweep_params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
