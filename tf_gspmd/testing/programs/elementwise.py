@@ -46,12 +46,6 @@ def _replicated_annotation(x):
   return tf.identity(replicate(x))
 
 
-def _replicated_annotation(x):
-  from tf_gspmd.annotations import replicate
-
-  return tf.identity(replicate(x))
-
-
 def _unary(op, x) -> OpSpec:
   return spec(op, lambda a, op=op: raw(op, a), arg(x))
 
