@@ -109,12 +109,6 @@ class Propagator:
   def _graph(self, name: str) -> ir.Graph:
     return self.program.main if name == self.program.main.name else self.program.functions[name]
 
-  def _shape(self, key: Key):
-    t = self._graph(key[0]).tensor(key[1])
-    if is_resource(t.dtype):
-      return self.resource_shapes.get(key)
-    return t.shape
-
   def _warn(self, op_type: str, message: str):
     if op_type in self._warned:
       return
@@ -557,13 +551,6 @@ def _dedupe(spec) -> tuple:
     used.update(keep)
     out.append(tuple(keep))
   return tuple(out)
-
-
-def _users_outputs(graph: ir.Graph, tensor: str) -> List[str]:
-  outs = []
-  for node_name, _ in graph.consumers(tensor):
-    outs.extend(o.name for o in graph.node(node_name).outputs)
-  return outs
 
 
 def _devices(mesh: Mesh, axes) -> int:
