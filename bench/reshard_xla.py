@@ -281,7 +281,9 @@ def row(r: dict) -> List[str]:
     c = r[side]['collectives']
     return ' '.join(f'{k}x{n}' for k, n in sorted(c['kinds'].items())) or '-'
 
-  ok = lambda side, key: 'ok' if r[side][key] <= r['bound'] else 'OVER'
+  def ok(side, key):
+    return 'ok' if r[side][key] <= r['bound'] else 'OVER'
+
   return [
     r['name'],
     f'{r["step_ms"]["ours"]:.3f}',
@@ -324,7 +326,10 @@ def summary(results: List[dict]) -> List[str]:
 
 def table(rows: List[List[str]], header: List[str]) -> str:
   widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
-  line = lambda cells: ' | '.join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+  def line(cells):
+    return ' | '.join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
   return '\n'.join([line(header), '-+-'.join('-' * w for w in widths)] + [line(r) for r in rows])
 
 

@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 
 import tf_gspmd as tg
-from tf_gspmd import Mesh, NamedSharding, P
+from tf_gspmd import Mesh, P
 from tf_gspmd.annotations import _tf_variable
 from tf_gspmd.testing import assert_close
 

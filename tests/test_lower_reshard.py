@@ -165,7 +165,7 @@ def _random_cases(count, seed=7):
     mesh = (M24, M222)[len(out) % 2]
     rank = int(rng.integers(1, 4))
 
-    def spec(axes):
+    def spec(axes, rank=rank):
       dims = [[] for _ in range(rank)]
       for a in axes:
         where = int(rng.integers(-1, rank))

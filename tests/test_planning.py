@@ -28,7 +28,7 @@ SMALL_MOE = moe.Config(groups=8, tokens=8, d_model=8, experts=8, hidden=16, capa
 
 def _rss_bytes() -> int:
   with open('/proc/self/status') as status:
-    line = next(l for l in status if l.startswith('VmRSS:'))
+    line = next(t for t in status if t.startswith('VmRSS:'))
   return int(line.split()[1]) * 1024
 
 

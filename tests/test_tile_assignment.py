@@ -10,8 +10,6 @@ functions on 8 logical CPUs against the unpartitioned run, collectives counted
 against the same function annotated in the mesh's order.
 """
 
-import itertools
-
 import numpy as np
 import pytest
 import tensorflow as tf

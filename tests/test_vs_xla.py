@@ -130,7 +130,8 @@ def test_collectives_read_from_hlo_text():
 
 
 def test_argument_layout_of_wrong_rank_is_refused_clearly():
-  """A parameter sharding that does not fit its tensor is an error naming it, never a wrong value."""
+  """A parameter sharding that does not fit its tensor is an error naming it, never a wrong
+  value."""
   mesh = tg.Mesh.create(MESH_SHAPE, AXES)
 
   @tf.function
