@@ -7,9 +7,9 @@ Each ```python block is one of, by the HTML comment on the line before it:
   block follows it (blank lines between at most), that is what it must print;
 - `<!-- run by tests/test_x.py::test_name -->`: that test runs it (it reads the page);
 - `<!-- excerpt of tf_gspmd/path.py -->`: the block is that file's text, verbatim;
-- `<!-- not run: why -->`: a fragment, or code needing a TPU or a long run; a test file the
-  reason names must exist (a long or multi-process run may be left out only where a test
-  runs the same code).
+- `<!-- not run: why -->`: a fragment, or code needing a TPU or a long run; the reason names
+  the test (tests/test_x.py, or tests/test_x.py::test_name) that runs the same code or, for a
+  TPU, its CPU stand-in; each test named must exist.
 
 Blocks import tf_gspmd's public API only, so moving a module inside the package breaks no page.
 """
@@ -116,11 +116,11 @@ def _tests_named(text: str):
     yield source
 
 
-def test_a_block_not_run_says_why_and_names_real_tests():
+def test_a_block_not_run_says_why_and_names_the_tests_that_cover_it():
   for b in PYTHON:
     if b.marker == 'not run':
       assert len(b.detail) >= 10, f'{b.where()}: say why the block is not run'
-      list(_tests_named(b.detail))
+      assert list(_tests_named(b.detail)), f'{b.where()}: name the test that runs this code'
 
 
 def test_a_block_run_elsewhere_names_a_test_that_reads_its_page():
