@@ -139,6 +139,13 @@ def test_an_excerpt_is_its_source_verbatim():
       assert b.code in source.read_text(), f'{b.where()}: no longer the text of {b.detail}'
 
 
+def anchors(page: pathlib.Path) -> set:
+  """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces as '-'."""
+  prose = re.sub(r'^( *)```.*?^\1```$', '', page.read_text(), flags=re.S | re.M)
+  headings = re.findall(r'^#+ (.+)$', prose, re.M)
+  return {re.sub(r'[^\w\- ]', '', h.lower()).replace(' ', '-') for h in headings}
+
+
 def test_every_page_is_linked_from_the_readme_and_every_link_resolves():
   reached, todo = set(), [ROOT / 'README.md']
   while todo:
@@ -146,9 +153,10 @@ def test_every_page_is_linked_from_the_readme_and_every_link_resolves():
     if page in reached:
       continue
     reached.add(page)
-    for target in re.findall(r'\]\(([^)#\s]+\.md)(?:#[\w-]+)?\)', page.read_text()):
+    for target, anchor in re.findall(r'\]\(([^)#\s]+\.md)(?:#([\w-]+))?\)', page.read_text()):
       linked = (page.parent / target).resolve()
       assert linked.is_file(), f'{page.name} links to {target}, which does not exist'
+      assert not anchor or anchor in anchors(linked), f'{page.name}: no #{anchor} in {target}'
       todo.append(linked)
   assert not set(PAGES) - reached, f'no link reaches {sorted(set(PAGES) - reached)}'
 
