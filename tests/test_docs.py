@@ -12,6 +12,8 @@ Each ```python block is one of, by the HTML comment on the line before it:
   TPU, its CPU stand-in; each test named must exist.
 
 Blocks import tf_gspmd's public API only, so moving a module inside the package breaks no page.
+Every page is reached by links from the README, every link and anchor resolves, and every
+`tf_gspmd/...` file a page names exists.
 """
 
 import dataclasses
@@ -137,6 +139,12 @@ def test_an_excerpt_is_its_source_verbatim():
       source = ROOT / b.detail
       assert source.is_file(), f'{b.where()}: {b.detail} does not exist'
       assert b.code in source.read_text(), f'{b.where()}: no longer the text of {b.detail}'
+
+
+def test_the_files_a_page_names_exist():
+  named = {(p.name, f) for p in PAGES for f in re.findall(r'tf_gspmd/[\w/.]*\w', p.read_text())}
+  missing = sorted((page, f) for page, f in named if not (ROOT / f).exists())
+  assert not missing, f'pages name files that are gone: {missing}'
 
 
 def anchors(page: pathlib.Path) -> set:
