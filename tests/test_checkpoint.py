@@ -406,10 +406,10 @@ def test_save_killed_midway_leaves_previous_checkpoint(tmp_path, phase):
 
 
 def test_readme_checkpoint_example_runs(tmp_path):
-  """The README's checkpoint example runs as is (and is the module docstring's)."""
+  """docs/export.md's checkpoint example runs as is (and is the module docstring's)."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  with open(os.path.join(root, 'README.md')) as f:
-    section = f.read().split('### Checkpoints', 1)[1].split('\n## ', 1)[0]
+  with open(os.path.join(root, 'docs', 'export.md')) as f:
+    section = f.read().split('## Checkpoints', 1)[1].split('\n## ', 1)[0]
   example = section.split('```python\n', 1)[1].split('```', 1)[0]
   doc = ckpt.__doc__
   assert example.strip() == textwrap.dedent(doc[doc.index('::\n') + 3 :]).strip()

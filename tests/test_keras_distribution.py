@@ -282,11 +282,11 @@ def check_model_parallel_example(tmp_path, *args) -> str:
 
 
 def test_readme_keras_distribution_section_runs(tmp_path):
-  readme = (ROOT / 'README.md').read_text()
-  section = readme.split("### Keras 3's keras.distribution on TF", 1)[1]
+  readme = (ROOT / 'docs' / 'keras.md').read_text()
+  section = readme.split("## Keras 3's keras.distribution on TF", 1)[1]
   code = re.search(r'```python\n(.*?)```', section, re.S).group(1)
   out = run_python(code, tmp_path)
   assert re.search(r"^d1/kernel P\(None, 'model'\) \(784, 50\)$", out, re.M), out
-  # The README prints the oracle's measure (tf_gspmd.testing.relative_error), worst weight.
+  # The page prints the oracle's measure (tf_gspmd.testing.relative_error), worst weight.
   error = re.search(r'^max relative error to plain Keras: (\S+)$', out, re.M)
   assert error and float(error.group(1)) <= bound(np.float32), out

@@ -419,9 +419,9 @@ def test_xla_export_recompiles_and_its_annotated_graph_reads_back(exports, tmp_p
   assert checked >= len(written)
 
 
-# --- the README's "Save, serve, restore" example ------------------------------------------------
+# --- docs/export.md's "Save, serve, restore" example ---------------------------------------------
 def test_readme_save_serve_restore_example_runs_verbatim(tmp_path):
-  readme = (ROOT / 'README.md').read_text()
+  readme = (ROOT / 'docs' / 'export.md').read_text()
   section = readme.split('## Save, serve, restore', 1)[1].split('\n## ', 1)[0]
   block = section.split('```python\n', 1)[1].split('```', 1)[0]
   script = tmp_path / 'readme_save_serve.py'
