@@ -98,7 +98,8 @@ def main():
   mesh = tg.Mesh.create((2, 4), ('data', 'model'))
   start = time.time()
   with cluster.LocalCluster(TASKS, DEVICES_PER_TASK) as workers:
-    # Connect before making any variable: connecting resets TF's eager context (see docs/scaling_out.md).
+    # Connect before making any variable: connecting resets TF's eager context
+    # (see docs/scaling_out.md).
     names = cluster.connect(workers.spec, DEVICES_PER_TASK)
     print(f'{TASKS} workers {workers.addresses} up and connected in {time.time() - start:.1f} s')
     model, optimizer = transformer.build(seed=0)
