@@ -95,7 +95,7 @@ def _iterations(step, optimizer) -> int:
 
 def _check_bitwise(step, prefix: str, np, tf) -> None:
   """Each restored variable equals, byte for byte, what TF's checkpoint reader reads."""
-  from tf_gspmd.checkpoint import values_by_name
+  from tf_gspmd.export.checkpoint import values_by_name
 
   reader = tf.train.load_checkpoint(prefix)
   for name, held in values_by_name(step).items():

@@ -206,7 +206,7 @@ def test_fit_evaluate_predict_run_by_strategy_run_equal_plain_keras():
   assert_close(
     model.predict(X, batch_size=16, verbose=0), twin.predict(X, batch_size=16, verbose=0), 'predict'
   )
-  # A write to the model's own variable wins over its shards (keras_fit's mirror scatters it).
+  # A write to the model's own variable wins over its shards (keras/fit.py's mirror scatters it).
   for m in (model, twin):
     m.optimizer.learning_rate.assign(3e-3)
   assert_close(

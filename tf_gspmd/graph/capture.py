@@ -27,16 +27,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2
-from tensorflow.python.eager.polymorphic_function import concrete_function as concrete_lib
-from tensorflow.python.framework import function_def_to_graph as fdef_lib
-from tensorflow.python.framework import importer, ops
-from tensorflow.python.framework.func_graph import FuncGraph
-from tensorflow.python.ops import array_ops, handle_data_util
 
 from tf_gspmd import op_sharding
 from tf_gspmd.graph import ir
 from tf_gspmd.graph.prune import prune_dead
 from tf_gspmd.sharding import Sharding
+from tf_gspmd.tf_private import FuncGraph, function_def_to_graph, handle_data_util
 
 # Attr holding the serialized OpSharding of an XlaSharding op, and the attr any
 # op may carry with the sharding of its output(s).
@@ -83,7 +79,7 @@ def capture(fn, *args, input_signature: Optional[Sequence[Any]] = None, **kwargs
 def concrete_function_of(fn, args=(), kwargs=None, input_signature=None):
   """The ConcreteFunction `capture` works on."""
   fn = _as_tf_function(fn)
-  if isinstance(fn, concrete_lib.ConcreteFunction):
+  if isinstance(fn, tf.types.experimental.ConcreteFunction):
     return fn
   if input_signature is not None:
     return fn.get_concrete_function(*input_signature)
@@ -92,7 +88,7 @@ def concrete_function_of(fn, args=(), kwargs=None, input_signature=None):
 
 def _as_tf_function(fn):
   """`fn` itself if it is a tf.function or ConcreteFunction, else `tf.function(fn)`."""
-  if isinstance(fn, concrete_lib.ConcreteFunction) or hasattr(fn, 'get_concrete_function'):
+  if isinstance(fn, tf.types.experimental.ConcreteFunction) or hasattr(fn, 'get_concrete_function'):
     return fn
   if not callable(fn):
     raise TypeError(f'capture: expected a tf.function or a callable, got {fn!r}.')
@@ -200,7 +196,10 @@ def _shape_tuple(shape: tf.TensorShape):
 
 
 def _topological_order(operations: Sequence[tf.Operation]) -> List[tf.Operation]:
-  """`operations` sorted so every op follows its data and control inputs; ties keep the given order."""
+  """`operations` sorted so every op follows its data and control inputs.
+
+  Ties keep the given order.
+  """
   position = {op.name: i for i, op in enumerate(operations)}
   waiting_on = {}
   users: Dict[str, List[str]] = {}
@@ -401,7 +400,7 @@ class _LibraryConverter:
     # conversion can look up the functions called inside a body.
     self._scratch = tf.Graph()
     with self._scratch.as_default():
-      importer.import_graph_def(graph_pb2.GraphDef(library=library), name='')
+      tf.graph_util.import_graph_def(graph_pb2.GraphDef(library=library), name='')
     self._specs: Dict[str, List[ArgSpec]] = {}
     self._graphs: Dict[str, FuncGraph] = {}
     self._order: List[str] = []
@@ -465,7 +464,7 @@ class _LibraryConverter:
 
   def _convert(self, fdef, specs: List[ArgSpec]) -> FuncGraph:
     with self._scratch.as_default():
-      graph_def, flat_names = fdef_lib.function_def_to_graph_def(fdef)
+      graph_def, flat_names = function_def_to_graph.function_def_to_graph_def(fdef)
       func_graph = FuncGraph(fdef.signature.name)
     arg_names = {a.name for a in fdef.signature.input_arg}
     with func_graph.as_default():
@@ -503,7 +502,7 @@ class _LibraryConverter:
     bare.CopyFrom(node_def)
     del bare.input[:]
     try:
-      op = ops.Operation.from_node_def(bare, graph, inputs=inputs, control_inputs=controls)
+      op = tf.Operation.from_node_def(bare, graph, inputs=inputs, control_inputs=controls)
     except (ValueError, TypeError, tf.errors.InvalidArgumentError) as e:
       raise ValueError(
         f'capture: cannot re-create node {node_def.name!r} ({node_def.op}) '
@@ -600,7 +599,7 @@ def _topological_node_defs(node_defs, skip, where: str):
 
 def make_placeholder(name: str, dtype: tf.DType, shape, handle_data=None) -> tf.Tensor:
   """A Placeholder named exactly `name` in the current graph, with handle data for resources."""
-  placeholder = array_ops.placeholder(dtype, shape=shape, name=name)
+  placeholder = tf.compat.v1.placeholder(dtype, shape=shape, name=name)
   if placeholder.op.name != name:
     raise ValueError(
       f'placeholder {name!r} came out as {placeholder.op.name!r}: the name is taken.'

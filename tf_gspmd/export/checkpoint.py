@@ -94,10 +94,11 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.eager import context  # async_wait: see save_checkpoint
 
+from tf_gspmd.keras.hooks import backing
 from tf_gspmd.partitioned import PartitionedFunction, VariableStore
 from tf_gspmd.runtime.sharded import ShardedVariable
+from tf_gspmd.tf_private import context  # async_wait: see save_checkpoint
 
 STATE_FILE = 'checkpoint'  # TF's name: tf.train.latest_checkpoint reads it
 PREFIX = 'ckpt'
@@ -126,14 +127,6 @@ class _Entry:
 def _is_keras_variable(value) -> bool:
   # Keras 3 variables are no tf.Variable; their path is their name in the checkpoint.
   return hasattr(value, 'path') and hasattr(value, 'assign') and not isinstance(value, tf.Variable)
-
-
-def _backing(variable):
-  """The tf.Variable behind a Keras 3 variable (what a captured graph and a store refer to).
-
-  `_value` is Keras' private attribute holding it; `.value` would go through autocasting.
-  """
-  return getattr(variable, '_value', variable) if _is_keras_variable(variable) else variable
 
 
 def _base_name(variable) -> str:
@@ -224,8 +217,8 @@ def _entries(obj, what: str) -> List[_Entry]:
     else:
       candidates = [item]
     for v in candidates:
-      if id(_backing(v)) not in seen:
-        seen.add(id(_backing(v)))
+      if id(backing(v)) not in seen:
+        seen.add(id(backing(v)))
         variables.append(v)
   names = _unique([_base_name(v) for v in variables])
   entries = [_entry_of(name, v) for name, v in zip(names, variables)]
@@ -247,7 +240,7 @@ def values_by_name(source) -> Dict[str, np.ndarray]:
 
 
 def _entry_of(name: str, variable) -> _Entry:
-  plain = _backing(variable)
+  plain = backing(variable)
   if not isinstance(plain, tf.Variable):
     raise TypeError(f'checkpoint: {name!r} is a {type(variable).__name__}, not a variable.')
   return _Entry(name, tuple(int(d) for d in plain.shape), plain.dtype.base_dtype, plain=plain)

@@ -6,7 +6,7 @@ process with N logical devices, `tf.saved_model.load(export_dir)` (tf_gspmd
 not imported) and `signatures['serving_default'](**inputs)` give the global
 outputs. `saved_model_cli show` reads it; `saved_model_cli run --worker
 grpc://localhost:P` runs it on a device server with N CPU devices
-(`python -m tf_gspmd.serve --export DIR --port P`, see `tf_gspmd/serve.py`).
+(`python -m tf_gspmd.export.serve --export DIR --port P`, see `tf_gspmd/serve.py`).
 
 What the SavedModel holds:
 
@@ -63,12 +63,13 @@ import dataclasses
 import json
 import os
 import re
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Sequence
 
 import numpy as np
 import tensorflow as tf
 
 from tf_gspmd import op_sharding
+from tf_gspmd.device_names import full_name
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.partitioned import PartitionedFunction, _Compiled
 from tf_gspmd.runtime import SpmdProgram
@@ -517,8 +518,8 @@ def check_devices(export_dir: str) -> List[str]:
   meta = metadata(export_dir)
   devices = meta['devices']
   kinds = {tf.DeviceSpec.from_string(d).device_type for d in devices}
-  available = {_full_name(d.name) for d in tf.config.list_logical_devices()}
-  missing = [d for d in devices if _full_name(d) not in available]
+  available = {full_name(d.name) for d in tf.config.list_logical_devices()}
+  missing = [d for d in devices if full_name(d) not in available]
   if missing:
     have = sum(len(tf.config.list_logical_devices(k)) for k in kinds)
     raise ValueError(
@@ -538,17 +539,6 @@ def load(export_dir: str):
     experimental_variable_policy=tf.saved_model.experimental.VariablePolicy.SAVE_VARIABLE_DEVICES
   )
   return tf.saved_model.load(export_dir, options=options)
-
-
-def _full_name(device: str) -> str:
-  spec = tf.DeviceSpec.from_string(device)
-  return tf.DeviceSpec(
-    job=spec.job or 'localhost',
-    replica=spec.replica or 0,
-    task=spec.task or 0,
-    device_type=spec.device_type,
-    device_index=spec.device_index or 0,
-  ).to_string()
 
 
 # --- XLA / TPU export --------------------------------------------------------------------------

@@ -40,21 +40,16 @@ import time
 from typing import Any, Dict, List, Sequence, Union
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from tf_gspmd.annotations import shard, shard_variable, variable_sharding
+from tf_gspmd.keras.hooks import backing
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.partitioned import PartitionedFunction, VariableStore
 from tf_gspmd.runtime.launcher import without_grappler
 from tf_gspmd.runtime.sharded import read
 from tf_gspmd.sharding import P
 from tf_gspmd.xla_bridge.export import XlaLoweringError
-
-
-def backing(variable):
-  """The tf.Variable behind a Keras variable (the object a captured graph refers to)."""
-  return getattr(variable, '_value', variable)
 
 
 def _batch_split(mesh: Mesh, axes, lead: int = 0):
@@ -477,7 +472,9 @@ def layer_paths(model) -> set:
 
 
 def _in_layers(model, message: str) -> str:
-  """ " In Keras layer 'a/b', ... of model 'm'." for the nodes a lowering error names, by their name scopes.
+  """`" In Keras layer 'a/b', ... of model 'm'."` for the nodes a lowering error names.
+
+  The layers are found by the nodes' name scopes.
 
   TF names a layer's scope by the layer's name, uniquified with a '_<n>' suffix per trace."""
   found = []
@@ -533,7 +530,7 @@ def partition_model(
   strategy=None,
   **kwargs,
 ):
-  """Make `fit`, `evaluate`, `predict` and `*_on_batch` run partitioned over `mesh`; returns `model`.
+  """Make `fit`, `evaluate`, `predict`, `*_on_batch` run partitioned over `mesh`; returns `model`.
 
   The model's variables are annotated as usual (`shard_variable`, `LayoutMap`)
   before this call; every input and target is split along its first dim over
