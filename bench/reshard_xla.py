@@ -222,7 +222,10 @@ def measure(case: dict, reps: int) -> dict:
   got_ours = np.asarray(ours(program.x))
   got_xla = np.asarray(xla(program.x))
   times = vs_xla.time_both(ours, xla, (program.x,), reps)
-  memory = {'ours': reference_partitioner.compiled_memory(executable.executable), 'xla': xla.memory()}
+  memory = {
+    'ours': reference_partitioner.compiled_memory(executable.executable),
+    'xla': xla.memory(),
+  }
   collectives = {
     'ours': reference_partitioner.partitioned_collectives(ours_hlo, NUM_DEVICES),
     'xla': xla.collectives(),

@@ -319,7 +319,9 @@ def measure(name: str, quick: bool, steps: int, check_steps: int) -> dict:
   case = Case(name, quick)
   ours, xla, ours_build, xla_build = build_both(case)
   executable = ours.xla_executable(*case.batch)
-  ours_collectives = reference_partitioner.partitioned_collectives(executable.compiled_hlo(), NUM_DEVICES)
+  ours_collectives = reference_partitioner.partitioned_collectives(
+    executable.compiled_hlo(), NUM_DEVICES
+  )
   result = dict(
     model=name,
     mesh=f'{case.mesh.shape}',
@@ -328,7 +330,8 @@ def measure(name: str, quick: bool, steps: int, check_steps: int) -> dict:
       ours=collective_summary(ours_collectives), xla=collective_summary(xla.collectives())
     ),
     peak_bytes=dict(
-      ours=reference_partitioner.compiled_memory(executable.executable)['peak'], xla=xla.memory()['peak']
+      ours=reference_partitioner.compiled_memory(executable.executable)['peak'],
+      xla=xla.memory()['peak'],
     ),
     step_ms=time_both(ours, xla, case.batch, steps),
     errors=check(case, ours, xla, check_steps),

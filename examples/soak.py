@@ -88,8 +88,10 @@ def train(directory: str, steps: int, every: int) -> int:
 
 def _iterations(step, optimizer) -> int:
   """The optimizer's step count as the partitioned step holds it (its shard, not the original)."""
+  from tf_gspmd.keras.hooks import backing  # the tf.Variable behind the Keras variable
+
   pairs = {id(o): s for o, s in step.variable_pairs()}
-  counter = getattr(optimizer.iterations, '_value', optimizer.iterations)
+  counter = backing(optimizer.iterations)
   return int(pairs[id(counter)].assemble().numpy())
 
 

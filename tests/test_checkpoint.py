@@ -362,7 +362,7 @@ KILLED_SAVE = textwrap.dedent("""
         if phase == 'slices':  # after the first device's slices, before the others'
           open(marker, 'w').close(); time.sleep(600)
       return stalled
-    name = '_publish' if phase == 'publish' else '_write_device'
+    name = 'publish' if phase == 'publish' else '_write_device'
     setattr(ckpt, name, stall(getattr(ckpt, name)))
     tg.save_checkpoint(pf, directory)
     print('the save finished; it should have been killed', flush=True)

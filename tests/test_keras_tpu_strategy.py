@@ -26,6 +26,7 @@ import tensorflow as tf
 from tensorflow.compiler.xla.service import hlo_pb2
 
 import tf_gspmd as tg
+from tf_gspmd.keras.hooks import backing
 from tf_gspmd.keras.strategy import StrategyFunction
 from tf_gspmd.testing import as_float32, assert_close
 from tf_gspmd.xla_bridge import tpu
@@ -52,10 +53,6 @@ def guide_layouts(model, mesh):
   layout['e1/kernel'] = tg.P('model', None)
   layout.apply(model)
   return model
-
-
-def backing(variable):
-  return getattr(variable, '_value', variable)  # Keras private: the tf.Variable behind it
 
 
 def train_runner(model, batch):

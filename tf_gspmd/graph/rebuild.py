@@ -31,7 +31,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2, node_def_pb2
 
 from tf_gspmd.graph import ir
-from tf_gspmd.graph.capture import make_placeholder
+from tf_gspmd.graph.from_ops import as_str, make_placeholder
 from tf_gspmd.tf_private import (
   FuncGraph,
   atomic_function,
@@ -309,7 +309,7 @@ def add_library_to_graph(program: ir.Program, graph: tf.Graph) -> Dict[str, str]
   for function in built.values():
     if not graph._is_function(function.name):  # noqa: SLF001
       graph._add_function(function)  # noqa: SLF001
-  return {old: _as_str(function.name) for old, function in built.items()}
+  return {old: as_str(function.name) for old, function in built.items()}
 
 
 def build_library(
@@ -363,7 +363,7 @@ def _build_function(
   graph: ir.Graph, built: Dict[str, atomic_function.AtomicFunction]
 ) -> atomic_function.AtomicFunction:
   """One library function, rebuilt from the IR, registered under a content-derived name."""
-  new_names = {old: _as_str(f.name) for old, f in built.items()}
+  new_names = {old: as_str(f.name) for old, f in built.items()}
   callees = [built[n] for n in _callee_names(graph, built)]
   func_graph = FuncGraph(graph.name)
   with func_graph.as_default():
@@ -524,7 +524,3 @@ def _register(
 def _function_name(hint: str) -> str:
   cleaned = re.sub(r'[^A-Za-z0-9_]', '_', hint)
   return cleaned if cleaned and not cleaned[0].isdigit() else f'f_{cleaned}'
-
-
-def _as_str(name) -> str:
-  return name.decode() if isinstance(name, bytes) else str(name)
