@@ -23,7 +23,7 @@ import pytest
 import tensorflow as tf
 
 import tf_gspmd as tg
-from tf_gspmd import checkpoint as ckpt
+from tf_gspmd.export import checkpoint as ckpt
 from tf_gspmd.testing import assert_close
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -331,7 +331,7 @@ KILLED_SAVE = textwrap.dedent("""
     import conftest  # 8 logical devices
     import numpy as np, tensorflow as tf
     import tf_gspmd as tg
-    from tf_gspmd import checkpoint as ckpt
+    from tf_gspmd.export import checkpoint as ckpt
     directory, phase, marker = sys.argv[1:4]
     mesh = tg.Mesh.create((2, 4), ('data', 'model'))
     w = tf.Variable(np.arange(16 * 30, dtype=np.float32).reshape(16, 30), name='w')
@@ -362,7 +362,7 @@ KILLED_SAVE = textwrap.dedent("""
         if phase == 'slices':  # after the first device's slices, before the others'
           open(marker, 'w').close(); time.sleep(600)
       return stalled
-    name = '_publish' if phase == 'publish' else '_write_device'
+    name = 'publish' if phase == 'publish' else '_write_device'
     setattr(ckpt, name, stall(getattr(ckpt, name)))
     tg.save_checkpoint(pf, directory)
     print('the save finished; it should have been killed', flush=True)

@@ -79,7 +79,7 @@ import tensorflow as tf
 
 from tf_gspmd import annotations
 from tf_gspmd.graph.capture import capture
-from tf_gspmd.keras_layout import LayoutMap
+from tf_gspmd.keras.layout import LayoutMap
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.planning import PlanReport, plan
 from tf_gspmd.sharding import NamedSharding, P, Sharding, named_for_rank

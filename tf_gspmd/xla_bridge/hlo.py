@@ -67,7 +67,8 @@ def hlo_collectives(hlo_text: str) -> List[HloCollective]:
   found = []
   for line in hlo_text.splitlines():
     match = _INSTRUCTION.match(line)
-    # Async forms (GPU/TPU) split a collective into '<kind>-start' and '<kind>-done': count the start.
+    # Async forms (GPU/TPU) split a collective into '<kind>-start' and '<kind>-done':
+    # count the start.
     kind = match.group('kind').removesuffix('-start') if match else None
     if kind not in HLO_COLLECTIVES:
       continue

@@ -172,7 +172,7 @@ class ReplicaVariable:
   """
 
   # The components may live on TPU cores, which a host tf.function does not read: assembled
-  # eagerly (keras_fit's mirror then assigns the assembled values in one compiled call).
+  # eagerly (keras/fit.py's mirror then assigns the assembled values in one compiled call).
   assembles_in_graph = False
 
   def __init__(self, strategy, original, sharding):
@@ -230,7 +230,7 @@ class ReplicaVariables:
   Steps over the same variables (train, test, predict) given one store read and
   write the same shards. `sharded` / `originals` may be a `VariableStore`'s dicts
   (id(original) -> sharded variable / original): each variable made here is then
-  registered there too, where the store's other users (keras_fit's mirror) find it.
+  registered there too, where the store's other users (keras/fit.py's mirror) find it.
   """
 
   def __init__(
