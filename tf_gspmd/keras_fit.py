@@ -46,7 +46,7 @@ import tensorflow as tf
 from tf_gspmd.annotations import shard, shard_variable, variable_sharding
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.partitioned import PartitionedFunction, VariableStore
-from tf_gspmd.runtime.launcher import without_grappler
+from tf_gspmd.runtime.grappler import without_grappler
 from tf_gspmd.runtime.sharded import read
 from tf_gspmd.sharding import P
 from tf_gspmd.xla_bridge.export import XlaLoweringError
