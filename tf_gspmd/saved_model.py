@@ -70,7 +70,7 @@ import tensorflow as tf
 
 from tf_gspmd import op_sharding
 from tf_gspmd.mesh import Mesh
-from tf_gspmd.partitioned import PartitionedFunction, _Compiled
+from tf_gspmd.partitioned import Compiled, PartitionedFunction
 from tf_gspmd.runtime import SpmdProgram
 from tf_gspmd.runtime.sharded import ShardedVariable
 from tf_gspmd.sharding import NamedSharding, P, Sharding
@@ -169,7 +169,7 @@ def _as_examples(args) -> tuple:
   return tuple(tf.zeros(a.shape, a.dtype) if isinstance(a, tf.TensorSpec) else a for a in args)
 
 
-def _example_args(compiled: _Compiled) -> tuple:
+def _example_args(compiled: Compiled) -> tuple:
   """Zeros in the shapes of a compiled program's arguments (it was compiled from such args)."""
   main = compiled.program.main
   return tuple(
@@ -233,7 +233,7 @@ def _piece_key(sharding: Sharding, shape, p: int):
   return bounds
 
 
-def _written(compiled: _Compiled, variable) -> bool:
+def _written(compiled: Compiled, variable) -> bool:
   """Whether the program may write `variable` (any use of its handle but a read)."""
   main = compiled.program.main
   names = [n for n, v in compiled.program.variables.items() if v is variable]
@@ -253,7 +253,7 @@ def _stored(pf, compiled, by_variable, variable) -> _StoredShards:
   return stored
 
 
-def _signature_function(pf, compiled: _Compiled, by_variable, name: str):
+def _signature_function(pf, compiled: Compiled, by_variable, name: str):
   """The serving tf.function of one compiled program (flat inputs -> dict of outputs)."""
   spmd = compiled.spmd
   if spmd is None:
@@ -318,7 +318,7 @@ def pf_name(pf) -> str:
   )
 
 
-def _input_names(compiled: _Compiled) -> List[str]:
+def _input_names(compiled: Compiled) -> List[str]:
   names, seen = [], set()
   for i, tensor in enumerate(compiled.program.arg_inputs):
     base = re.sub(r'\W', '_', tensor.split(':')[0]) or f'input_{i}'
@@ -331,7 +331,7 @@ def _input_names(compiled: _Compiled) -> List[str]:
   return names
 
 
-def _output_names(compiled: _Compiled) -> List[str]:
+def _output_names(compiled: Compiled) -> List[str]:
   """Keys of the signature's outputs: the function's dict keys, else output_0, output_1, ..."""
   structure = compiled.program.structured_outputs
   count = len(compiled.program.main.outputs)
@@ -674,7 +674,7 @@ def annotated_shardings(pf: PartitionedFunction, *example_args) -> Dict[str, Sha
   return _node_shardings(compiled)
 
 
-def _node_shardings(compiled: _Compiled) -> Dict[str, Any]:
+def _node_shardings(compiled: Compiled) -> Dict[str, Any]:
   """Per node of the top-level graph: its outputs' propagated shardings (one or a tuple).
 
   Placeholders (arguments, variables, captures: rebuilt as the function's
@@ -709,7 +709,7 @@ def _sharding_attr(shardings):
   return attr_value_pb2.AttrValue(s=proto.SerializeToString())
 
 
-def _save_annotated(pf, compiled: _Compiled, export_dir: str) -> None:
+def _save_annotated(pf, compiled: Compiled, export_dir: str) -> None:
   """The unpartitioned function, every op annotated with `_XlaSharding`, as a SavedModel."""
   import copy
 
