@@ -37,7 +37,6 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import gen_functional_ops
 
 from tf_gspmd import program as program_lib
 from tf_gspmd.collectives import tables
@@ -430,7 +429,7 @@ class SpmdProgram:
       results = []
       for p, device in enumerate(devices):
         with tf.device(device):
-          call = gen_functional_ops.stateful_partitioned_call(
+          call = tf.raw_ops.StatefulPartitionedCall(
             args=[partition_ids[p], tokens[p]] + per_device[p] + captured,
             Tout=out_types,
             f=function.name,

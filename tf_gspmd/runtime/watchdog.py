@@ -15,8 +15,8 @@ import threading
 import time
 from typing import Optional
 
+import tensorflow as tf
 from tensorflow.python.eager import context
-from tensorflow.python.framework import errors
 
 from tf_gspmd.runtime.errors import CollectiveError
 
@@ -96,7 +96,7 @@ class Watchdog:
         if reason:
           call.fired = True
           context.context().abort_collective_ops(
-            errors.DEADLINE_EXCEEDED, f'tf_gspmd watchdog: {reason}'
+            tf.errors.DEADLINE_EXCEEDED, f'tf_gspmd watchdog: {reason}'
           )
 
 
