@@ -14,6 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / 'tf_gspmd'
 # Bottom to top: a unit may import units listed before it (and itself), never after.
 LAYERS = (
   ('_tf_version',),  # checks TensorFlow is installed, before importing it
+  ('tf_private',),  # TF's private API, the one place
   ('mesh', 'sharding'),  # value types
   ('op_sharding',),  # OpSharding conversion, the one place
   ('dtensor_compat',),  # TF DTensor's Mesh and Layout as tf_gspmd's, the one place

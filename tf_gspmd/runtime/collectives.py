@@ -9,7 +9,6 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import collective_ops
 
 from tf_gspmd.collectives import tables
 from tf_gspmd.collectives.interface import (  # noqa: F401  re-exported
@@ -25,6 +24,7 @@ from tf_gspmd.collectives.interface import (  # noqa: F401  re-exported
   split_leading_from,
 )
 from tf_gspmd.mesh import Mesh
+from tf_gspmd.tf_private import collective_ops
 
 # --- TF collective V2 backend ------------------------------------------------------------------
 _TF_MERGE_OPS = {'sum': 'Add', 'prod': 'Mul', 'max': 'Max', 'min': 'Min'}

@@ -11,7 +11,8 @@ import contextlib
 import os
 
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
-from tensorflow.python.eager import context
+
+from tf_gspmd.tf_private import context
 
 DEFAULT_GRAPPLER = ()
 GRAPPLER_PASSES = (

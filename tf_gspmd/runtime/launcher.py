@@ -507,7 +507,8 @@ def _read_only_inputs(function):
   (`auto_control_deps_utils` is TF-private: it is what TF's own calls use).
   """
   from tensorflow.core.framework import attr_value_pb2
-  from tensorflow.python.framework import auto_control_deps_utils
+
+  from tf_gspmd.tf_private import auto_control_deps_utils
 
   indices = auto_control_deps_utils.get_read_only_resource_input_indices_graph(function.graph)
   if not indices:

@@ -16,9 +16,9 @@ import time
 from typing import Optional
 
 import tensorflow as tf
-from tensorflow.python.eager import context
 
 from tf_gspmd.runtime.errors import CollectiveError
+from tf_gspmd.tf_private import context
 
 
 class CallWatch:
