@@ -114,8 +114,9 @@ def trace_per_partition(
     backend = compiled_backend(backend)
   if not isinstance(backend, Backend):
     raise ValueError(
-      f"trace_per_partition: unknown backend {backend!r}; use 'tf' or a "
-      'Collectives subclass (e.g. tf_gspmd.xla_bridge.XlaCollectives).'
+      f'trace_per_partition: unknown backend {backend!r}; use a program.Backend or a '
+      "Collectives subclass (e.g. tf_gspmd.xla_bridge.XlaCollectives; 'tf' through "
+      'tf_gspmd.runtime.trace_per_partition).'
     )
   captured = {}
   n_head = len(backend.head)

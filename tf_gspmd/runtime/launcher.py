@@ -83,7 +83,9 @@ def trace_per_partition(
   )
 
 
-def tf_backend(devices=None, op_timeout: float = 0.0, progress_markers: bool = True):
+def tf_backend(
+  devices: Optional[Sequence[str]] = None, op_timeout: float = 0.0, progress_markers: bool = True
+) -> program_lib.Backend:
   """The TF runtime as a `program.Backend`: collective V2 ops between TF devices, ordered by
   a per-device token (whose progress markers the watchdog reads)."""
 
