@@ -22,6 +22,8 @@ import tensorflow as tf
 import tf_gspmd as tg
 from tf_gspmd import Mesh, P
 from tf_gspmd.annotations import _tf_variable
+from tf_gspmd.auto_shard import groups as auto_groups
+from tf_gspmd.auto_shard import search as auto_search
 from tf_gspmd.testing import assert_close
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,12 +71,12 @@ def _planned(step, specs, variables, layouts, input_axes):
   """The cost model's Evaluation of `step` with `layouts` [(variable, P)], then unannotated."""
   for var, spec in layouts:
     tg.shard_variable(var, MESH, spec)
-  shardings = auto._Search(step, specs, MESH, 0, [], [], None).input_shardings(input_axes)  # noqa: SLF001
+  shardings = auto_search.Search(step, specs, MESH, 0, [], [], None).input_shardings(input_axes)
   try:
     return auto.estimate(tg.plan(step, *specs, mesh=MESH, in_shardings=shardings))
   finally:
     for var in variables:
-      auto._clear_layout(_tf_variable(var))  # noqa: SLF001
+      auto_search.clear_layout(_tf_variable(var))
 
 
 def _unnumbered(name):
@@ -112,10 +114,10 @@ def _train_both(build, result, steps=3, seed=0):
 def test_layers_share_a_decision_slots_and_biases_follow():
   model, optimizer = transformer.build(seed=0, layers=2)
   step = transformer.train_step(model, optimizer)
-  variables = auto._variables_of(
+  variables = auto_groups.variables_of(
     step,
     [
-      tf.TensorSpec((8, 8), tf.int32),  # noqa: SLF001
+      tf.TensorSpec((8, 8), tf.int32),
       tf.TensorSpec((8,), tf.int32),
     ],
   )
@@ -214,7 +216,7 @@ def test_fixed_layouts_and_annotations_are_kept():
       step, *specs, mesh=MESH, memory_budget=10**9, fixed={'w1': P('model', None)}
     )
   finally:
-    auto._clear_layout(variables[1])  # noqa: SLF001
+    auto_search.clear_layout(variables[1])
   assert result.layout_of('w1') == P('model', None)
   assert result.layout_of('w2') == P(None, 'data')
   assert result.layout_map['w1'] == P('model', None)

@@ -24,6 +24,7 @@ LAYERS = (
   ('propagation',),  # one rule per op type, the fixpoint
   ('collectives',),  # the interface a backend implements
   ('graph_rewrite',),  # the partitioner: local ops from rules, reshards
+  ('program',),  # the per-partition program contract both backends stand on
   ('runtime',),  # TF backend: collectives on TF devices, the launcher
   ('xla_bridge',),  # XLA backend: XLA collectives, export, PJRT
   ('build_progress',),  # what a long first call is doing, shown as it runs

@@ -210,7 +210,7 @@ def plan(fn, *arg_specs, mesh: Mesh, in_shardings=None, out_shardings=None) -> P
   ]
   peak, counted = activation_peak(traced.function.graph)
   return PlanReport(
-    partitioned._name_of(fn),
+    partitioned.name_of(fn),
     mesh,
     report,
     peak,
@@ -273,7 +273,7 @@ class _Planner(partitioned.PartitionedFunction):
       compiled.per_partition,
       list(compiled.local_specs) + templates,
       autograph=False,
-      name=f'{partitioned._name_of(self.fn)}_plan',
+      name=f'{partitioned.name_of(self.fn)}_plan',
     )  # noqa: SLF001
 
 

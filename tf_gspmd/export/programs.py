@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from tf_gspmd import op_sharding
 from tf_gspmd.mesh import Mesh
-from tf_gspmd.partitioned import PartitionedFunction, _Compiled
+from tf_gspmd.partitioned import Compiled, PartitionedFunction
 from tf_gspmd.sharding import NamedSharding, P, Sharding
 
 DEFAULT_SIGNATURE = 'serving_default'
@@ -53,7 +53,7 @@ def _as_examples(args) -> tuple:
   return tuple(tf.zeros(a.shape, a.dtype) if isinstance(a, tf.TensorSpec) else a for a in args)
 
 
-def _example_args(compiled: _Compiled) -> tuple:
+def _example_args(compiled: Compiled) -> tuple:
   """Zeros in the shapes of a compiled program's arguments (it was compiled from such args)."""
   main = compiled.program.main
   return tuple(

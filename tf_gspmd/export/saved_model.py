@@ -89,7 +89,7 @@ from tf_gspmd.export.xla import (  # noqa: F401
   save_xla,
 )
 from tf_gspmd.mesh import Mesh
-from tf_gspmd.partitioned import _Compiled
+from tf_gspmd.partitioned import Compiled
 from tf_gspmd.runtime import SpmdProgram
 from tf_gspmd.runtime.sharded import ShardedVariable
 from tf_gspmd.sharding import Sharding
@@ -188,7 +188,7 @@ def _piece_key(sharding: Sharding, shape, p: int):
   return bounds
 
 
-def _written(compiled: _Compiled, variable) -> bool:
+def _written(compiled: Compiled, variable) -> bool:
   """Whether the program may write `variable` (any use of its handle but a read)."""
   main = compiled.program.main
   names = [n for n, v in compiled.program.variables.items() if v is variable]
@@ -208,7 +208,7 @@ def _stored(pf, compiled, by_variable, variable) -> _StoredShards:
   return stored
 
 
-def _signature_function(pf, compiled: _Compiled, by_variable, name: str):
+def _signature_function(pf, compiled: Compiled, by_variable, name: str):
   """The serving tf.function of one compiled program (flat inputs -> dict of outputs)."""
   spmd = compiled.spmd
   if spmd is None:
@@ -264,7 +264,7 @@ def _signature_function(pf, compiled: _Compiled, by_variable, name: str):
   return function, layouts
 
 
-def _input_names(compiled: _Compiled) -> List[str]:
+def _input_names(compiled: Compiled) -> List[str]:
   names, seen = [], set()
   for i, tensor in enumerate(compiled.program.arg_inputs):
     base = re.sub(r'\W', '_', tensor.split(':')[0]) or f'input_{i}'
@@ -277,7 +277,7 @@ def _input_names(compiled: _Compiled) -> List[str]:
   return names
 
 
-def _output_names(compiled: _Compiled) -> List[str]:
+def _output_names(compiled: Compiled) -> List[str]:
   """Keys of the signature's outputs: the function's dict keys, else output_0, output_1, ..."""
   structure = compiled.program.structured_outputs
   count = len(compiled.program.main.outputs)

@@ -26,7 +26,7 @@ from tf_gspmd.export.programs import (
   sharding_json,
 )
 from tf_gspmd.mesh import Mesh
-from tf_gspmd.partitioned import PartitionedFunction, _Compiled
+from tf_gspmd.partitioned import Compiled, PartitionedFunction
 from tf_gspmd.sharding import NamedSharding, Sharding
 
 XLA_MODULE = 'module.mlir'
@@ -143,7 +143,7 @@ def annotated_shardings(pf: PartitionedFunction, *example_args) -> Dict[str, Sha
   return _node_shardings(compiled)
 
 
-def _node_shardings(compiled: _Compiled) -> Dict[str, Any]:
+def _node_shardings(compiled: Compiled) -> Dict[str, Any]:
   """Per node of the top-level graph: its outputs' propagated shardings (one or a tuple).
 
   Placeholders (arguments, variables, captures: rebuilt as the function's
@@ -178,7 +178,7 @@ def _sharding_attr(shardings):
   return attr_value_pb2.AttrValue(s=proto.SerializeToString())
 
 
-def _save_annotated(pf, compiled: _Compiled, export_dir: str) -> None:
+def _save_annotated(pf, compiled: Compiled, export_dir: str) -> None:
   """The unpartitioned function, every op annotated with `_XlaSharding`, as a SavedModel."""
   import copy
 

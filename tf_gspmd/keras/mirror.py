@@ -15,7 +15,7 @@ import keras
 import tensorflow as tf
 
 from tf_gspmd.partitioned import VariableStore
-from tf_gspmd.runtime.launcher import without_grappler
+from tf_gspmd.runtime.grappler import without_grappler
 from tf_gspmd.runtime.sharded import read
 
 

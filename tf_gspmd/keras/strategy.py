@@ -183,10 +183,10 @@ class StrategyFunction(PartitionedFunction):
     self.replicas = replicas
     self.replica_collectives = collectives or default_collectives(strategy)
     self.exported = exported
-    self._runners: Dict[int, tpu.TPUStrategyStep] = {}  # id(_Compiled) -> its runner
+    self._runners: Dict[int, tpu.TPUStrategyStep] = {}  # id(Compiled) -> its runner
 
   def _shard_variable(self, var, sharding, sharded_cls) -> None:
-    # PartitionedFunction's hook where a variable gets its shards (partitioned.py): here the
+    # PartitionedFunction's hook where a variable gets its shards (partitioned/front.py): here the
     # per-replica components of one strategy variable, registered in the shared store, not
     # TF variables on the mesh's devices.
     del sharded_cls

@@ -41,7 +41,7 @@ False
 
 import dataclasses
 import math
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import ml_dtypes
 import numpy as np

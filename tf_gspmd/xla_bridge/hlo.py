@@ -42,7 +42,7 @@ class HloCollective:
 
 def per_partition_hlo(mesh: Mesh, fn, local_args: Sequence, partition_id: int = 0) -> str:
   """HLO text of `fn(ctx, *local_args)` traced with `XlaCollectives` and jit-compiled."""
-  from tf_gspmd.runtime.launcher import trace_per_partition
+  from tf_gspmd.program import trace_per_partition
   from tf_gspmd.xla_bridge.collectives import XlaCollectives
 
   args = [tf.convert_to_tensor(a) for a in local_args]

@@ -70,9 +70,11 @@ import tensorflow as tf
 from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
 from tf_gspmd.mesh import Mesh
+from tf_gspmd.program import PartitionContext
 from tf_gspmd.runtime import collectives as tf_collectives
 from tf_gspmd.runtime import sharded as sharded_lib
-from tf_gspmd.runtime.launcher import PartitionContext, trace_per_partition, without_grappler
+from tf_gspmd.runtime.grappler import without_grappler
+from tf_gspmd.runtime.launcher import trace_per_partition
 from tf_gspmd.xla_bridge import call_module as call_module_lib
 from tf_gspmd.xla_bridge.collectives import XlaCollectives
 from tf_gspmd.xla_bridge.hlo import stablehlo_collectives
@@ -479,7 +481,7 @@ class TPUStrategyStep:
       outputs = self._step(*inputs)
     else:
       # TF devices run the launch itself: without Grappler specializing the program per
-      # replica (see runtime.launcher.without_grappler); a TPU compiles it with XLA anyway.
+      # replica (see runtime.grappler.without_grappler); a TPU compiles it with XLA anyway.
       with without_grappler():
         outputs = self._step(*inputs)
     structure = self._compiled.program.structured_outputs
