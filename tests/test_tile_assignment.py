@@ -19,8 +19,8 @@ import tensorflow as tf
 import tf_gspmd as tg
 from tf_gspmd import op_sharding
 from tf_gspmd.graph_rewrite import lower_reshard
-from tf_gspmd.graph_rewrite import reshard_plan as rp
-from tf_gspmd.graph_rewrite import reshard_sim as sim
+from tf_gspmd.graph_rewrite import reshard as rp
+from tf_gspmd.graph_rewrite.reshard import sim
 from tf_gspmd.graph_rewrite.partitioner import Local
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.partitioned import partition

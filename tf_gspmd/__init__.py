@@ -38,7 +38,7 @@ from tf_gspmd.checkpoint import restore_checkpoint, save_checkpoint
 from tf_gspmd.dtensor_compat import from_dtensor_layout, from_dtensor_mesh
 from tf_gspmd.graph.capture import capture
 from tf_gspmd.graph.rebuild import rebuild
-from tf_gspmd.graph_rewrite.reshard_plan import plan_reshard
+from tf_gspmd.graph_rewrite.reshard import plan_reshard
 from tf_gspmd.keras_fit import partition_model, unpartition_model
 from tf_gspmd.keras_layout import LayoutMap
 from tf_gspmd.mesh import Mesh

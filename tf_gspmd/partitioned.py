@@ -3,7 +3,7 @@
 The data flow, one stage per module:
 capture (`graph_rewrite.capture`) -> propagate (`propagation`) -> partition
 (`graph_rewrite.partitioner` and its handlers, with reshards planned by
-`graph_rewrite.reshard_plan` and lowered by `graph_rewrite.lower_reshard`) ->
+`graph_rewrite.reshard` and lowered by `graph_rewrite.lower_reshard`) ->
 run (`runtime.SpmdProgram`: one per-partition program launched on every device).
 
 Variables the function touches live sharded across the devices between calls
@@ -707,7 +707,7 @@ def _program_mesh(program: ir.Program, mesh: Mesh, boundary: list) -> Mesh:
   its collectives name sub-axes.
   """
   from tf_gspmd.annotations import variable_sharding
-  from tf_gspmd.graph_rewrite.reshard_plan import refined_mesh
+  from tf_gspmd.graph_rewrite.reshard import refined_mesh
 
   fine, _ = refined_mesh(mesh)
   if fine == mesh:

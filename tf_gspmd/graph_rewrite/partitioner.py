@@ -119,9 +119,9 @@ class Partitioner:
     """(bytes moved per device, peak per-device bytes) of resharding src -> dst."""
     if src == dst and not src.partial_axes:
       return 0, 0
-    from tf_gspmd.graph_rewrite import reshard_plan
+    from tf_gspmd.graph_rewrite import reshard
 
-    plan = reshard_plan.plan_reshard(src, dst, tuple(shape), dtype_size)
+    plan = reshard.plan_reshard(src, dst, tuple(shape), dtype_size)
     return plan.bytes_moved, plan.peak_bytes
 
   def reshard(self, value: Local, target: NamedSharding, why: str = '') -> Local:
