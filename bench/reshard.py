@@ -53,8 +53,7 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # before TensorFlow is first
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reshard_cases  # noqa: E402  (sibling module, pure Python)
 
-from tf_gspmd.graph_rewrite.reshard import sim  # noqa: E402
-from tf_gspmd.graph_rewrite.reshard import ReshardPlan, naive_plan, plan_reshard  # noqa: E402
+from tf_gspmd.graph_rewrite.reshard import ReshardPlan, naive_plan, plan_reshard, sim  # noqa: E402
 from tf_gspmd.mesh import Mesh  # noqa: E402
 from tf_gspmd.sharding import NamedSharding, P  # noqa: E402
 

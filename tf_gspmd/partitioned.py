@@ -654,7 +654,7 @@ class PartitionedFunction:
         f'in this VariableStore; functions with backend={self.backend!r} need their own store.'
       )
     if existing is not None:
-      if existing.sharding != sharding:
+      if not existing.sharding.is_equivalent_to(sharding):
         raise ValueError(
           f'partition: variable {var.name} is sharded {existing.sharding} by an earlier trace '
           f'but {sharding} by this one; annotate it with shard_variable to fix its layout.'
@@ -776,7 +776,7 @@ def _working_order(graph: ir.Graph, plan, mesh: Mesh, args, variables) -> Mesh:
   if len(orders) != 1:
     return mesh
   order = orders.pop()
-  return order if all(_on_order(s, order) == s for s in pinned) else mesh
+  return order if all(_on_order(s, order).is_equivalent_to(s) for s in pinned) else mesh
 
 
 def _on_order(s: NamedSharding, order: Mesh) -> NamedSharding:

@@ -318,7 +318,9 @@ def _linear_on_pending(p, frame: Frame, node, operands: List[Local]) -> bool:
       all(pending)
       and first.sharding.partial == 'sum'
       and all(
-        o.sharding == first.sharding and o.shape == first.shape and o.dtype == first.dtype
+        o.sharding.is_equivalent_to(first.sharding)
+        and o.shape == first.shape
+        and o.dtype == first.dtype
         for o in operands
       )
     )

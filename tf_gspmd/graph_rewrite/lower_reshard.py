@@ -86,19 +86,9 @@ def _record(p, kind, axes, tensor, why):
   )
 
 
-_PLANS: Dict[tuple, rp.ReshardPlan] = {}
-
-
 def _plan(src: NamedSharding, dst: NamedSharding, shape: tuple, dtype_size: int) -> rp.ReshardPlan:
-  """The planner's plan, cached. Keyed by repr: shardings compare equal across meshes with
-  other axis names (same devices), but a plan names the axes of its own mesh."""
-  key = (repr(src), repr(dst), shape, dtype_size)
-  plan = _PLANS.get(key)
-  if plan is None:
-    if len(_PLANS) >= 4096:
-      _PLANS.clear()
-    plan = _PLANS[key] = rp.plan_reshard(src, dst, shape, dtype_size)
-  return plan
+  """The planner's plan (`plan_reshard` caches it, keyed by the shardings themselves)."""
+  return rp.plan_reshard(src, dst, shape, dtype_size)
 
 
 @tf.autograph.experimental.do_not_convert  # library code emitting ops: no autograph
@@ -121,7 +111,7 @@ def apply_plan(p, value: Local, plan: rp.ReshardPlan, why: str = '') -> Local:
   _check_value(p, value, plan.dst)
   if (
     tuple(int(s) for s in value.shape) != tuple(plan.shape)
-    or value.sharding != plan.src
+    or not value.sharding.is_equivalent_to(plan.src)
     or value.sharding.mesh != plan.src.mesh
   ):
     raise ValueError(

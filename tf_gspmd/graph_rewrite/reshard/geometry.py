@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Iterable, Mapping, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Sequence, Tuple
 
 import numpy as np
 
@@ -69,7 +69,7 @@ def normalize_levels(levels: Sequence[Level]) -> Tuple[Level, ...]:
   (k1, c1), (k2, c2) with c1 == k2 * c2 place sub-blocks exactly like the flat
   level (k1 * k2, c2), so they are the same geometry.
   """
-  out = []
+  out: List[Level] = []
   for k, c in levels:
     if k == 1:
       continue
@@ -113,7 +113,8 @@ def split_trailing(levels: Sequence[Level], g: int):
   Splits one level (k, c) into (k/h, h*c), (h, c) when the group covers only
   its minor part; returns None when the group size does not factor that way.
   """
-  rest, trailing, need = list(levels), [], g
+  rest, need = list(levels), g
+  trailing: List[Level] = []
   while need > 1:
     if not rest:
       return None
@@ -146,7 +147,8 @@ def repad_exchange(n: int, levels_in: Tuple[Level, ...], levels_out: Tuple[Level
   have = shard_intervals(n, levels_in)
   want = shard_intervals(n, levels_out)
   chunk_in = levels_chunk(n, levels_in)
-  local, by_shift = [], {}
+  local = []
+  by_shift: Dict[int, list] = {}
   for dst, (ws, wl) in enumerate(want):
     if not wl:
       continue
@@ -222,7 +224,9 @@ def refined_mesh(mesh: Mesh):
   plans such as an all-to-all over half of an axis. Returns (mesh, {axis:
   sub-axes}); the mesh itself when no axis is composite or a name would clash.
   """
-  names, sizes, parts = [], [], {}
+  names: List[str] = []
+  sizes: List[int] = []
+  parts: Dict[str, Tuple[str, ...]] = {}
   for a in mesh.axis_names:
     factors = _prime_factors(mesh.axis_size(a))
     sub = (a,) if len(factors) <= 1 else tuple(f'{a}#{i}' for i in range(len(factors)))

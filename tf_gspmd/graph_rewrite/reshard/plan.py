@@ -71,7 +71,7 @@ class ReshardPlan:
 
   def collective_counts(self) -> Dict[str, int]:
     """Steps per kind (local slices included as 'slice')."""
-    counts = {}
+    counts: Dict[str, int] = {}
     for s in self.steps:
       counts[s.kind] = counts.get(s.kind, 0) + 1
     return counts

@@ -107,9 +107,9 @@ def plan_reshard(
   ['all_to_all', 'permute']
   """
   # Plans are immutable and a program asks the same questions many times (every layer of a
-  # model, every candidate layout's cost): one search each. Keyed by repr: shardings compare
-  # equal across meshes with other axis names, but a plan names the axes of its own mesh.
-  key = (repr(src), repr(dst), tuple(int(s) for s in shape), dtype_size)
+  # model, every candidate layout's cost): one search each. Sharding equality is structural
+  # (the mesh's axis names included), as a plan's steps name the axes of its own mesh.
+  key = (src, dst, tuple(int(s) for s in shape), dtype_size)
   plan = _PLAN_CACHE.get(key)
   if plan is None:
     if len(_PLAN_CACHE) >= 4096:
@@ -253,7 +253,7 @@ def reorder_pairs(src: NamedSharding, dst: NamedSharding) -> tuple:
   devices = src.mesh.devices
   have = {d: piece(src, d) for d in devices}
   want = {d: piece(dst, d) for d in devices}
-  senders = {}
+  senders: Dict[tuple, List[int]] = {}
   for d in devices:
     if have[d] != want[d]:
       senders.setdefault(have[d], []).append(d)

@@ -15,7 +15,7 @@ padding with NaN so that a plan that lets padding leak into valid data fails
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Callable, Dict, Optional
 
 import numpy as np
 
@@ -45,6 +45,7 @@ def _reduce(op: str, arrays):
 def _valid_slices(sharding: NamedSharding, shape, device):
   """(global slices, local slices) of the valid region of `device`'s shard."""
   bounds = sharding.shard_bounds(shape, device)
+  assert bounds is not None, (sharding, device)  # every mesh device holds a shard
   return (tuple(slice(lo, hi) for lo, hi in bounds), tuple(slice(0, hi - lo) for lo, hi in bounds))
 
 
@@ -65,7 +66,10 @@ def partial_summands(x: np.ndarray, count: int, op: str, rng: np.random.Generato
 
 
 def make_shards(
-  x: np.ndarray, sharding: NamedSharding, rng: np.random.Generator = None, pad_value=np.nan
+  x: np.ndarray,
+  sharding: NamedSharding,
+  rng: Optional[np.random.Generator] = None,
+  pad_value=np.nan,
 ) -> Dict[int, np.ndarray]:
   """Per-device padded shards of `x`; with partial axes, summands that reduce to `x`.
 
@@ -216,7 +220,7 @@ def _run_repad(step: Repad, cur, mesh):
   return out
 
 
-_RUNNERS = {
+_RUNNERS: Dict[type, Callable[..., Dict[int, np.ndarray]]] = {
   Slice: _run_slice,
   AllGather: _run_all_gather,
   AllToAll: _run_all_to_all,
