@@ -23,8 +23,8 @@ import tensorflow as tf
 
 from tf_gspmd.graph_rewrite import lower_reshard
 from tf_gspmd.graph_rewrite import reshard as rp
-from tf_gspmd.graph_rewrite.reshard import sim
 from tf_gspmd.graph_rewrite.partitioner import Local
+from tf_gspmd.graph_rewrite.reshard import sim
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.runtime import ShardedValue, SpmdProgram
 from tf_gspmd.sharding import NamedSharding, P
