@@ -296,6 +296,9 @@ class _Planner:
     self.src, self.dst, self.mesh = src, dst, mesh
     self.shape, self.rank, self.dtype_size = shape, len(shape), int(dtype_size)
     self.size = mesh.shape
+    self._counts: Dict[Tuple[str, ...], int] = {}
+    self._last_dims: Optional[Dims] = None
+    self._last_shape: tuple = ()
     big = [a for a in mesh.axis_names if self.size[a] > 1]  # size-1 axes change nothing
 
     def plan_axes(axes) -> Axes:  # the planning mesh's (sub-)axes, size-1 ones dropped
@@ -328,10 +331,19 @@ class _Planner:
 
   # --- what moves ask (PlanContext) -----------------------------------------------------
   def count(self, axes: Sequence[str]) -> int:
-    return prod(self.size[a] for a in axes)
+    # Asked several times per move: a table per planner.
+    key = tuple(axes)
+    n = self._counts.get(key)
+    if n is None:
+      n = self._counts[key] = prod(self.size[a] for a in key)
+    return n
 
   def local_shape(self, dims: Dims) -> tuple:
-    return tuple(levels_chunk(n, lv) for n, (_, lv) in zip(self.shape, dims))
+    # Every move from one layout asks for the same shape: the last one is kept.
+    if dims is not self._last_dims:
+      self._last_dims = dims
+      self._last_shape = tuple(levels_chunk(n, lv) for n, (_, lv) in zip(self.shape, dims))
+    return self._last_shape
 
   def placements(self) -> Mapping[tuple, List[Tuple[Axes, ...]]]:
     """Every placement of the mesh axes on the dims (any dim, any order), by per-dim counts."""
@@ -364,11 +376,6 @@ class _Planner:
       )
     )
 
-  def _moves(self, layout: Layout):
-    for kind in MOVE_KINDS:
-      for choice in kind.choices(self, layout):
-        yield Move(kind, choice)
-
   def search(self) -> List[Move]:
     """Dijkstra over layouts; cost = (bytes received, non-valley steps, steps, elements
     copied after all-gathers)."""
@@ -383,20 +390,21 @@ class _Planner:
         continue
       if self._is_goal(layout):
         return self._path(parent, layout)
-      for move in self._moves(layout):
-        effect = move.effect(self, layout)
-        if effect is None or effect.peak > self.bound_elems:
-          continue
-        new_cost = (
-          cost[0] + effect.received * self.dtype_size,
-          cost[1] + int(move.kind.off_valley(layout)),
-          cost[2] + 1,
-          cost[3] + move.kind.copy_elems(effect.details),
-        )
-        if new_cost < best.get(effect.layout, (math.inf,)):
-          best[effect.layout] = new_cost
-          parent[effect.layout] = (layout, move)
-          heapq.heappush(heap, (new_cost, next(tie), effect.layout))
+      for kind in MOVE_KINDS:
+        for choice in kind.choices(self, layout):
+          effect = kind.effect(self, layout, choice)
+          if effect is None or effect.peak > self.bound_elems:
+            continue
+          new_cost = (
+            cost[0] + effect.received * self.dtype_size,
+            cost[1] + int(kind.off_valley(layout)),
+            cost[2] + 1,
+            cost[3] + kind.copy_elems(effect.details),
+          )
+          if new_cost < best.get(effect.layout, (math.inf,)):
+            best[effect.layout] = new_cost
+            parent[effect.layout] = (layout, Move(kind, choice))
+            heapq.heappush(heap, (new_cost, next(tie), effect.layout))
     raise ValueError(
       f'plan_reshard: no plan from {self.src} to {self.dst} for shape {self.shape} on '
       f'{self.mesh} keeps every buffer within {self.bound_elems * self.dtype_size} bytes.'
