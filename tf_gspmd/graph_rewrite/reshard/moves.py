@@ -1,8 +1,9 @@
 """The reshard planner's moves: one class per kind of step, with its effect, cost and lowering data.
 
-A plan is a list of steps; each kind of step is one frozen dataclass here:
-`Slice`, `AllGather`, `AllToAll`, `ReduceScatter`, `AllReduce`, `Permute`
-and `Repad`. A class holds everything about its kind:
+A plan is a list of steps; each kind of step is one frozen dataclass: `Slice`,
+`AllGather`, `AllToAll`, `ReduceScatter` and `AllReduce` here, `Permute` and
+`Repad` (exchanges between devices) in `reshard.exchange`, all subclasses of
+`Step`. A class holds everything about its kind:
 
 - which moves of its kind a layout allows (`choices`), as plain tuples of
   what the move picks (a dim and axes, say);
@@ -13,8 +14,8 @@ and `Repad`. A class holds everything about its kind:
   class into ops; `reshard.sim` runs it on numpy arrays);
 - per-device costs of a built step (`received_elems`, `peak_elems`).
 
-The search (`reshard.search`) asks every class in `MOVE_KINDS` for its moves
-and never looks inside one; what a move needs of the search (the shape, the
+The search (`reshard.search`) asks every class in its `MOVE_KINDS` for its
+moves and never looks inside one; what a move needs of the search (the shape, the
 target's axes, the mesh, ...) it reads from a `PlanContext`.
 
 Layouts work in mesh-axis terms: per tensor dim an ordered tuple of mesh axes
