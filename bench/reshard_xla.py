@@ -204,7 +204,7 @@ def memory_bound(case: dict) -> int:
   shard counts (the reshard planner's `bound_bytes`: exact for even sizes)."""
   import reshard  # (sibling: the case's NamedShardings)
 
-  from tf_gspmd.graph_rewrite.reshard_plan import plan_reshard
+  from tf_gspmd.graph_rewrite.reshard import plan_reshard
 
   src, dst = reshard.shardings(case)
   return plan_reshard(src, dst, case['shape'], 4).bound_bytes

@@ -39,7 +39,7 @@ from tf_gspmd.export import saved_model  # tg.saved_model.save / load, save_xla 
 from tf_gspmd.export.checkpoint import restore_checkpoint, save_checkpoint
 from tf_gspmd.graph.capture import capture
 from tf_gspmd.graph.rebuild import rebuild
-from tf_gspmd.graph_rewrite.reshard_plan import plan_reshard
+from tf_gspmd.graph_rewrite.reshard import plan_reshard
 from tf_gspmd.keras.fit import partition_model, unpartition_model
 from tf_gspmd.keras.layout import LayoutMap
 from tf_gspmd.mesh import Mesh

@@ -40,7 +40,7 @@ class Evaluation:
 
 
 def _axes_size(mesh: Mesh, axes) -> int:
-  from tf_gspmd.graph_rewrite.reshard_plan import refined_mesh
+  from tf_gspmd.graph_rewrite.reshard import refined_mesh
 
   names = set(mesh.axis_names)
   source = mesh if all(a in names for a in axes) else refined_mesh(mesh)[0]

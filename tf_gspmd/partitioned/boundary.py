@@ -135,7 +135,7 @@ def program_mesh(program: ir.Program, mesh: Mesh, boundary: list) -> Mesh:
   its collectives name sub-axes. `boundary`: the given in/out shardings
   (`given_shardings`).
   """
-  from tf_gspmd.graph_rewrite.reshard_plan import refined_mesh
+  from tf_gspmd.graph_rewrite.reshard import refined_mesh
 
   fine, _ = refined_mesh(mesh)
   if fine == mesh:
@@ -194,7 +194,7 @@ def working_order(graph: ir.Graph, plan, mesh: Mesh, args, variables) -> Mesh:
   if len(orders) != 1:
     return mesh
   order = orders.pop()
-  return order if all(_on_order(s, order) == s for s in pinned) else mesh
+  return order if all(_on_order(s, order).is_equivalent_to(s) for s in pinned) else mesh
 
 
 def _on_order(s: NamedSharding, order: Mesh) -> NamedSharding:

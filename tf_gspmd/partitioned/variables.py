@@ -67,7 +67,7 @@ class VariableStore:
         f'in this VariableStore; functions with backend={backend!r} need their own store.'
       )
     if existing is not None:
-      if existing.sharding != sharding:
+      if not existing.sharding.is_equivalent_to(sharding):
         raise ValueError(
           f'partition: variable {var.name} is sharded {existing.sharding} by an earlier trace '
           f'but {sharding} by this one; annotate it with shard_variable to fix its layout.'

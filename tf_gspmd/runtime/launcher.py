@@ -298,7 +298,7 @@ class SpmdProgram:
       what = f'{self.name} argument {i}'
       if isinstance(value, (ShardedVariable, ShardedValue)):
         kind = 'variable' if isinstance(value, ShardedVariable) else 'sharded'
-        if given is not None and given != value.sharding:
+        if given is not None and not given.is_equivalent_to(value.sharding):
           raise ValueError(
             f'{what}: it is sharded as {value.sharding} but in_shardings says '
             f'{given}; reshard it first.'

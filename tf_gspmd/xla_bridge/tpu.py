@@ -257,7 +257,7 @@ class ReplicaVariables:
         'by this strategy; steps under another strategy or backend need their '
         'own store.'
       )
-    elif held.sharding != sharding:
+    elif not held.sharding.is_equivalent_to(sharding):
       raise ValueError(
         f'ReplicaVariables: variable {original.name} is sharded {held.sharding} by '
         f'an earlier step but {sharding} by this one; annotate it with '
