@@ -55,10 +55,15 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check $(LINTED)
 	$(PY) -m mypy
 
+# Two pytest workers (pytest-xdist), a test file each at a time: one process alone keeps about
+# one of the two cores busy (graph building is single-threaded Python). The slowest tests are
+# listed at the end, so the suite's time can be watched from the CI log.
+PYTEST_WORKERS ?= 2
 test: $(STAMP) $(XLASTAMP) $(JAXSTAMP) lint
-	TF_GSPMD_JAX_PYTHON=$(JAXENV)/bin/python $(PY) -m pytest -q tests
+	TF_GSPMD_JAX_PYTHON=$(JAXENV)/bin/python $(PY) -m pytest -q -n $(PYTEST_WORKERS) \
+	  --dist loadfile --durations=25 tests
 	TF_ENABLE_ONEDNN_OPTS=0 TF_GSPMD_JAX_PYTHON=$(JAXENV)/bin/python $(PY) -m pytest -q \
-	  $(SECOND_PASS_TESTS)
+	  -n $(PYTEST_WORKERS) --dist loadfile $(SECOND_PASS_TESTS)
 
 # A quick loop for development: skips the tests marked slow (CI runs them all).
 test-fast: $(STAMP) $(XLASTAMP)

@@ -226,7 +226,10 @@ def main(argv=None) -> int:
 def _print_orders(rows) -> None:
   for model in ('transformer', 'cnn', 'all'):
     mine = [r for r in rows if model in ('all', r[0])]
-    label = lambda r: r[1] if model != 'all' else f'{r[0]}:{r[1]}'  # noqa: E731
+
+    def label(r, model=model):
+      return r[1] if model != 'all' else f'{r[0]}:{r[1]}'
+
     by_predicted = [label(r) for r in sorted(mine, key=lambda r: r[2])]
     by_measured = [label(r) for r in sorted(mine, key=lambda r: r[3])]
     rho = spearman([r[2] for r in mine], [r[3] for r in mine])

@@ -357,7 +357,7 @@ def spawn(system: str, name: str, cfg: dict, steps: int, timeout: float) -> dict
     if line.startswith(RESULT):
       return json.loads(line[len(RESULT) :])
   sys.stderr.write(proc.stderr[-3000:])
-  tail = [l for l in proc.stderr.splitlines() if l.strip()][-1:] or ['no output']
+  tail = [t for t in proc.stderr.splitlines() if t.strip()][-1:] or ['no output']
   return {'error': f'exit {proc.returncode}: {tail[0][:120]}'}
 
 

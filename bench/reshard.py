@@ -12,7 +12,7 @@ Columns (per device, bytes): `bytes` = max over devices of bytes received over
 the plan; `peak` = the largest single buffer a device holds (source shard
 included); `bound` = the planner's memory bound (max of source and target
 shard, plus ceil padding for uneven sizes). The cost rules are those of the
-`reshard_plan` module docstring, the same rules `xla_reference.py` applies to
+`graph_rewrite.reshard` package docstrings, the same rules `xla_reference.py` applies to
 XLA's collectives.
 
 Hooks for later measurements:
@@ -53,8 +53,7 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # before TensorFlow is first
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reshard_cases  # noqa: E402  (sibling module, pure Python)
 
-from tf_gspmd.graph_rewrite import reshard_sim as sim  # noqa: E402
-from tf_gspmd.graph_rewrite.reshard_plan import ReshardPlan, naive_plan, plan_reshard  # noqa: E402
+from tf_gspmd.graph_rewrite.reshard import ReshardPlan, naive_plan, plan_reshard, sim  # noqa: E402
 from tf_gspmd.mesh import Mesh  # noqa: E402
 from tf_gspmd.sharding import NamedSharding, P  # noqa: E402
 

@@ -14,7 +14,7 @@ and is compiled twice, in one process, on the same 8 PJRT CPU devices:
         tf_gspmd's per-replica program (its reshard planner's collectives,
         lowered by `graph_rewrite.lower_reshard`), exported to StableHLO and
         compiled by XLA with num_replicas=8.
-  xla   `xla_partitioner.XlaPartitionedStep` on the same tf.function with the
+  xla   `reference_partitioner.XlaPartitionedStep` on the same tf.function with the
         same argument and result shardings: XLA's SPMD partitioner (GSPMD)
         writes the reshard itself.
 
@@ -42,7 +42,7 @@ target's shard counts. Both sides run that same program.
 Checked: both programs' outputs equal numpy's exactly (the values are small
 integers held in float32, so a pending sum is exact in any order).
 
-Memory, per device, from each compiled executable (`xla_partitioner.compiled_memory`,
+Memory, per device, from each compiled executable (`reference_partitioner.compiled_memory`,
 XLA's buffer assignment; neither side donates its input): 'peak' = arguments +
 outputs + temporaries, 'temp' = the temporaries alone, 'max buf' = the largest
 array any instruction of the optimized entry computation produces (parameters
@@ -154,7 +154,7 @@ def _shard_bytes(shape, sharding) -> int:
 def build(program: ReshardProgram):
   """(ours, xla, seconds to build each): both compiled for the same 8 PJRT devices."""
   import tf_gspmd as tg
-  from tf_gspmd.xla_bridge import xla_partitioner
+  from tf_gspmd.xla_bridge import reference_partitioner
 
   start = time.perf_counter()
   ours = tg.partition(
@@ -167,7 +167,7 @@ def build(program: ReshardProgram):
   ours.xla_executable(program.x)
   ours_seconds = time.perf_counter() - start
   start = time.perf_counter()
-  xla = xla_partitioner.XlaPartitionedStep(
+  xla = reference_partitioner.XlaPartitionedStep(
     program.fn,
     (program.x,),
     NUM_DEVICES,
@@ -183,8 +183,8 @@ def largest_buffer(hlo_text: str) -> int:
   Fused computations are skipped (their values live in registers or are the fusion's
   own result, which the entry computation lists).
   """
-  # The HLO text reader of xla_partitioner (shapes to bytes); private there, used as is.
-  from tf_gspmd.xla_bridge import xla_partitioner as xp
+  # The HLO text reader of reference_partitioner (shapes to bytes); private there, used as is.
+  from tf_gspmd.xla_bridge import reference_partitioner as xp
 
   entry = re.search(r'^ENTRY[^\n]*\{\n(.*?)^\}', hlo_text, re.M | re.S)
   if entry is None:
@@ -204,7 +204,7 @@ def memory_bound(case: dict) -> int:
   shard counts (the reshard planner's `bound_bytes`: exact for even sizes)."""
   import reshard  # (sibling: the case's NamedShardings)
 
-  from tf_gspmd.graph_rewrite.reshard_plan import plan_reshard
+  from tf_gspmd.graph_rewrite.reshard import plan_reshard
 
   src, dst = reshard.shardings(case)
   return plan_reshard(src, dst, case['shape'], 4).bound_bytes
@@ -213,7 +213,7 @@ def memory_bound(case: dict) -> int:
 def measure(case: dict, reps: int) -> dict:
   import vs_xla  # (sibling: the timing loop and inputs)
 
-  from tf_gspmd.xla_bridge import xla_partitioner
+  from tf_gspmd.xla_bridge import reference_partitioner
 
   program = ReshardProgram(case)
   ours, xla, ours_build, xla_build = build(program)
@@ -222,9 +222,12 @@ def measure(case: dict, reps: int) -> dict:
   got_ours = np.asarray(ours(program.x))
   got_xla = np.asarray(xla(program.x))
   times = vs_xla.time_both(ours, xla, (program.x,), reps)
-  memory = {'ours': xla_partitioner.compiled_memory(executable.executable), 'xla': xla.memory()}
+  memory = {
+    'ours': reference_partitioner.compiled_memory(executable.executable),
+    'xla': xla.memory(),
+  }
   collectives = {
-    'ours': xla_partitioner.partitioned_collectives(ours_hlo, NUM_DEVICES),
+    'ours': reference_partitioner.partitioned_collectives(ours_hlo, NUM_DEVICES),
     'xla': xla.collectives(),
   }
   bound = memory_bound(case)
@@ -281,7 +284,9 @@ def row(r: dict) -> List[str]:
     c = r[side]['collectives']
     return ' '.join(f'{k}x{n}' for k, n in sorted(c['kinds'].items())) or '-'
 
-  ok = lambda side, key: 'ok' if r[side][key] <= r['bound'] else 'OVER'
+  def ok(side, key):
+    return 'ok' if r[side][key] <= r['bound'] else 'OVER'
+
   return [
     r['name'],
     f'{r["step_ms"]["ours"]:.3f}',
@@ -324,7 +329,10 @@ def summary(results: List[dict]) -> List[str]:
 
 def table(rows: List[List[str]], header: List[str]) -> str:
   widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
-  line = lambda cells: ' | '.join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+  def line(cells):
+    return ' | '.join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
   return '\n'.join([line(header), '-+-'.join('-' * w for w in widths)] + [line(r) for r in rows])
 
 

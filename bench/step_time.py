@@ -282,7 +282,7 @@ def measure(
 
 def gist(error: Exception) -> str:
   """The line of a TF/MLIR error message that says what went wrong, shortened."""
-  lines = [l.strip() for l in str(error).splitlines() if l.strip()]
+  lines = [t.strip() for t in str(error).splitlines() if t.strip()]
   for line in lines:  # MLIR diagnostics (DTensor): "<loc>: error: <what>"
     what = line.split('error:', 1)[1].strip() if 'error:' in line else ''
     if what:
@@ -669,7 +669,7 @@ def spawn(model: str, system: str, cfg: dict, args, inputs: Optional[str] = None
   for line in proc.stdout.splitlines():
     if line.startswith(RESULT_PREFIX):
       return json.loads(line[len(RESULT_PREFIX) :])
-  tail = [l for l in proc.stderr.strip().splitlines() if l.strip()][-1:] or ['no output']
+  tail = [t for t in proc.stderr.strip().splitlines() if t.strip()][-1:] or ['no output']
   sys.stderr.write(proc.stderr[-3000:])
   return {n: {'error': f'error: exit {proc.returncode}: {tail[0][:80]}'} for n in names}
 
@@ -725,7 +725,10 @@ def mesh_label(name: str) -> str:
 
 def table(rows: List[List[str]], header: List[str]) -> str:
   widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
-  line = lambda cells: ' | '.join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+  def line(cells):
+    return ' | '.join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
   return '\n'.join([line(header), '-+-'.join('-' * w for w in widths)] + [line(r) for r in rows])
 
 

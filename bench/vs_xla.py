@@ -7,7 +7,7 @@ and run through the same PJRT runtime:
   ours  `tg.partition(step, mesh, backend='xla')`: tf_gspmd's per-replica
         program (replica id = partition id, native collectives), exported to
         StableHLO and compiled with num_replicas=8.
-  xla   `tf_gspmd.xla_bridge.xla_partitioner.XlaPartitionedStep`: the step
+  xla   `tf_gspmd.xla_bridge.reference_partitioner.XlaPartitionedStep`: the step
         lowered through tf2xla with its XlaSharding annotations, every
         parameter given the layout tf_gspmd chose for it (the same inputs and
         variable layouts on both sides), compiled with num_partitions=8 and
@@ -24,7 +24,7 @@ Printed per model, for ours and XLA's:
   collectives   collective instructions of the compiled (optimized) HLO, per step; XLA's
                 combiner merges small all-reduces into one tuple all-reduce on both sides
   bytes         bytes one device receives per step, summed over those collectives (rules in
-                tf_gspmd/xla_bridge/xla_partitioner.py: ring all-reduce 2(g-1)/g, ...)
+                tf_gspmd/xla_bridge/reference_partitioner.py: ring all-reduce 2(g-1)/g, ...)
   peak KiB      per-device peak from the compiled executable's buffer assignment
                 (arguments + outputs + temporaries; neither side donates its input buffers)
   step ms       median time of one execute of the compiled program (inputs already on the
@@ -60,9 +60,9 @@ where XLA moves fewer bytes):
     instead); tf_gspmd follows its propagated shardings op by op.
   * Both sides count what their compiled HLO moves, after XLA's own passes (its all-reduce
     combiner merges small all-reduces into one tuple all-reduce on either side).
-Measured at full sizes (README, "Side by side with XLA's own partitioner"): XLA never moved
-fewer bytes. MLP and transformer: the same plan on both sides, byte for byte. CNN: XLA
-exchanges halos again in the backward pass (10 collective-permutes against 6) and reduces
+Measured at full sizes (docs/xla_and_tpu.md, "Side by side with XLA's own partitioner"):
+XLA never moved fewer bytes. MLP and transformer: the same plan on both sides, byte for byte.
+CNN: XLA exchanges halos again in the backward pass (10 collective-permutes against 6) and reduces
 BatchNorm statistics over h and data in two steps (1.36 MB against 0.99 MB; tf_gspmd's
 halos of the image gradients carry output-gradient rows, 64 channels, since it computes
 the own rows directly, as XLA does). MoE: XLA
@@ -166,7 +166,7 @@ def _tf_variable(v):
 def build_both(case: Case):
   """(ours, xla, build seconds of each): both start from the variables' current values."""
   import tf_gspmd as tg
-  from tf_gspmd.xla_bridge import xla_partitioner
+  from tf_gspmd.xla_bridge import reference_partitioner
 
   start = time.perf_counter()
   ours = tg.partition(case.step, case.mesh, backend='xla')
@@ -175,7 +175,7 @@ def build_both(case: Case):
   ours_seconds = time.perf_counter() - start
   layouts = {id(v): ours.store.sharded[id(v)].sharding for v in program.variables}
   start = time.perf_counter()
-  xla = xla_partitioner.XlaPartitionedStep(
+  xla = reference_partitioner.XlaPartitionedStep(
     case.step,
     case.batch,
     NUM_DEVICES,
@@ -314,12 +314,14 @@ def collective_summary(collectives) -> dict:
 
 
 def measure(name: str, quick: bool, steps: int, check_steps: int) -> dict:
-  from tf_gspmd.xla_bridge import xla_partitioner
+  from tf_gspmd.xla_bridge import reference_partitioner
 
   case = Case(name, quick)
   ours, xla, ours_build, xla_build = build_both(case)
   executable = ours.xla_executable(*case.batch)
-  ours_collectives = xla_partitioner.partitioned_collectives(executable.compiled_hlo(), NUM_DEVICES)
+  ours_collectives = reference_partitioner.partitioned_collectives(
+    executable.compiled_hlo(), NUM_DEVICES
+  )
   result = dict(
     model=name,
     mesh=f'{case.mesh.shape}',
@@ -328,7 +330,8 @@ def measure(name: str, quick: bool, steps: int, check_steps: int) -> dict:
       ours=collective_summary(ours_collectives), xla=collective_summary(xla.collectives())
     ),
     peak_bytes=dict(
-      ours=xla_partitioner.compiled_memory(executable.executable)['peak'], xla=xla.memory()['peak']
+      ours=reference_partitioner.compiled_memory(executable.executable)['peak'],
+      xla=xla.memory()['peak'],
     ),
     step_ms=time_both(ours, xla, case.batch, steps),
     errors=check(case, ours, xla, check_steps),

@@ -34,7 +34,7 @@ Stdout is a JSON list, one record per case:
                   sum, within its bound for the dtype; tf_gspmd/testing/oracle.py)
 
 Bytes received per device, per collective (identical to the planner in
-tf_gspmd/graph_rewrite/reshard_plan.py; g is the replica-group size, operand
+tf_gspmd/graph_rewrite/reshard/moves.py; g is the replica-group size, operand
 and result bytes are one device's buffers):
   all-gather          result - operand bytes (the g-1 blocks it gets)
   all-to-all          operand bytes * (g-1)/g (keeps its own 1/g)

@@ -43,7 +43,6 @@ import time
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 os.environ.setdefault('KERAS_BACKEND', 'tensorflow')
 
-import tensorflow as tf  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, '..'))
@@ -99,7 +98,8 @@ def main():
   mesh = tg.Mesh.create((2, 4), ('data', 'model'))
   start = time.time()
   with cluster.LocalCluster(TASKS, DEVICES_PER_TASK) as workers:
-    # Connect before making any variable: connecting resets TF's eager context (see README).
+    # Connect before making any variable: connecting resets TF's eager context
+    # (see docs/scaling_out.md).
     names = cluster.connect(workers.spec, DEVICES_PER_TASK)
     print(f'{TASKS} workers {workers.addresses} up and connected in {time.time() - start:.1f} s')
     model, optimizer = transformer.build(seed=0)

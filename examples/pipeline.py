@@ -40,7 +40,7 @@ def make_step(piped: bool):
     'w_out': tf.Variable(rng.randn(STAGES, HIDDEN, WIDTH).astype(np.float32) * 0.05, name='w_out'),
   }
   if piped:  # stage s's weights on the devices of stage s
-    for name, v in params.items():
+    for v in params.values():
       tg.shard_variable(v, mesh, tg.P('stage', *([None] * (v.shape.rank - 1))))
   optimizer_state = {
     n: tf.Variable(tf.zeros_like(v), name=f'{n}_momentum') for n, v in params.items()

@@ -88,14 +88,16 @@ def train(directory: str, steps: int, every: int) -> int:
 
 def _iterations(step, optimizer) -> int:
   """The optimizer's step count as the partitioned step holds it (its shard, not the original)."""
+  from tf_gspmd.keras.hooks import backing  # the tf.Variable behind the Keras variable
+
   pairs = {id(o): s for o, s in step.variable_pairs()}
-  counter = getattr(optimizer.iterations, '_value', optimizer.iterations)
+  counter = backing(optimizer.iterations)
   return int(pairs[id(counter)].assemble().numpy())
 
 
 def _check_bitwise(step, prefix: str, np, tf) -> None:
   """Each restored variable equals, byte for byte, what TF's checkpoint reader reads."""
-  from tf_gspmd.checkpoint import values_by_name
+  from tf_gspmd.export.checkpoint import values_by_name
 
   reader = tf.train.load_checkpoint(prefix)
   for name, held in values_by_name(step).items():

@@ -1,4 +1,5 @@
-"""Annotations: same graphs as TF's xla_sharding, get_sharding whichever API wrote it, variables, Keras 3."""
+"""Annotations: the same graphs as TF's xla_sharding, get_sharding whichever API wrote it,
+variables, Keras 3."""
 
 import contextlib
 

@@ -23,7 +23,7 @@ import pytest
 import tensorflow as tf
 
 import tf_gspmd as tg
-from tf_gspmd import checkpoint as ckpt
+from tf_gspmd.export import checkpoint as ckpt
 from tf_gspmd.testing import assert_close
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -331,7 +331,7 @@ KILLED_SAVE = textwrap.dedent("""
     import conftest  # 8 logical devices
     import numpy as np, tensorflow as tf
     import tf_gspmd as tg
-    from tf_gspmd import checkpoint as ckpt
+    from tf_gspmd.export import checkpoint as ckpt
     directory, phase, marker = sys.argv[1:4]
     mesh = tg.Mesh.create((2, 4), ('data', 'model'))
     w = tf.Variable(np.arange(16 * 30, dtype=np.float32).reshape(16, 30), name='w')
@@ -362,7 +362,7 @@ KILLED_SAVE = textwrap.dedent("""
         if phase == 'slices':  # after the first device's slices, before the others'
           open(marker, 'w').close(); time.sleep(600)
       return stalled
-    name = '_publish' if phase == 'publish' else '_write_device'
+    name = 'publish' if phase == 'publish' else '_write_device'
     setattr(ckpt, name, stall(getattr(ckpt, name)))
     tg.save_checkpoint(pf, directory)
     print('the save finished; it should have been killed', flush=True)
@@ -406,10 +406,10 @@ def test_save_killed_midway_leaves_previous_checkpoint(tmp_path, phase):
 
 
 def test_readme_checkpoint_example_runs(tmp_path):
-  """The README's checkpoint example runs as is (and is the module docstring's)."""
+  """docs/export.md's checkpoint example runs as is (and is the module docstring's)."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  with open(os.path.join(root, 'README.md')) as f:
-    section = f.read().split('### Checkpoints', 1)[1].split('\n## ', 1)[0]
+  with open(os.path.join(root, 'docs', 'export.md')) as f:
+    section = f.read().split('## Checkpoints', 1)[1].split('\n## ', 1)[0]
   example = section.split('```python\n', 1)[1].split('```', 1)[0]
   doc = ckpt.__doc__
   assert example.strip() == textwrap.dedent(doc[doc.index('::\n') + 3 :]).strip()

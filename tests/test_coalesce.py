@@ -5,7 +5,6 @@ partitioned on 8 logical CPUs against the same function unpartitioned, collectiv
 import collections
 
 import numpy as np
-import pytest
 import tensorflow as tf
 
 import tf_gspmd as tg

@@ -1,5 +1,5 @@
 """Dtypes TF's collective kernels refuse (complex, uint64, int8, bool, bfloat16, ...) go through
-every collective kind exactly, carried as dtypes they take (`collectives.interface.carrier_for`),
+every collective kind exactly, carried as dtypes they take (`collectives.carriers.carrier_for`),
 on 8 logical devices, against numpy; and reductions that are undefined are refused clearly.
 
 One per-partition program per mesh holds every case (one trace, one launch).

@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 from tf_gspmd import Mesh
-from tf_gspmd.runtime import CollectiveError, SpmdProgram
+from tf_gspmd.runtime import SpmdProgram
 from tf_gspmd.testing import assert_close, check
 
 N = 8
@@ -406,7 +406,8 @@ _TIMEOUT_SCRIPT = textwrap.dedent("""
     import numpy as np
     import tensorflow as tf
     cpus = tf.config.list_physical_devices('CPU')
-    tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 8)
+    eight = [tf.config.LogicalDeviceConfiguration()] * 8
+    tf.config.set_logical_device_configuration(cpus[0], eight)
     from tf_gspmd import Mesh
     from tf_gspmd.runtime import CollectiveError, SpmdProgram
     mesh = Mesh.create((2, 4), ('x', 'y'))

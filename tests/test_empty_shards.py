@@ -18,7 +18,7 @@ import pytest
 import tensorflow as tf
 
 import tf_gspmd as tg
-from tf_gspmd.graph_rewrite.reshard_plan import collective_count, plan_reshard
+from tf_gspmd.graph_rewrite.reshard import collective_count, plan_reshard
 from tf_gspmd.sharding import NamedSharding
 from tf_gspmd.testing import assert_close
 

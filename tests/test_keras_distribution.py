@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import tf_gspmd as tg
-from tf_gspmd.keras import hooks
+from tf_gspmd.keras import distribution_lib, hooks
 from tf_gspmd.partitioned import PartitionedFunction
 from tf_gspmd.testing import as_float32, assert_close, bound
 
@@ -230,7 +230,7 @@ def test_a_layout_of_the_wrong_rank_is_refused_by_name():
 
 def test_disable_restores_keras_own_behaviour():
   module = hooks.backend_module()
-  assert module.distribute_tensor is hooks.distribute_tensor
+  assert module.distribute_tensor is distribution_lib.distribute_tensor
   tg.keras.disable()
   assert not tg.keras.is_enabled() and not hasattr(module, 'distribute_tensor')
   assert module._to_backend_mesh.__module__ == module.__name__  # Keras' DTensor prototype again
@@ -245,7 +245,7 @@ def test_disable_restores_keras_own_behaviour():
   assert '_tf_gspmd_store' not in model.__dict__
   assert getattr(model.weights[0], '_layout', None) is None
   tg.keras.enable()
-  assert module.distribute_tensor is hooks.distribute_tensor
+  assert module.distribute_tensor is distribution_lib.distribute_tensor
 
 
 def run_python(code_or_path, tmp_path, timeout=240, args=()):
@@ -282,11 +282,11 @@ def check_model_parallel_example(tmp_path, *args) -> str:
 
 
 def test_readme_keras_distribution_section_runs(tmp_path):
-  readme = (ROOT / 'README.md').read_text()
-  section = readme.split("### Keras 3's keras.distribution on TF", 1)[1]
+  readme = (ROOT / 'docs' / 'keras.md').read_text()
+  section = readme.split("## Keras 3's keras.distribution on TF", 1)[1]
   code = re.search(r'```python\n(.*?)```', section, re.S).group(1)
   out = run_python(code, tmp_path)
   assert re.search(r"^d1/kernel P\(None, 'model'\) \(784, 50\)$", out, re.M), out
-  # The README prints the oracle's measure (tf_gspmd.testing.relative_error), worst weight.
+  # The page prints the oracle's measure (tf_gspmd.testing.relative_error), worst weight.
   error = re.search(r'^max relative error to plain Keras: (\S+)$', out, re.M)
   assert error and float(error.group(1)) <= bound(np.float32), out

@@ -26,6 +26,7 @@ import tensorflow as tf
 from tensorflow.compiler.xla.service import hlo_pb2
 
 import tf_gspmd as tg
+from tf_gspmd.keras.hooks import backing
 from tf_gspmd.keras.strategy import StrategyFunction
 from tf_gspmd.testing import as_float32, assert_close
 from tf_gspmd.xla_bridge import tpu
@@ -52,10 +53,6 @@ def guide_layouts(model, mesh):
   layout['e1/kernel'] = tg.P('model', None)
   layout.apply(model)
   return model
-
-
-def backing(variable):
-  return getattr(variable, '_value', variable)  # Keras private: the tf.Variable behind it
 
 
 def train_runner(model, batch):
@@ -206,7 +203,7 @@ def test_fit_evaluate_predict_run_by_strategy_run_equal_plain_keras():
   assert_close(
     model.predict(X, batch_size=16, verbose=0), twin.predict(X, batch_size=16, verbose=0), 'predict'
   )
-  # A write to the model's own variable wins over its shards (keras_fit's mirror scatters it).
+  # A write to the model's own variable wins over its shards (keras/fit.py's mirror scatters it).
   for m in (model, twin):
     m.optimizer.learning_rate.assign(3e-3)
   assert_close(

@@ -451,7 +451,7 @@ def test_partition_again_on_another_mesh_keeps_trained_values():
   assert_close(_history(model.fit(x, y, **FIT)), _history(reference.fit(x, y, **FIT)), 'history')
   assert_close(_weights(model), _weights(reference), 'weights')
   assert _shards_of(model, 'h0/kernel').local_shape == (16, 16)
-  tg.keras_fit.unpartition_model(model)  # Keras' own steps again, on the trained values
+  tg.keras.fit.unpartition_model(model)  # Keras' own steps again, on the trained values
   assert 'fit' not in model.__dict__ and '_tf_gspmd_launcher' not in model.__dict__
   assert_close(_evaluate(model, x, y, 16), _evaluate(reference, x, y, 16), 'evaluate')
 

@@ -1,4 +1,5 @@
-"""Keras on the XLA backend: `partition_model(..., backend='xla')` and `tf_gspmd.keras.enable(backend='xla')`.
+"""Keras on the XLA backend: `partition_model(..., backend='xla')` and
+`tf_gspmd.keras.enable(backend='xla')`.
 
 Each model's steps are exported to one per-replica StableHLO module, compiled by
 XLA and run on 8 PJRT CPU devices, with the variables resident there between

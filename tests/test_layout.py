@@ -14,6 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / 'tf_gspmd'
 # Bottom to top: a unit may import units listed before it (and itself), never after.
 LAYERS = (
   ('_tf_version',),  # checks TensorFlow is installed, before importing it
+  ('tf_private', 'device_names'),  # TF's private API (the one module), TF device names
   ('mesh', 'sharding'),  # value types
   ('op_sharding',),  # OpSharding conversion, the one place
   ('dtensor_compat',),  # TF DTensor's Mesh and Layout as tf_gspmd's, the one place
@@ -23,18 +24,15 @@ LAYERS = (
   ('propagation',),  # one rule per op type, the fixpoint
   ('collectives',),  # the interface a backend implements
   ('graph_rewrite',),  # the partitioner: local ops from rules, reshards
+  ('program',),  # the per-partition program contract both backends stand on
   ('runtime',),  # TF backend: collectives on TF devices, the launcher
   ('xla_bridge',),  # XLA backend: XLA collectives, export, PJRT
   ('build_progress',),  # what a long first call is doing, shown as it runs
   ('pictures',),  # layouts drawn: text grids, the HTML report page
   ('partitioned',),  # partition(): capture -> propagate -> rewrite -> backend
-  (
-    'checkpoint',
-    'saved_model',
-    'serve',
-    'planning',
-  ),  # save/restore/export/serve/plan a partitioned program
-  ('keras_layout', 'keras_fit', 'keras'),  # Keras on top of partition()
+  ('planning',),  # a partitioned program planned without running it (tg.plan)
+  ('keras',),  # Keras on top of partition(): partition_model, LayoutMap, keras.distribution
+  ('export',),  # save/restore/export/serve a partitioned program or Keras model
   ('auto_shard',),  # layouts chosen by planning candidates (tg.plan, LayoutMap)
   ('testing',),  # the op sweep harness
   ('__init__',),  # the public API

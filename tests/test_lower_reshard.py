@@ -4,7 +4,7 @@ Each case builds per-device shards of a random integer-valued array (padding
 filled with NaN, or a sentinel for ints, so that padding leaking into valid
 data fails), runs `lower_reshard.reshard` inside a per-partition program
 (`SpmdProgram`) with a minimal stand-in for the partitioner, and compares every
-device's valid region with numpy (`reshard_sim.check_shards`, exact). It also
+device's valid region with numpy (`reshard.sim.check_shards`, exact). It also
 checks that the collectives emitted, in order, are the plan's steps (a Repad
 counts one permute per round; a Slice none), both in the records noted on the
 partitioner and in the runtime backend's own records.
@@ -22,9 +22,9 @@ import pytest
 import tensorflow as tf
 
 from tf_gspmd.graph_rewrite import lower_reshard
-from tf_gspmd.graph_rewrite import reshard_plan as rp
-from tf_gspmd.graph_rewrite import reshard_sim as sim
+from tf_gspmd.graph_rewrite import reshard as rp
 from tf_gspmd.graph_rewrite.partitioner import Local
+from tf_gspmd.graph_rewrite.reshard import sim
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.runtime import ShardedValue, SpmdProgram
 from tf_gspmd.sharding import NamedSharding, P
@@ -165,7 +165,7 @@ def _random_cases(count, seed=7):
     mesh = (M24, M222)[len(out) % 2]
     rank = int(rng.integers(1, 4))
 
-    def spec(axes):
+    def spec(axes, rank=rank):
       dims = [[] for _ in range(rank)]
       for a in axes:
         where = int(rng.integers(-1, rank))

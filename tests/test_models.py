@@ -1,4 +1,5 @@
-"""Keras 3 training steps partitioned on 8 logical CPUs, trained 5 steps against the unpartitioned run."""
+"""Keras 3 training steps partitioned on 8 logical CPUs, trained 5 steps against the
+unpartitioned run."""
 
 import collections
 import os

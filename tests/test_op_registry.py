@@ -28,11 +28,15 @@ ALLOWED = {
     | {'StatefulPartitionedCall', 'Case', 'StatelessCase'},
     f'control-flow ops and the attrs naming their functions: {_GRAPH_LAYER}',
   ),
-  'capture.py': (
+  'library.py': (
     {'If', 'StatelessIf', 'Case', 'StatelessCase', 'PartitionedCall', 'StatefulPartitionedCall'}
-    | {'While', 'StatelessWhile', 'ReadVariableOp', 'AssignVariableOp', 'AssignAddVariableOp'}
-    | {'AssignSubVariableOp', 'VariableShape'},
-    f'capture follows called functions and variable handles: {_GRAPH_LAYER}',
+    | {'While', 'StatelessWhile'},
+    f'control-flow ops and the attrs naming their functions: {_GRAPH_LAYER}',
+  ),
+  'capture.py': (
+    {'ReadVariableOp', 'AssignVariableOp', 'AssignAddVariableOp', 'AssignSubVariableOp'}
+    | {'VariableShape'},
+    f'capture follows variable handles: {_GRAPH_LAYER}',
   ),
   'static_values.py': (
     {'Shape', 'ShapeN', 'Size', 'Rank', 'Placeholder', 'Const'},
@@ -44,25 +48,16 @@ ALLOWED = {
     'reads back the annotation chain tf_gspmd itself writes (Identity -> XlaSharding, a '
     'variable read); below the registry in the layers',
   ),
-  'partitioned.py': (
+  'compile.py': (
     {'Identity', 'XlaSharding'},
     'recognises the annotation ops tf_gspmd writes around boundary tensors',
   ),
   'hlo.py': ({'Identity', 'Const'}, 'XLA-side names of pass-through and literal nodes it emits'),
-  'saved_model.py': (
-    {'Placeholder', 'XlaSharding', 'ReadVariableOp', 'VarIsInitializedOp', 'VariableShape'},
-    "the exported signature's placeholders and annotations; its read-only variable ops are "
-    "the entries' `reads_variable_only`, to be read there instead (export package, not ours)",
-  ),
   'xla.py': ({'Placeholder', 'XlaSharding'}, "an exported program's placeholders and annotations"),
-  'library.py': (
-    {'If', 'StatelessIf', 'Case', 'StatelessCase', 'PartitionedCall', 'StatefulPartitionedCall'}
-    | {'While', 'StatelessWhile'},
-    f'control-flow ops and the attrs naming their functions: {_GRAPH_LAYER}',
-  ),
-  'compile.py': (
-    {'Identity', 'XlaSharding'},
-    'recognises the annotation ops tf_gspmd writes around boundary tensors',
+  'saved_model.py': (
+    {'ReadVariableOp', 'VarIsInitializedOp', 'VariableShape'},
+    "the read-only variable ops are the entries' `reads_variable_only`, to be read there "
+    'instead (export package, not ours)',
   ),
   'coalesce.py': ({'Const'}, 'a literal node: its value is known before run time'),
   'shape_ops.py': ({'Const'}, "a literal node's value, which folding keeps only for ints"),
@@ -131,12 +126,7 @@ def test_the_allowed_names_are_still_used():
   used = {}
   for path, _, name in op_type_names_in(ROOT, op_types):
     used.setdefault(path.name, set()).add(name)
-  present = {path.name for path in ROOT.rglob('*.py')}
-  # Files of other names may be allowed too: the same modules under the names they take
-  # in the package layout of issue #23 (export/xla.py, graph/library.py, partitioned/...).
-  stale = {
-    f: sorted(names - used.get(f, set())) for f, (names, _) in ALLOWED.items() if f in present
-  }
+  stale = {f: sorted(names - used.get(f, set())) for f, (names, _) in ALLOWED.items()}
   assert not {f: n for f, n in stale.items() if n}, f'allowed but no longer named: {stale}'
 
 

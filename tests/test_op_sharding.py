@@ -57,14 +57,15 @@ def test_exact_round_trip_of_tf_xla_sharding(name):
 
 def test_what_tf_shardings_mean():
   s = {name: from_proto(tf.proto) for name, tf in TF_SHARDINGS.items()}
-  assert s['replicate'] == Sharding.replicated() and s['manual'] == Sharding.manual()
-  assert s['assign_device'] == Sharding.maximal(5)
-  assert s['split'] == Sharding.tiled([[0, 1, 2, 3]])
+  assert s['replicate'].is_equivalent_to(Sharding.replicated())
+  assert s['manual'].is_equivalent_to(Sharding.manual())
+  assert s['assign_device'].is_equivalent_to(Sharding.maximal(5))
+  assert s['split'].is_equivalent_to(Sharding.tiled([[0, 1, 2, 3]]))
   mesh = Mesh(MESH_2x4, ('data', 'model'))
-  assert s['mesh_split'] == NamedSharding(mesh, P('model', 'data'))
-  assert s['mesh_split_unused_axis'] == NamedSharding(mesh, P('data', None))
+  assert s['mesh_split'].is_equivalent_to(NamedSharding(mesh, P('model', 'data')))
+  assert s['mesh_split_unused_axis'].is_equivalent_to(NamedSharding(mesh, P('data', None)))
   mesh3 = Mesh(MESH_2x2x2, ('x', 'y', 'z'))
-  assert s['mesh_split_3d_unused_axes'] == NamedSharding(mesh3, P(None, 'z', None))
+  assert s['mesh_split_3d_unused_axes'].is_equivalent_to(NamedSharding(mesh3, P(None, 'z', None)))
   assert s['mesh_split_manual'].subgroups == ('manual', 'replicated')
   assert s['mesh_split_manual'].tile_shape == (2, 1)
   assert s['mesh_split_two_manual'].subgroups == ('manual', 'manual', 'replicated')
@@ -109,7 +110,7 @@ def test_to_proto_finds_iota_for_named_shardings():
   s = NamedSharding(mesh, P('model', None))
   proto = to_proto(s, iota=True)
   assert list(proto.iota_reshape_dims) == [2, 4] and list(proto.iota_transpose_perm) == [1, 0]
-  assert not proto.tile_assignment_devices and from_proto(proto) == s
+  assert not proto.tile_assignment_devices and from_proto(proto).is_equivalent_to(s)
 
 
 def test_from_proto_on_a_mesh():
@@ -301,5 +302,5 @@ def test_property_pending_reductions(data):
   s = data.draw(named_shardings(with_partial=True), label='sharding')
   assert eval(repr(s)) == s
   plain = Sharding.tiled(s.tile_assignment, s.subgroups) if s.is_tiled else Sharding.replicated()
-  assert plain == s and named_for_rank(plain, s.mesh, s.rank) == s
+  assert plain.is_equivalent_to(s) and named_for_rank(plain, s.mesh, s.rank).is_equivalent_to(s)
   check_cover(s, data.draw(global_shapes(s), label='shape'))

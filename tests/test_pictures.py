@@ -473,8 +473,8 @@ def test_plan_report_page(tmp_path):
 
 
 def test_readme_pictures_are_what_visualize_prints(capsys):
-  readme = (pathlib.Path(__file__).resolve().parent.parent / 'README.md').read_text()
-  section = readme.split('### Pictures of a layout', 1)[1].split('\n## ', 1)[0]
+  page = pathlib.Path(__file__).resolve().parent.parent / 'docs' / 'auto_shard_and_pictures.md'
+  section = page.read_text().split('## Pictures of a layout', 1)[1].split('\n## ', 1)[0]
   fenced = re.findall(r'^```(\w*)\n(.*?)^```$', section, re.S | re.M)
   shown_blocks = [body for language, body in fenced if not language]  # the printed text
   printed = [

@@ -28,7 +28,7 @@ SMALL_MOE = moe.Config(groups=8, tokens=8, d_model=8, experts=8, hidden=16, capa
 
 def _rss_bytes() -> int:
   with open('/proc/self/status') as status:
-    line = next(l for l in status if l.startswith('VmRSS:'))
+    line = next(t for t in status if t.startswith('VmRSS:'))
   return int(line.split()[1]) * 1024
 
 
@@ -139,14 +139,14 @@ def test_abstract_variable_has_no_value_and_keeps_its_sharding():
 
 
 def test_readme_planning_at_scale_example_runs_verbatim(tmp_path):
-  """README 'Scaling out' / 'Planning at scale': its block runs and prints what the text says."""
+  """docs/scaling_out.md, 'Planning at scale': its block runs and prints what the text says."""
   import pathlib
   import re
   import subprocess
 
   root = pathlib.Path(__file__).resolve().parent.parent
-  readme = (root / 'README.md').read_text()
-  section = readme[readme.index('### Planning at scale') : readme.index('## Public API')]
+  page = (root / 'docs' / 'scaling_out.md').read_text()
+  section = page[page.index('## Planning at scale') : page.index('## Several processes')]
   block = re.search(r'```python\n(.*?)```', section, re.S).group(1)
   script = tmp_path / 'readme_planning.py'
   script.write_text(block)

@@ -1,4 +1,5 @@
-"""Propagation on hand-built IR programs: passes, priorities, conflicts, control flow, provenance."""
+"""Propagation on hand-built IR programs: passes, priorities, conflicts, control flow,
+provenance."""
 
 import warnings
 

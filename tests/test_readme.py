@@ -1,4 +1,8 @@
-"""The README's usage example runs verbatim, its commands exist, and `make demo`'s script runs."""
+"""The README's example runs verbatim, its commands exist, and `make demo`'s script runs.
+
+Also the usage example of docs/api.md and the oracle's of docs/testing.md, which were the
+README's (tests/test_docs.py checks that every page's code runs somewhere).
+"""
 
 import os
 import pathlib
@@ -10,6 +14,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / 'README.md').read_text()
+API_PAGE = (ROOT / 'docs' / 'api.md').read_text()
+TESTING_PAGE = (ROOT / 'docs' / 'testing.md').read_text()
 
 
 def run_python(script: pathlib.Path, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -28,20 +34,21 @@ def run_python(script: pathlib.Path, timeout: int = 240) -> subprocess.Completed
 
 def first_python_block(markdown: str) -> str:
   match = re.search(r'^```python\n(.*?)^```', markdown, re.S | re.M)
-  assert match, 'README.md has no ```python block'
+  assert match, 'no ```python block'
   return match.group(1)
 
 
 def test_readme_names_the_two_commands_and_the_makefile_has_them():
-  assert 'make demo' in README and 'make test' in README
+  assert 'make demo' in README and 'make test' in README and 'make lint' in README
   makefile = (ROOT / 'Makefile').read_text()
   assert re.search(r'^demo:', makefile, re.M) and re.search(r'^test:', makefile, re.M)
+  assert re.search(r'^lint:', makefile, re.M)
   assert 'examples/keras/demo.py' in makefile
 
 
 def test_readme_usage_example_runs_verbatim(tmp_path):
   script = tmp_path / 'readme_example.py'
-  script.write_text(first_python_block(README))  # a file, so AutoGraph can read the source
+  script.write_text(first_python_block(API_PAGE))  # a file, so AutoGraph can read the source
   result = run_python(script)
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.splitlines()
@@ -52,9 +59,9 @@ def test_readme_usage_example_runs_verbatim(tmp_path):
 
 
 def test_readme_partition_example_runs_verbatim(tmp_path):
-  blocks = re.findall(r'```python\n(.*?)```', README, re.S)
+  (block,) = re.findall(r'```python\n(.*?)```', README, re.S)  # the README's one example
   script = tmp_path / 'readme_partition.py'
-  script.write_text(blocks[1])
+  script.write_text(block)
   result = run_python(script)
   assert result.returncode == 0, result.stderr[-3000:]
   out = result.stdout
@@ -80,7 +87,7 @@ def test_demo_trains_partitioned_beside_unpartitioned():
 
 
 def test_readme_oracle_section_runs(tmp_path):
-  section = README.split('## How results are checked', 1)[1]
+  section = TESTING_PAGE.split('## How results are checked', 1)[1]
   script = tmp_path / 'readme_oracle.py'
   script.write_text(first_python_block(section))
   result = run_python(script)

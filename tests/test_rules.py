@@ -105,7 +105,7 @@ def test_golden_rule_texts_are_up_to_date():
     'support_table.golden_text()'
   )
   lines = committed.splitlines()
-  assert [l.split(':')[0] for l in lines] == sorted(l.split(':')[0] for l in lines)
+  assert [n.split(':')[0] for n in lines] == sorted(n.split(':')[0] for n in lines)
   assert 'MatMul: ([i,k],[k,j])->([i,j]) reduction={k}' in lines
 
 

@@ -276,10 +276,10 @@ def printed_result(stdout: str, key: str) -> np.ndarray:
 
 @contextlib.contextmanager
 def device_server(export_dir: str, wait: float = 120):
-  """`python -m tf_gspmd.serve --export DIR` as the README says; yields its grpc:// target."""
+  """`python -m tf_gspmd.export.serve --export DIR` (as the README says); yields its target."""
   env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL='2')
   server = subprocess.Popen(
-    [sys.executable, '-m', 'tf_gspmd.serve', '--export', export_dir],
+    [sys.executable, '-m', 'tf_gspmd.export.serve', '--export', export_dir],
     cwd=ROOT,
     env=env,
     stdout=subprocess.PIPE,
@@ -419,9 +419,9 @@ def test_xla_export_recompiles_and_its_annotated_graph_reads_back(exports, tmp_p
   assert checked >= len(written)
 
 
-# --- the README's "Save, serve, restore" example ------------------------------------------------
+# --- docs/export.md's "Save, serve, restore" example ---------------------------------------------
 def test_readme_save_serve_restore_example_runs_verbatim(tmp_path):
-  readme = (ROOT / 'README.md').read_text()
+  readme = (ROOT / 'docs' / 'export.md').read_text()
   section = readme.split('## Save, serve, restore', 1)[1].split('\n## ', 1)[0]
   block = section.split('```python\n', 1)[1].split('```', 1)[0]
   script = tmp_path / 'readme_save_serve.py'

@@ -5,6 +5,8 @@ import pickle
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tf_gspmd import *  # noqa: F401,F403  (repr strings are evaluated in this namespace)
 from tf_gspmd import Mesh, NamedSharding, P, Sharding, from_proto, named, named_for_rank
@@ -83,33 +85,87 @@ def test_str_forms():
   assert str(Sharding.replicated()) == '{replicated}'
 
 
-def test_equal_by_meaning():
+def test_equivalent_by_meaning():
+  eq = Sharding.is_equivalent_to
   # Order inside a replica group carries no meaning.
-  assert Sharding.partial_tile([[[0, 1]], [[2, 3]]]) == Sharding.partial_tile([[[1, 0]], [[3, 2]]])
-  assert Sharding.partial_tile([[[0, 1]], [[2, 3]]]) != Sharding.partial_tile([[[0, 2]], [[1, 3]]])
+  assert eq(
+    Sharding.partial_tile([[[0, 1]], [[2, 3]]]), Sharding.partial_tile([[[1, 0]], [[3, 2]]])
+  )
+  assert not eq(
+    Sharding.partial_tile([[[0, 1]], [[2, 3]]]), Sharding.partial_tile([[[0, 2]], [[1, 3]]])
+  )
   # Size-1 subgroup dims and split subgroup dims of one kind change nothing.
-  assert Sharding.tiled([[0, 1], [2, 3]]) == Sharding.partial_tile([[[0], [1]], [[2], [3]]])
-  assert Sharding.tiled(np.arange(8).reshape(2, 2, 2), ('replicated', 'replicated')) == (
-    Sharding.partial_tile(np.arange(8).reshape(2, 4))
+  assert eq(Sharding.tiled([[0, 1], [2, 3]]), Sharding.partial_tile([[[0], [1]], [[2], [3]]]))
+  assert eq(
+    Sharding.tiled(np.arange(8).reshape(2, 2, 2), ('replicated', 'replicated')),
+    Sharding.partial_tile(np.arange(8).reshape(2, 4)),
   )
   # A tile of one device is maximal, a tile of all replicas is replicated.
-  assert Sharding.tiled([[5]]) == Sharding.maximal(5)
-  assert Sharding.partial_tile([[np.arange(8)]]) == Sharding.replicated()
-  assert Sharding.tiled([[[0, 1, 2, 3]]], ('manual',)) == Sharding.manual()
+  assert eq(Sharding.tiled([[5]]), Sharding.maximal(5))
+  assert eq(Sharding.partial_tile([[np.arange(8)]]), Sharding.replicated())
+  assert eq(Sharding.tiled([[[0, 1, 2, 3]]], ('manual',)), Sharding.manual())
   # Tile order matters, and so does which dim is split.
-  assert Sharding.tiled([[0, 1], [2, 3]]) != Sharding.tiled([[0, 2], [1, 3]])
-  assert Sharding.tiled([[0, 1]]) != Sharding.tiled([[0], [1]])
+  assert not eq(Sharding.tiled([[0, 1], [2, 3]]), Sharding.tiled([[0, 2], [1, 3]]))
+  assert not eq(Sharding.tiled([[0, 1]]), Sharding.tiled([[0], [1]]))
   # Manual groups keep their order; the groups of a pending reduction do not.
-  assert Sharding.tiled([[[0, 1]], [[2, 3]]], ('manual',)) != (
-    Sharding.tiled([[[1, 0]], [[3, 2]]], ('manual',))
+  assert not eq(
+    Sharding.tiled([[[0, 1]], [[2, 3]]], ('manual',)),
+    Sharding.tiled([[[1, 0]], [[3, 2]]], ('manual',)),
   )
   pending = Sharding.tiled(np.arange(8).reshape(2, 2, 2), ('partial_sum', 'replicated'))
   swapped = Sharding.tiled(
     np.arange(8).reshape(2, 2, 2)[:, ::-1, ::-1], ('partial_sum', 'replicated')
   )
-  assert pending == swapped and hash(pending) == hash(swapped)
-  assert pending != pending.without_partial()
-  assert pending.without_partial() == Sharding.partial_tile(np.arange(8).reshape(2, 4))
+  assert eq(pending, swapped) and pending.canonical_key() == swapped.canonical_key()
+  assert not eq(pending, pending.without_partial())
+  assert eq(pending.without_partial(), Sharding.partial_tile(np.arange(8).reshape(2, 4)))
+
+
+def test_equality_is_structural():
+  # The same layout written on meshes with other axis names: equivalent, not equal.
+  a = NamedSharding(Mesh.create((2, 4), ('x', 'y')), P('x', None))
+  b = NamedSharding(Mesh.create((2, 4), ('data', 'model')), P('data', None))
+  assert a.is_equivalent_to(b) and b.is_equivalent_to(a)
+  assert a != b and not a == b and len({a, b}) == 2
+  # A NamedSharding and the tile assignment it stands for: equivalent, not equal.
+  plain = Sharding.partial_tile([[[0, 1, 2, 3]], [[4, 5, 6, 7]]])
+  assert a.is_equivalent_to(plain) and plain.is_equivalent_to(a) and a != plain
+  # Two spellings of one tile assignment: equivalent, not equal.
+  assert Sharding.partial_tile([[[0, 1]], [[2, 3]]]) != Sharding.partial_tile([[[1, 0]], [[3, 2]]])
+  assert Sharding.tiled([[5]]) != Sharding.maximal(5)
+  # Written the same way: equal, with equal hashes (rebuilt, not the same object).
+  again = NamedSharding(Mesh.create((2, 4), ('x', 'y')), P('x', None))
+  assert a == again and hash(a) == hash(again) and {a: 1}[again] == 1
+  tiled = Sharding.tiled([[0, 1], [2, 3]])
+  assert tiled == Sharding.tiled(np.array([[0, 1], [2, 3]])) and hash(tiled) == hash(
+    Sharding.tiled([[0, 1], [2, 3]])
+  )
+  assert (
+    Sharding.replicated() == Sharding.replicated() and Sharding.replicated() != Sharding.manual()
+  )
+  # The reduction of a pending reduction is structure; without pending axes it names nothing.
+  mesh = Mesh.create((2, 4), ('x', 'y'))
+  assert NamedSharding(mesh, P('x'), ('y',), 'max') != NamedSharding(mesh, P('x'), ('y',))
+  assert NamedSharding(mesh, P('x'), (), 'max') == NamedSharding(mesh, P('x'))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_property_hash_consistent_with_equality(data):
+  mesh = Mesh.create((2, 2, 2), ('a', 'b', 'c'))
+  names = st.sampled_from([None, 'a', 'b', 'c', ('a', 'b'), ('b', 'a'), ('c', 'a')])
+  specs = []
+  for _ in range(2):
+    spec = P(data.draw(names), data.draw(names))
+    specs.append(spec if len(set(spec.used_axes())) == len(spec.used_axes()) else P(None, None))
+  x, y = (NamedSharding(mesh, s) for s in specs)
+  if x == y:
+    assert hash(x) == hash(y) and x.is_equivalent_to(y)
+  plain_x = Sharding.tiled(x.tile_assignment, x.subgroups) if x.is_tiled else Sharding.replicated()
+  assert plain_x != x and plain_x.is_equivalent_to(x)
+  if x.is_tiled:
+    assert plain_x == Sharding.tiled(x.tile_assignment, x.subgroups)
+    assert hash(plain_x) == hash(Sharding.tiled(x.tile_assignment, x.subgroups))
 
 
 def test_named_equals_tf_mesh_split_layout():
@@ -117,11 +173,11 @@ def test_named_equals_tf_mesh_split_layout():
 
   device_mesh = np.arange(8).reshape(2, 4)
   from_tf = from_proto(xla_sharding.mesh_split_sharding(device_mesh, [0, -1]).proto)
-  assert NamedSharding(MESH, P('data', None)) == from_tf
-  assert hash(NamedSharding(MESH, P('data', None))) == hash(from_tf)
+  assert NamedSharding(MESH, P('data', None)).is_equivalent_to(from_tf)
+  assert NamedSharding(MESH, P('data', None)).canonical_key() == from_tf.canonical_key()
   from_tf = from_proto(xla_sharding.mesh_split_sharding(device_mesh, [1, 0]).proto)
-  assert NamedSharding(MESH, P('model', 'data')) == from_tf
-  assert NamedSharding(MESH, P('data', 'model')) != from_tf
+  assert NamedSharding(MESH, P('model', 'data')).is_equivalent_to(from_tf)
+  assert not NamedSharding(MESH, P('data', 'model')).is_equivalent_to(from_tf)
 
 
 def test_named_sharding_structure():

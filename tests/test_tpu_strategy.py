@@ -68,7 +68,7 @@ def test_device_assignment_in_another_core_order_and_wrong_size():
     tpu.mesh_device_assignment(tpu.topology_proto((2, 2, 2), 2), mesh)
 
 
-# --- the replica program ---------------------------------------------------------------------------
+# --- the replica program ----------------------------------------------------------------------
 def _megatron(seed=0):
   rng = np.random.RandomState(seed)
   return (

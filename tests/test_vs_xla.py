@@ -1,6 +1,6 @@
 """The same annotated TF step partitioned two ways: by tf_gspmd and by XLA's own SPMD partitioner.
 
-XLA's side (tf_gspmd.xla_bridge.xla_partitioner) lowers the unpartitioned
+XLA's side (tf_gspmd.xla_bridge.reference_partitioner) lowers the unpartitioned
 step through tf2xla with its XlaSharding annotations, gives every parameter
 the layout tf_gspmd chose for it, and lets XLA partition it on 8 PJRT CPU
 devices. Both are trained against the unpartitioned step.
@@ -17,7 +17,7 @@ import tf_gspmd as tg
 from tf_gspmd.testing import assert_close
 
 pytest.importorskip('jax')
-from tf_gspmd.xla_bridge import xla_partitioner  # noqa: E402
+from tf_gspmd.xla_bridge import reference_partitioner  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_models import _mlp, _mlp_batches, _step  # noqa: E402
@@ -44,7 +44,7 @@ def _both_ways(mesh, batches):
   program = ours.get_program(*batches[0])
   layouts = {id(v): ours.store.sharded[id(v)].sharding for v in program.variables}
   # XLA's side copies the variables' values now, before either side trains.
-  theirs = xla_partitioner.XlaPartitionedStep(
+  theirs = reference_partitioner.XlaPartitionedStep(
     step,
     batches[0],
     mesh.size,
@@ -90,7 +90,7 @@ def test_mlp_2d_mesh_values_and_collectives():
   assert xla_kinds <= {('all-reduce', 4), ('all-reduce', 2), ('all-gather', 4)}
   assert all(r['bytes'] > 0 for r in theirs.collectives())
   # Compiled by XLA, ours runs the same two all-reduce kinds, and moves no more bytes.
-  ours_compiled = xla_partitioner.partitioned_collectives(
+  ours_compiled = reference_partitioner.partitioned_collectives(
     ours_xla.xla_executable(*batches[0]).compiled_hlo(), mesh.size
   )
   assert {(r['kind'], r['group_size']) for r in ours_compiled} == {
@@ -121,7 +121,7 @@ def test_collectives_read_from_hlo_text():
       '}',
     ]
   )
-  found = {r['name']: r for r in xla_partitioner.partitioned_collectives(hlo, 8)}
+  found = {r['name']: r for r in reference_partitioner.partitioned_collectives(hlo, 8)}
   # all-reduce, g=2: 2*(g-1) pieces of ceil(E/g) elements per operand.
   assert found['ar']['bytes'] == 2 * (16 * 4 + 8 * 4) and found['ar']['group_size'] == 2
   assert found['ag']['bytes'] == (32 - 8) * 4 * 4 and found['ag']['group_size'] == 4
@@ -130,7 +130,8 @@ def test_collectives_read_from_hlo_text():
 
 
 def test_argument_layout_of_wrong_rank_is_refused_clearly():
-  """A parameter sharding that does not fit its tensor is an error naming it, never a wrong value."""
+  """A parameter sharding that does not fit its tensor is an error naming it, never a wrong
+  value."""
   mesh = tg.Mesh.create(MESH_SHAPE, AXES)
 
   @tf.function
@@ -139,6 +140,6 @@ def test_argument_layout_of_wrong_rank_is_refused_clearly():
 
   x = np.ones((3, 4), np.float32)
   with pytest.raises(ValueError, match='arg0'):
-    xla_partitioner.XlaPartitionedStep(
+    reference_partitioner.XlaPartitionedStep(
       fn, [x], mesh.size, arg_shardings=[tg.NamedSharding(mesh, tg.P(None, 'model', None))]
     )

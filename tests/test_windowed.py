@@ -68,17 +68,23 @@ def simulate(x, g, dim, shards):
   ci, co, n, m = plan.input_chunk, plan.output_chunk, dim.input_size, dim.output_size
   local_x = np.concatenate([x, np.full(ci * shards - n, np.nan)]).reshape(shards, ci)
   local_g = np.concatenate([g, np.full(co * shards - m, np.nan)]).reshape(shards, co)
-  rows_of = lambda i: plan.window_global_starts[i] + np.arange(plan.span)
+
+  def rows_of(i):
+    return plan.window_global_starts[i] + np.arange(plan.span)
+
   left_at = _laid_out(plan.left_pieces, -1, 0)
   right_at = _laid_out(plan.right_pieces, 1, plan.left + ci)
   out, ext_grads = [], []
   for i in range(shards):
-    halo = lambda laid: [
-      local_x[i + sign * pc.hop, pc.start : pc.start + pc.rows]
-      if 0 <= i + sign * pc.hop < shards
-      else np.full(pc.rows, np.nan)
-      for pc, sign, _ in laid
-    ]
+
+    def halo(laid, i=i):
+      return [
+        local_x[i + sign * pc.hop, pc.start : pc.start + pc.rows]
+        if 0 <= i + sign * pc.hop < shards
+        else np.full(pc.rows, np.nan)
+        for pc, sign, _ in laid
+      ]
+
     ext = np.concatenate(halo(left_at) + [local_x[i]] + halo(right_at) + [np.zeros(tail)])
     start = plan.window_starts[i]
     assert 0 <= start and start + plan.span <= len(ext)

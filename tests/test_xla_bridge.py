@@ -120,7 +120,10 @@ def test_both_backends_record_the_same_collectives():
   spec = [tf.TensorSpec(LOCAL.shape, tf.float32)]
   tf_records = trace_per_partition(MESH_2D, fn, spec).records
   xla_records = trace_per_partition(MESH_2D, fn, spec, backend=XlaCollectives).records
-  strip = lambda r: (r.kind, r.name, r.axes, r.shape, r.dtype, r.bytes, r.group_size, r.params)
+
+  def strip(r):
+    return (r.kind, r.name, r.axes, r.shape, r.dtype, r.bytes, r.group_size, r.params)
+
   assert [strip(r) for r in tf_records] == [strip(r) for r in xla_records]
   assert [r.name for r in xla_records] == [
     'block/gspmd/all_gather_0',

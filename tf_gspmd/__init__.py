@@ -14,10 +14,10 @@ entry point taking a mesh or sharding takes them, and `from_dtensor_mesh` /
 NamedSharding(Mesh.create((2, 4), ('batch', 'model')), P('batch', None))
 """
 
+# First: a missing or unsupported TensorFlow says what to install (imported for that check).
 from tf_gspmd import (
-  _tf_version,  # first: a missing or unsupported TensorFlow says what to install
+  _tf_version,  # noqa: F401
   keras,  # keras.distribution on TF: changes nothing until keras.enable()
-  saved_model,  # tg.saved_model.save / load (SavedModel), save_xla / load_xla
 )
 from tf_gspmd.annotations import (
   annotate,
@@ -34,13 +34,14 @@ from tf_gspmd.annotations import (
   variable_sharding,
 )
 from tf_gspmd.auto_shard import auto_shard
-from tf_gspmd.checkpoint import restore_checkpoint, save_checkpoint
 from tf_gspmd.dtensor_compat import from_dtensor_layout, from_dtensor_mesh
+from tf_gspmd.export import saved_model  # tg.saved_model.save / load, save_xla / load_xla
+from tf_gspmd.export.checkpoint import restore_checkpoint, save_checkpoint
 from tf_gspmd.graph.capture import capture
 from tf_gspmd.graph.rebuild import rebuild
-from tf_gspmd.graph_rewrite.reshard_plan import plan_reshard
-from tf_gspmd.keras_fit import partition_model, unpartition_model
-from tf_gspmd.keras_layout import LayoutMap
+from tf_gspmd.graph_rewrite.reshard import plan_reshard
+from tf_gspmd.keras.fit import partition_model, unpartition_model
+from tf_gspmd.keras.layout import LayoutMap
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.op_sharding import from_proto, to_proto
 from tf_gspmd.partitioned import PartitionedFunction, partition
@@ -53,6 +54,8 @@ from tf_gspmd.runtime import CollectiveError, ShardedValue, ShardedVariable, Spm
 from tf_gspmd.sharding import NamedSharding, P, Sharding, named, named_for_rank
 
 __all__ = [
+  'keras',
+  'saved_model',
   'partition',
   'PartitionedFunction',
   'LayoutMap',

@@ -24,17 +24,16 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.compiler.xla import xla_data_pb2
-from tensorflow.python.compiler.xla.experimental import xla_sharding as tf_xla_sharding
-from tensorflow.python.eager import context
 
 from tf_gspmd import dtensor_compat, op_sharding
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.sharding import MANUAL, REPLICATED, NamedSharding, Sharding, named_for_rank
+from tf_gspmd.tf_private import xla_sharding
 
 # AutoGraph would try to convert these when a tf.function calls them; they are
 # plain Python run at trace time (and some use generators, which it refuses).
@@ -63,10 +62,10 @@ def annotate(x, sharding: Sharding, unspecified_dims: Optional[Sequence[int]] = 
   shape = _static_shape(x)
   if shape is not None:
     sharding.check_shape(shape, what=f'annotating tensor {_name(x)}')
-  if context.executing_eagerly():
+  if tf.executing_eagerly():
     return x  # no graph to annotate; documented behaviour
   proto = op_sharding.to_proto(sharding)
-  return tf_xla_sharding.Sharding(proto).apply_to_tensor(
+  return xla_sharding.Sharding(proto).apply_to_tensor(
     x, use_sharding_op=True, unspecified_dims=list(unspecified_dims or [])
   )
 
@@ -89,7 +88,10 @@ def mesh_split(
   manual_mesh_dims: Optional[Sequence[int]] = None,
   unspecified_dims: Optional[Sequence[int]] = None,
 ):
-  """TF's `xla_sharding.mesh_split`: dim i of `x` split along mesh dim `dims_mapping[i]` (-1: not split)."""
+  """TF's `xla_sharding.mesh_split`: dim i of `x` split along mesh dim `dims_mapping[i]`.
+
+  -1: not split.
+  """
   sharding = mesh_split_sharding(device_mesh, dims_mapping, manual_mesh_dims)
   return annotate(x, sharding, unspecified_dims)
 
@@ -159,7 +161,10 @@ def mesh_split_sharding(
   mesh = np.asarray(device_mesh)
   mapping = [int(d) for d in dims_mapping]
   manual = [int(d) for d in (manual_mesh_dims or [])]
-  what = f'mesh_split(device mesh of shape {mesh.shape}, dims_mapping={mapping}, manual_mesh_dims={manual})'
+  what = (
+    f'mesh_split(device mesh of shape {mesh.shape}, dims_mapping={mapping}, '
+    f'manual_mesh_dims={manual})'
+  )
   used = [d for d in mapping if d >= 0] + manual
   for d in mapping + manual:
     if not -1 <= d < mesh.ndim or (d == -1 and d in manual):
@@ -233,7 +238,7 @@ def get_sharding(x, mesh: Optional[Mesh] = None) -> Optional[Sharding]:
     op = None
   if op is None:
     return None  # eager tensors and plain values carry no annotation
-  serialized = tf_xla_sharding.get_op_sharding(op)
+  serialized = xla_sharding.get_op_sharding(op)
   if serialized is None and op.type == 'XlaSharding':
     serialized = op.get_attr('sharding')  # an empty string means REPLICATED
   if serialized is not None:
@@ -323,18 +328,27 @@ def _sharding_of(mesh_or_sharding, spec, what: str = 'shard_variable') -> Shardi
   )
 
 
+# How to reach the tf.Variable inside an object wrapping one (a Keras 3 variable). This module
+# sits below Keras and imports none of it: tf_gspmd.keras.hooks registers Keras' unwrapper when
+# imported (tf_gspmd's __init__ imports it). An unwrapper returns the tf.Variable, None for an
+# object it does not wrap, and raises a ValueError for a wrapper whose variable does not exist yet.
+_VARIABLE_UNWRAPPERS: List[Callable] = []
+
+
+def register_variable_unwrapper(unwrap: Callable) -> None:
+  """Let `shard_variable`, `variable_sharding` and `annotate` take objects `unwrap` unwraps."""
+  if unwrap not in _VARIABLE_UNWRAPPERS:
+    _VARIABLE_UNWRAPPERS.append(unwrap)
+
+
 def _tf_variable_or_none(v):
   """The tf.Variable behind `v` (itself, or a Keras 3 variable's value), None if not a variable."""
   if isinstance(v, tf.Variable):
     return v
-  inner = getattr(v, '_value', None) if hasattr(v, 'path') and hasattr(v, 'assign') else None
-  if isinstance(inner, tf.Variable):
-    return inner
-  if hasattr(v, 'path') and hasattr(v, 'assign') and hasattr(v, '_value'):
-    raise ValueError(
-      f'Keras variable {v.path} is not created yet (deferred initialization); build the '
-      'layer or model before annotating its variables.'
-    )
+  for unwrap in _VARIABLE_UNWRAPPERS:
+    inner = unwrap(v)
+    if inner is not None:
+      return inner
   return None
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Iterable, Sequence
+from typing import Dict, Iterable, Sequence, Tuple
 
 import numpy as np
 
@@ -21,6 +21,10 @@ class Mesh:
   """
 
   __slots__ = ('_devices', '_axis_names', '_hash', '_coords')
+  _devices: np.ndarray  # device ids, read-only, one array dim per axis
+  _axis_names: Tuple[str, ...]
+  _hash: int
+  _coords: Dict[int, Tuple[int, ...]]  # device id -> its index in `_devices`
 
   def __init__(self, device_ids, axis_names: Sequence[str]):
     devices = np.array(device_ids, dtype=np.int64)
@@ -159,8 +163,8 @@ class Mesh:
     """Whether both have the same axes (names and sizes) over the same set of devices."""
     return (
       isinstance(other, Mesh)
-      and self._axis_names == other._axis_names
-      and self._devices.shape == other._devices.shape
+      and self._axis_names == other.axis_names
+      and self._devices.shape == other.device_ids.shape
       and sorted(self.devices) == sorted(other.devices)
     )
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -73,7 +73,8 @@ def _from_single_proto(proto) -> Sharding:
       f'{len(devices)} device ids were given.'
     )
   if proto.replicate_on_last_tile_dim:
-    subgroups, style_last = (REPLICATED,), False
+    subgroups: Tuple[str, ...] = (REPLICATED,)
+    style_last = False
   else:
     kinds = {t.REPLICATED: REPLICATED, t.MANUAL: MANUAL}
     unknown = [t.Type.Name(k) for k in proto.last_tile_dims if k not in kinds]
@@ -113,6 +114,7 @@ def to_proto(s: Sharding, iota: Optional[bool] = None):
     )
   iota_form, style_last = s._proto_style or (None, False)  # noqa: SLF001
   tile = s.tile_assignment
+  assert tile is not None, s  # replicated, manual and maximal returned above
   proto = t(type=t.OTHER, tile_assignment_dimensions=list(tile.shape))
   if iota is None:
     iota = iota_form is not None and np.array_equal(_iota_devices(iota_form, tile.shape), tile)
@@ -133,7 +135,7 @@ def to_proto(s: Sharding, iota: Optional[bool] = None):
 def _with_proto_style(on_mesh: NamedSharding, plain: Sharding) -> NamedSharding:
   """`on_mesh` carrying how `plain`'s proto was spelled, when both use the same tile assignment."""
   if (
-    np.array_equal(on_mesh.tile_assignment, plain.tile_assignment)
+    np.array_equal(np.asarray(on_mesh.tile_assignment), np.asarray(plain.tile_assignment))
     and on_mesh.subgroups == plain.subgroups
   ):
     object.__setattr__(on_mesh, '_proto_style', plain._proto_style)  # noqa: SLF001
@@ -157,6 +159,7 @@ def _iota_devices(form, dims) -> np.ndarray:
 def _find_iota(s: Sharding):
   """An iota form for `s`'s tile assignment, or None if it has none we can find."""
   tile = s.tile_assignment
+  assert tile is not None, s
   if np.array_equal(tile.reshape(-1), np.arange(tile.size)):
     return (tile.size,), (0,)
   if isinstance(s, NamedSharding) and np.array_equal(

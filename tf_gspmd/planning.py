@@ -211,7 +211,7 @@ def plan(fn, *arg_specs, mesh: Mesh, in_shardings=None, out_shardings=None) -> P
   ]
   peak, counted = activation_peak(traced.function.graph)
   return PlanReport(
-    partitioned._name_of(fn),  # noqa: SLF001 (the function's display name, as partitioned shows it)
+    partitioned.name_of(fn),
     mesh,
     report,
     peak,
@@ -274,7 +274,7 @@ class _Planner(partitioned.PartitionedFunction):
       compiled.per_partition,
       list(compiled.local_specs) + templates,
       autograph=False,
-      name=f'{partitioned._name_of(self.fn)}_plan',  # noqa: SLF001 (as above)
+      name=f'{partitioned.name_of(self.fn)}_plan',
     )
 
 

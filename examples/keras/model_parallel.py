@@ -64,7 +64,12 @@ def get_data():
 def train_step_of(model) -> PartitionedFunction:
   """The partitioned training step behind the model's train_function."""
   cells = [c.cell_contents for c in model.train_function.__closure__ or ()]
-  return next(p for p in cells if isinstance(p, PartitionedFunction) and p._last is not None)
+  # _last: the compiled step of the latest call (its collectives are what this example prints).
+  return next(
+    p
+    for p in cells
+    if isinstance(p, PartitionedFunction) and p._last is not None  # noqa: SLF001
+  )
 
 
 def collectives_of(model):

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import tf_gspmd as tg
 from tf_gspmd import P
-from tf_gspmd.keras_layout import LayoutMap
+from tf_gspmd.keras.layout import LayoutMap
 
 VOCAB, SEQ, D_MODEL, HEADS, FF = 64, 8, 32, 4, 64
 

@@ -1,4 +1,5 @@
-"""The collective interface a backend implements, and the partition-id tables it reads.
+"""The collective interface a backend implements (`interface`), how values of dtypes the
+kernels refuse travel through it (`carriers`), and the partition-id tables it reads (`tables`).
 
 Below the partitioner (which emits collectives through `Collectives`) and above
 the value types; the TF runtime and the XLA bridge each implement it.

@@ -14,7 +14,6 @@ from typing import Callable, Dict, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
-from tensorflow.python.framework import ops
 
 from tf_gspmd.graph import ir
 
@@ -36,7 +35,7 @@ def emit_node(
   While's partitioned body). Output dtypes and shapes come from TF's op
   registry and shape inference.
   """
-  graph = ops.get_default_graph()
+  graph = tf.compat.v1.get_default_graph()
   merged = {k: v for k, v in node.attrs.items() if k not in _DROPPED_ATTRS}
   if attrs:
     merged.update(attrs)
@@ -79,7 +78,7 @@ def trace_function(
 
   traced.__name__ = _sanitize(name_hint)
   concrete = tf.function(traced, autograph=False).get_concrete_function(*arg_specs)
-  concrete.add_to_graph(ops.get_default_graph())
+  concrete.add_to_graph(tf.compat.v1.get_default_graph())
   return concrete.name.decode() if isinstance(concrete.name, bytes) else concrete.name
 
 

@@ -29,16 +29,20 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, function_pb2, graph_pb2, node_def_pb2
-from tensorflow.python.client import pywrap_tf_session
-from tensorflow.python.eager import context
-from tensorflow.python.eager.polymorphic_function import atomic_function, function_type_utils
-from tensorflow.python.framework import c_api_util, importer, ops, versions
-from tensorflow.python.framework.func_graph import FuncGraph
-from tensorflow.python.ops import handle_data_util
-from tensorflow.python.util import compat
 
 from tf_gspmd.graph import ir
-from tf_gspmd.graph.capture import make_placeholder
+from tf_gspmd.graph.from_ops import as_str, make_placeholder
+from tf_gspmd.tf_private import (
+  FuncGraph,
+  atomic_function,
+  c_api_util,
+  context,
+  cpp_shape_inference_pb2,
+  function_type_utils,
+  handle_data_util,
+  importer,
+  pywrap_tf_session,
+)
 
 # FunctionDef attrs that describe one runtime registration, not the body.
 _RUNTIME_FUNCTION_ATTRS = ('_construction_context',)
@@ -117,8 +121,8 @@ def import_program(
   `tf.function`; with `return_control_outputs=True` they are also returned:
   `(outputs, control_output_ops)`.
   """
-  graph = ops.get_default_graph()
-  if context.executing_eagerly() or not isinstance(graph, FuncGraph):
+  graph = tf.compat.v1.get_default_graph()
+  if tf.executing_eagerly() or not isinstance(graph, FuncGraph):
     raise RuntimeError(
       'import_program must run while a tf.function is being traced '
       '(inside its Python function); use rebuild() to get a callable.'
@@ -253,8 +257,8 @@ def import_nodes(
 def graph_def_of(graph: ir.Graph, new_names: Dict[str, str], skip=()) -> graph_pb2.GraphDef:
   """The NodeDefs of `graph` (without the nodes named in `skip`), library functions renamed."""
   graph_def = graph_pb2.GraphDef()
-  graph_def.versions.producer = versions.GRAPH_DEF_VERSION
-  graph_def.versions.min_consumer = versions.GRAPH_DEF_VERSION_MIN_CONSUMER
+  graph_def.versions.producer = tf.version.GRAPH_DEF_VERSION
+  graph_def.versions.min_consumer = tf.version.GRAPH_DEF_VERSION_MIN_CONSUMER
   for node in graph.nodes:
     if node.name in skip:
       continue
@@ -295,7 +299,9 @@ def _copy(value):
 
 
 def add_library_to_graph(program: ir.Program, graph: tf.Graph) -> Dict[str, str]:
-  """Rebuild and register every library function of `program` reachable from `main`; add them to `graph`.
+  """Rebuild and register every library function of `program` reachable from `main`.
+
+  Each is added to `graph`.
 
   Returns original name -> new name.
   """
@@ -303,7 +309,7 @@ def add_library_to_graph(program: ir.Program, graph: tf.Graph) -> Dict[str, str]
   for function in built.values():
     if not graph._is_function(function.name):  # noqa: SLF001
       graph._add_function(function)  # noqa: SLF001
-  return {old: _as_str(function.name) for old, function in built.items()}
+  return {old: as_str(function.name) for old, function in built.items()}
 
 
 def build_library(
@@ -357,7 +363,7 @@ def _build_function(
   graph: ir.Graph, built: Dict[str, atomic_function.AtomicFunction]
 ) -> atomic_function.AtomicFunction:
   """One library function, rebuilt from the IR, registered under a content-derived name."""
-  new_names = {old: _as_str(f.name) for old, f in built.items()}
+  new_names = {old: as_str(f.name) for old, f in built.items()}
   callees = [built[n] for n in _callee_names(graph, built)]
   func_graph = FuncGraph(graph.name)
   with func_graph.as_default():
@@ -434,8 +440,6 @@ def _handle_data_proto(tensor: ir.Tensor):
   """
   if not tensor.handle_data:
     return None
-  from tensorflow.python.framework import cpp_shape_inference_pb2
-
   captured = list(tensor.handle_proto.shape_and_type) if tensor.handle_proto is not None else []
   data = cpp_shape_inference_pb2.CppShapeInferenceResult.HandleData(is_set=True)
   for i, (dtype, shape) in enumerate(tensor.handle_data):
@@ -457,12 +461,12 @@ def _function_def(func_graph: FuncGraph, graph: ir.Graph) -> function_pb2.Functi
   with func_graph._c_graph.get() as c_graph:  # noqa: SLF001
     c_func = pywrap_tf_session.TF_GraphToFunction_wrapper(
       c_graph,
-      compat.as_str(graph.name),
+      tf.compat.as_str(graph.name),
       False,
       [op._c_op for op in operations],  # noqa: SLF001
       [t._as_tf_output() for t in func_graph.inputs],  # noqa: SLF001
       [t._as_tf_output() for t in func_graph.outputs],  # noqa: SLF001
-      [compat.as_bytes(n) for n in output_names],
+      [tf.compat.as_bytes(n) for n in output_names],
       [op._c_op for op in func_graph.control_outputs],  # noqa: SLF001
       [],
       None,
@@ -472,7 +476,7 @@ def _function_def(func_graph: FuncGraph, graph: ir.Graph) -> function_pb2.Functi
     with c_api_util.tf_buffer() as buffer:
       pywrap_tf_session.TF_FunctionToFunctionDef(c_func, buffer)
       fdef = function_pb2.FunctionDef.FromString(
-        compat.as_bytes(pywrap_tf_session.TF_GetBuffer(buffer))
+        tf.compat.as_bytes(pywrap_tf_session.TF_GetBuffer(buffer))
       )
   finally:
     pywrap_tf_session.TF_DeleteFunction(c_func)
@@ -520,7 +524,3 @@ def _register(
 def _function_name(hint: str) -> str:
   cleaned = re.sub(r'[^A-Za-z0-9_]', '_', hint)
   return cleaned if cleaned and not cleaned[0].isdigit() else f'f_{cleaned}'
-
-
-def _as_str(name) -> str:
-  return name.decode() if isinstance(name, bytes) else str(name)

@@ -21,9 +21,8 @@ import numpy as np
 import tensorflow as tf
 
 # Private: TF's public API has no lookup of an op type's OpDef (its attrs, is_stateful).
-from tensorflow.python.framework import op_def_registry
-
 from tf_gspmd.graph import emit, ir
+from tf_gspmd.tf_private import op_def_registry
 
 # Ops that read only the static shape of their input, never its value.
 _SHAPE_OPS = ('Shape', 'ShapeN', 'Size', 'Rank')

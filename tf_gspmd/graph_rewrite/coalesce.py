@@ -278,14 +278,14 @@ def _single_all_reduce(p, value: Local, target: NamedSharding) -> bool:
     return False
   if value.dtype in (tf.resource, tf.variant, tf.string) or value.dtype.is_complex:
     return False
-  from tf_gspmd.graph_rewrite import lower_reshard, reshard_plan
+  from tf_gspmd.graph_rewrite import lower_reshard, reshard
 
   plan = lower_reshard._plan(s, target, tuple(int(d) for d in value.shape), value.dtype.size)  # noqa: SLF001
   steps = lower_reshard.merged_steps(plan)
   # The plan may name prime-factor sub-axes of the partial axes (all of them: the same groups).
   return (
     len(steps) == 1
-    and isinstance(steps[0], reshard_plan.AllReduce)
+    and isinstance(steps[0], reshard.AllReduce)
     and steps[0].group_size == s.mesh.axes_size(s.partial_axes)
   )
 
@@ -326,7 +326,9 @@ def _linear_on_pending(p, frame: Frame, node, operands: List[Local]) -> bool:
       all(pending)
       and first.sharding.partial == 'sum'
       and all(
-        o.sharding == first.sharding and o.shape == first.shape and o.dtype == first.dtype
+        o.sharding.is_equivalent_to(first.sharding)
+        and o.shape == first.shape
+        and o.dtype == first.dtype
         for o in operands
       )
     )

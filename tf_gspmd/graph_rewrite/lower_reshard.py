@@ -1,12 +1,13 @@
 """Lowering reshard plans onto the runtime's collective interface ("how", not "what").
 
 `reshard(p, value, target, why)` moves a `Local` to `target`: it asks the
-planner (`reshard_plan.plan_reshard`) for the steps and emits each one inside
+planner (`reshard.plan_reshard`) for the steps and emits each one inside
 the per-partition program being traced, mirroring the numpy simulator
-(`reshard_sim`), which is the executable specification of every step:
+(`reshard.sim`), which is the executable specification of every step;
+each step class of `reshard.moves` has one method here (`_Lowering.EMIT`):
 
 - Slice: a window of `chunk` rows at a per-partition start, rolled up by a
-  per-partition shift (`reshard_plan.slice_window`); rows past the end of the
+  per-partition shift (`reshard.slice_window`); rows past the end of the
   buffer land in the shard's padding, whose content is arbitrary anyway.
 - AllGather / AllToAll: the collective, then `regroup_blocks` (static
   reshapes and slices) puts uneven blocks at their offsets.
@@ -65,7 +66,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gspmd import collectives as collectives_lib
-from tf_gspmd.graph_rewrite import reshard_plan as rp
+from tf_gspmd.graph_rewrite import reshard as rp
 from tf_gspmd.graph_rewrite.partitioner import Local
 from tf_gspmd.sharding import NamedSharding
 
@@ -85,19 +86,9 @@ def _record(p, kind, axes, tensor, why):
   )
 
 
-_PLANS: Dict[tuple, rp.ReshardPlan] = {}
-
-
 def _plan(src: NamedSharding, dst: NamedSharding, shape: tuple, dtype_size: int) -> rp.ReshardPlan:
-  """The planner's plan, cached. Keyed by repr: shardings compare equal across meshes with
-  other axis names (same devices), but a plan names the axes of its own mesh."""
-  key = (repr(src), repr(dst), shape, dtype_size)
-  plan = _PLANS.get(key)
-  if plan is None:
-    if len(_PLANS) >= 4096:
-      _PLANS.clear()
-    plan = _PLANS[key] = rp.plan_reshard(src, dst, shape, dtype_size)
-  return plan
+  """The planner's plan (`plan_reshard` caches it, keyed by the shardings themselves)."""
+  return rp.plan_reshard(src, dst, shape, dtype_size)
 
 
 @tf.autograph.experimental.do_not_convert  # library code emitting ops: no autograph
@@ -116,11 +107,11 @@ def reshard(p, value: Local, target: NamedSharding, why: str = '') -> Local:
 
 @tf.autograph.experimental.do_not_convert
 def apply_plan(p, value: Local, plan: rp.ReshardPlan, why: str = '') -> Local:
-  """Emit the steps of a given `plan` (e.g. `reshard_plan.naive_plan`) on `value`."""
+  """Emit the steps of a given `plan` (e.g. `reshard.naive_plan`) on `value`."""
   _check_value(p, value, plan.dst)
   if (
     tuple(int(s) for s in value.shape) != tuple(plan.shape)
-    or value.sharding != plan.src
+    or not value.sharding.is_equivalent_to(plan.src)
     or value.sharding.mesh != plan.src.mesh
   ):
     raise ValueError(
@@ -272,7 +263,7 @@ class _Lowering:
     self.num_partitions = plan.src.mesh.size  # partition ids are its device ids
 
   def run(self, step, x: tf.Tensor) -> tf.Tensor:
-    return getattr(self, '_' + step.kind)(step, x)
+    return self.EMIT[type(step)](self, step, x)
 
   # --- plumbing ------------------------------------------------------------------------
   def _on(self, axes):
@@ -369,6 +360,17 @@ class _Lowering:
       placed = {d: (mo, do, n) for d, mo, do, n in rnd.recvs}
       out = self._masked_write(out, got, dim, *self._table(placed, 3, 'repad_recv'))
     return out
+
+  # The one place a step class meets the ops it becomes.
+  EMIT = {
+    rp.Slice: _slice,
+    rp.AllGather: _all_gather,
+    rp.AllToAll: _all_to_all,
+    rp.ReduceScatter: _reduce_scatter,
+    rp.AllReduce: _all_reduce,
+    rp.Permute: _permute,
+    rp.Repad: _repad,
+  }
 
   @staticmethod
   def _masked_write(out, src, dim, src_off, dst_off, length):

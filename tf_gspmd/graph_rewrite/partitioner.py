@@ -117,15 +117,15 @@ class Partitioner:
 
   def reshard_cost(self, src: NamedSharding, dst: NamedSharding, shape, dtype_size: int):
     """(bytes moved per device, peak per-device bytes) of resharding src -> dst."""
-    if src == dst and not src.partial_axes:
+    if src.is_equivalent_to(dst) and not src.partial_axes:
       return 0, 0
-    from tf_gspmd.graph_rewrite import reshard_plan
+    from tf_gspmd.graph_rewrite import reshard
 
-    plan = reshard_plan.plan_reshard(src, dst, tuple(shape), dtype_size)
+    plan = reshard.plan_reshard(src, dst, tuple(shape), dtype_size)
     return plan.bytes_moved, plan.peak_bytes
 
   def reshard(self, value: Local, target: NamedSharding, why: str = '') -> Local:
-    if value.sharding == target and not value.sharding.partial_axes:
+    if value.sharding.is_equivalent_to(target) and not value.sharding.partial_axes:
       return value
     return self._resharder(self, value, target, why)
 

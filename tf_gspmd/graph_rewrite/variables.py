@@ -36,7 +36,7 @@ def apply_handler(p, graph, node, operands):
   inputs = []
   for name, value in zip(node.inputs, operands):
     if value.dtype == tf.resource:
-      if value.sharding != var.sharding:  # a variable's handle cannot be resharded
+      if not value.sharding.is_equivalent_to(var.sharding):  # a handle cannot be resharded
         raise ValueError(
           f'{node.op} {node.name}: slot variable {name} is sharded {value.sharding} but its '
           f'variable {node.inputs[0]} is sharded {var.sharding}; shard optimizer slots like '

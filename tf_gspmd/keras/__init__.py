@@ -35,9 +35,9 @@ undoes it.
 
 from __future__ import annotations
 
-from tf_gspmd.keras import hooks, translate
+from tf_gspmd.keras import distribution_lib
+from tf_gspmd.keras.hooks import backing
 from tf_gspmd.keras.translate import mesh_and_devices, to_mesh, to_sharding, to_spec
-from tf_gspmd.keras_fit import backing
 
 __all__ = [
   'enable',
@@ -67,26 +67,26 @@ def enable(backend: str = 'tf') -> None:
 
   Raises RuntimeError when Keras runs another backend.
   """
-  hooks.install(backend)
+  distribution_lib.install(backend)
 
 
 def disable() -> None:
   """Put back everything `enable()` replaced in Keras; models already partitioned stay so."""
-  hooks.uninstall()
+  distribution_lib.uninstall()
 
 
 def is_enabled() -> bool:
-  return hooks.installed()
+  return distribution_lib.installed()
 
 
 def backend() -> str:
   """The backend `enable()` set: 'tf' or 'xla'."""
-  return hooks.backend()
+  return distribution_lib.backend()
 
 
 def distribution_of(model):
   """The `keras.distribution.Distribution` `model`'s steps run under, or None."""
-  return hooks.distribution_of(model)
+  return distribution_lib.distribution_of(model)
 
 
 def annotate_variables(model, distribution=None):
@@ -95,12 +95,12 @@ def annotate_variables(model, distribution=None):
   Done by the partitioned steps themselves; call it to inspect the layouts
   first. Returns (variable path, NamedSharding) pairs.
   """
-  distribution = distribution or hooks.distribution_of(model)
+  distribution = distribution or distribution_lib.distribution_of(model)
   if distribution is None:
     raise ValueError(
       f'tf_gspmd.keras.annotate_variables: no distribution is set for model {model.name}.'
     )
-  return hooks.annotate_variables(model, distribution)
+  return distribution_lib.annotate_variables(model, distribution)
 
 
 def shard_layouts(model) -> dict:
@@ -113,7 +113,7 @@ def shard_layouts(model) -> dict:
     return {}
   # Keyed by the Keras path: the TF names of nested layers' variables repeat ('attention/kernel'
   # for each of query, key and value).
-  paths = {id(backing(v)): v.path for v in hooks.all_variables(model)}
+  paths = {id(backing(v)): v.path for v in distribution_lib.all_variables(model)}
   return {
     paths.get(id(original), original.name.split(':')[0]): (
       sharded.sharding.spec,

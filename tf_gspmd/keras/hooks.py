@@ -1,35 +1,32 @@
-"""Where tf_gspmd plugs into Keras 3's TF backend: the one module using Keras' private API.
+"""Keras' private API, used by tf_gspmd in this one module.
 
-Keras' distribution API (`keras.distribution`) is backend independent; what
-a backend supplies is (a) the functions of its `distribution_lib` module,
-(b) a variable layout chosen when a variable is created under a
-distribution, and (c) a trainer that runs steps distributed. Keras' TF
-backend has only a prototype of (a) and neither (b) nor (c). `install()`
-provides all three, `uninstall()` puts every replaced attribute back:
+Each private import or attribute below says why no public Keras API serves;
+tests/test_private_api.py fails on a `keras.src` import or a read of these
+attributes anywhere else in tf_gspmd. The rest of tf_gspmd.keras reaches Keras'
+internals through the functions here:
 
-(a) `keras.src.backend.tensorflow.distribution_lib` gains `distribute_tensor`
-    (a tf_gspmd annotation), `get_device_count`, `initialize`, and
-    `_to_backend_mesh`/`_to_backend_layout` giving tf_gspmd objects instead of
-    DTensor ones. Keras' layers call `distribute_tensor` through it for the
-    layout map's `<layer path>/output` entries and for user calls of
-    `keras.distribution.distribute_tensor`.
-(b) `KerasVariable.__init__` records `distribution.get_variable_layout(v)`
-    as the variable's `_layout` (what Keras' JAX variables do), so an
-    optimizer slot made from it inherits it (Keras' optimizer copies `_layout`).
-(c) `TensorFlowTrainer.fit/evaluate/predict/*_on_batch` first make the model
-    partitioned (`tf_gspmd.partition_model`) when a distribution applies to it.
+* `backing(v)`: the tf.Variable behind a Keras variable (a captured graph, a
+  variable store and a checkpoint all refer to it);
+* `layout_of` / `set_layout`: the layout a Keras variable carries;
+* `layout_map_of(distribution)`, `distribute_strategy_of(model)`;
+* `patch` / `unpatch`: put tf_gspmd's functions into Keras' TF backend
+  (its `distribution_lib`, the variable constructor, the trainer's entry
+  points) and take them out again; `tf_gspmd.keras.distribution_lib` says what
+  they do.
+
+Importing this module registers `backing` with `tf_gspmd.annotations`, which sits
+below Keras and so imports none of it (`annotations.register_variable_unwrapper`).
 """
 
 from __future__ import annotations
 
-import functools
-import re
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
-import keras
+import tensorflow as tf
 
 # Private: the base class of every Keras variable, whose constructor is where
-# Keras (on JAX) gives a variable its layout.
+# Keras (on JAX) gives a variable its layout; `keras.Variable` is the TF backend's subclass,
+# patching its base reaches every backend's variables as Keras' own code sees them.
 from keras.src.backend.common.variables import Variable as KerasVariable
 
 # Private: the TF backend's distribution module, which Keras' public
@@ -39,19 +36,10 @@ from keras.src.backend.tensorflow import distribution_lib as tf_distribution_lib
 # Private: the class keras.Model's training entry points live on under the TF backend.
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
-from tf_gspmd.annotations import annotate, shard_variable
-from tf_gspmd.keras import translate
-from tf_gspmd.keras.strategy import strategy_of
-from tf_gspmd.keras_fit import layer_paths, partition_model
-from tf_gspmd.keras_layout import warn_unused
-from tf_gspmd.sharding import NamedSharding
+from tf_gspmd import annotations
 
-# Attributes tf_gspmd sets: on a Keras variable, the distribution it was made
-# under; on a model, the distribution its steps are partitioned for.
-_MADE_UNDER = '_tf_gspmd_distribution'
-_PARTITIONED_FOR = '_tf_gspmd_distribution'
-
-_ENTRY_POINTS = (
+# The trainer methods `patch` wraps: every public way into a model's steps.
+ENTRY_POINTS = (
   'fit',
   'evaluate',
   'predict',
@@ -59,310 +47,108 @@ _ENTRY_POINTS = (
   'test_on_batch',
   'predict_on_batch',
 )
-_STEP_FACTORIES = ('make_train_function', 'make_test_function', 'make_predict_function')
+
+# The functions `patch` puts into the TF backend's distribution_lib: their names there. The
+# last two are private: Keras converts its DeviceMesh and TensorLayout with them.
+_BACKEND_NAMES = {
+  'distribute_tensor': 'distribute_tensor',
+  'get_device_count': 'get_device_count',
+  'initialize': 'initialize',
+  'to_backend_mesh': '_to_backend_mesh',
+  'to_backend_layout': '_to_backend_layout',
+}
 
 _MISSING = object()
-# The backend partitioned models run on: 'tf' (TF devices and collectives) or 'xla' (one
-# XLA-compiled program per replica, run through PJRT); set by install().
-_backend = ['tf']
-# (owner, attribute name, value before install or _MISSING), in install order.
+# (owner, attribute name, value before patch or _MISSING), in patch order.
 _saved: List[Tuple[object, str, object]] = []
 
 
-# --- (a) the backend's distribution_lib -------------------------------------------------
-def distribute_tensor(tensor, layout):
-  """Annotate `tensor` with `layout` (a TensorLayout or a tf_gspmd NamedSharding).
+# --- Keras variables ------------------------------------------------------------------------
+def backing(variable):
+  """The tf.Variable behind a Keras variable (None until it is built); anything else as it is.
 
-  Inside a step tf_gspmd partitions this is a sharding annotation the
-  propagation honours; eagerly there is no program to lay out and the value
-  (a global value) is returned as it is; so is a tensor given a layout
-  without a mesh while no distribution is set (the same layer code then runs
-  whole, as plain Keras).
+  Keras keeps it as the private `_value`: the public `.value` goes through autocasting (a
+  cast tensor inside a mixed-precision layer) and builds a deferred variable.
   """
-  if isinstance(layout, NamedSharding):
-    return annotate(tensor, layout)
-  current = keras.distribution.distribution()
-  if current is None and getattr(layout, 'device_mesh', None) is None:
-    return tensor  # no distribution, no mesh: the model runs whole, nothing to lay out
-  sharding = translate.to_sharding(layout, getattr(current, 'device_mesh', None))
-  return annotate(tensor, sharding)
+  if isinstance(variable, KerasVariable):
+    return variable._value  # noqa: SLF001
+  return variable
 
 
-def get_device_count(device_type=None) -> int:
-  return len(tf_distribution_lib.list_devices(device_type))
-
-
-def initialize(job_addresses=None, num_processes=None, process_id=None):
-  """One process needs no set-up; several processes are not supported by tf_gspmd's launcher."""
-  if (num_processes or 1) > 1:
-    raise NotImplementedError(
-      f'keras.distribution.initialize: tf_gspmd runs one process over its local devices; '
-      f'got num_processes={num_processes} (job_addresses={job_addresses!r}, '
-      f'process_id={process_id}).'
-    )
-
-
-def _backend_mesh(device_mesh):
-  return translate.to_mesh(device_mesh)
-
-
-def _backend_layout(tensor_layout):
-  return translate.to_sharding(tensor_layout)
-
-
-_BACKEND_FUNCTIONS = {
-  'distribute_tensor': distribute_tensor,
-  'get_device_count': get_device_count,
-  'initialize': initialize,
-  '_to_backend_mesh': _backend_mesh,
-  '_to_backend_layout': _backend_layout,
-}
-
-
-# --- (b) variable layouts at creation -----------------------------------------------------
-def _variable_init(original):
-  @functools.wraps(original)
-  def init(self, *args, **kwargs):
-    original(self, *args, **kwargs)
-    current = keras.distribution.distribution()
-    if current is None:
-      return
-    if self._layout is None:  # noqa: SLF001
-      self._layout = current.get_variable_layout(self)  # noqa: SLF001
-    setattr(self, _MADE_UNDER, current)
-    if getattr(self, '_value', None) is not None:
-      # Made inside a step being captured (optimizer slots, metric state): annotated now,
-      # before the capture reads it; otherwise the step would give it a layout of its own.
-      shard_variable(self, _sharding_of(self, current))
-
-  return init
-
-
-# --- (c) partitioned steps ------------------------------------------------------------------
-def distribution_of(model):
-  """The distribution `model`'s steps run under: the current one, else the one its variables were made under."""
-  current = keras.distribution.distribution()
-  if current is not None:
-    return current
-  for variable in model.variables:
-    made_under = getattr(variable, _MADE_UNDER, None)
-    if made_under is not None:
-      return made_under
-  return None
-
-
-def _layout_of(variable, distribution):
-  layout = getattr(variable, '_layout', None)
-  return distribution.get_variable_layout(variable) if layout is None else layout
-
-
-def _give_layouts(variables, distribution) -> None:
-  """Give variables made outside any distribution the layout Keras' rules give them now."""
-  for variable in variables:
-    if getattr(variable, '_layout', None) is None:
-      variable._layout = distribution.get_variable_layout(variable)  # noqa: SLF001
-
-
-def all_variables(model) -> list:
-  """The model's, its optimizer's and its metrics' variables, each once."""
-  found: Dict[int, object] = {}
-  groups = [model.variables]
-  if getattr(model, 'optimizer', None) is not None:
-    groups.append(model.optimizer.variables)
-  groups.extend(m.variables for m in model.metrics)
-  for group in groups:
-    for variable in group:
-      found.setdefault(id(variable), variable)
-  return list(found.values())
-
-
-def _sharding_of(variable, distribution) -> NamedSharding:
-  """The NamedSharding of `variable`'s Keras layout (a layout without a mesh takes the distribution's)."""
-  layout = _layout_of(variable, distribution)
-  if isinstance(layout, NamedSharding):
-    return layout
-  device_mesh = layout.device_mesh if layout.device_mesh is not None else distribution.device_mesh
-  spec = translate.variable_spec(distribution, variable, layout)
-  try:
-    return NamedSharding(translate.to_mesh(device_mesh), spec)
-  except ValueError as error:  # an axis used twice: say which variable's layout
-    raise ValueError(
-      f'keras.distribution: layout {tuple(spec)} for variable {variable.path} of '
-      f'shape {tuple(variable.shape)}: {error}'
-    ) from None
-
-
-def annotate_variables(model, distribution) -> List[Tuple[str, object]]:
-  """Annotate every variable of `model` with its Keras layout; returns (path, sharding) pairs.
-
-  Variables whose shards a partitioned step already made keep the layout they have.
-  """
-  store = model.__dict__.get('_tf_gspmd_store')
-  applied = []
-  for variable in all_variables(model):
-    if store is not None and id(getattr(variable, '_value', variable)) in store.sharded:
-      continue
-    sharding = _sharding_of(variable, distribution)
-    shard_variable(variable, sharding)
-    applied.append((variable.path, sharding))
-  return applied
-
-
-def _annotating(model, distribution, factory):
-  """`factory` (a make_*_function) that first annotates every variable, optimizer slots included."""
-
-  @functools.wraps(factory)
-  def make(force=False):
-    annotate_variables(model, distribution)
-    return factory(force)
-
-  return make
-
-
-def partition_for_distribution(model) -> bool:
-  """Partition `model`'s steps for the distribution that applies to it; True if this call did it."""
-  distribution = distribution_of(model)
-  if distribution is None:
-    return False
-  done = model.__dict__.get(_PARTITIONED_FOR)
-  if '_tf_gspmd_launcher' not in model.__dict__:
-    done = None  # tf_gspmd.unpartition_model(model) undid it: partition it again
-  backend = _backend[0]
-  if done is distribution:
-    _check_backend(model, backend)
-    return False
-  if done is not None:
-    raise ValueError(
-      f'tf_gspmd.keras: model {model.name} runs partitioned for {done}; it cannot '
-      f'switch to {distribution}. Build a new model under the new distribution.'
-    )
-  _refuse_slots_made_before(model, distribution)
-  _warn_unused_keys(model, distribution)
-  _give_layouts(model.variables, distribution)  # before fit builds optimizer slots from them
-  mesh, devices = translate.mesh_and_devices(distribution.device_mesh)
-  if backend == 'xla':
-    from tf_gspmd.xla_bridge.pjrt import devices_named
-
-    devices = devices_named(devices)  # the DeviceMesh's devices, in its order, as jax's
-  # strategy: a tf.distribute scope entered (a TPUStrategy's): its strategy.run runs the steps.
-  partition_model(
-    model,
-    mesh,
-    batch_axes=translate.batch_axes(distribution),
-    devices=devices,
-    backend=backend,
-    strategy=strategy_of(model),
+def _built_tf_variable(value):
+  """For annotations: the tf.Variable of a built Keras variable; None for a non-Keras value."""
+  if not isinstance(value, KerasVariable):
+    return None
+  inner = backing(value)
+  if isinstance(inner, tf.Variable):
+    return inner
+  raise ValueError(
+    f'Keras variable {value.path} is not created yet (deferred initialization); build the '
+    'layer or model before annotating its variables.'
   )
-  for name in _STEP_FACTORIES:
-    setattr(model, name, _annotating(model, distribution, getattr(model, name)))
-  model.__dict__[_PARTITIONED_FOR] = distribution
-  return True
 
 
-def _refuse_slots_made_before(model, distribution) -> None:
-  """A model trained before the distribution applied has optimizer slots made with no layout:
-  they would stay replicated beside a split variable. Refuse, saying how to build it."""
-  optimizer = getattr(model, 'optimizer', None)
-  slots = [v for v in getattr(optimizer, 'variables', ()) if len(v.shape) > 0]
-  if not slots or any(getattr(v, _MADE_UNDER, None) is not None for v in slots):
-    return
-  for variable in model.trainable_variables:
-    layout = _layout_of(variable, distribution)
-    spec = translate.to_spec(layout) if not isinstance(layout, NamedSharding) else layout.spec
-    if any(entry is not None for entry in spec):
-      raise ValueError(
-        f'tf_gspmd.keras: model {model.name} was trained before {type(distribution).__name__} '
-        f'applied to it: its optimizer made its slots (e.g. {slots[0].path}) with no layout, '
-        f'so the slot of {variable.path} would stay replicated while the distribution splits '
-        f'{variable.path} as {spec}. Build and compile the model inside `distribution.scope()` '
-        '(or after keras.distribution.set_distribution), or compile it again with a new '
-        'optimizer before fitting under the distribution.'
-      )
+annotations.register_variable_unwrapper(_built_tf_variable)
 
 
-def _warn_unused_keys(model, distribution) -> None:
-  """Warn for each layout map key that names no variable and no layer output of `model`."""
-  # Private: ModelParallel keeps its LayoutMap as `_layout_map`, with no public accessor.
-  layout_map = getattr(distribution, '_layout_map', None)
-  if layout_map is None:
-    return
-  paths = [v.path for v in all_variables(model)]
-  outputs = [f'{path}/output' for path in layer_paths(model)]
-  unused = [
-    key for key in layout_map if not any(key == p or re.fullmatch(key, p) for p in paths + outputs)
-  ]
-  warn_unused(unused, paths, 'keras.distribution.LayoutMap')
+def layout_of(variable):
+  """The layout a Keras variable was given (Keras' private `_layout`, which its optimizer copies
+  onto the slots it makes); None when it has none. Keras has no public accessor."""
+  return getattr(variable, '_layout', None)
 
 
-def _check_backend(model, backend: str) -> None:
-  """A model keeps the backend it was partitioned on: refuse a switch, saying what to do."""
-  launcher = model.__dict__.get('_tf_gspmd_launcher')
-  had = launcher.kwargs.get('backend', 'tf') if launcher is not None else backend
-  if had != backend:
-    raise ValueError(
-      f'tf_gspmd.keras: model {model.name} runs partitioned on backend={had!r}, but '
-      f'tf_gspmd.keras.enable(backend={backend!r}) is in force. Its variables live on the '
-      f"{had!r} backend's devices; call tf_gspmd.unpartition_model(model) first (it copies "
-      'the trained values back into the model), then fit again to partition it on the new '
-      'backend.'
-    )
+def set_layout(variable, layout) -> None:
+  """Give a Keras variable its layout where Keras' JAX backend keeps it (`_layout`)."""
+  variable._layout = layout  # noqa: SLF001
 
 
-def _entry_point(name, original):
-  @functools.wraps(original)
-  def entry(self, *args, **kwargs):
-    if partition_for_distribution(self):
-      # partition_model may have put its own `name` on the instance (fit, evaluate).
-      return getattr(self, name)(*args, **kwargs)
-    return original(self, *args, **kwargs)
-
-  return entry
+def layout_map_of(distribution):
+  """A distribution's LayoutMap: ModelParallel keeps it as `_layout_map`, with no public
+  accessor; None for distributions without one."""
+  return getattr(distribution, '_layout_map', None)
 
 
-# --- install / uninstall ------------------------------------------------------------------
+def distribute_strategy_of(model):
+  """The tf.distribute strategy a model was built in: where TensorFlowTrainer.__init__ records
+  it (`_distribute_strategy`, no public accessor); None when there is none."""
+  return getattr(model, '_distribute_strategy', None)
+
+
+# --- patching Keras' TF backend ---------------------------------------------------------------
 def _replace(owner, name, value) -> None:
-  _saved.append(
-    (
-      owner,
-      name,
-      owner.__dict__.get(name, _MISSING)
-      if isinstance(owner, type)
-      else getattr(owner, name, _MISSING),
-    )
-  )
+  # A class's own attribute (not an inherited one), so unpatch puts back exactly what was there.
+  if isinstance(owner, type):
+    before = owner.__dict__.get(name, _MISSING)
+  else:
+    before = getattr(owner, name, _MISSING)
+  _saved.append((owner, name, before))
   setattr(owner, name, value)
 
 
-def installed() -> bool:
+def patch(
+  backend_functions: Dict[str, Callable],
+  wrap_variable_init: Callable,
+  wrap_entry_point: Callable,
+) -> None:
+  """Put tf_gspmd into Keras' TF backend (`unpatch` takes it out):
+
+  * `backend_functions` into its `distribution_lib`, under the names of `_BACKEND_NAMES`;
+  * `wrap_variable_init(original)` as every Keras variable's `__init__`;
+  * `wrap_entry_point(name, original)` as each of `ENTRY_POINTS` on the trainer.
+  """
+  for name, function in backend_functions.items():
+    _replace(tf_distribution_lib, _BACKEND_NAMES[name], function)
+  _replace(KerasVariable, '__init__', wrap_variable_init(KerasVariable.__init__))
+  for name in ENTRY_POINTS:
+    _replace(TensorFlowTrainer, name, wrap_entry_point(name, TensorFlowTrainer.__dict__[name]))
+
+
+def patched() -> bool:
   return bool(_saved)
 
 
-def backend() -> str:
-  """The backend models are partitioned on while installed ('tf' or 'xla')."""
-  return _backend[0]
-
-
-def install(backend: str = 'tf') -> None:
-  if backend not in ('tf', 'xla'):
-    raise ValueError(f"tf_gspmd.keras.enable: backend must be 'tf' or 'xla', got {backend!r}.")
-  _backend[0] = backend
-  if installed():
-    return
-  backend = keras.backend.backend()
-  if backend != 'tensorflow':
-    raise RuntimeError(
-      f'tf_gspmd.keras.enable: Keras runs the {backend!r} backend; tf_gspmd '
-      "implements keras.distribution for 'tensorflow' (set KERAS_BACKEND)."
-    )
-  for name, function in _BACKEND_FUNCTIONS.items():
-    _replace(tf_distribution_lib, name, function)
-  _replace(KerasVariable, '__init__', _variable_init(KerasVariable.__init__))
-  for name in _ENTRY_POINTS:
-    _replace(TensorFlowTrainer, name, _entry_point(name, TensorFlowTrainer.__dict__[name]))
-
-
-def uninstall() -> None:
-  _backend[0] = 'tf'
+def unpatch() -> None:
+  """Put back every attribute `patch` replaced, in reverse order."""
   while _saved:
     owner, name, value = _saved.pop()
     if value is _MISSING:
@@ -377,7 +163,7 @@ def backend_module():
 
 
 def original_entry_point(name: str) -> Optional[object]:
-  """Keras' own `TensorFlowTrainer.<name>` as saved by install (None when not installed)."""
+  """Keras' own `TensorFlowTrainer.<name>` as saved by patch (None when not patched)."""
   for owner, saved_name, value in _saved:
     if owner is TensorFlowTrainer and saved_name == name:
       return value

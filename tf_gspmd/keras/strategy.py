@@ -10,7 +10,7 @@ partition id = replica id (what Keras' own TF trainer does under a
 distribution strategy, with tf_gspmd's program as the replica function).
 Train, test and predict steps share one set of shard variables
 (`tpu.ReplicaVariables`), registered in the model's `VariableStore`, so
-keras_fit's mirror keeps the model's own variables and the shards agreeing as
+keras/fit.py's mirror keeps the model's own variables and the shards agreeing as
 it does on the other backends.
 
 How variables are made: build and compile the model *outside*
@@ -52,6 +52,7 @@ from typing import Dict, Optional
 import tensorflow as tf
 
 from tf_gspmd.annotations import variable_sharding
+from tf_gspmd.keras.hooks import backing, distribute_strategy_of
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.partitioned import PartitionedFunction
 from tf_gspmd.xla_bridge import tpu
@@ -67,8 +68,7 @@ def strategy_of(model):
   one the model was built in; None when there is neither."""
   if tf.distribute.has_strategy():
     return tf.distribute.get_strategy()
-  # Keras private: where TensorFlowTrainer.__init__ records the scope the model was built in.
-  return getattr(model, '_distribute_strategy', None)
+  return distribute_strategy_of(model)
 
 
 @contextlib.contextmanager
@@ -82,19 +82,21 @@ def plain_keras():
   Both are emptied inside and put back after.
   """
   graph = tf.compat.v1.get_default_graph()
-  # noqa: SLF001
-  saved = graph._distribution_strategy_stack, graph._variable_creator_stack
-  graph._distribution_strategy_stack, graph._variable_creator_stack = [], []
+  saved = _creation_stacks(graph)
+  _set_creation_stacks(graph, ([], []))
   try:
     yield
   finally:
-    graph._distribution_strategy_stack, graph._variable_creator_stack = saved
+    _set_creation_stacks(graph, saved)
 
 
-def _backing(variable):
-  # Keras private: the tf.Variable behind a Keras variable (keras_fit._backing does the same;
-  # importing keras_fit here would make an import cycle).
-  return getattr(variable, '_value', variable)
+# TF keeps both stacks as private attributes of the graph; no public API empties them.
+def _creation_stacks(graph):
+  return graph._distribution_strategy_stack, graph._variable_creator_stack  # noqa: SLF001
+
+
+def _set_creation_stacks(graph, stacks) -> None:
+  graph._distribution_strategy_stack, graph._variable_creator_stack = stacks  # noqa: SLF001
 
 
 def refuse_distributed_variables(model) -> None:
@@ -102,10 +104,10 @@ def refuse_distributed_variables(model) -> None:
   optimizer = getattr(model, 'optimizer', None)
   variables = list(model.variables) + (list(optimizer.variables) if optimizer else [])
   for variable in variables:
-    if isinstance(_backing(variable), tf.distribute.DistributedValues):
+    if isinstance(backing(variable), tf.distribute.DistributedValues):
       raise ValueError(
         f'tf_gspmd: model {model.name} has TF distributed variables ({variable.path}: '
-        f'{type(_backing(variable)).__name__}): it was built or compiled inside a '
+        f'{type(backing(variable)).__name__}): it was built or compiled inside a '
         'tf.distribute strategy scope. tf_gspmd places the shards on the replicas itself: '
         'build and compile the model outside strategy.scope(), then fit inside it (or pass '
         'strategy= to tg.partition_model).'
@@ -130,7 +132,7 @@ def global_values(args, strategy):
 class StrategySteps:
   """One model's steps under one strategy: the shard variables they share, and their making.
 
-  Made when the model is partitioned (keras_fit's launcher): it refuses a model
+  Made when the model is partitioned (keras/fit.py's launcher): it refuses a model
   with distributed variables and builds the optimizer's variables at once,
   outside the scope (Keras would build them in the first `fit`, perhaps inside
   it, making them distributed).
@@ -181,10 +183,10 @@ class StrategyFunction(PartitionedFunction):
     self.replicas = replicas
     self.replica_collectives = collectives or default_collectives(strategy)
     self.exported = exported
-    self._runners: Dict[int, tpu.TPUStrategyStep] = {}  # id(_Compiled) -> its runner
+    self._runners: Dict[int, tpu.TPUStrategyStep] = {}  # id(Compiled) -> its runner
 
   def _shard_variable(self, var, sharding, sharded_cls) -> None:
-    # PartitionedFunction's hook where a variable gets its shards (partitioned.py): here the
+    # PartitionedFunction's hook where a variable gets its shards (partitioned/front.py): here the
     # per-replica components of one strategy variable, registered in the shared store, not
     # TF variables on the mesh's devices.
     del sharded_cls

@@ -219,7 +219,7 @@ def _layouts(page: Page) -> str:
 
 def _card(anchor: str, v: TensorEntry, page: Page) -> str:
   layout = layout_of(v.sharding, v.shape, page.mesh)
-  lines = ''.join(f'<li>{_e(l)}</li>' for l in text.header(layout)[1:])
+  lines = ''.join(f'<li>{_e(line)}</li>' for line in text.header(layout)[1:])
   prov = f'<p class="prov"><b>provenance:</b> {_e(v.provenance)}</p>' if v.provenance else ''
   return (
     f'<div class="card" id="{anchor}"><h3>{_e(v.name)}</h3>'

@@ -41,14 +41,20 @@ def named_layouts(pf) -> Dict[str, Callable[[], tuple]]:
   found: Dict[str, Callable[[], tuple]] = {}
   # variable_bytes() and variable_pairs() walk the same store in the same order.
   for key, (original, sharded) in zip(pf.variable_bytes(), pf.variable_pairs()):
-    entry = lambda s=sharded, k=key: (s.sharding, s.shape, k)
+
+    def entry(s=sharded, k=key):
+      return (s.sharding, s.shape, k)
+
     for alias in (key, original.name, original.name.split(':')[0], sharded.label):
       found.setdefault(alias, entry)
   compiled = pf._last  # noqa: SLF001
   main = compiled.program.main
   for tensor in main.tensors():
     if _drawable(tensor):
-      entry = lambda t=tensor: (compiled.plan.target(main, t.name), t.shape, t.name)
+
+      def entry(t=tensor):
+        return (compiled.plan.target(main, t.name), t.shape, t.name)
+
       found.setdefault(tensor.name, entry)
       if tensor.index == 0:
         found.setdefault(tensor.node, entry)

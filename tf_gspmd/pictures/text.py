@@ -131,7 +131,7 @@ def grid(layout: Layout) -> List[str]:
   margin = max(len(h) for h in row_heads)
   indent = ' ' * (margin + 1) if margin else ''
   lines = [indent + ' ' + ' '.join(h.center(w) for h, w in zip(col_heads, widths))]
-  lines = [l.rstrip() for l in lines if l.strip()]
+  lines = [line.rstrip() for line in lines if line.strip()]
   lines.append(indent + _rule('┌', '┬', '┐', widths))
   for i, (head, row) in enumerate(zip(row_heads, cells)):
     if i:

@@ -193,7 +193,7 @@ def connect(spec: tf.train.ClusterSpec, devices_per_task: int, job: str = JOB) -
 def task_addresses() -> Dict[str, str]:
   """Task name -> address of the cluster this process is connected to (empty when none)."""
   # context.get_server_def is TF-private; it is where connect_to_cluster keeps the ClusterDef.
-  from tensorflow.python.eager import context
+  from tf_gspmd.tf_private import context
 
   server_def = context.get_server_def()
   if server_def is None:

@@ -9,7 +9,6 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import collective_ops, gen_resource_variable_ops
 
 from tf_gspmd.collectives import tables
 from tf_gspmd.collectives.interface import (  # noqa: F401  re-exported
@@ -25,6 +24,7 @@ from tf_gspmd.collectives.interface import (  # noqa: F401  re-exported
   split_leading_from,
 )
 from tf_gspmd.mesh import Mesh
+from tf_gspmd.tf_private import collective_ops
 
 # --- TF collective V2 backend ------------------------------------------------------------------
 _TF_MERGE_OPS = {'sum': 'Add', 'prod': 'Mul', 'max': 'Max', 'min': 'Min'}
@@ -262,9 +262,12 @@ def new_token_variable(device: str, name: str = 'gspmd_token') -> tf.Variable:
 def set_marker(token, state: int, name: str = 'marker'):
   """token[0] = state; when a collective starts (odd state) also token[1] = now (host seconds)."""
   if state % 2:
-    return gen_resource_variable_ops.resource_scatter_update(
-      token, [0, 1], tf.stack([tf.constant(float(state), tf.float64), tf.timestamp()]), name=name
+    return tf.raw_ops.ResourceScatterUpdate(
+      resource=token,
+      indices=[0, 1],
+      updates=tf.stack([tf.constant(float(state), tf.float64), tf.timestamp()]),
+      name=name,
     )
-  return gen_resource_variable_ops.resource_scatter_update(
-    token, [0], tf.constant([float(state)], tf.float64), name=name
+  return tf.raw_ops.ResourceScatterUpdate(
+    resource=token, indices=[0], updates=tf.constant([float(state)], tf.float64), name=name
   )

@@ -5,7 +5,7 @@
 through `ctx.collectives` -- into a callable on global values:
 
 1. The per-partition `tf.function` is traced once per set of local shard
-   shapes (`get_concrete_function`), with inputs
+   shapes (`trace_per_partition`, over `tf_gspmd.program`'s), with inputs
    `(partition_id: int32 scalar, token: resource, *local_args)`. It carries
    `_noinline`, so the outer graph holds N call ops to one library function
    (not N inlined copies), and While loops with collectives inside work: an
@@ -21,83 +21,38 @@ Partition `p` is mesh device id `p` and runs on `devices[p]` (`/device:CPU:p`
 by default, GPUs when there are enough). The ordering tokens are handles of
 one small variable per device; they order each device's collectives and carry
 progress markers (which collective a device is in, since when). A watchdog
-thread times collectives out from those markers (TF's own per-op timeouts
+thread (`runtime.watchdog`) times collectives out from those markers (TF's own per-op timeouts
 cost a sleeping thread per op execution), and when a collective fails or
 times out, `__call__` raises a `CollectiveError` naming the collective, its
 group, which partitions were waiting in it and which never arrived. A failed
 collective aborts TF's collective executor for the whole process: later
-collectives fail at once.
+collectives fail at once. Which Grappler passes run on the program: `runtime.grappler`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-import threading
-import time
 from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.protobuf import config_pb2
-from tensorflow.python.eager import context
-from tensorflow.python.framework import errors
-from tensorflow.python.ops import gen_functional_ops
 
+from tf_gspmd import program as program_lib
 from tf_gspmd.collectives import tables
+from tf_gspmd.device_names import full_name
 from tf_gspmd.mesh import Mesh
+from tf_gspmd.program import PARTITION_ID_SPEC, TOKEN_SPEC, PerPartitionProgram
 from tf_gspmd.runtime import collectives as collectives_lib
 from tf_gspmd.runtime import remote_watch
 from tf_gspmd.runtime import sharded as sharded_lib
 from tf_gspmd.runtime.errors import CollectiveError
+from tf_gspmd.runtime.grappler import call_config, without_grappler
 from tf_gspmd.runtime.sharded import ShardedValue, ShardedVariable
+from tf_gspmd.runtime.watchdog import WATCHDOG, CallWatch, collective_error
 from tf_gspmd.sharding import NamedSharding, P, Sharding
 
 DEFAULT_TIMEOUT = collectives_lib.DEFAULT_TIMEOUT
-PARTITION_ID_SPEC = tf.TensorSpec([], tf.int32, name='partition_id')
-TOKEN_SPEC = tf.TensorSpec([], tf.resource, name='token')
-
-
-@collectives_lib._no_autograph  # noqa: SLF001
-class PartitionContext:
-  """What a per-partition function receives as `ctx`.
-
-  `ctx.collectives` is the collective backend (a `Collectives`), `ctx.partition_id`
-  this partition's id (int32 scalar tensor), `ctx.mesh` the mesh.
-  """
-
-  def __init__(self, mesh: Mesh, collectives: collectives_lib.Collectives):
-    self.mesh = mesh
-    self.collectives = collectives
-
-  @property
-  def partition_id(self) -> tf.Tensor:
-    return self.collectives.partition_id
-
-  def axis_index(self, axes) -> tf.Tensor:
-    return self.collectives.axis_index(axes)
-
-  def shard_offsets(self, sharding: Sharding, shape) -> tf.Tensor:
-    return self.collectives.shard_offsets(sharding, shape)
-
-  def table(self, values, name: str = 'table') -> tf.Tensor:
-    return self.collectives.table(values, name)
-
-
-@dataclasses.dataclass
-class PerPartitionProgram:
-  """A traced per-partition program.
-
-  `function` is the concrete function, `records` the collectives it emits,
-  `output_specs` its flat local outputs and `output_structure` how to pack them.
-  """
-
-  tf_function: Any
-  function: Any
-  records: List[collectives_lib.CollectiveRecord]
-  output_specs: List[tf.TensorSpec]
-  output_structure: Any
-  backend: str
 
 
 def trace_per_partition(
@@ -113,73 +68,43 @@ def trace_per_partition(
   autograph: bool = True,
   name: Optional[str] = None,
 ) -> PerPartitionProgram:
-  """Trace `fn(ctx, *local_args)` once as the per-partition program.
+  """Trace `fn(ctx, *local_args)` once as the per-partition program (see `tf_gspmd.program`).
 
-  `op_timeout` is TF's per-op collective timeout (0: none; see `TFCollectives`
-  for why the launcher uses a watchdog instead). `local_specs` are the local shard specs (`tf.TensorSpec`s, or variables for
-  variable arguments). Backend 'tf' gives a function of
-  `(partition_id, token, *local_args)` that runs collectives with TF ops;
-  a `Collectives` subclass as backend (`tf_gspmd.xla_bridge.XlaCollectives`)
-  one of `(partition_id, *local_args)` emitting that backend's collectives. Tracing needs only the mesh, no
-  devices, so it can be timed for any number of partitions.
+  Backend 'tf' gives a function of `(partition_id, token, *local_args)` that runs
+  collectives with TF ops between `devices` (default: see `default_devices`);
+  `op_timeout` is TF's per-op collective timeout (0: none; see `TFCollectives` for
+  why the launcher uses a watchdog instead). Any other backend (a `Collectives`
+  subclass such as `tf_gspmd.xla_bridge.XlaCollectives`, or a `program.Backend`)
+  is traced as `program.trace_per_partition` does.
   """
-  tables.check_mesh(mesh)
-  captured = {}
-
-  def run(ctx):
-    outputs = fn(ctx, *ctx_args[0])
-    captured['records'] = ctx.collectives.records
-    captured['structure'] = outputs
-    if outputs is None:  # a step that only updates variables
-      return []
-    return [tf.convert_to_tensor(o) for o in tf.nest.flatten(outputs)]
-
-  ctx_args = [None]
   if backend == 'tf':
-
-    def per_partition(partition_id, token, *local_args):
-      collectives = collectives_lib.TFCollectives(
-        mesh,
-        partition_id,
-        token,
-        devices=devices,
-        timeout=op_timeout,
-        progress_markers=progress_markers,
-      )
-      if progress_markers:  # 0: entered the program, no collective finished yet
-        collectives_lib.set_marker(token, 0, name='entered')
-      ctx_args[0] = local_args
-      return run(PartitionContext(mesh, collectives))
-
-    head = (PARTITION_ID_SPEC, TOKEN_SPEC)
-    attributes = {'_noinline': True}
-  elif isinstance(backend, type) and issubclass(backend, collectives_lib.Collectives):
-    # Another backend's collectives (the XLA bridge passes XlaCollectives): the
-    # program takes no token, its collectives are compiled ops, not TF kernels.
-    def per_partition(partition_id, *local_args):
-      ctx_args[0] = local_args
-      return run(PartitionContext(mesh, backend(mesh, partition_id)))
-
-    head = (PARTITION_ID_SPEC,)
-    attributes = None
-  else:
-    raise ValueError(
-      f"trace_per_partition: unknown backend {backend!r}; use 'tf' or a "
-      'Collectives subclass (e.g. tf_gspmd.xla_bridge.XlaCollectives).'
-    )
-  per_partition.__name__ = name or f'{getattr(fn, "__name__", "fn")}_per_partition'
-  tf_function = tf.function(
-    per_partition, jit_compile=jit_compile, autograph=autograph, experimental_attributes=attributes
+    backend = tf_backend(devices, op_timeout, progress_markers)
+  return program_lib.trace_per_partition(
+    mesh, fn, local_specs, backend=backend, jit_compile=jit_compile, autograph=autograph, name=name
   )
-  concrete = tf_function.get_concrete_function(*head, *local_specs)
-  output_specs = [tf.TensorSpec(t.shape, t.dtype) for t in concrete.structured_outputs]
-  return PerPartitionProgram(
-    tf_function,
-    concrete,
-    captured.get('records', []),
-    output_specs,
-    captured.get('structure'),
-    getattr(backend, 'backend', backend),
+
+
+def tf_backend(
+  devices: Optional[Sequence[str]] = None, op_timeout: float = 0.0, progress_markers: bool = True
+) -> program_lib.Backend:
+  """The TF runtime as a `program.Backend`: collective V2 ops between TF devices, ordered by
+  a per-device token (whose progress markers the watchdog reads)."""
+
+  def collectives(mesh, partition_id, token):
+    made = collectives_lib.TFCollectives(
+      mesh,
+      partition_id,
+      token,
+      devices=devices,
+      timeout=op_timeout,
+      progress_markers=progress_markers,
+    )
+    if progress_markers:  # 0: entered the program, no collective finished yet
+      collectives_lib.set_marker(token, 0, name='entered')
+    return made
+
+  return program_lib.Backend(
+    'tf', (PARTITION_ID_SPEC, TOKEN_SPEC), collectives, {'_noinline': True}
   )
 
 
@@ -297,7 +222,11 @@ class SpmdProgram:
         return outer(tokens, *inputs)
 
     remote = self.timeout is not None and remote_watch.spans_other_tasks(self.devices)
-    watch = None if remote else _WATCHDOG.watch(self, token_variables)
+    watch = (
+      None
+      if remote
+      else WATCHDOG.watch(self.name, self.timeout, self.progress_markers, token_variables)
+    )
     try:
       if remote:  # partitions in other processes: watched for a task that stops answering
         flat = remote_watch.run_watched(
@@ -311,7 +240,7 @@ class SpmdProgram:
       self._raise_collective_error(program, error, watch)
       raise
     finally:
-      _WATCHDOG.unwatch(watch)
+      WATCHDOG.unwatch(watch)
     return self._pack(program, flat)
 
   def build_per_partition(self, *args) -> PerPartitionProgram:
@@ -369,7 +298,7 @@ class SpmdProgram:
       what = f'{self.name} argument {i}'
       if isinstance(value, (ShardedVariable, ShardedValue)):
         kind = 'variable' if isinstance(value, ShardedVariable) else 'sharded'
-        if given is not None and given != value.sharding:
+        if given is not None and not given.is_equivalent_to(value.sharding):
           raise ValueError(
             f'{what}: it is sharded as {value.sharding} but in_shardings says '
             f'{given}; reshard it first.'
@@ -503,11 +432,11 @@ class SpmdProgram:
       results = []
       for p, device in enumerate(devices):
         with tf.device(device):
-          call = gen_functional_ops.stateful_partitioned_call(
+          call = tf.raw_ops.StatefulPartitionedCall(
             args=[partition_ids[p], tokens[p]] + per_device[p] + captured,
             Tout=out_types,
             f=function.name,
-            config_proto=_call_config(),
+            config_proto=call_config(),
             name=f'partition_{p}',
           )
         if read_only is not None:
@@ -547,8 +476,8 @@ class SpmdProgram:
   # --- tokens and failures -----------------------------------------------------------------
   def _token_variables(self):
     if self._tokens is None:
-      available = {_full_name(d.name) for d in tf.config.list_logical_devices()}
-      missing = [d for d in self.devices if _full_name(d) not in available]
+      available = {full_name(d.name) for d in tf.config.list_logical_devices()}
+      missing = [d for d in self.devices if full_name(d) not in available]
       if missing:
         raise ValueError(
           f'{self.name}: devices {missing[:4]}{"..." if len(missing) > 4 else ""} do not exist '
@@ -562,146 +491,12 @@ class SpmdProgram:
     return self._tokens
 
   def _raise_collective_error(
-    self, program: PerPartitionProgram, error: Exception, watch: Optional['_CallWatch']
+    self, program: PerPartitionProgram, error: Exception, watch: Optional[CallWatch]
   ) -> None:
-    try:
-      markers = [int(t.numpy()[0]) for t in self._tokens]
-    except Exception:  # noqa: BLE001
-      return
-    stuck = {}
-    for p, marker in enumerate(markers):
-      if marker % 2 == 1:
-        stuck.setdefault((marker - 1) // 2, []).append(p)
-    if not stuck or not program.records:
-      return
-    lines = []
-    for index in sorted(stuck):
-      record = program.records[index]
-      waiting = stuck[index]
-      if watch is not None and watch.fired:
-        lines.append(
-          f'Collective {record.describe()} did not complete within its {self.timeout:g} s timeout.'
-        )
-      else:
-        lines.append(f'Collective {record.describe()} failed.')
-      seen = set()
-      for p in waiting:
-        group = record.group_of(p)
-        if group in seen:
-          continue
-        seen.add(group)
-        in_group = [q for q in group if q in waiting]
-        absent = [q for q in group if q not in waiting]
-        absent_text = '; '.join(
-          f'partition {q} {_state(markers[q], program.records)}' for q in absent
-        )
-        lines.append(
-          f'  group {list(group)}: partitions {in_group} were waiting in it; '
-          f'never joined: {absent_text or "none (the collective itself failed)"}.'
-        )
-    lines.append(
-      f'(TF reported {type(error).__name__}: {_gist(str(error))}.) '
-      'A failed collective aborts all later collectives in this process.'
-    )
-    raise CollectiveError('\n'.join(lines)) from error
-
-
-class _CallWatch:
-  """One running call of an SpmdProgram, as the watchdog sees it."""
-
-  def __init__(self, program: 'SpmdProgram', tokens):
-    self.name = program.name
-    self.timeout = program.timeout
-    self.markers = program.progress_markers
-    self.tokens = tokens
-    self.start = time.time()
-    self.fired = False
-
-  def stuck(self, now: float) -> Optional[str]:
-    """A reason to abort, when some device has waited in a collective longer than the timeout."""
-    if now - self.start < self.timeout:
-      return None  # nothing in this call can have waited that long yet
-    if not self.markers:
-      return f'{self.name}: the call ran longer than its {self.timeout:g} s timeout'
-    for p, token in enumerate(self.tokens):
-      state, started = token.numpy()
-      if int(state) % 2 == 1 and now - started >= self.timeout:
-        return (
-          f'{self.name}: partition {p} waited {now - started:.1f} s in collective '
-          f'#{(int(state) - 1) // 2} (timeout {self.timeout:g} s)'
-        )
-    return None
-
-
-class _Watchdog:
-  """One daemon thread per process that times out the collectives of running calls.
-
-  Every `poll` seconds it looks at the calls older than their timeout and reads
-  their devices' progress markers; when a device has waited in one collective
-  longer than the timeout, it aborts the process's collective executor
-  (`abort_collective_ops`), which fails every pending collective at once.
-  """
-
-  def __init__(self, poll: float = 0.1):
-    self._poll = poll
-    self._lock = threading.Lock()
-    self._calls = set()
-    self._thread = None
-
-  def watch(self, program: 'SpmdProgram', tokens) -> Optional[_CallWatch]:
-    if program.timeout is None:
-      return None
-    call = _CallWatch(program, tokens)
-    with self._lock:
-      self._calls.add(call)
-      if self._thread is None:
-        self._thread = threading.Thread(target=self._run, name='tf_gspmd_watchdog', daemon=True)
-        self._thread.start()
-    return call
-
-  def unwatch(self, call: Optional[_CallWatch]) -> None:
-    if call is not None:
-      with self._lock:
-        self._calls.discard(call)
-
-  def _run(self):
-    while True:
-      time.sleep(self._poll)
-      with self._lock:
-        calls = list(self._calls)
-      now = time.time()
-      for call in calls:
-        if call.fired:
-          continue
-        try:
-          reason = call.stuck(now)
-        except Exception:  # noqa: BLE001
-          continue  # markers unreadable (e.g. variables being torn down): try again later
-        if reason:
-          call.fired = True
-          context.context().abort_collective_ops(
-            errors.DEADLINE_EXCEEDED, f'tf_gspmd watchdog: {reason}'
-          )
-
-
-_WATCHDOG = _Watchdog()
-
-
-def _gist(message: str) -> str:
-  """The line of a TF error message that says what happened (not the stack or node list)."""
-  for line in message.splitlines():
-    line = line.strip()
-    if line and not line.startswith(('File ', 'Graph execution error', 'Detected at node', '[[')):
-      return line
-  return message.strip().splitlines()[0] if message.strip() else ''
-
-
-def _state(marker: int, records) -> str:
-  if marker == 0:
-    return 'had finished no collective'
-  if marker % 2 == 0:
-    return f"had last finished '{records[(marker - 2) // 2].name}'"
-  return f"was waiting in '{records[(marker - 1) // 2].name}'"
+    """Raise a CollectiveError naming the failed collective, when the markers say which."""
+    told = collective_error(program.records, self._tokens, self.timeout, error, watch)
+    if told is not None:
+      raise told from error
 
 
 def _read_only_inputs(function):
@@ -715,7 +510,8 @@ def _read_only_inputs(function):
   (`auto_control_deps_utils` is TF-private: it is what TF's own calls use).
   """
   from tensorflow.core.framework import attr_value_pb2
-  from tensorflow.python.framework import auto_control_deps_utils
+
+  from tf_gspmd.tf_private import auto_control_deps_utils
 
   indices = auto_control_deps_utils.get_read_only_resource_input_indices_graph(function.graph)
   if not indices:
@@ -728,116 +524,6 @@ def _read_only_inputs(function):
 
 # Grappler passes run on the per-partition function (TF_GSPMD_GRAPPLER overrides: a comma-
 # separated list such as 'remapping', 'all' for TF's default pipeline, 'none' for none).
-DEFAULT_GRAPPLER = ()
-_GRAPPLER_PASSES = (
-  'constant_folding',
-  'arithmetic_optimization',
-  'layout_optimizer',
-  'dependency_optimization',
-  'loop_optimization',
-  'function_optimization',
-  'shape_optimization',
-  'remapping',
-  'debug_stripper',
-  'pin_to_host_optimization',
-  'implementation_selector',
-  'common_subgraph_elimination',
-)
-
-
-_NO_GRAPPLER_OPTIONS = {}  # (the caller's config, executor type) -> the same, Grappler off
-
-
-def without_grappler():
-  """Runs the tf.function calls inside without Grappler (a context manager).
-
-  For functions that are run a few times or are mostly data movement, where
-  Grappler's pipeline costs more than it saves. The outer launch function: it is
-  small (splits, N call ops, assembly), but Grappler run on it also specializes the
-  per-partition function per call site (each partition's id is a constant, its
-  unused outputs differ) and optimizes every copy with the full pipeline: N more
-  optimizations of the whole body (measured: a quarter of the instantiation of a
-  residual CNN on 8 devices). Each call op carries its own config (`_call_config`).
-  The eager context's per-thread function call options are TF-private: they are
-  what a tf.function call reads its config from.
-  """
-  import contextlib
-
-  ctx = context.context()
-
-  @contextlib.contextmanager
-  def options():
-    saved = ctx.function_call_options
-    key = (saved.config_proto_serialized, saved.executor_type)
-    if key not in _NO_GRAPPLER_OPTIONS:  # the user's config (threads, placement), Grappler off
-      config = config_pb2.ConfigProto()
-      config.ParseFromString(saved.config_proto_serialized)
-      config.graph_options.rewrite_options.disable_meta_optimizer = True
-      _NO_GRAPPLER_OPTIONS[key] = context.FunctionCallOptions(
-        executor_type=saved.executor_type, config_proto=config
-      )
-    ctx.function_call_options = _NO_GRAPPLER_OPTIONS[key]
-    try:
-      yield
-    finally:
-      ctx.function_call_options = saved
-
-  return options()
-
-
-def _call_config() -> bytes:
-  """The ConfigProto of each per-partition call op: which Grappler passes rewrite the body.
-
-  TF instantiates the per-partition function once per device, and each
-  instantiation runs Grappler over the whole body again: N times the graph
-  optimization an unpartitioned step pays once. By default none runs. Measured
-  with data parallel over 8 (bench/limit.py, step_time.py): the remapper alone,
-  the pass that mattered, changed no steady step (ResNet50 1672 vs 1648 ms, the
-  2-layer transformer 141 vs 147 ms, the halo CNN 163 vs 166 ms) once windowed ops
-  with whole images kept their own padding (TF's oneDNN graph rewrite, which is not
-  Grappler and runs anyway, fuses and picks the kernels), and it cost ResNet50's
-  first step 5.3 s (instantiation 11.8 -> 6.5 s without it). TF_GSPMD_GRAPPLER
-  brings passes back for a program that gains from them.
-  """
-  import os
-
-  from tensorflow.core.protobuf import (
-    config_pb2,
-    rewriter_config_pb2,
-  )
-
-  given = os.environ.get('TF_GSPMD_GRAPPLER')
-  keep = DEFAULT_GRAPPLER if given is None else tuple(p for p in given.split(',') if p)
-  config = config_pb2.ConfigProto()
-  if keep == ('all',):
-    return config.SerializeToString()
-  rewrite = config.graph_options.rewrite_options
-  if keep in ((), ('none',)):
-    rewrite.disable_meta_optimizer = True
-    return config.SerializeToString()
-  unknown = [p for p in keep if p not in _GRAPPLER_PASSES]
-  if unknown:
-    raise ValueError(
-      f'TF_GSPMD_GRAPPLER: unknown Grappler passes {unknown}; use some of '
-      f"{_GRAPPLER_PASSES}, 'all' or 'none'."
-    )
-  for name in _GRAPPLER_PASSES:
-    if name not in keep:
-      setattr(rewrite, name, rewriter_config_pb2.RewriterConfig.OFF)
-  rewrite.memory_optimization = rewriter_config_pb2.RewriterConfig.NO_MEM_OPT
-  return config.SerializeToString()
-
-
-def _full_name(device: str) -> str:
-  spec = tf.DeviceSpec.from_string(device)
-  full = tf.DeviceSpec(
-    job=spec.job or 'localhost',
-    replica=spec.replica or 0,
-    task=spec.task or 0,
-    device_type=spec.device_type,
-    device_index=spec.device_index,
-  )
-  return full.to_string()
 
 
 def _arg_key(value):

@@ -1,6 +1,6 @@
 """A call whose partitions run in other processes, watched for a task that stops answering.
 
-The launcher's watchdog reads each device's progress marker and, when a
+The launcher's watchdog (`runtime.watchdog`) reads each device's progress marker and, when a
 device has waited in a collective longer than the timeout, aborts this
 process's collective executor. Neither half works when partitions run on other
 tasks: `abort_collective_ops` reaches only this process's collectives, and a

@@ -1,4 +1,4 @@
-"""The op families of the whole-program fuzzer (`fuzz.py`): how each is drawn, its shape, its code.
+"""The op families of the whole-program fuzzer (`fuzz_program`, `fuzz`): drawing, shape, code.
 
 A family is three functions, keyed by its name in `FAMILIES`:
 

@@ -1,6 +1,6 @@
 """The XLA bridge: per-partition programs as XLA programs, exported, compiled and run.
 
-* `XlaCollectives` implements `tf_gspmd.runtime.Collectives` with XLA's ops
+* `XlaCollectives` implements `tf_gspmd.collectives.Collectives` with XLA's ops
   (XlaAllReduce, XlaReduceScatter, AllToAll, CollectivePermute) for a
   TPUStrategy-style trace whose partition id is an input; `hlo` builds and
   reads the HLO of such a program.
@@ -12,7 +12,8 @@
   devices through PJRT (jaxlib, imported lazily: the `tf_gspmd[xla]` extra);
   `XlaShardedVariable` keeps variable shards resident as device buffers.
 
-See `tf_gspmd.runtime` for why this backend lives apart from the TF runtime.
+Both backends stand on `tf_gspmd.program` (the per-partition program contract); see
+`tf_gspmd.runtime` for why this backend lives apart from the TF runtime.
 """
 
 from tf_gspmd.xla_bridge.collectives import XlaCollectives

@@ -101,7 +101,7 @@ def export_per_replica(
   local shapes, and `tf.Variable`s for variables the program reads or
   assigns. Layouts default to per-replica values named by position.
   """
-  from tf_gspmd.runtime.launcher import PartitionContext
+  from tf_gspmd.program import PartitionContext
 
   local_args = [a if isinstance(a, tf.Variable) else tf.convert_to_tensor(a) for a in local_args]
 

@@ -42,7 +42,7 @@ class HloCollective:
 
 def per_partition_hlo(mesh: Mesh, fn, local_args: Sequence, partition_id: int = 0) -> str:
   """HLO text of `fn(ctx, *local_args)` traced with `XlaCollectives` and jit-compiled."""
-  from tf_gspmd.runtime.launcher import trace_per_partition
+  from tf_gspmd.program import trace_per_partition
   from tf_gspmd.xla_bridge.collectives import XlaCollectives
 
   args = [tf.convert_to_tensor(a) for a in local_args]
@@ -67,7 +67,8 @@ def hlo_collectives(hlo_text: str) -> List[HloCollective]:
   found = []
   for line in hlo_text.splitlines():
     match = _INSTRUCTION.match(line)
-    # Async forms (GPU/TPU) split a collective into '<kind>-start' and '<kind>-done': count the start.
+    # Async forms (GPU/TPU) split a collective into '<kind>-start' and '<kind>-done':
+    # count the start.
     kind = match.group('kind').removesuffix('-start') if match else None
     if kind not in HLO_COLLECTIVES:
       continue

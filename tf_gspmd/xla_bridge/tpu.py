@@ -70,9 +70,11 @@ import tensorflow as tf
 from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
 from tf_gspmd.mesh import Mesh
+from tf_gspmd.program import PartitionContext
 from tf_gspmd.runtime import collectives as tf_collectives
 from tf_gspmd.runtime import sharded as sharded_lib
-from tf_gspmd.runtime.launcher import PartitionContext, trace_per_partition, without_grappler
+from tf_gspmd.runtime.grappler import without_grappler
+from tf_gspmd.runtime.launcher import trace_per_partition
 from tf_gspmd.xla_bridge import call_module as call_module_lib
 from tf_gspmd.xla_bridge.collectives import XlaCollectives
 from tf_gspmd.xla_bridge.hlo import stablehlo_collectives
@@ -172,7 +174,7 @@ class ReplicaVariable:
   """
 
   # The components may live on TPU cores, which a host tf.function does not read: assembled
-  # eagerly (keras_fit's mirror then assigns the assembled values in one compiled call).
+  # eagerly (keras/fit.py's mirror then assigns the assembled values in one compiled call).
   assembles_in_graph = False
 
   def __init__(self, strategy, original, sharding):
@@ -230,7 +232,7 @@ class ReplicaVariables:
   Steps over the same variables (train, test, predict) given one store read and
   write the same shards. `sharded` / `originals` may be a `VariableStore`'s dicts
   (id(original) -> sharded variable / original): each variable made here is then
-  registered there too, where the store's other users (keras_fit's mirror) find it.
+  registered there too, where the store's other users (keras/fit.py's mirror) find it.
   """
 
   def __init__(
@@ -255,7 +257,7 @@ class ReplicaVariables:
         'by this strategy; steps under another strategy or backend need their '
         'own store.'
       )
-    elif held.sharding != sharding:
+    elif not held.sharding.is_equivalent_to(sharding):
       raise ValueError(
         f'ReplicaVariables: variable {original.name} is sharded {held.sharding} by '
         f'an earlier step but {sharding} by this one; annotate it with '
@@ -479,7 +481,7 @@ class TPUStrategyStep:
       outputs = self._step(*inputs)
     else:
       # TF devices run the launch itself: without Grappler specializing the program per
-      # replica (see runtime.launcher.without_grappler); a TPU compiles it with XLA anyway.
+      # replica (see runtime.grappler.without_grappler); a TPU compiles it with XLA anyway.
       with without_grappler():
         outputs = self._step(*inputs)
     structure = self._compiled.program.structured_outputs

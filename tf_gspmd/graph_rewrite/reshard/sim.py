@@ -1,6 +1,6 @@
 """A numpy simulator of reshard plans on per-device arrays (tests and benchmarks; no TF).
 
-Each step is executed exactly as its docstring in `reshard_plan` tells a
+Each step is executed exactly as its class's docstring in `reshard.moves` tells a
 lowering to execute it, with the collectives' mesh-axis semantics:
 all_gather concatenates the group's buffers in group order, all_to_all sends
 piece j of the split dim to group member j and concatenates what arrives along
@@ -15,11 +15,20 @@ padding with NaN so that a plan that lets padding leak into valid data fails
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Callable, Dict, Optional
 
 import numpy as np
 
-from tf_gspmd.graph_rewrite import reshard_plan as rp
+from tf_gspmd.graph_rewrite.reshard.exchange import Permute, Repad
+from tf_gspmd.graph_rewrite.reshard.geometry import pad_dim, regroup_blocks, slice_window
+from tf_gspmd.graph_rewrite.reshard.moves import (
+  AllGather,
+  AllReduce,
+  AllToAll,
+  ReduceScatter,
+  Slice,
+)
+from tf_gspmd.graph_rewrite.reshard.plan import ReshardPlan
 from tf_gspmd.sharding import NamedSharding
 
 _REDUCERS = {'sum': np.add, 'max': np.maximum, 'min': np.minimum, 'prod': np.multiply}
@@ -36,6 +45,7 @@ def _reduce(op: str, arrays):
 def _valid_slices(sharding: NamedSharding, shape, device):
   """(global slices, local slices) of the valid region of `device`'s shard."""
   bounds = sharding.shard_bounds(shape, device)
+  assert bounds is not None, (sharding, device)  # every mesh device holds a shard
   return (tuple(slice(lo, hi) for lo, hi in bounds), tuple(slice(0, hi - lo) for lo, hi in bounds))
 
 
@@ -56,7 +66,10 @@ def partial_summands(x: np.ndarray, count: int, op: str, rng: np.random.Generato
 
 
 def make_shards(
-  x: np.ndarray, sharding: NamedSharding, rng: np.random.Generator = None, pad_value=np.nan
+  x: np.ndarray,
+  sharding: NamedSharding,
+  rng: Optional[np.random.Generator] = None,
+  pad_value=np.nan,
 ) -> Dict[int, np.ndarray]:
   """Per-device padded shards of `x`; with partial axes, summands that reduce to `x`.
 
@@ -101,7 +114,7 @@ def check_shards(x: np.ndarray, sharding: NamedSharding, shards: Dict[int, np.nd
       )
 
 
-def simulate(plan: rp.ReshardPlan, shards: Dict[int, np.ndarray]) -> Dict[int, np.ndarray]:
+def simulate(plan: ReshardPlan, shards: Dict[int, np.ndarray]) -> Dict[int, np.ndarray]:
   """Run every step of `plan` on per-device arrays; returns the new per-device arrays."""
   mesh = plan.mesh
   cur = {d: np.asarray(a) for d, a in shards.items()}
@@ -120,50 +133,48 @@ def simulate(plan: rp.ReshardPlan, shards: Dict[int, np.ndarray]) -> Dict[int, n
   return cur
 
 
-def _run_slice(step: rp.Slice, cur, mesh):
+def _run_slice(step: Slice, cur, mesh):
   out = {}
   for d, a in cur.items():
-    start, shift = rp.slice_window(mesh.linear_index(d, step.axes), step.chunk, a.shape[step.dim])
+    start, shift = slice_window(mesh.linear_index(d, step.axes), step.chunk, a.shape[step.dim])
     window = _window(a, step.dim, start, step.chunk)
     out[d] = np.roll(window, -shift, axis=step.dim)
   return out
 
 
-def _run_all_gather(step: rp.AllGather, cur, mesh):
+def _run_all_gather(step: AllGather, cur, mesh):
   out = {}
   for group in mesh.groups(step.axes):
     y = np.concatenate([cur[d] for d in group], axis=step.dim)
-    y = rp.regroup_blocks(y, step.dim, step.blocks, step.out_chunk)
+    y = regroup_blocks(y, step.dim, step.blocks, step.out_chunk)
     for d in group:
       out[d] = y.copy()
   return out
 
 
-def _run_all_to_all(step: rp.AllToAll, cur, mesh):
+def _run_all_to_all(step: AllToAll, cur, mesh):
   out = {}
   for group in mesh.groups(step.axes):
     pieces = [
-      np.split(
-        rp.pad_dim(cur[d], step.split_dim, step.split_padded), len(group), axis=step.split_dim
-      )
+      np.split(pad_dim(cur[d], step.split_dim, step.split_padded), len(group), axis=step.split_dim)
       for d in group
     ]
     for j, d in enumerate(group):
       y = np.concatenate([pieces[i][j] for i in range(len(group))], axis=step.concat_dim)
-      out[d] = rp.regroup_blocks(y, step.concat_dim, step.blocks, step.out_chunk)
+      out[d] = regroup_blocks(y, step.concat_dim, step.blocks, step.out_chunk)
   return out
 
 
-def _run_reduce_scatter(step: rp.ReduceScatter, cur, mesh):
+def _run_reduce_scatter(step: ReduceScatter, cur, mesh):
   out = {}
   for group in mesh.groups(step.axes):
-    total = _reduce(step.op, [rp.pad_dim(cur[d], step.dim, step.padded) for d in group])
+    total = _reduce(step.op, [pad_dim(cur[d], step.dim, step.padded) for d in group])
     for j, piece in enumerate(np.split(total, len(group), axis=step.dim)):
       out[group[j]] = piece
   return out
 
 
-def _run_all_reduce(step: rp.AllReduce, cur, mesh):
+def _run_all_reduce(step: AllReduce, cur, mesh):
   out = {}
   for group in mesh.groups(step.axes):
     total = _reduce(step.op, [cur[d] for d in group])
@@ -172,7 +183,7 @@ def _run_all_reduce(step: rp.AllReduce, cur, mesh):
   return out
 
 
-def _run_permute(step: rp.Permute, cur, mesh):
+def _run_permute(step: Permute, cur, mesh):
   srcs = [s for s, _ in step.pairs]
   dsts = [t for _, t in step.pairs]
   if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
@@ -196,7 +207,7 @@ def _put(out, dim, start, rows):
   out[tuple(index)] = rows
 
 
-def _run_repad(step: rp.Repad, cur, mesh):
+def _run_repad(step: Repad, cur, mesh):
   dim = step.dim
   out = {d: np.zeros(step.shape_out, dtype=a.dtype) for d, a in cur.items()}
   for d, src, dst, length in step.local:
@@ -209,12 +220,12 @@ def _run_repad(step: rp.Repad, cur, mesh):
   return out
 
 
-_RUNNERS = {
-  rp.Slice: _run_slice,
-  rp.AllGather: _run_all_gather,
-  rp.AllToAll: _run_all_to_all,
-  rp.ReduceScatter: _run_reduce_scatter,
-  rp.AllReduce: _run_all_reduce,
-  rp.Permute: _run_permute,
-  rp.Repad: _run_repad,
+_RUNNERS: Dict[type, Callable[..., Dict[int, np.ndarray]]] = {
+  Slice: _run_slice,
+  AllGather: _run_all_gather,
+  AllToAll: _run_all_to_all,
+  ReduceScatter: _run_reduce_scatter,
+  AllReduce: _run_all_reduce,
+  Permute: _run_permute,
+  Repad: _run_repad,
 }

@@ -5,7 +5,7 @@ device, while an export of an N-partition program needs N devices. Pointed at
 this server with `--worker grpc://localhost:PORT`, the session runs on the
 server's devices instead:
 
-    python -m tf_gspmd.serve --export DIR --port 2222 &
+    python -m tf_gspmd.export.serve --export DIR --port 2222 &
     saved_model_cli run --dir DIR --tag_set serve --signature_def serving_default \\
         --inputs 'x=x.npy' --worker grpc://localhost:2222
 
@@ -43,7 +43,7 @@ def free_port() -> int:
 def start(devices: int, port: int = 0) -> tf.distribute.Server:
   """A started in-process server on localhost:`port` (0: a free one) with `devices` CPU devices."""
   if devices < 1:
-    raise ValueError(f'tf_gspmd.serve: --devices must be at least 1, got {devices}.')
+    raise ValueError(f'tf_gspmd.export.serve: --devices must be at least 1, got {devices}.')
   port = port or free_port()
   cluster = tf.train.ClusterSpec({JOB: [f'localhost:{port}']})
   config = tf.compat.v1.ConfigProto(device_count={'CPU': devices})
@@ -52,13 +52,13 @@ def start(devices: int, port: int = 0) -> tf.distribute.Server:
 
 def devices_of_export(export_dir: str) -> int:
   """How many devices the tf_gspmd SavedModel in `export_dir` runs on (its metadata says)."""
-  from tf_gspmd.saved_model import metadata
+  from tf_gspmd.export.saved_model import metadata
 
   meta = metadata(export_dir)
   kinds = {tf.DeviceSpec.from_string(d).device_type for d in meta['devices']}
   if kinds != {'CPU'}:
     raise ValueError(
-      f'tf_gspmd.serve: {export_dir} runs on {sorted(kinds)} devices; this server '
+      f'tf_gspmd.export.serve: {export_dir} runs on {sorted(kinds)} devices; this server '
       'provides CPU devices only.'
     )
   return int(meta['num_partitions'])
@@ -66,7 +66,7 @@ def devices_of_export(export_dir: str) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
   parser = argparse.ArgumentParser(
-    prog='python -m tf_gspmd.serve',
+    prog='python -m tf_gspmd.export.serve',
     description='A local TF gRPC server with N CPU devices for saved_model_cli run --worker.',
   )
   count = parser.add_mutually_exclusive_group(required=True)

@@ -6,7 +6,7 @@ process with N logical devices, `tf.saved_model.load(export_dir)` (tf_gspmd
 not imported) and `signatures['serving_default'](**inputs)` give the global
 outputs. `saved_model_cli show` reads it; `saved_model_cli run --worker
 grpc://localhost:P` runs it on a device server with N CPU devices
-(`python -m tf_gspmd.serve --export DIR --port P`, see `tf_gspmd/serve.py`).
+(`python -m tf_gspmd.export.serve --export DIR --port P`, see `tf_gspmd/export/serve.py`).
 
 What the SavedModel holds:
 
@@ -63,20 +63,38 @@ import dataclasses
 import json
 import os
 import re
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Sequence
 
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd import op_sharding
+from tf_gspmd.device_names import full_name
+from tf_gspmd.export.programs import (  # noqa: F401  (DEFAULT_SIGNATURE: tg.saved_model's too)
+  DEFAULT_SIGNATURE,
+  function_and_examples,
+  mesh_json,
+  pf_name,
+  sharding_json,
+)
+
+# The XLA / TPU export, reached as tg.saved_model.save_xla / load_xla.
+from tf_gspmd.export.xla import (  # noqa: F401
+  ANNOTATED,
+  XLA_LAYOUTS,
+  XLA_MODULE,
+  XLA_VALUES,
+  annotated_shardings,
+  load_xla,
+  resolved,
+  save_xla,
+)
 from tf_gspmd.mesh import Mesh
-from tf_gspmd.partitioned import PartitionedFunction, _Compiled
+from tf_gspmd.partitioned import Compiled
 from tf_gspmd.runtime import SpmdProgram
 from tf_gspmd.runtime.sharded import ShardedVariable
-from tf_gspmd.sharding import NamedSharding, P, Sharding
+from tf_gspmd.sharding import Sharding
 
 METADATA = os.path.join('assets.extra', 'tf_gspmd.json')
-DEFAULT_SIGNATURE = 'serving_default'
 # Reading a variable changes nothing; any other use of its handle may write it.
 _READ_ONLY_OPS = frozenset({'ReadVariableOp', 'VarIsInitializedOp', 'VariableShape'})
 
@@ -106,7 +124,7 @@ def save(fn, export_dir: str, signatures=None) -> ExportInfo:
   example arguments or `tf.TensorSpec`s (one 'serving_default'), or a dict
   name -> such a tuple. A Keras model needs them (its batch size is free).
   """
-  pf, examples = _function_and_examples(fn, signatures)
+  pf, examples = function_and_examples(fn, signatures)
   module = tf.Module()
   by_variable = {}  # id(tf.Variable) -> its _StoredShards
   functions, described = {}, {}
@@ -135,69 +153,6 @@ def save(fn, export_dir: str, signatures=None) -> ExportInfo:
   )
   _write_metadata(export_dir, info, spmd.mesh, described, stored)
   return info
-
-
-def _function_and_examples(fn, signatures):
-  """The PartitionedFunction to export and {signature name: example args}."""
-  if isinstance(fn, PartitionedFunction):
-    pf = fn
-  elif hasattr(fn, '_tf_gspmd_launcher'):
-    pf = _keras_forward(fn)
-  else:
-    raise TypeError(
-      f'saved_model: expected a tf_gspmd.PartitionedFunction or a Keras model '
-      f'prepared with partition_model, got {type(fn).__name__}.'
-    )
-  if signatures is None:
-    compiled = list(pf._compiled.values())  # noqa: SLF001
-    if not compiled:
-      raise ValueError(
-        'saved_model.save: the function has no argument signature yet; call it (or '
-        'get_program) once, or pass signatures=(example args or TensorSpecs).'
-      )
-    last = pf._last if pf._last is not None else compiled[-1]  # noqa: SLF001
-    ordered = [last] + [c for c in compiled if c is not last]
-    names = [DEFAULT_SIGNATURE] + [f'serving_{k}' for k in range(1, len(ordered))]
-    return pf, {n: _example_args(c) for n, c in zip(names, ordered)}
-  if isinstance(signatures, dict):
-    return pf, {str(n): _as_examples(a) for n, a in signatures.items()}
-  return pf, {DEFAULT_SIGNATURE: _as_examples(signatures)}
-
-
-def _as_examples(args) -> tuple:
-  args = tuple(args) if isinstance(args, (list, tuple)) else (args,)
-  return tuple(tf.zeros(a.shape, a.dtype) if isinstance(a, tf.TensorSpec) else a for a in args)
-
-
-def _example_args(compiled: _Compiled) -> tuple:
-  """Zeros in the shapes of a compiled program's arguments (it was compiled from such args)."""
-  main = compiled.program.main
-  return tuple(
-    tf.zeros(main.tensor(n).shape, main.tensor(n).dtype) for n in compiled.program.arg_inputs
-  )
-
-
-def _keras_forward(model) -> PartitionedFunction:
-  """`model(x, training=False)` partitioned over the mesh and variables `partition_model` uses."""
-  from tf_gspmd.annotations import shard
-
-  launcher = model._tf_gspmd_launcher  # noqa: SLF001
-  launcher.mirror.push_changed()  # a weight set on the model since the last step wins
-  mesh, axes = launcher.mesh, launcher.axes
-
-  def split(t):
-    if not isinstance(t, tf.Tensor) or t.shape.rank is None or t.shape.rank == 0:
-      return t
-    return shard(t, mesh, P(axes, *([None] * (t.shape.rank - 1))))
-
-  @tf.function
-  def forward(inputs):
-    return model(tf.nest.map_structure(split, inputs), training=False)
-
-  launcher.annotate_unmatched()
-  pf = PartitionedFunction(forward, mesh, store=launcher.store, **launcher.kwargs)
-  launcher.mirror.note_new()
-  return pf
 
 
 class _StoredShards(ShardedVariable):
@@ -233,7 +188,7 @@ def _piece_key(sharding: Sharding, shape, p: int):
   return bounds
 
 
-def _written(compiled: _Compiled, variable) -> bool:
+def _written(compiled: Compiled, variable) -> bool:
   """Whether the program may write `variable` (any use of its handle but a read)."""
   main = compiled.program.main
   names = [n for n, v in compiled.program.variables.items() if v is variable]
@@ -253,7 +208,7 @@ def _stored(pf, compiled, by_variable, variable) -> _StoredShards:
   return stored
 
 
-def _signature_function(pf, compiled: _Compiled, by_variable, name: str):
+def _signature_function(pf, compiled: Compiled, by_variable, name: str):
   """The serving tf.function of one compiled program (flat inputs -> dict of outputs)."""
   spmd = compiled.spmd
   if spmd is None:
@@ -309,16 +264,7 @@ def _signature_function(pf, compiled: _Compiled, by_variable, name: str):
   return function, layouts
 
 
-def pf_name(pf) -> str:
-  return re.sub(
-    r'\W',
-    '_',
-    getattr(pf.fn, '__name__', None)
-    or getattr(getattr(pf.fn, 'python_function', None), '__name__', 'fn'),
-  )
-
-
-def _input_names(compiled: _Compiled) -> List[str]:
+def _input_names(compiled: Compiled) -> List[str]:
   names, seen = [], set()
   for i, tensor in enumerate(compiled.program.arg_inputs):
     base = re.sub(r'\W', '_', tensor.split(':')[0]) or f'input_{i}'
@@ -331,7 +277,7 @@ def _input_names(compiled: _Compiled) -> List[str]:
   return names
 
 
-def _output_names(compiled: _Compiled) -> List[str]:
+def _output_names(compiled: Compiled) -> List[str]:
   """Keys of the signature's outputs: the function's dict keys, else output_0, output_1, ..."""
   structure = compiled.program.structured_outputs
   count = len(compiled.program.main.outputs)
@@ -450,22 +396,13 @@ def _add_session_collective_key(export_dir: str) -> None:
 
 
 # --- metadata -----------------------------------------------------------------------------------
-def _sharding_json(sharding: Sharding) -> Dict[str, Any]:
-  out = {'text': str(sharding)}
-  if isinstance(sharding, NamedSharding):
-    out['spec'] = [list(a) if isinstance(a, tuple) else a for a in sharding.spec]
-  if sharding.partial is None:
-    out['op_sharding'] = op_sharding.to_proto(sharding).SerializeToString().hex()
-  return out
-
-
 def _layout_json(name, shape, dtype, sharding: Sharding) -> Dict[str, Any]:
   shape = tuple(int(s) for s in shape)
   return {
     'name': name,
     'shape': list(shape),
     'dtype': tf.as_dtype(dtype).name,
-    'sharding': _sharding_json(sharding),
+    'sharding': sharding_json(sharding),
     'local_shape': [int(s) for s in sharding.shard_shape(shape)],
   }
 
@@ -475,7 +412,7 @@ def _write_metadata(export_dir, info: ExportInfo, mesh: Mesh, described, stored)
     'format': 'tf_gspmd.saved_model/1',
     'num_partitions': info.num_partitions,
     'devices': info.devices,
-    'mesh': _mesh_json(mesh),
+    'mesh': mesh_json(mesh),
     'signatures': {
       n: {'inputs': d['inputs'], 'outputs': d['outputs']} for n, d in described.items()
     },
@@ -517,8 +454,8 @@ def check_devices(export_dir: str) -> List[str]:
   meta = metadata(export_dir)
   devices = meta['devices']
   kinds = {tf.DeviceSpec.from_string(d).device_type for d in devices}
-  available = {_full_name(d.name) for d in tf.config.list_logical_devices()}
-  missing = [d for d in devices if _full_name(d) not in available]
+  available = {full_name(d.name) for d in tf.config.list_logical_devices()}
+  missing = [d for d in devices if full_name(d) not in available]
   if missing:
     have = sum(len(tf.config.list_logical_devices(k)) for k in kinds)
     raise ValueError(
@@ -538,215 +475,3 @@ def load(export_dir: str):
     experimental_variable_policy=tf.saved_model.experimental.VariablePolicy.SAVE_VARIABLE_DEVICES
   )
   return tf.saved_model.load(export_dir, options=options)
-
-
-def _full_name(device: str) -> str:
-  spec = tf.DeviceSpec.from_string(device)
-  return tf.DeviceSpec(
-    job=spec.job or 'localhost',
-    replica=spec.replica or 0,
-    task=spec.task or 0,
-    device_type=spec.device_type,
-    device_index=spec.device_index or 0,
-  ).to_string()
-
-
-# --- XLA / TPU export --------------------------------------------------------------------------
-XLA_MODULE = 'module.mlir'
-XLA_LAYOUTS = 'layouts.json'
-XLA_VALUES = 'values.npz'
-ANNOTATED = 'annotated'
-
-
-def save_xla(pf, export_dir: str, *example_args):
-  """Write the XLA/TPU export of `pf` for these example arguments; returns its `XlaExport`.
-
-  `pf`: a `PartitionedFunction`, or a Keras 3 model prepared with
-  `tg.partition_model` (its forward pass `model(x, training=False)` over the
-  mesh and layouts its steps use, with the weights it holds now).
-
-  `module.mlir`: the per-replica StableHLO module (partition id = replica id,
-  native collectives). `layouts.json`: mesh and, for every parameter and
-  result, its global shape, dtype, sharding (serialized OpSharding) and local
-  shape. `values.npz`: global values of the captures and variables the module
-  takes after the arguments (`arg<i>` by parameter index). `annotated/`: the
-  unpartitioned function as a SavedModel ('serving_default' and `.function`)
-  whose ops carry their propagated shardings as `_XlaSharding` attributes.
-  """
-  if not isinstance(pf, PartitionedFunction):
-    pf, _ = _function_and_examples(pf, example_args)
-  compiled = pf.get_program(*example_args)
-  export = pf.export_xla(*example_args)
-  os.makedirs(export_dir, exist_ok=True)
-  with open(os.path.join(export_dir, XLA_MODULE), 'w') as f:
-    f.write(export.module)
-  mesh = export.mesh
-  data = {
-    'format': 'tf_gspmd.xla/1',
-    'name': export.name,
-    'num_replicas': export.num_replicas,
-    'mesh': _mesh_json(mesh),
-    'args': [_xla_layout_json(a) for a in export.args],
-    'results': [_xla_layout_json(r) for r in export.results],
-  }
-  with open(os.path.join(export_dir, XLA_LAYOUTS), 'w') as f:
-    json.dump(data, f, indent=1)
-  n_args = len(compiled.program.arg_inputs)
-  values = [np.asarray(v) for v in compiled.capture_values]
-  values += [pf.store.sharded[id(v)].assemble().numpy() for v in compiled.variables]
-  np.savez(
-    os.path.join(export_dir, XLA_VALUES), **{f'arg{n_args + i}': v for i, v in enumerate(values)}
-  )
-  _save_annotated(pf, compiled, os.path.join(export_dir, ANNOTATED))
-  return export
-
-
-def load_xla(export_dir: str):
-  """(XlaExport, {parameter index: global value}) read back from `save_xla`'s files."""
-  from tf_gspmd.xla_bridge.export import Layout, XlaExport
-
-  with open(os.path.join(export_dir, XLA_LAYOUTS)) as f:
-    data = json.load(f)
-  with open(os.path.join(export_dir, XLA_MODULE)) as f:
-    module = f.read()
-  mesh = Mesh(
-    np.asarray(data['mesh']['devices']).reshape(data['mesh']['shape']), data['mesh']['axis_names']
-  )
-
-  def layout(d):
-    sharding = (
-      None
-      if d['sharding'] is None
-      else op_sharding.from_proto(bytes.fromhex(d['sharding']['op_sharding']), mesh=mesh)
-    )
-    return Layout(
-      d['name'],
-      d['kind'],
-      tuple(d['shape']),
-      tf.as_dtype(d['dtype']),
-      sharding,
-      tuple(d['local_shape']),
-      d['updates'],
-    )
-
-  export = XlaExport(
-    module,
-    mesh,
-    [layout(a) for a in data['args']],
-    [layout(r) for r in data['results']],
-    data['name'],
-  )
-  with np.load(os.path.join(export_dir, XLA_VALUES)) as stored:
-    values = {int(k[3:]): stored[k] for k in stored.files}
-  return export, values
-
-
-def _mesh_json(mesh: Mesh) -> Dict[str, Any]:
-  return {
-    'shape': [mesh.shape[a] for a in mesh.axis_names],
-    'axis_names': list(mesh.axis_names),
-    'devices': np.asarray(mesh.device_ids).reshape(-1).tolist(),
-  }
-
-
-def _xla_layout_json(layout) -> Dict[str, Any]:
-  return {
-    'name': layout.name,
-    'kind': layout.kind,
-    'shape': [int(s) for s in layout.shape],
-    'dtype': tf.as_dtype(layout.dtype).name,
-    'sharding': None if layout.sharding is None else _sharding_json(layout.sharding),
-    'local_shape': [int(s) for s in layout.local_shape],
-    'updates': layout.updates,
-  }
-
-
-def resolved(sharding: NamedSharding) -> NamedSharding:
-  """A sharding as OpSharding can say it: a pending reduction shown as its result's layout."""
-  if isinstance(sharding, NamedSharding) and sharding.partial is not None:
-    return NamedSharding(sharding.mesh, sharding.spec)
-  return sharding
-
-
-def annotated_shardings(pf: PartitionedFunction, *example_args) -> Dict[str, Sharding]:
-  """node name -> the sharding `save_xla` writes on it (resolved propagated shardings)."""
-  compiled = pf.get_program(*example_args)
-  return _node_shardings(compiled)
-
-
-def _node_shardings(compiled: _Compiled) -> Dict[str, Any]:
-  """Per node of the top-level graph: its outputs' propagated shardings (one or a tuple).
-
-  Placeholders (arguments, variables, captures: rebuilt as the function's
-  inputs), XlaSharding ops (they keep the user's annotation) and ops with
-  resource or variant outputs are left as they are.
-  """
-  main, plan = compiled.program.main, compiled.plan
-  out = {}
-  for node in main.nodes:
-    if node.op in ('Placeholder', 'XlaSharding') or not node.outputs:
-      continue
-    if any(t.dtype in (tf.resource, tf.variant) for t in node.outputs):
-      continue
-    try:
-      shardings = [resolved(plan.target(main, t.name)) for t in node.outputs]
-    except KeyError:
-      continue
-    out[node.name] = shardings[0] if len(shardings) == 1 else tuple(shardings)
-  return out
-
-
-def _sharding_attr(shardings):
-  from tensorflow.core.framework import attr_value_pb2
-
-  if isinstance(shardings, tuple):
-    proto = op_sharding._pb().OpSharding(  # noqa: SLF001
-      type=op_sharding._pb().OpSharding.TUPLE,  # noqa: SLF001
-      tuple_shardings=[op_sharding.to_proto(s) for s in shardings],
-    )
-  else:
-    proto = op_sharding.to_proto(shardings)
-  return attr_value_pb2.AttrValue(s=proto.SerializeToString())
-
-
-def _save_annotated(pf, compiled: _Compiled, export_dir: str) -> None:
-  """The unpartitioned function, every op annotated with `_XlaSharding`, as a SavedModel."""
-  import copy
-
-  from tf_gspmd.graph.rebuild import rebuild
-
-  program = compiled.program
-  annotations = _node_shardings(compiled)
-  nodes = []
-  for node in program.main.nodes:
-    if node.name in annotations:
-      node = dataclasses.replace(
-        node, attrs=dict(node.attrs, _XlaSharding=_sharding_attr(annotations[node.name]))
-      )
-    nodes.append(node)
-  annotated = copy.copy(program)
-  annotated.main = dataclasses.replace(program.main, nodes=nodes)
-  # Fresh variables with the current global values: the export does not hold the user's own.
-  module = tf.Module()
-  replaced = {}
-  for name, var in program.variables.items():
-    sharded = pf.store.sharded[id(var)]
-    replaced[name] = tf.Variable(sharded.assemble(), name=var.name.split(':')[0])
-  annotated.variables = replaced
-  module.held = list(replaced.values())
-  main = program.main
-  specs = [
-    tf.TensorSpec(
-      main.tensor(n).shape, main.tensor(n).dtype, name=re.sub(r'\W', '_', n.split(':')[0])
-    )
-    for n in program.arg_inputs
-  ]
-  body = rebuild(annotated, name=f'{pf_name(pf)}_annotated')
-
-  @tf.function(input_signature=specs, autograph=False)
-  def function(*args):
-    outputs = tf.nest.flatten(body(*args), expand_composites=True)
-    return {f'output_{j}': o for j, o in enumerate(outputs)}
-
-  module.function = function
-  tf.saved_model.save(module, export_dir, signatures={DEFAULT_SIGNATURE: function})

@@ -94,15 +94,22 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.eager import context  # async_wait: see save_checkpoint
 
+from tf_gspmd.export.checkpoint_dir import (  # noqa: F401  (latest_checkpoint: public here too)
+  PREFIX,
+  STATE_FILE,
+  TEMP_DIR,
+  checkpoint_number,
+  flush_bundle,
+  latest_checkpoint,
+  publish,
+  published,
+  remove_leftovers,
+)
+from tf_gspmd.keras.hooks import backing
 from tf_gspmd.partitioned import PartitionedFunction, VariableStore
 from tf_gspmd.runtime.sharded import ShardedVariable
-
-STATE_FILE = 'checkpoint'  # TF's name: tf.train.latest_checkpoint reads it
-PREFIX = 'ckpt'
-_NUMBERED = re.compile(rf'^{PREFIX}-(\d+)(\.index|\.data-\d+-of-\d+)$')
-_TEMP_DIR = '.tmp-'
+from tf_gspmd.tf_private import context  # async_wait: see save_checkpoint
 
 
 # --- what is saved or restored ------------------------------------------------------------
@@ -126,14 +133,6 @@ class _Entry:
 def _is_keras_variable(value) -> bool:
   # Keras 3 variables are no tf.Variable; their path is their name in the checkpoint.
   return hasattr(value, 'path') and hasattr(value, 'assign') and not isinstance(value, tf.Variable)
-
-
-def _backing(variable):
-  """The tf.Variable behind a Keras 3 variable (what a captured graph and a store refer to).
-
-  `_value` is Keras' private attribute holding it; `.value` would go through autocasting.
-  """
-  return getattr(variable, '_value', variable) if _is_keras_variable(variable) else variable
 
 
 def _base_name(variable) -> str:
@@ -182,7 +181,7 @@ def _flatten(obj, what: str) -> List[Any]:
 def _bring_shards_up_to_date(obj) -> None:
   """A partition_model'd Keras model: a write to its own variables since the last step (set_weights,
   assign) wins over the shards; have its launcher send such writes out before the shards are read.
-  (Duck-typed: keras_fit sits above this module and may not keep such a launcher.)"""
+  (Duck-typed on what keras/fit.py sets on a model it partitions.)"""
   for item in obj if isinstance(obj, (list, tuple)) else [obj]:
     mirror = getattr(getattr(item, '_tf_gspmd_launcher', None), 'mirror', None)
     if mirror is not None and hasattr(mirror, 'push_changed'):
@@ -224,8 +223,8 @@ def _entries(obj, what: str) -> List[_Entry]:
     else:
       candidates = [item]
     for v in candidates:
-      if id(_backing(v)) not in seen:
-        seen.add(id(_backing(v)))
+      if id(backing(v)) not in seen:
+        seen.add(id(backing(v)))
         variables.append(v)
   names = _unique([_base_name(v) for v in variables])
   entries = [_entry_of(name, v) for name, v in zip(names, variables)]
@@ -247,7 +246,7 @@ def values_by_name(source) -> Dict[str, np.ndarray]:
 
 
 def _entry_of(name: str, variable) -> _Entry:
-  plain = _backing(variable)
+  plain = backing(variable)
   if not isinstance(plain, tf.Variable):
     raise TypeError(f'checkpoint: {name!r} is a {type(variable).__name__}, not a variable.')
   return _Entry(name, tuple(int(d) for d in plain.shape), plain.dtype.base_dtype, plain=plain)
@@ -409,11 +408,11 @@ def save_checkpoint(source, directory: str, *, max_to_keep: int = 3) -> Checkpoi
   if max_to_keep < 1:
     raise ValueError(f'save_checkpoint: max_to_keep must be at least 1, got {max_to_keep}.')
   os.makedirs(directory, exist_ok=True)
-  kept = _published(directory)
-  _remove_leftovers(directory, kept)
-  number = 1 + max([_number(p) for p in kept] + [0])
+  kept = published(directory)
+  remove_leftovers(directory, kept)
+  number = 1 + max([checkpoint_number(p) for p in kept] + [0])
   prefix = os.path.join(directory, f'{PREFIX}-{number}')
-  temp = os.path.join(directory, f'{_TEMP_DIR}{PREFIX}-{number}-{uuid.uuid4().hex[:8]}')
+  temp = os.path.join(directory, f'{TEMP_DIR}{PREFIX}-{number}-{uuid.uuid4().hex[:8]}')
   os.makedirs(temp)
   by_writer = _save_pieces(entries)
   parts = []
@@ -428,95 +427,10 @@ def save_checkpoint(source, directory: str, *, max_to_keep: int = 3) -> Checkpoi
   tf.raw_ops.MergeV2Checkpoints(
     checkpoint_prefixes=parts, destination_prefix=prefix, delete_old_dirs=True
   )
-  _flush_bundle(prefix)
-  _publish(directory, kept + [os.path.basename(prefix)], max_to_keep)
+  flush_bundle(prefix)
+  publish(directory, kept + [os.path.basename(prefix)], max_to_keep)
   shutil.rmtree(temp, ignore_errors=True)
   return _record(prefix, entries, by_writer)
-
-
-# --- the directory: numbered checkpoints and the state file ----------------------------------
-def _number(name: str) -> int:
-  match = re.fullmatch(rf'{PREFIX}-(\d+)', os.path.basename(name))
-  return int(match.group(1)) if match else 0
-
-
-def _published(directory: str) -> List[str]:
-  """Base names of the checkpoints the state file lists, oldest first."""
-  state = tf.train.get_checkpoint_state(directory)
-  if state is None:
-    return []
-  names = [os.path.basename(p) for p in state.all_model_checkpoint_paths]
-  latest = os.path.basename(state.model_checkpoint_path)
-  return [n for n in names if n != latest] + [latest]
-
-
-def _remove_leftovers(directory: str, kept: Sequence[str]) -> None:
-  """Delete what a killed save left: temporary bundles and unpublished numbered files."""
-  for name in os.listdir(directory):
-    path = os.path.join(directory, name)
-    match = _NUMBERED.match(name)
-    if name.startswith(_TEMP_DIR):
-      shutil.rmtree(path, ignore_errors=True)
-    elif match and f'{PREFIX}-{match.group(1)}' not in kept:
-      os.remove(path)
-
-
-def _bundle_files(prefix: str) -> List[str]:
-  directory, base = os.path.split(prefix)
-  return [
-    os.path.join(directory, n)
-    for n in os.listdir(directory)
-    if n == f'{base}.index' or n.startswith(f'{base}.data-')
-  ]
-
-
-def _fsync(path: str) -> None:
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-
-
-def _flush_bundle(prefix: str) -> None:
-  """The new bundle's files on disk before anything names it."""
-  for path in _bundle_files(prefix):
-    _fsync(path)
-
-
-def _publish(directory: str, names: List[str], max_to_keep: int) -> None:
-  """Name `names[-1]` the newest checkpoint (an atomic rename), then drop the oldest."""
-  keep, drop = names[-max_to_keep:], names[:-max_to_keep]
-  text = f'model_checkpoint_path: "{keep[-1]}"\n' + ''.join(
-    f'all_model_checkpoint_paths: "{n}"\n' for n in keep
-  )
-  temp = os.path.join(directory, f'{_TEMP_DIR}{STATE_FILE}-{uuid.uuid4().hex[:8]}')
-  with open(temp, 'w') as f:
-    f.write(text)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(temp, os.path.join(directory, STATE_FILE))
-  _fsync(directory)
-  for name in drop:
-    for path in _bundle_files(os.path.join(directory, name)):
-      os.remove(path)
-
-
-def latest_checkpoint(path: str) -> str:
-  """The prefix `path` names: the newest checkpoint of a directory, or `path` itself."""
-  if os.path.isdir(path):
-    prefix = tf.train.latest_checkpoint(path)
-    if prefix is None:
-      raise ValueError(
-        f'restore_checkpoint: no checkpoint in {path} (no {STATE_FILE} file naming one).'
-      )
-    return prefix
-  if not os.path.exists(f'{path}.index'):
-    raise ValueError(
-      f'restore_checkpoint: {path} is neither a checkpoint directory nor a '
-      f'checkpoint prefix (no {path}.index).'
-    )
-  return path
 
 
 # --- restoring ------------------------------------------------------------------------------

@@ -1,4 +1,7 @@
-"""XLA's own SPMD partitioner on the very same annotated TF program (the reference side).
+"""XLA's own SPMD partitioner run on the same annotated TF program, for comparison; not a backend.
+
+The reference side of tests/test_vs_xla.py and bench/vs_xla.py: tf_gspmd's partitioned program
+is measured against what XLA's partitioner makes of the unpartitioned one.
 
 `XlaPartitionedStep` takes an annotated, *unpartitioned* tf.function (the one
 `tg.partition` would take), lowers it through tf2xla (`experimental_get_
@@ -401,7 +404,7 @@ def _group_size(attrs: str, num_devices: int) -> int:
 
 def partitioned_collectives(hlo_text: str, num_devices: int) -> List[dict]:
   """Every collective of (partitioned) HLO text: kind, shapes, group size, bytes per device."""
-  lines = [s for s in (_split_instruction(l) for l in hlo_text.splitlines()) if s is not None]
+  lines = [s for s in (_split_instruction(line) for line in hlo_text.splitlines()) if s is not None]
   shapes = {name: shape for name, shape, *_ in lines}
   done_shape = {
     operands[0]: shape

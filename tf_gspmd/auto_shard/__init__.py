@@ -1,0 +1,115 @@
+"""`tg.auto_shard`: every variable's layout and the inputs' batch split, under a memory budget.
+
+`auto_shard(fn, *arg_specs, mesh=..., memory_budget=...)` searches layouts
+with `tg.plan`: each candidate is planned (exact per-device bytes and the
+step's collectives, from the same partitioner `tg.partition` runs), and the
+cheapest one whose per-device bytes (parameters + optimizer state +
+activation peak, as `PlanReport` counts them) fit `memory_budget` wins.
+
+What is searched. Variables are grouped: an optimizer slot follows the
+variable it is named after (Keras' `adam/<path>_momentum`, `<name>_m`), or
+when not named after one, the same-shape trainable variable whose name
+shares the longest prefix with its own (BatchNorm's moving statistics
+follow its gamma); a lower-rank variable of the same layer whose shape is
+the trailing dims of another's (a bias) takes that one's layout of those
+dims; the rest group by (shape, dtype, name with digit runs stripped), so
+the layers of a stack share one decision. A group's candidates are every
+assignment of mesh-axis groups (each axis alone, or several in mesh order)
+to its dims that divide them, each axis used once; the inputs' candidates
+are their batch dim unsplit or split over such an axis group. Groups holding
+less than `min_group_fraction` of the parameter bytes are left to
+propagation (they follow their neighbours, as in a hand-written layout),
+and so are scalars. Annotations the user wrote (`fixed`, `shard_variable`,
+`tg.shard` inside `fn`) are constraints, never changed.
+
+How. Coordinate descent over the groups (largest first, then the inputs):
+each group tries all its candidates with the others held, and keeps the
+best; sweeps repeat until one changes nothing or, within the budget, gains
+less than 1% (a move gaining less than 0.1% is no move). After the first
+sweep a group tries only the `SHORTLIST` options that were best in its last
+try (the others lost by a wide margin there; this keeps the plans per sweep
+near the group count).
+Best, while over the budget: a layout that fits (the cheapest), else the one
+paying the least cost per byte saved (the one saving the most bytes at any
+price strands the walk far from the cheap layouts); once within it, the
+cheapest that stays within. Candidates whose variables alone exceed what
+they must beat are not planned. Two starts, the better end wins: data
+parallelism, and the batch on the first mesh axis alone (from data
+parallelism one move cannot take the batch off the model axes and split
+weights over them); small searches also start from the batch unsplit.
+`search='exhaustive'` plans the product of all candidates instead (small
+cases: it confirms the descent's optimum). Every plan is memoized.
+
+The cost model (seconds per step, one device's view)::
+
+    cost = sum over collectives c of  latency[kind_c, g_c] + bytes_c * (g_c-1)/g_c / bw[kind_c, g_c]
+         + (work / N + repeated_work) * 2 / matmul_flops
+
+`g_c` is the number of devices of the collective's mesh axes, `bytes_c` its
+local operand (as `collectives()` reports it). `work` is the step's
+iteration space: for every op of the propagated program with a sharding
+rule, the product of its rule's factor sizes (a matmul's multiply-adds, an
+elementwise op's elements); `repeated_work` is what one device computes
+beyond its 1/N share because an operand is replicated over an axis (the
+space over the devices that split it -- the mesh axes its operands and
+results shard its factors over -- minus the space over N). The constants come from
+`calibrate()` on this machine (all-reduce, all-gather, reduce-scatter and
+all-to-all over 2/4/8 logical CPU devices, and matmul flops), stored as JSON
+in the user cache dir; `DEFAULT_CONSTANTS_FILE` holds those measured where
+the package was written. Permutes use all-to-all's constants.
+
+>>> result = tg.auto_shard(step, *specs, mesh=mesh, memory_budget=200_000)   # doctest: +SKIP
+>>> print(result.report())                                                # doctest: +SKIP
+>>> result.layout_map.apply(model)                                        # doctest: +SKIP
+
+The modules: `groups` (variables grouped, each group's candidates), `constants` (the
+measured constants, `calibrate`), `cost` (a plan priced: `estimate`), `search` (the
+descent and the entry point, `auto_shard`), `result` (`AutoShardResult`).
+"""
+
+from tf_gspmd.auto_shard.constants import (
+  DEFAULT_CONSTANTS_FILE,
+  KINDS,
+  Constants,
+  calibrate,
+  constants_path,
+  load_constants,
+)
+from tf_gspmd.auto_shard.cost import Evaluation, collective_cost, estimate, work_per_device
+from tf_gspmd.auto_shard.groups import (
+  AUTO,
+  INPUTS,
+  Group,
+  axis_groups,
+  group_variables,
+  spec_candidates,
+)
+from tf_gspmd.auto_shard.result import AutoShardResult
+from tf_gspmd.auto_shard.search import SHORTLIST, SMALL_SEARCH, SWEEP_GAIN, TIE, auto_shard
+
+auto_shard.calibrate = calibrate  # tg.auto_shard.calibrate(): tg.auto_shard is the function
+
+__all__ = [
+  'AUTO',
+  'AutoShardResult',
+  'Constants',
+  'DEFAULT_CONSTANTS_FILE',
+  'Evaluation',
+  'Group',
+  'INPUTS',
+  'KINDS',
+  'SHORTLIST',
+  'SMALL_SEARCH',
+  'SWEEP_GAIN',
+  'TIE',
+  'auto_shard',
+  'axis_groups',
+  'calibrate',
+  'collective_cost',
+  'constants_path',
+  'estimate',
+  'group_variables',
+  'load_constants',
+  'spec_candidates',
+  'work_per_device',
+]

@@ -1,0 +1,309 @@
+"""`auto_shard`: the search over the groups' candidates (coordinate descent, or exhaustive),
+every candidate planned with `tg.plan` and memoized."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import time
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gspmd import annotations
+from tf_gspmd.auto_shard.constants import Constants, load_constants
+from tf_gspmd.auto_shard.cost import Evaluation, estimate
+from tf_gspmd.auto_shard.groups import (
+  AUTO,
+  Group,
+  Var,
+  group_variables,
+  input_candidates,
+  spec_candidates,
+  variables_of,
+)
+from tf_gspmd.auto_shard.result import AutoShardResult
+from tf_gspmd.mesh import Mesh
+from tf_gspmd.planning import plan
+from tf_gspmd.sharding import NamedSharding, P, Sharding
+
+TIE = 1e-3  # relative cost difference below which the descent does not move
+SWEEP_GAIN = 0.01  # a sweep (within the budget) gaining less than this is the last one
+SHORTLIST = 4  # after the first sweep a group tries only its best options of the last one
+SMALL_SEARCH = 32  # candidates a sweep up to which a third start (batch unsplit) is cheap
+
+
+class Search:
+  """Plans layouts of `fn` (memoized) and walks the candidates."""
+
+  def __init__(
+    self,
+    fn,
+    arg_specs,
+    mesh: Mesh,
+    budget: int,
+    groups: List[Group],
+    inputs: list,
+    constants: Constants,
+  ):
+    self.fn, self.arg_specs, self.mesh, self.budget = fn, list(arg_specs), mesh, budget
+    self.groups, self.inputs, self.constants = groups, inputs, constants
+    self.seen: Dict[tuple, Evaluation] = {}
+
+  @property
+  def spaces(self) -> List[list]:
+    return [g.candidates for g in self.groups] + [self.inputs]
+
+  def evaluate(self, choice: tuple) -> Evaluation:
+    if choice not in self.seen:
+      self._annotate(choice)
+      report = plan(
+        self.fn, *self.arg_specs, mesh=self.mesh, in_shardings=self.input_shardings(choice[-1])
+      )
+      self.seen[choice] = estimate(report, self.constants, choice)
+    return self.seen[choice]
+
+  def better(self, a: Evaluation, b: Evaluation) -> bool:
+    return a.key(self.budget) < b.key(self.budget)
+
+  def input_shardings(self, axes) -> list:
+    out = []
+    for spec in self.arg_specs:
+      rank = len(spec.shape)
+      head = (axes if axes is None or len(axes) > 1 else axes[0],) if rank else ()
+      out.append(NamedSharding(self.mesh, P(*head, *([None] * (rank - 1)))))
+    return out
+
+  def _annotate(self, choice: tuple) -> None:
+    for group, spec in zip(self.groups, choice):
+      spec = group.fixed if group.fixed is not None else spec
+      for var in group.members:
+        set_layout(var.variable, self.mesh, spec)
+      for var, rank in group.followers:
+        set_layout(
+          var.variable,
+          self.mesh,
+          spec if rank is None or spec is AUTO else _trailing(spec, len(group.shape), rank),
+        )
+
+  # --- the two searches ------------------------------------------------------------------------
+  def descend(self, starts: List[tuple]) -> Evaluation:
+    """The best of the descents from `starts`."""
+    ends = [self._descend(start) for start in starts]
+    return min(ends, key=lambda e: e.key(self.budget))
+
+  def _descend(self, start: tuple, max_sweeps: int = 4) -> Evaluation:
+    """Coordinate descent: each group (then the inputs) takes its best candidate, others held.
+
+    Best, while the layout is over the budget: one that fits (the cheapest), else the
+    one paying the least cost per byte saved (a move saving the most bytes at any
+    price strands the walk far from the cheap layouts); once it fits, the cheapest
+    that still fits. Candidates whose variables alone rule them out are not planned.
+    """
+    best = self.evaluate(start)
+    order = list(range(len(self.groups))) + [len(self.groups)]
+    shortlist = {i: list(self.spaces[i]) for i in order}
+    for _ in range(max_sweeps):
+      before = best
+      for i in order:
+        choices = [best.choice[:i] + (option,) + best.choice[i + 1 :] for option in shortlist[i]]
+        trials = [
+          self.evaluate(c) for c in choices if c != best.choice and not self.cannot_beat(c, best)
+        ]
+        shortlist[i] = self._shortlist(best, i, trials)
+        best = self._pick(best, trials)
+      settled = before.memory <= self.budget and best.cost > before.cost * (1 - SWEEP_GAIN)
+      if best is before or settled:
+        break
+    return best
+
+  def _shortlist(self, best: Evaluation, i: int, trials: List[Evaluation]) -> list:
+    """Group `i`'s options the next sweeps try: the best ones of this sweep by the budget
+    and by cost alone, SHORTLIST in all (while over the budget the cheap options rank
+    last by the budget, yet one of them is often best once the rest fits)."""
+    tried = trials + [best]
+    by_budget = sorted(tried, key=lambda e: e.key(self.budget))
+    by_cost = sorted(tried, key=lambda e: e.cost)
+    half = SHORTLIST // 2
+    ranked = by_budget[:half] + by_cost[:half] + by_budget[half:]
+    return list(dict.fromkeys(e.choice[i] for e in ranked))[:SHORTLIST]
+
+  def _pick(self, best: Evaluation, trials: List[Evaluation]) -> Evaluation:
+    fitting = [t for t in trials if t.memory <= self.budget]
+    if best.memory <= self.budget or fitting:
+      cheapest = min(fitting + [best], key=lambda e: e.key(self.budget))
+      # A near tie (within TIE of the cost) is no move: it would only add sweeps.
+      keep = best.memory <= self.budget and cheapest.cost > best.cost * (1 - TIE)
+      return best if keep else cheapest
+    saving = [t for t in trials if t.memory < best.memory]
+    if not saving:
+      return best
+    return min(saving, key=lambda t: ((t.cost - best.cost) / (best.memory - t.memory), t.cost))
+
+  def cannot_beat(self, choice: tuple, best: Evaluation) -> bool:
+    """True when `choice`'s variables alone (exact bytes, no plan needed) rule it out: they
+    exceed the budget a fitting `best` meets, or the bytes an overflowing `best` needs."""
+    bound = sum(self.variable_bytes(i, spec) for i, spec in enumerate(choice[:-1]))
+    return bound > (self.budget if best.memory <= self.budget else best.memory)
+
+  def variable_bytes(self, i: int, spec) -> int:
+    """Per-device bytes of group `i`'s members and followers under `spec` (0 when left to
+    propagation: unknown until planned)."""
+    group = self.groups[i]
+    spec = group.fixed if group.fixed is not None else spec
+    if spec is AUTO:
+      return 0
+    total = 0
+    for var, rank in [(v, None) for v in group.members] + group.followers:
+      kept = (
+        spec
+        if rank is None or isinstance(spec, Sharding)
+        else _trailing(spec, len(group.shape), rank)
+      )
+      sharding = kept if isinstance(kept, Sharding) else NamedSharding(self.mesh, kept)
+      size = tf.as_dtype(var.dtype).size
+      total += int(np.prod(sharding.shard_shape(var.shape), dtype=np.int64)) * size
+    return total
+
+  def exhaustive(self) -> Evaluation:
+    best = None
+    for choice in itertools.product(*self.spaces):
+      trial = self.evaluate(tuple(choice))
+      if best is None or self.better(trial, best):
+        best = trial
+    return best
+
+  def runner_up(self, best: Evaluation) -> Optional[Evaluation]:
+    others = [e for e in self.seen.values() if e.choice != best.choice]
+    return min(others, key=lambda e: e.key(self.budget), default=None)
+
+  def group_runner_up(self, best: Evaluation, i: int) -> Optional[Evaluation]:
+    """The best planned layout that differs from `best` in group `i` only."""
+    others = [
+      e
+      for e in self.seen.values()
+      if e.choice[i] != best.choice[i]
+      and all(a == b for j, (a, b) in enumerate(zip(e.choice, best.choice)) if j != i)
+    ]
+    return min(others, key=lambda e: e.key(self.budget), default=None)
+
+
+def _trailing(spec: P, rank: int, kept: int) -> P:
+  entries = list(spec) + [None] * (rank - len(spec))
+  return P(*entries[rank - kept :])
+
+
+def set_layout(variable, mesh: Mesh, spec) -> None:
+  if spec is AUTO:
+    clear_layout(variable)
+  elif isinstance(spec, Sharding):
+    annotations.shard_variable(variable, spec)
+  else:
+    annotations.shard_variable(variable, mesh, spec)
+
+
+def clear_layout(variable) -> None:
+  """No annotation at all: propagation decides (TF's own proto and tf_gspmd's attribute)."""
+  setattr(variable, annotations._VARIABLE_ATTR, None)  # noqa: SLF001
+  if hasattr(variable, '_set_xla_sharding'):
+    variable._set_xla_sharding(None)  # noqa: SLF001
+
+
+# --- the entry point ------------------------------------------------------------------------------
+def auto_shard(
+  fn,
+  *arg_specs,
+  mesh: Mesh,
+  memory_budget: int,
+  fixed: Optional[dict] = None,
+  search: str = 'descent',
+  constants: Optional[Constants] = None,
+  min_group_fraction: float = 0.01,
+) -> 'AutoShardResult':
+  """Choose a layout for every variable of `fn` and the inputs' batch dim (see the module doc).
+
+  `arg_specs`: `tf.TensorSpec`s (or values) of `fn`'s tensor arguments, dim 0
+  the batch. `memory_budget`: bytes one device may hold (parameters +
+  optimizer state + activation peak). `fixed`: {variable name or regex: P or
+  Sharding} the search must keep (as are `shard_variable` annotations already
+  on the variables and `tg.shard` inside `fn`). `search`: 'descent'
+  (coordinate descent, scales with distinct layers) or 'exhaustive' (every
+  combination: small cases). The variables' own annotations are restored
+  afterwards; apply the result with `.layout_map` or `.shardings`.
+  Raises a ValueError naming the smallest per-device bytes found when no
+  layout fits.
+  """
+  if search not in ('descent', 'exhaustive'):
+    raise ValueError(f"auto_shard: search must be 'descent' or 'exhaustive', got {search!r}.")
+  started = time.perf_counter()
+  variables = variables_of(fn, arg_specs)
+  saved = {id(v.variable): annotations.variable_sharding(v.variable) for v in variables}
+  groups = group_variables(variables, _fixed_layouts(variables, saved, fixed))
+  _give_candidates(groups, mesh, min_group_fraction)
+  inputs = input_candidates(arg_specs, mesh)
+  searcher = Search(
+    fn, arg_specs, mesh, int(memory_budget), groups, inputs, constants or load_constants()
+  )
+  try:
+    best = (
+      searcher.exhaustive() if search == 'exhaustive' else searcher.descend(_starts(groups, inputs))
+    )
+  finally:
+    for var in variables:
+      set_layout(
+        var.variable, mesh, AUTO if saved[id(var.variable)] is None else saved[id(var.variable)]
+      )
+  if best.overflow(searcher.budget):
+    raise ValueError(
+      f'auto_shard: no layout of {len(groups)} variable groups over {mesh.size} devices fits '
+      f'{searcher.budget:,} bytes per device; the smallest found needs {best.memory:,} bytes '
+      f'(parameters {best.report.parameter_bytes:,} + optimizer state '
+      f'{best.report.optimizer_bytes:,} + activation peak {best.report.activation_peak:,}). '
+      'Raise the budget, use a larger mesh or a smaller batch.'
+    )
+  return AutoShardResult(
+    mesh, searcher.budget, best, searcher, variables, search, time.perf_counter() - started
+  )
+
+
+def _fixed_layouts(variables: List[Var], saved: dict, fixed: Optional[dict]) -> Dict[int, Any]:
+  """id(Var) -> the layout the user gave it (annotation, or a `fixed` pattern)."""
+  out = {id(v): saved[id(v.variable)] for v in variables if saved[id(v.variable)] is not None}
+  for pattern, layout in (fixed or {}).items():
+    layout = layout if isinstance(layout, (P, Sharding)) else P(*layout)
+    matched = [v for v in variables if re.fullmatch(pattern, v.name) or v.name == pattern]
+    if not matched:
+      raise ValueError(
+        f'auto_shard: fixed layout {pattern!r} matches no variable of the step '
+        f'(names: {sorted(v.name for v in variables)[:8]} ...).'
+      )
+    for var in matched:
+      out[id(var)] = layout
+  return out
+
+
+def _starts(groups: List[Group], inputs: list) -> List[tuple]:
+  """Variables replicated, the batch split over the most devices (data parallelism) or over
+  the first axis group only (a batch axis beside model axes): a descent moves one group at
+  a time, and from data parallelism alone it cannot take the batch off the model axes and
+  split the weights over them in one move. A small search (at most SMALL_SEARCH
+  candidates a sweep) also starts from the batch unsplit."""
+  replicated = tuple(g.candidates[0] for g in groups)
+  split = inputs[1:] or [None]
+  most = max(split, key=lambda axes: len(axes or ()))
+  small = sum(len(g.candidates) for g in groups) + len(inputs) <= SMALL_SEARCH
+  batches = [most, split[0]] + ([None] if small else [])
+  return [replicated + (axes,) for axes in dict.fromkeys(batches)]
+
+
+def _give_candidates(groups: List[Group], mesh: Mesh, min_fraction: float) -> None:
+  """Searched specs per group (replicated first); small groups are left to propagation."""
+  total = sum(g.nbytes for g in groups)
+  for group in groups:
+    if group.fixed is not None:
+      group.candidates = [group.fixed]
+    elif group.nbytes < min_fraction * total:
+      group.candidates = [AUTO]
+    else:
+      group.candidates = spec_candidates(group.shape, mesh)

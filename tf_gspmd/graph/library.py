@@ -1,0 +1,286 @@
+"""The library functions reachable from a captured graph, converted to `ir.Graph`s.
+
+If/While branches and bodies, called functions and any other op's `func` attrs, each with
+static shapes (and handle data of resource arguments) taken from its call sites; see
+tf_gspmd/graph/capture.py.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2
+
+from tf_gspmd.graph import ir
+from tf_gspmd.graph.from_ops import graph_from_ops, handle_data_of, make_placeholder
+from tf_gspmd.tf_private import FuncGraph, function_def_to_graph, handle_data_util
+
+# Call ops whose operands (after the first `skip`) are the called function's
+# arguments, by op type: (function attrs, operands to skip).
+_CALL_OPERANDS = {
+  'If': (('then_branch', 'else_branch'), 1),
+  'StatelessIf': (('then_branch', 'else_branch'), 1),
+  'Case': (('branches',), 1),
+  'StatelessCase': (('branches',), 1),
+  'PartitionedCall': (('f',), 0),
+  'StatefulPartitionedCall': (('f',), 0),
+}
+_WHILE_OPS = ('While', 'StatelessWhile')
+
+# One argument of a library function as seen from a call site: static shape
+# and, for a resource/variant, the handle data of what it points to.
+ArgSpec = Tuple[tf.TensorShape, Any]
+
+
+class LibraryConverter:
+  """Converts the library functions reachable from a graph, with call-site shapes.
+
+  A body is rebuilt op by op, so that when it reaches a call (a nested While,
+  If or function call) the callee is converted first, with the shapes of the
+  operands at hand, and the call's outputs then take the callee's output
+  shapes before anything downstream is shape-inferred. Shapes only ever relax
+  (a second call site with other shapes widens a function's argument shapes
+  to the common shape and reconverts it), so the walk ends.
+  """
+
+  def __init__(self, library):
+    self._fdefs = {f.signature.name: f for f in library.function}
+    # A graph holding every library function, so the FunctionDef -> GraphDef
+    # conversion can look up the functions called inside a body.
+    self._scratch = tf.Graph()
+    with self._scratch.as_default():
+      tf.graph_util.import_graph_def(graph_pb2.GraphDef(library=library), name='')
+    self._specs: Dict[str, List[ArgSpec]] = {}
+    self._graphs: Dict[str, FuncGraph] = {}
+    self._order: List[str] = []
+
+  def converted_names(self) -> List[str]:
+    return list(self._order)
+
+  def visit(self, graph: tf.Graph) -> None:
+    """Convert every function the ops of `graph` (the top level) reach."""
+    for op in graph.get_operations():
+      for name, specs in self._call_sites(op.type, op.node_def.attr, list(op.inputs)):
+        self._reach(name, specs)
+
+  def _reach(self, name: str, specs: Optional[List[ArgSpec]]) -> None:
+    if name not in self._fdefs:
+      raise ValueError(f'capture: function {name!r} is called but not in the graph library.')
+    fdef = self._fdefs[name]
+    if specs is None:
+      if name in self._graphs:
+        return
+      specs = _specs_from_fdef(fdef)
+    if len(specs) != len(fdef.signature.input_arg):
+      raise ValueError(
+        f'capture: function {name!r} takes {len(fdef.signature.input_arg)} arguments but a '
+        f'call site passes {len(specs)}.'
+      )
+    old = self._specs.get(name)
+    merged = specs if old is None else [_merge_spec(a, b) for a, b in zip(old, specs)]
+    if old is not None and _same_specs(old, merged) and name in self._graphs:
+      return
+    self._specs[name] = merged
+    self._graphs[name] = self._convert(fdef, merged)
+    if name not in self._order:
+      self._order.append(name)
+
+  def _call_sites(self, op_type: str, attrs, inputs: Sequence[tf.Tensor]):
+    """(function name, argument specs, or None when the call site says nothing) per function."""
+    if op_type in self._fdefs:  # a function called by name as the op type
+      yield op_type, [_spec_of(t) for t in inputs]
+    if op_type in _WHILE_OPS:
+      specs = _while_specs(attrs, inputs)
+      for attr in ('cond', 'body'):
+        yield attrs[attr].func.name, specs
+      return
+    known = _CALL_OPERANDS.get(op_type)
+    specs = None
+    if known is not None:
+      specs = [_spec_of(t) for t in inputs[known[1] :]]
+    for attr in sorted(attrs):
+      value = attrs[attr]
+      names = (
+        [value.func.name]
+        if value.HasField('func')
+        else [f.name for f in value.list.func]
+        if value.HasField('list')
+        else []
+      )
+      for name in names:
+        if name:
+          yield name, (specs if known is not None and attr in known[0] else None)
+
+  def _convert(self, fdef, specs: List[ArgSpec]) -> FuncGraph:
+    with self._scratch.as_default():
+      graph_def, flat_names = function_def_to_graph.function_def_to_graph_def(fdef)
+      func_graph = FuncGraph(fdef.signature.name)
+    arg_names = {a.name for a in fdef.signature.input_arg}
+    with func_graph.as_default():
+      placeholders = [
+        make_placeholder(arg.name, tf.as_dtype(arg.type), shape, handle)
+        for arg, (shape, handle) in zip(fdef.signature.input_arg, specs)
+      ]
+      for node_def in _topological_node_defs(graph_def.node, arg_names, fdef.signature.name):
+        self._create_op(func_graph, node_def)
+    func_graph.inputs = placeholders
+    func_graph.outputs = [
+      func_graph.get_tensor_by_name(flat_names[fdef.ret[arg.name]])
+      for arg in fdef.signature.output_arg
+    ]
+    func_graph.control_outputs = [
+      func_graph.get_operation_by_name(fdef.control_ret[ret])
+      for ret in fdef.signature.control_output
+    ]
+    return func_graph
+
+  def _create_op(self, graph: FuncGraph, node_def) -> tf.Operation:
+    """Create `node_def` in `graph` (exact name, attrs and device), callees converted first."""
+    inputs = [
+      graph.get_tensor_by_name(i if ':' in i else f'{i}:0')
+      for i in node_def.input
+      if not i.startswith('^')
+    ]
+    controls = [graph.get_operation_by_name(i[1:]) for i in node_def.input if i.startswith('^')]
+    callees = list(self._call_sites(node_def.op, node_def.attr, inputs))
+    for name, specs in callees:
+      self._reach(name, specs)
+    if node_def.op in self._fdefs and not graph._is_function(node_def.op):  # noqa: SLF001
+      graph._add_function(self._scratch._get_function(node_def.op))  # noqa: SLF001
+    bare = node_def_pb2.NodeDef()
+    bare.CopyFrom(node_def)
+    del bare.input[:]
+    try:
+      op = tf.Operation.from_node_def(bare, graph, inputs=inputs, control_inputs=controls)
+    except (ValueError, TypeError, tf.errors.InvalidArgumentError) as e:
+      raise ValueError(
+        f'capture: cannot re-create node {node_def.name!r} ({node_def.op}) '
+        f'of function {graph.name}: {e}'
+      ) from e
+    graph._create_op_helper(op, compute_device=False)  # noqa: SLF001
+    self._refine_call_outputs(op)
+    return op
+
+  def _refine_call_outputs(self, op: tf.Operation) -> None:
+    """Give a call's outputs the static shapes (and handle data) of the callee's outputs.
+
+    An If/Case output takes the most specific shape all branches agree on.
+    A While keeps the loop shapes its `output_shapes` attr already gave it.
+    """
+    if op.type in self._fdefs:
+      bodies = [op.type]
+    elif op.type in _CALL_OPERANDS:
+      attrs = op.node_def.attr
+      bodies = []
+      for attr in _CALL_OPERANDS[op.type][0]:
+        value = attrs[attr]
+        bodies += [value.func.name] if value.HasField('func') else [f.name for f in value.list.func]
+    else:
+      return
+    graphs = [self._graphs[n] for n in bodies]
+    for i, out in enumerate(op.outputs):
+      results = [g.outputs[i] for g in graphs if i < len(g.outputs)]
+      if len(results) != len(graphs) or not results:
+        continue
+      shape = results[0].shape
+      for r in results[1:]:
+        shape = shape.most_specific_compatible_shape(r.shape)
+      if out.shape.is_compatible_with(shape):
+        out.set_shape(shape)
+      if out.dtype in (tf.resource, tf.variant) and handle_data_of(out) is None:
+        handles = [handle_data_of(r) for r in results]
+        if handles[0] is not None and all(_same_handle_data(handles[0], h) for h in handles):
+          handle_data_util.set_handle_data(out, handles[0])
+
+  def ir_graph(self, name: str) -> ir.Graph:
+    fdef, func_graph = self._fdefs[name], self._graphs[name]
+    attrs = {}
+    for key in fdef.attr:
+      value = attr_value_pb2.AttrValue()
+      value.CopyFrom(fdef.attr[key])
+      attrs[key] = value
+    return graph_from_ops(
+      name,
+      func_graph.get_operations(),
+      func_graph.inputs,
+      func_graph.outputs,
+      func_graph.control_outputs,
+      attrs=attrs,
+      output_names=[arg.name for arg in fdef.signature.output_arg],
+    )
+
+
+def _while_specs(attrs, inputs: Sequence[tf.Tensor]) -> List[ArgSpec]:
+  """A While's loop-variable specs: its `output_shapes` (the loop's shape invariants) if given."""
+  shapes = list(attrs['output_shapes'].list.shape) if 'output_shapes' in attrs else []
+  if len(shapes) != len(inputs):
+    return [_spec_of(t) for t in inputs]
+  return [(tf.TensorShape(s), handle_data_of(t)) for s, t in zip(shapes, inputs)]
+
+
+def _topological_node_defs(node_defs, skip, where: str):
+  """`node_defs` (minus the names in `skip`) ordered so each follows its inputs; ties keep order."""
+  names = [n.name for n in node_defs if n.name not in skip]
+  position = {name: i for i, name in enumerate(names)}
+  by_name = {n.name: n for n in node_defs}
+  waiting_on, users = {}, {}
+  for name in names:
+    deps = {i.lstrip('^').split(':')[0] for i in by_name[name].input}
+    deps = {d for d in deps if d in position}
+    waiting_on[name] = len(deps)
+    for d in deps:
+      users.setdefault(d, []).append(name)
+  ready = [position[n] for n in names if waiting_on[n] == 0]
+  heapq.heapify(ready)
+  ordered = []
+  while ready:
+    name = names[heapq.heappop(ready)]
+    ordered.append(by_name[name])
+    for user in users.get(name, ()):
+      waiting_on[user] -= 1
+      if waiting_on[user] == 0:
+        heapq.heappush(ready, position[user])
+  if len(ordered) != len(names):
+    stuck = sorted(n for n in names if waiting_on[n] > 0)[:5]
+    raise ValueError(f'capture: function {where} has a cycle through {stuck}.')
+  return ordered
+
+
+def _spec_of(t: tf.Tensor) -> ArgSpec:
+  return t.shape, handle_data_of(t)
+
+
+def _specs_from_fdef(fdef) -> List[ArgSpec]:
+  """Argument shapes a FunctionDef records about itself (`_input_shapes`, arg `_output_shapes`)."""
+  recorded = fdef.attr['_input_shapes'].list.shape if '_input_shapes' in fdef.attr else []
+  specs = []
+  for i, _ in enumerate(fdef.signature.input_arg):
+    shape = tf.TensorShape(None)
+    if i < len(recorded):
+      shape = tf.TensorShape(recorded[i])
+    elif i in fdef.arg_attr and '_output_shapes' in fdef.arg_attr[i].attr:
+      listed = fdef.arg_attr[i].attr['_output_shapes'].list.shape
+      if listed:
+        shape = tf.TensorShape(listed[0])
+    specs.append((shape, None))
+  return specs
+
+
+def _merge_spec(a: ArgSpec, b: ArgSpec) -> ArgSpec:
+  shape = a[0].most_specific_compatible_shape(b[0])
+  handle = a[1] if _same_handle_data(a[1], b[1]) else None
+  return shape, handle
+
+
+def _same_handle_data(a, b) -> bool:
+  if a is None or b is None:
+    return a is None and b is None
+  return a.SerializeToString(deterministic=True) == b.SerializeToString(deterministic=True)
+
+
+def _same_specs(a: List[ArgSpec], b: List[ArgSpec]) -> bool:
+  return all(
+    x[0].as_proto() == y[0].as_proto() and _same_handle_data(x[1], y[1]) for x, y in zip(a, b)
+  )

@@ -1,0 +1,36 @@
+"""`tf_gspmd.partition`: an annotated tf.function as one SPMD program on a mesh.
+
+The data flow, one stage per package:
+capture (`graph.capture`) -> propagate (`propagation`) -> partition
+(`graph_rewrite.partitioner` and its handlers, with reshards planned by
+`graph_rewrite.reshard` and lowered by `graph_rewrite.lower_reshard`) ->
+run (`runtime.SpmdProgram`: one per-partition program launched on every device;
+or, with backend='xla', the program exported to StableHLO and run through PJRT).
+
+This package is the front over those stages:
+- `front`: `partition` and `PartitionedFunction`, what the user holds;
+- `compile`: capture, annotate, propagate and build the per-partition program;
+- `boundary`: the given in/out shardings, the mesh and device order the program
+  computes in;
+- `variables`: `VariableStore`, the variables' shards between calls;
+- `tf_executor`, `xla_executor`: one call on each backend.
+
+Variables the function touches live sharded across the devices between calls
+(`ShardedVariable`s, laid out as propagation decided); `sync_variables()`
+copies their global values back into the original `tf.Variable`s and
+`scatter_variables()` sends changed originals out again.
+"""
+
+from tf_gspmd.partitioned.compile import Compiled
+from tf_gspmd.partitioned.front import BACKENDS, PartitionedFunction, partition
+from tf_gspmd.partitioned.signature import name_of
+from tf_gspmd.partitioned.variables import VariableStore
+
+__all__ = [
+  'BACKENDS',
+  'Compiled',
+  'PartitionedFunction',
+  'VariableStore',
+  'name_of',
+  'partition',
+]

@@ -1,0 +1,294 @@
+"""`PartitionedFunction`: the object `tf_gspmd.partition` returns, a thin front.
+
+It keeps one compiled program per call signature (`compile`), the variables' shards
+(`variables.VariableStore`), and hands each call to its backend's executor
+(`tf_executor`, `xla_executor`); the rest is reading what was compiled.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import tensorflow as tf
+
+from tf_gspmd import build_progress
+from tf_gspmd.graph import ir
+from tf_gspmd.graph_rewrite.partitioner import OpRecord
+from tf_gspmd.mesh import Mesh
+from tf_gspmd.partitioned import compile as compile_lib
+from tf_gspmd.partitioned import tf_executor, xla_executor
+from tf_gspmd.partitioned.compile import Compiled
+from tf_gspmd.partitioned.signature import is_tensor_like, name_of, signature_key
+from tf_gspmd.partitioned.variables import VariableStore
+from tf_gspmd.sharding import NamedSharding
+
+BACKENDS = ('tf', 'xla')  # TF collectives on TF devices (default); XLA through PJRT
+
+
+class PartitionedFunction:
+  """A tf.function partitioned over a mesh; call it with global values.
+
+  See `partition` for the arguments. Subclasses change how variables get their
+  shards (`_shard_variable`) or what a build makes (`_build`).
+  """
+
+  def __init__(
+    self,
+    fn,
+    mesh: Mesh,
+    in_shardings=None,
+    out_shardings=None,
+    *,
+    devices: Optional[Sequence[str]] = None,
+    timeout: Optional[float] = None,
+    store: Optional[VariableStore] = None,
+    backend: str = 'tf',
+    progress: Optional[bool] = None,
+  ):
+    from tf_gspmd import dtensor_compat
+
+    if dtensor_compat.is_dtensor_mesh(mesh) and devices is None and backend == 'tf':
+      devices = dtensor_compat.mesh_devices(mesh)  # a DTensor mesh runs on the devices it names
+    mesh = dtensor_compat.converted(mesh)
+    # DTensor Layouts (one for all, or one per tensor) converted once here: every later reader
+    # (boundary.given_shardings, boundary.Annotator, subclasses) sees tf_gspmd Shardings.
+    in_shardings = dtensor_compat.converted(in_shardings)
+    out_shardings = dtensor_compat.converted(out_shardings)
+    if not isinstance(mesh, Mesh):
+      raise TypeError(f'partition: mesh must be a tf_gspmd.Mesh, got {type(mesh).__name__}.')
+    if backend not in BACKENDS:
+      raise ValueError(f'partition: backend must be one of {BACKENDS}, got {backend!r}.')
+    self.backend = backend
+    self.fn = fn
+    self.mesh = mesh
+    self.in_shardings = in_shardings
+    self.out_shardings = out_shardings
+    self.devices = devices
+    self.timeout = timeout
+    self._compiled: Dict[Any, Compiled] = {}
+    self.store = store if store is not None else VariableStore()
+    self._sharded_variables = self.store.sharded  # id(tf.Variable) -> ShardedVariable
+    self._originals = self.store.originals
+    self._last: Optional[Compiled] = None
+    self.progress = build_progress.enabled_by_default() if progress is None else bool(progress)
+    self.last_build: Optional[build_progress.BuildProgress] = None  # its .phases: (phase, s)
+    self._building: Optional[build_progress.BuildProgress] = None
+
+  # --- calling ------------------------------------------------------------------
+  def __call__(self, *args):
+    compiled = self._compiled.get(signature_key(args))
+    if compiled is not None:
+      return self._call(args, compiled)
+    what = f'{name_of(self.fn)} on {self.mesh.size} devices'
+    with build_progress.BuildProgress(what, self.progress) as progress:
+      self._building = self.last_build = progress
+      try:
+        return self._call(args, self._compile(args))
+      finally:
+        self._building = None
+
+  def _phase(self, text: str) -> None:
+    """Mark the phase of the first call being built (shown when the build takes long)."""
+    if self._building is not None:
+      self._building.phase(text)
+
+  def _call(self, args, compiled: Compiled):
+    self.store.check_annotations(compiled.variables)
+    self._last = compiled
+    flat_args = [a for a in tf.nest.flatten(args) if is_tensor_like(a)]
+    if self.backend == 'xla':
+      run = self._xla_run(compiled)
+      return xla_executor.run(compiled, run, flat_args, self._sharded_variables)
+    what = f'partition({name_of(self.fn)!r})'
+    return tf_executor.run(compiled, flat_args, self._sharded_variables, what)
+
+  def get_program(self, *args) -> Compiled:
+    """Capture, propagate and build (without running) for these example arguments."""
+    return self._compile(args)
+
+  # --- variables ------------------------------------------------------------------
+  def sharded_variables(self) -> List[Any]:
+    return list(self._sharded_variables.values())
+
+  def variable_pairs(self) -> List[tuple]:
+    """(original tf.Variable, its ShardedVariable) for every variable the function touches."""
+    return self.store.pairs()
+
+  def sync_variables(self, variables=None) -> None:
+    """Assign the global value of every sharded variable (or of `variables`) to its original."""
+    self.store.sync(variables)
+
+  def scatter_variables(self, variables=None) -> None:
+    """Send the current value of every original tf.Variable (or of `variables`) to its shards."""
+    self.store.scatter(variables)
+
+  def variable_bytes(self) -> Dict[str, Dict[str, int]]:
+    """Per variable name: its total bytes and the bytes one device holds.
+
+    Variables that share a name get '#2', '#3', ... appended to it.
+    """
+    return self.store.byte_counts()
+
+  # --- XLA: TPU lowering, export and backend='xla' ------------------------------------
+  def lower_xla(self, *args, partition_id: int = 0):
+    """The same per-partition program with XLA collective ops, for one SPMD program per
+    TPU replica (under TPUStrategy the replica id is the partition id).
+
+    Returns `(program, hlo_text)`: the traced `PerPartitionProgram` (a function of
+    `(partition_id, *local shards, *shard variables)`) and its HLO, jit-compiled for
+    this machine's XLA device, where the all-reduce family lowers (XLA on CPU has no
+    all-to-all or collective-permute; a program that needs them traces here and
+    compiles on TPU).
+    """
+    compiled = self._compile(args)
+    return xla_executor.lower(compiled, self._sharded_variables, partition_id, name_of(self.fn))
+
+  def export_xla(self, *args):
+    """The per-replica StableHLO program for these example arguments (an `xla_bridge.XlaExport`).
+
+    One module for all replicas (partition id = XLA replica id), every collective
+    native, replica groups from the mesh. Its parameters are the local shards of
+    the tensor arguments, the captured tensors, then the variables; its results
+    the outputs, then the new values of the variables the function assigns.
+    `XlaExport.args`/`results` say how each global value is sharded over the
+    replicas. Runs nothing; works with either backend.
+    """
+    return xla_executor.export(self._compile(args), self._sharded_variables, name_of(self.fn))
+
+  def xla_executable(self, *args):
+    """backend='xla': the compiled `xla_bridge.PjrtExecutable` for these arguments."""
+    if self.backend != 'xla':
+      raise ValueError("xla_executable(): this function was partitioned with backend='tf'.")
+    return self._xla_run(self._compile(args)).executable
+
+  def _xla_devices(self) -> list:
+    return xla_executor.devices_for(self.mesh, self.devices)
+
+  def _xla_run(self, compiled: Compiled) -> xla_executor.XlaRun:
+    """`compiled` made ready to run on the XLA devices (once: kept as `compiled.xla`)."""
+    if compiled.xla is None:
+      compiled.xla = xla_executor.prepare(
+        compiled, self._sharded_variables, self._xla_devices(), name_of(self.fn)
+      )
+    return compiled.xla
+
+  # --- explaining ------------------------------------------------------------------
+  def explain(self) -> str:
+    """Propagated shardings of every op and where they came from."""
+    self._require_compiled('explain')
+    return self._last.plan.explain()
+
+  def collectives(self) -> List[dict]:
+    """One record per collective the program runs per call: kind, axes, shape, bytes, op."""
+    self._require_compiled('collectives')
+    out = []
+    for op in self._last.op_records:
+      for rec in op.collectives:
+        out.append(dict(rec, op=op.node, op_type=op.op, graph=op.graph))
+    return out
+
+  def op_records(self) -> List[OpRecord]:
+    self._require_compiled('op_records')
+    return list(self._last.op_records)
+
+  def _require_compiled(self, what):
+    if self._last is None:
+      raise RuntimeError(f'{what}(): call the partitioned function (or get_program) first.')
+
+  # --- pictures ---------------------------------------------------------------------
+  def visualize(self, name: str) -> str:
+    """Print (and return) which devices hold which block of variable or tensor `name`.
+
+    `name`: a variable's name ('w1', 'w1:0') or a tensor of the main graph
+    ('MatMul:0', or 'MatMul' for output 0), laid out as propagation chose. An
+    unknown name raises a KeyError naming the nearest ones. See `tg.visualize`.
+
+    >>> step(x); step.visualize('w1')                                 # doctest: +SKIP
+    w1:0: (16, 32) P(None, 'model') on mesh data=2 x model=4; each device holds (16, 8)
+    ...
+    """
+    self._require_compiled('visualize')
+    from tf_gspmd.pictures import sources
+
+    return sources.visualize_named(self, name)
+
+  def report(self, path) -> str:
+    """Write one self-contained HTML page about the last compiled program to `path`.
+
+    The page draws every variable's layout as a device grid, the collectives
+    per step as a bar chart of bytes by kind and mesh axes, each device's
+    memory (parameters / optimizer state) and where each sharding came from.
+    No network needed to view it. Returns the path written.
+
+    >>> step(x); step.report('report.html')                           # doctest: +SKIP
+    'report.html'
+    """
+    self._require_compiled('report')
+    from tf_gspmd.pictures import sources
+
+    return sources.write_report(self, path, 'function')
+
+  # --- building ---------------------------------------------------------------------
+  def _compile(self, args) -> Compiled:
+    from tf_gspmd.propagation.api import propagate_captured
+
+    key = signature_key(args)
+    if key in self._compiled:
+      return self._compiled[key]
+    self._phase('capturing the step')
+    program, mesh = compile_lib.capture_annotated(
+      self.fn, args, self.mesh, self.in_shardings, self.out_shardings, name_of(self.fn)
+    )
+    self._phase('propagating shardings')
+    plan = propagate_captured(program, mesh)
+    self._phase('making the sharded variables')
+    compiled = self._build(program, plan, mesh)
+    self._compiled[key] = compiled
+    return compiled
+
+  def _build(self, program: ir.Program, plan, program_mesh: Mesh) -> Compiled:
+    """The per-partition program and, for backend='tf', its launcher."""
+    executor = xla_executor if self.backend == 'xla' else tf_executor
+    sharded_cls = executor.sharded_variable_class()
+    compiled = compile_lib.build(
+      program,
+      plan,
+      program_mesh,
+      backend=self.backend,
+      shard_variable=lambda var, sharding: self._shard_variable(var, sharding, sharded_cls),
+      sharded_variables=self._sharded_variables,
+      phase=self._phase,
+      name=name_of(self.fn),
+    )
+    if self.backend == 'tf':
+      compiled.spmd = tf_executor.spmd_program(compiled, self.devices, self.timeout)
+    return compiled
+
+  def _shard_variable(self, var, sharding: NamedSharding, sharded_cls) -> None:
+    """Give `var` its shards in the store (subclasses hold them elsewhere)."""
+    devices = self._xla_devices if self.backend == 'xla' else self.devices
+    self.store.add(var, sharding, sharded_cls, devices, self.backend)
+
+
+def partition(
+  fn=None, mesh: Optional[Mesh] = None, in_shardings=None, out_shardings=None, **kwargs
+):
+  """Partition an annotated tf.function over `mesh`; usable as a decorator.
+
+  `in_shardings`/`out_shardings`: one Sharding (or None: leave it to
+  propagation) per flattened tensor argument / output, or one for all.
+  `backend`: 'tf' (default: TF collectives between TF devices) or 'xla' (the
+  per-replica program exported to StableHLO, compiled by XLA and run on the
+  mesh's devices through PJRT; needs the `tf_gspmd[xla]` extra).
+  `progress`: while a first call builds for longer than a few seconds, show
+  which phase it is in (one updating line on a terminal, INFO log lines
+  otherwise; see `tf_gspmd.build_progress`); default on unless TF_GSPMD_PROGRESS=0.
+
+  >>> mesh = Mesh.create((8,), ('data',))                          # doctest: +SKIP
+  >>> by_rows = NamedSharding(mesh, P('data', None))                # doctest: +SKIP
+  >>> step = partition(train_step, mesh, in_shardings=by_rows)     # doctest: +SKIP
+  >>> loss = step(x)                                               # doctest: +SKIP
+  """
+  if fn is None:
+    return lambda f: PartitionedFunction(f, mesh, in_shardings, out_shardings, **kwargs)
+  return PartitionedFunction(fn, mesh, in_shardings, out_shardings, **kwargs)

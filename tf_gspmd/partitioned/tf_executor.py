@@ -1,0 +1,61 @@
+"""backend='tf': the per-partition program launched on TF devices by `runtime.SpmdProgram`."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import tensorflow as tf
+
+from tf_gspmd.partitioned.compile import Compiled
+
+
+def sharded_variable_class():
+  """What holds a variable's shards for this backend: one TF variable per device."""
+  from tf_gspmd.runtime import ShardedVariable
+
+  return ShardedVariable
+
+
+def spmd_program(compiled: Compiled, devices: Optional[Sequence[str]], timeout: Optional[float]):
+  """The launcher of `compiled`'s per-partition program: arguments and captures split by
+  their shardings, variables passed as their shards, outputs assembled."""
+  from tf_gspmd.runtime import SpmdProgram
+
+  kwargs = {} if timeout is None else {'timeout': timeout}
+  return SpmdProgram(
+    compiled.mesh,
+    compiled.per_partition,
+    in_shardings=(
+      list(compiled.arg_shardings)
+      + list(compiled.capture_shardings)
+      + [None] * len(compiled.variables)
+    ),
+    out_shardings=compiled.out_shardings,
+    out_shapes=compiled.out_shapes,
+    devices=devices,
+    **kwargs,
+  )
+
+
+def run(compiled: Compiled, flat_args, sharded_variables: dict, what: str):
+  """Call the program once: the flat tensor arguments, then captures, then variable shards.
+
+  `what` names the function in the error raised when a task of a cluster died.
+  """
+  inputs = (
+    list(flat_args)
+    + list(compiled.capture_values)
+    + [sharded_variables[id(v)] for v in compiled.variables]
+  )
+  try:
+    flat = compiled.spmd(*inputs)
+  except tf.errors.UnavailableError as error:  # a task of a cluster died: say which
+    from tf_gspmd.runtime import cluster
+
+    cluster.raise_if_task_lost(compiled.spmd.devices, error, what)
+    raise
+  flat = list(flat) if isinstance(flat, (list, tuple)) else [flat]
+  structure = compiled.program.structured_outputs
+  if structure is None:
+    return None
+  return tf.nest.pack_sequence_as(structure, flat, expand_composites=True)

@@ -1,0 +1,103 @@
+"""TensorFlow's private API (`tensorflow.python...`), imported in this one module.
+
+Each symbol keeps its TF name (a module under its module name), so a caller
+writes `from tf_gspmd.tf_private import context` where it would have written
+`from tensorflow.python.eager import context`; tests/test_private_api.py fails on
+a `tensorflow.python` import anywhere else in tf_gspmd. Each one says why no
+public API serves. A TF upgrade that moves one of them breaks here, in one place.
+
+Not here, because a public API serves (use it instead):
+  tensor_util.MakeNdarray                           -> tf.make_ndarray
+  errors.DEADLINE_EXCEEDED                          -> tf.errors.DEADLINE_EXCEEDED
+  gen_functional_ops.stateful_partitioned_call      -> tf.raw_ops.StatefulPartitionedCall
+  gen_resource_variable_ops.resource_scatter_update -> tf.raw_ops.ResourceScatterUpdate
+  context.executing_eagerly                         -> tf.executing_eagerly
+  ops.get_default_graph                             -> tf.compat.v1.get_default_graph
+  ops.Operation                                     -> tf.Operation
+  importer.import_graph_def                         -> tf.graph_util.import_graph_def
+  array_ops.placeholder                             -> tf.compat.v1.placeholder
+  concrete_function.ConcreteFunction                -> tf.types.experimental.ConcreteFunction
+  versions.GRAPH_DEF_VERSION(_MIN_CONSUMER)         -> tf.version.GRAPH_DEF_VERSION(...)
+  compat.as_str / as_bytes                          -> tf.compat.as_str / as_bytes
+"""
+
+# One import per symbol, each under the comment saying why it is needed (not sorted by isort,
+# which would merge the imports of one package and move their comments apart).
+# ruff: noqa: I001
+
+# The eager context: aborting collectives on a hung step (the watchdog), per-call function
+# options (Grappler off), waiting for async writes (`async_wait`), the cluster's ServerDef
+# (`get_server_def`) and registering a rebuilt function (`context().add_function_def`).
+# tf.config and tf.experimental expose none of these.
+from tensorflow.python.eager import context
+
+# An AtomicFunction is the callable one FunctionDef becomes; a rebuilt function is made as
+# one directly, without tracing Python again (tf.function only builds them by tracing).
+from tensorflow.python.eager.polymorphic_function import atomic_function
+
+# The FunctionType of a rebuilt function (derived from its FuncGraph) and the binding of
+# call arguments to it; no public API derives a FunctionType from a graph.
+from tensorflow.python.eager.polymorphic_function import function_type_utils
+
+# The TF C API's graph-to-FunctionDef conversion, and the buffer it writes into: the only way to
+# turn a FuncGraph built op by op into a FunctionDef with chosen output names.
+from tensorflow.python.client import pywrap_tf_session
+from tensorflow.python.framework import c_api_util
+
+# The graph a tf.function body is traced into: rebuilt and captured bodies are built in one
+# (captures, handle data, control outputs); tf.Graph has none of that.
+from tensorflow.python.framework.func_graph import FuncGraph
+
+# FunctionDef -> GraphDef with the names of its outputs resolved: the public importers take a
+# GraphDef only, and a function's body refers to its outputs as `op:output_arg:index`.
+from tensorflow.python.framework import function_def_to_graph
+
+# `_import_graph_def_internal` imports a function body into the graph being traced with its
+# devices kept (`propagate_device_spec`) and colocation left unchecked
+# (`validate_colocation_constraints`); the public tf.graph_util.import_graph_def takes neither.
+from tensorflow.python.framework import importer
+
+# The registered OpDef of an op type (its input and output args): no public API reads it.
+from tensorflow.python.framework import op_def_registry
+
+# The HandleData proto of a resource tensor (the dtype and shape of the variable behind it);
+# TF does not export this proto.
+from tensorflow.python.framework import cpp_shape_inference_pb2
+
+# Reads and copies a resource tensor's handle data (variable dtype and shape) across graphs;
+# without it a placeholder standing for a variable handle reads as an unknown shape.
+from tensorflow.python.ops import handle_data_util
+
+# Which resource inputs of a function only read their variable (the attr automatic control
+# dependencies use to let reads run in parallel); computed by TF's private helper only.
+from tensorflow.python.framework import auto_control_deps_utils
+
+# The builders of TF's collective V2 ops (group and instance keys, ordering token, timeout)
+# that tf.distribute itself uses; tf.raw_ops.Collective*V2 are the bare ops without them.
+from tensorflow.python.ops import collective_ops
+
+# A resource variable that has a shape and dtype but never allocates its value (a plan of a
+# model too large to build); tf.Variable always initializes.
+from tensorflow.python.ops.resource_variable_ops import UninitializedVariable
+
+# TF's own XlaSharding annotation (an `XlaSharding` op carrying an OpSharding) and its reader;
+# tf2xla reads exactly these ops, and TF exports no API writing them.
+from tensorflow.python.compiler.xla.experimental import xla_sharding
+
+__all__ = [
+  'FuncGraph',
+  'UninitializedVariable',
+  'atomic_function',
+  'auto_control_deps_utils',
+  'c_api_util',
+  'collective_ops',
+  'context',
+  'cpp_shape_inference_pb2',
+  'function_def_to_graph',
+  'function_type_utils',
+  'handle_data_util',
+  'importer',
+  'op_def_registry',
+  'pywrap_tf_session',
+  'xla_sharding',
+]
