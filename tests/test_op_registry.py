@@ -54,11 +54,6 @@ ALLOWED = {
   ),
   'hlo.py': ({'Identity', 'Const'}, 'XLA-side names of pass-through and literal nodes it emits'),
   'xla.py': ({'Placeholder', 'XlaSharding'}, "an exported program's placeholders and annotations"),
-  'saved_model.py': (
-    {'ReadVariableOp', 'VarIsInitializedOp', 'VariableShape'},
-    "the read-only variable ops are the entries' `reads_variable_only`, to be read there "
-    'instead (export package, not ours)',
-  ),
   'coalesce.py': ({'Const'}, 'a literal node: its value is known before run time'),
   'shape_ops.py': ({'Const'}, "a literal node's value, which folding keeps only for ints"),
 }

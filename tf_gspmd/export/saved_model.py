@@ -90,13 +90,12 @@ from tf_gspmd.export.xla import (  # noqa: F401
 )
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.partitioned import Compiled
+from tf_gspmd.propagation import registry
 from tf_gspmd.runtime import SpmdProgram
 from tf_gspmd.runtime.sharded import ShardedVariable
 from tf_gspmd.sharding import Sharding
 
 METADATA = os.path.join('assets.extra', 'tf_gspmd.json')
-# Reading a variable changes nothing; any other use of its handle may write it.
-_READ_ONLY_OPS = frozenset({'ReadVariableOp', 'VarIsInitializedOp', 'VariableShape'})
 
 
 @dataclasses.dataclass
@@ -188,12 +187,17 @@ def _piece_key(sharding: Sharding, shape, p: int):
   return bounds
 
 
+def _reads_only(op_type: str) -> bool:
+  return registry.entry_of(op_type).reads_variable_only
+
+
 def _written(compiled: Compiled, variable) -> bool:
   """Whether the program may write `variable` (any use of its handle but a read)."""
   main = compiled.program.main
   names = [n for n, v in compiled.program.variables.items() if v is variable]
   for node in main.nodes:
-    if node.op not in _READ_ONLY_OPS and any(t in names for t in node.inputs):
+    # Reading a variable changes nothing; any other use of its handle may write it.
+    if not _reads_only(node.op) and any(t in names for t in node.inputs):
       return True
   return False
 
