@@ -193,8 +193,8 @@ def test_shard_writes_the_graph_of_the_converted_sharding(ours):
   @tf.function
   def f(x):
     y = ours(x)
-    assert get_sharding(y) == NamedSharding(
-      Mesh.create((2, 4), ('batch', 'model')), P(None, 'model')
+    assert get_sharding(y).is_equivalent_to(
+      NamedSharding(Mesh.create((2, 4), ('batch', 'model')), P(None, 'model'))
     )
     return y
 
