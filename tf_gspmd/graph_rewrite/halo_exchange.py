@@ -49,7 +49,7 @@ def node_attr(node, name, default=None):
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class ImageDims:
   """Where batch, spatial and channel dims sit in a rank-4 image (NHWC or NCHW)."""
 
   batch: int
@@ -57,7 +57,7 @@ class Layout:
   channel: int
 
   @classmethod
-  def of(cls, node) -> 'Layout':
+  def of(cls, node) -> 'ImageDims':
     fmt = node_attr(node, 'data_format', 'NHWC')
     if fmt in ('NCHW',):
       return cls(0, (2, 3), 1)
@@ -113,7 +113,7 @@ class SpatialDim:
 
 
 def plan_dims(
-  p, node, spec: P, layout: Layout, windows: List[WindowDim], tensor: str
+  p, node, spec: P, layout: ImageDims, windows: List[WindowDim], tensor: str
 ) -> List[SpatialDim]:
   """Halo plans for the spatial dims as `spec` splits them; a split dim that yields no
   output rows is planned whole (the caller gathers it) with a warning."""

@@ -54,7 +54,7 @@ from tensorflow.core.framework import attr_value_pb2
 from tf_gspmd.graph import emit
 from tf_gspmd.graph_rewrite import uneven
 from tf_gspmd.graph_rewrite.halo_exchange import (
-  Layout,
+  ImageDims,
   NotHaloable,
   SpatialDim,
   along,
@@ -125,7 +125,7 @@ def _image_is_result(node) -> bool:
   return bool(local_params(node).get('image_is_result'))
 
 
-def _check_haloable(p, graph, node, operands) -> Layout:
+def _check_haloable(p, graph, node, operands) -> ImageDims:
   """The op's layout, or NotHaloable when its form is outside halo exchange."""
   from tf_gspmd.propagation.registry import RuleError
 
@@ -135,7 +135,7 @@ def _check_haloable(p, graph, node, operands) -> Layout:
       f'{node.op} {node.name}: its image has shape {image}; halo exchange '
       'handles rank-4 (2-D spatial) ops.'
     )
-  layout = Layout.of(node)
+  layout = ImageDims.of(node)
   padding = node_attr(node, 'padding', 'VALID')
   if padding not in ('SAME', 'VALID', 'EXPLICIT'):
     raise NotHaloable(f'{node.op} {node.name}: padding {padding!r} is not supported.')
@@ -148,7 +148,7 @@ def _check_haloable(p, graph, node, operands) -> Layout:
   return layout
 
 
-def _rule_layouts(p, graph, node, operands, layout: Layout):
+def _rule_layouts(p, graph, node, operands, layout: ImageDims):
   """The rule's layouts (`factors.choose_layouts`, spatial factors split with halos) and the
   halo plan of each spatial dim. A spatial dim `plan_dims` cannot halo-partition (no
   output rows) is chosen whole instead (`plan_dims` warns)."""

@@ -25,8 +25,8 @@ from tf_gspmd.graph_rewrite.reshard.moves import (
   PHASE_MIDDLE,
   Axes,
   Effect,
-  Layout,
   PlanContext,
+  SearchState,
   Step,
   fmt_axes,
   replace_dim,
@@ -64,7 +64,7 @@ class Permute(Step):
     new_dims = tuple((a, lv) for a, (_, lv) in zip(new_axes, layout.dims))
     shape_in = ctx.local_shape(layout.dims)
     e_in = elems(shape_in)
-    return Effect(Layout(new_dims, layout.partial, PHASE_MIDDLE), e_in, e_in, (shape_in,))
+    return Effect(SearchState(new_dims, layout.partial, PHASE_MIDDLE), e_in, e_in, (shape_in,))
 
   @classmethod
   def build(cls, ctx, layout, choice, details):
@@ -98,7 +98,7 @@ class Permute(Step):
     return f'permute {" ".join(moves) or "device order"} ({len(self.pairs)} pairs)'
 
 
-def _permute_pairs(ctx: PlanContext, layout: Layout, new_axes) -> tuple:
+def _permute_pairs(ctx: PlanContext, layout: SearchState, new_axes) -> tuple:
   """A device permutation, most devices keeping their buffer, that realizes the new axes."""
   mesh = ctx.mesh
   partial_axes = tuple(sorted(layout.partial, key=ctx.axis_order.__getitem__))
@@ -182,7 +182,7 @@ class Repad(Step):
     shape_out = with_sizes(shape_in, {d: levels_chunk(n, new_lv)})
     phase = PHASE_MIDDLE if layout.phase <= PHASE_MIDDLE else layout.phase
     return Effect(
-      Layout(replace_dim(layout.dims, d, (axes, new_lv)), layout.partial, phase),
+      SearchState(replace_dim(layout.dims, d, (axes, new_lv)), layout.partial, phase),
       rows * row,
       max(elems(shape_in), elems(shape_out)),
       (local, rounds, shape_in, shape_out),

@@ -8,7 +8,7 @@ A plan is a list of steps; each kind of step is one frozen dataclass: `Slice`,
 - which moves of its kind a layout allows (`choices`), as plain tuples of
   what the move picks (a dim and axes, say);
 - what a move does to the layout and what it costs (`effect`): the new
-  `Layout`, the elements the busiest device receives and the largest buffer;
+  `SearchState`, the elements the busiest device receives and the largest buffer;
 - the concrete step a move becomes in a plan (`build`): the instance's fields
   are exactly what a lowering needs (`graph_rewrite.lower_reshard` turns each
   class into ops; `reshard.sim` runs it on numpy arrays);
@@ -69,7 +69,7 @@ Dims = Tuple[DimLayout, ...]
 PHASE_SLICE, PHASE_MIDDLE, PHASE_GATHER, PHASE_RESLICE = 0, 1, 2, 3
 
 
-class Layout(NamedTuple):
+class SearchState(NamedTuple):
   """A search state: per-dim (axes, levels), the axes with a pending reduction, the phase."""
 
   dims: Dims
@@ -81,7 +81,7 @@ class Effect(NamedTuple):
   """What a move does: the layout after it, elements the busiest device receives, the
   largest buffer any device holds, and what `build` needs beyond the move's choice."""
 
-  layout: Layout
+  layout: SearchState
   received: int
   peak: int
   details: tuple
@@ -127,13 +127,13 @@ def _onto_target_dims(ctx: PlanContext, candidates: Sequence[str]) -> Iterator[t
       yield (d, axes)
 
 
-def _free_axes(ctx: PlanContext, layout: Layout) -> List[str]:
+def _free_axes(ctx: PlanContext, layout: SearchState) -> List[str]:
   """Axes neither splitting a dim nor holding a pending reduction."""
   used = {a for axes, _ in layout.dims for a in axes}
   return [a for a in ctx.axes if a not in used and a not in layout.partial]
 
 
-def _reducible(ctx: PlanContext, layout: Layout) -> List[str]:
+def _reducible(ctx: PlanContext, layout: SearchState) -> List[str]:
   """Axes whose pending reduction the target resolves, in mesh order."""
   return sorted(layout.partial - ctx.goal_partial, key=ctx.axis_order.__getitem__)
 
@@ -171,22 +171,22 @@ class Step:
   shape_out: tuple
 
   @classmethod
-  def choices(cls, ctx: PlanContext, layout: Layout) -> Iterator[tuple]:
+  def choices(cls, ctx: PlanContext, layout: SearchState) -> Iterator[tuple]:
     """The moves of this kind worth trying from `layout`."""
     raise NotImplementedError
 
   @classmethod
-  def effect(cls, ctx: PlanContext, layout: Layout, choice: tuple) -> Optional[Effect]:
+  def effect(cls, ctx: PlanContext, layout: SearchState, choice: tuple) -> Optional[Effect]:
     """The move's effect, or None when it does not apply to `layout`."""
     raise NotImplementedError
 
   @classmethod
-  def build(cls, ctx: PlanContext, layout: Layout, choice: tuple, details: tuple):
+  def build(cls, ctx: PlanContext, layout: SearchState, choice: tuple, details: tuple):
     """The step the move becomes in a plan, or None when it moves nothing."""
     raise NotImplementedError
 
   @classmethod
-  def off_valley(cls, layout: Layout) -> bool:
+  def off_valley(cls, layout: SearchState) -> bool:
     """Whether the move breaks the valley order (counted, so valley plans win ties)."""
     return False
 
@@ -212,7 +212,7 @@ class Move(NamedTuple):
   kind: Type[Step]
   choice: tuple
 
-  def effect(self, ctx: PlanContext, layout: Layout) -> Optional[Effect]:
+  def effect(self, ctx: PlanContext, layout: SearchState) -> Optional[Effect]:
     return self.kind.effect(ctx, layout, self.choice)
 
 
@@ -250,7 +250,7 @@ class Slice(Step):
     shape_out = with_sizes(shape_in, {d: new_chunk})
     # A windowed slice: no buffer larger than its input.
     return Effect(
-      Layout(new_dims, layout.partial, phase), 0, elems(shape_in), (shape_in, shape_out)
+      SearchState(new_dims, layout.partial, phase), 0, elems(shape_in), (shape_in, shape_out)
     )
 
   @classmethod
@@ -304,7 +304,7 @@ class ReduceScatter(Step):
     shape_out = with_sizes(shape_in, {d: new_chunk})
     padded = elems(with_sizes(shape_in, {d: g * new_chunk}))  # equal pieces for the collective
     return Effect(
-      Layout(new_dims, layout.partial - set(axes), layout.phase),
+      SearchState(new_dims, layout.partial - set(axes), layout.phase),
       (g - 1) * elems(shape_out),
       max(elems(shape_in), padded),
       (g * new_chunk, shape_in, shape_out),
@@ -352,7 +352,7 @@ class AllReduce(Step):
     g = ctx.count(axes)
     shape_in = ctx.local_shape(layout.dims)
     e_in = elems(shape_in)
-    new_layout = Layout(layout.dims, layout.partial - set(axes), layout.phase)
+    new_layout = SearchState(layout.dims, layout.partial - set(axes), layout.phase)
     return Effect(new_layout, 2 * (g - 1) * ceil_div(e_in, g), e_in, (shape_in,))
 
   @classmethod
@@ -410,7 +410,7 @@ class AllGather(Step):
     e_in, g = elems(shape_in), ctx.count(axes)
     shape_out = with_sizes(shape_in, {d: out_chunk})
     return Effect(
-      Layout(new_dims, layout.partial, PHASE_GATHER),
+      SearchState(new_dims, layout.partial, PHASE_GATHER),
       (g - 1) * e_in,
       max(e_in * g, elems(shape_out)),
       (d, blocks, out_chunk, shape_in, shape_out),
@@ -483,7 +483,7 @@ class AllToAll(Step):
     padded = elems(with_sizes(shape_in, {s: g * s_chunk}))
     shape_out = with_sizes(shape_in, {s: s_chunk, c: out_chunk})
     return Effect(
-      Layout(new_dims, layout.partial, PHASE_MIDDLE),
+      SearchState(new_dims, layout.partial, PHASE_MIDDLE),
       (g - 1) * (padded // g),
       max(elems(shape_in), padded, elems(shape_out)),
       (g * s_chunk, blocks, out_chunk, shape_in, shape_out),

@@ -72,9 +72,9 @@ from tf_gspmd.graph_rewrite.reshard.moves import (
   AllToAll,
   Axes,
   Dims,
-  Layout,
   Move,
   ReduceScatter,
+  SearchState,
   Slice,
   Step,
 )
@@ -279,7 +279,7 @@ def naive_plan(
 
 # --- planner -------------------------------------------------------------------------------
 class _Planner:
-  """One reshard's search over `Layout`s; the `PlanContext` its moves read."""
+  """One reshard's search over `SearchState`s; the `PlanContext` its moves read."""
 
   def __init__(self, src, dst, shape, dtype_size, refine=False):
     for name, s in (('src', src), ('dst', dst)):
@@ -318,7 +318,7 @@ class _Planner:
     self.op = src.partial or 'sum'
     self.dst_dim = {a: d for d, axes in enumerate(self.dst_axes) for a in axes}
     self.axes = big
-    self.start = Layout(
+    self.start = SearchState(
       tuple((axes, canonical_levels(n, self.count(axes))) for axes, n in zip(self.src_axes, shape)),
       src_partial,
       PHASE_SLICE,
@@ -368,7 +368,7 @@ class _Planner:
     dst = prod(p // self.count(a) for p, a in zip(padded, self.dst_axes))
     return max(src, dst)
 
-  def _is_goal(self, layout: Layout) -> bool:
+  def _is_goal(self, layout: SearchState) -> bool:
     return layout.partial == self.goal_partial and all(
       axes == goal_axes and same_layout(n, lv, goal_lv)
       for (axes, lv), goal_axes, goal_lv, n in zip(
@@ -381,7 +381,7 @@ class _Planner:
     copied after all-gathers)."""
     start = self.start
     best = {start: (0, 0, 0, 0)}
-    parent: Dict[Layout, Optional[Tuple[Layout, Move]]] = {start: None}
+    parent: Dict[SearchState, Optional[Tuple[SearchState, Move]]] = {start: None}
     heap = [((0, 0, 0, 0), 0, start)]
     tie = itertools.count(1)
     while heap:
@@ -411,7 +411,7 @@ class _Planner:
     )
 
   @staticmethod
-  def _path(parent, layout: Layout) -> List[Move]:
+  def _path(parent, layout: SearchState) -> List[Move]:
     moves = []
     while parent[layout] is not None:
       layout, move = parent[layout]
