@@ -17,14 +17,12 @@ Every page is reached by links from the README, every link and anchor resolves, 
 """
 
 import dataclasses
-import os
 import pathlib
 import re
-import subprocess
-import sys
 from typing import List, Optional
 
 import pytest
+from test_readme import run_python  # a fresh interpreter with the repo importable
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / 'README.md'] + sorted((ROOT / 'docs').glob('*.md'))
@@ -169,21 +167,6 @@ def test_every_page_is_linked_from_the_readme_and_every_link_resolves():
   assert not set(PAGES) - reached, f'no link reaches {sorted(set(PAGES) - reached)}'
 
 
-def run_python(code: str, tmp_path: pathlib.Path, timeout: int = 240):
-  script = tmp_path / 'page_blocks.py'
-  script.write_text(code)  # a file, so AutoGraph can read the source
-  env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL='2')
-  return subprocess.run(
-    [sys.executable, str(script)],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-    check=False,
-  )
-
-
 RUN_HERE = {}
 for _b in PYTHON:
   if _b.marker is None:
@@ -196,7 +179,9 @@ def test_the_unmarked_blocks_of_a_page_run_and_print_what_it_shows(page, tmp_pat
   one's names); each prints the unlabelled block after it, where there is one."""
   blocks = RUN_HERE[page]
   script = ''.join(f'print({SENTINEL.format(i)!r})\n{b.code}' for i, b in enumerate(blocks))
-  result = run_python(script, tmp_path)
+  path = tmp_path / 'page_blocks.py'
+  path.write_text(script)  # a file, so AutoGraph can read the source
+  result = run_python(path)
   assert result.returncode == 0, f'{[b.where() for b in blocks]}\n{result.stderr[-3000:]}'
   printed = re.split(r'^<<< docs block \d+ >>>\n', result.stdout, flags=re.M)[1:]
   assert len(printed) == len(blocks), result.stdout
