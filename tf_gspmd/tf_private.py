@@ -80,13 +80,39 @@ from tensorflow.python.ops import collective_ops
 # model too large to build); tf.Variable always initializes.
 from tensorflow.python.ops.resource_variable_ops import UninitializedVariable
 
+# The class every TF2 variable is: a variable held as shards (program/held.py) becomes a class
+# with its methods but not its type, because TF's eager fast path reads an instance's buffer
+# through its handle in C++, bypassing any Python override; an object that is not one is
+# converted through the registered conversion function instead (what tf.distribute's
+# DistributedVariable relies on). tf.Variable is its public base, not the class itself.
+from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable
+from tensorflow.python.ops.resource_variable_ops import ResourceVariable
+
+# The variable-access hook every TF read calls: it watches the variable on the active gradient
+# tapes (and, in a FuncGraph, records it among the graph's variables). A variable whose value
+# lives only as shards (program/held.py) reads them instead of its handle and calls this itself,
+# so `tf.GradientTape` still sees the read; no public API watches a variable from inside a read.
+from tensorflow.python.ops.resource_variable_ops import variable_accessed
+
+# `record_operation` ties a computed value to an input on the gradient tapes, with its gradient
+# function: a held variable's assembled value is tied to the variable's handle (identity
+# gradient), as TF ties a ReadVariableOp's result; tf.custom_gradient cannot name a handle.
+from tensorflow.python.eager import record
+
+# The key a variable's value is saved under in a checkpoint ('VARIABLE_VALUE'): a held variable
+# serializes its assembled value under it, as a plain variable would.
+from tensorflow.python.trackable.base import VARIABLE_VALUE_KEY
+
 # TF's own XlaSharding annotation (an `XlaSharding` op carrying an OpSharding) and its reader;
 # tf2xla reads exactly these ops, and TF exports no API writing them.
 from tensorflow.python.compiler.xla.experimental import xla_sharding
 
 __all__ = [
+  'BaseResourceVariable',
   'FuncGraph',
+  'ResourceVariable',
   'UninitializedVariable',
+  'VARIABLE_VALUE_KEY',
   'atomic_function',
   'auto_control_deps_utils',
   'c_api_util',
@@ -99,5 +125,7 @@ __all__ = [
   'importer',
   'op_def_registry',
   'pywrap_tf_session',
+  'record',
+  'variable_accessed',
   'xla_sharding',
 ]

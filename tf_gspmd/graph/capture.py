@@ -22,7 +22,9 @@ the live `tf.Variable` behind each variable handle placeholder, and
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple
+import contextlib
+import threading
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -35,6 +37,26 @@ from tf_gspmd.sharding import Sharding
 from tf_gspmd.tf_private import FuncGraph
 
 
+# Set while a function is traced to be partitioned: a variable whose value lives only as its
+# shards (program/held.py) then reads and writes its own handle, which the partitioner maps to
+# the shards; outside such a trace it reads and writes the shards themselves.
+_PARTITION_TRACE = threading.local()
+
+
+def tracing_for_partition() -> bool:
+  """True while `capture` traces a function (its variable reads are the partitioner's to map)."""
+  return getattr(_PARTITION_TRACE, 'depth', 0) > 0
+
+
+@contextlib.contextmanager
+def partition_trace() -> Iterator[None]:
+  _PARTITION_TRACE.depth = getattr(_PARTITION_TRACE, 'depth', 0) + 1
+  try:
+    yield
+  finally:
+    _PARTITION_TRACE.depth -= 1
+
+
 def capture(fn, *args, input_signature: Optional[Sequence[Any]] = None, **kwargs) -> ir.Program:
   """The IR of `fn` traced on `args`/`kwargs` (example values or TensorSpecs).
 
@@ -42,9 +64,14 @@ def capture(fn, *args, input_signature: Optional[Sequence[Any]] = None, **kwargs
   plain Python function (wrapped in `tf.function`). With `input_signature`
   (a sequence of TensorSpecs) `fn` is traced on it instead of on `args`.
   Tracing must not create variables: build models and optimizers first.
+
+  A tf.function is traced afresh (a copy of it, inside `partition_trace`): its own cached
+  traces are the user's, reading variables as plain calls read them (held variables: their
+  shards), and the partition trace must not become one of them.
   """
   fn = _as_tf_function(fn)
-  concrete = concrete_function_of(fn, args, kwargs, input_signature)
+  with partition_trace():
+    concrete = concrete_function_of(_fresh(fn), args, kwargs, input_signature)
   # A tf.function knows its Python defaults; a ConcreteFunction does not.
   defaults = getattr(fn, '_default_values', None) if concrete is not fn else None
   return capture_concrete(concrete, default_values=defaults)
@@ -58,6 +85,16 @@ def concrete_function_of(fn, args=(), kwargs=None, input_signature=None):
   if input_signature is not None:
     return fn.get_concrete_function(*input_signature)
   return fn.get_concrete_function(*args, **(kwargs or {}))
+
+
+def _fresh(fn):
+  """A tf.function with `fn`'s options and none of its traces (a ConcreteFunction as it is).
+
+  `_clone` is the tf.function's own copy constructor (what binding it to an instance uses);
+  no public API copies a tf.function's options (autograph, jit_compile, input signature).
+  """
+  clone = getattr(fn, '_clone', None)
+  return clone(None) if clone is not None else fn
 
 
 def _as_tf_function(fn):

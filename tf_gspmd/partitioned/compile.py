@@ -39,6 +39,9 @@ class Compiled:
   xla: Any = None  # backend='xla': the XlaRun (export, executable, capture buffers)
   mesh: Optional[Mesh] = None  # the mesh the program computes on (see boundary.program_mesh)
   capture_shardings: List[NamedSharding] = dataclasses.field(default_factory=list)
+  # The shards of each variable the program was built for: a call finds them moved (another
+  # program needed another layout) when the variable's holder is another object now.
+  holders: List[Any] = dataclasses.field(default_factory=list)
 
 
 def capture_annotated(fn, args, mesh: Mesh, in_shardings, out_shardings, fn_name: str):
@@ -50,6 +53,7 @@ def capture_annotated(fn, args, mesh: Mesh, in_shardings, out_shardings, fn_name
   from tf_gspmd.graph.capture import capture
 
   program = capture(fn, *args)
+  _pin_held_layouts(program, mesh)
   boundary.check_annotation_devices(program, mesh)
   given = boundary.given_shardings(in_shardings, out_shardings, program)
   computes_on = boundary.program_mesh(program, mesh, given)
@@ -57,6 +61,23 @@ def capture_annotated(fn, args, mesh: Mesh, in_shardings, out_shardings, fn_name
   annotator.arguments(program, in_shardings)
   annotator.outputs(program, out_shardings)
   return program, computes_on
+
+
+def _pin_held_layouts(program: ir.Program, mesh: Mesh) -> None:
+  """A variable held as shards on this mesh (by an earlier program) and not annotated keeps
+  that layout here too, as if annotated with it: programs over one state agree on it instead
+  of moving its shards at every switch between them."""
+  from tf_gspmd.program import held
+
+  for placeholder, variable in program.variables.items():
+    sharding = held.held_sharding(variable)
+    if placeholder in program.variable_shardings or not isinstance(sharding, NamedSharding):
+      continue
+    if sharding.mesh != mesh:
+      continue
+    program.variable_shardings[placeholder] = sharding
+    node, index = ir.split_tensor_name(placeholder)
+    program.main.node(node).annotations[index] = sharding
 
 
 def build(

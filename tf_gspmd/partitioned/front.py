@@ -16,10 +16,12 @@ from tf_gspmd.graph import ir
 from tf_gspmd.graph_rewrite.partitioner import OpRecord
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.partitioned import compile as compile_lib
+from tf_gspmd.partitioned import variables as variables_lib
 from tf_gspmd.partitioned import tf_executor, xla_executor
 from tf_gspmd.partitioned.compile import Compiled
 from tf_gspmd.partitioned.signature import is_tensor_like, name_of, signature_key
 from tf_gspmd.partitioned.variables import VariableStore
+from tf_gspmd.program import held
 from tf_gspmd.sharding import NamedSharding
 
 BACKENDS = ('tf', 'xla')  # TF collectives on TF devices (default); XLA through PJRT
@@ -94,6 +96,7 @@ class PartitionedFunction:
 
   def _call(self, args, compiled: Compiled):
     self.store.check_annotations(compiled.variables)
+    self._own_layouts(compiled)
     self._last = compiled
     flat_args = [a for a in tf.nest.flatten(args) if is_tensor_like(a)]
     if self.backend == 'xla':
@@ -101,6 +104,19 @@ class PartitionedFunction:
       return xla_executor.run(compiled, run, flat_args, self._sharded_variables)
     what = f'partition({name_of(self.fn)!r})'
     return tf_executor.run(compiled, flat_args, self._sharded_variables, what)
+
+  def _own_layouts(self, compiled: Compiled) -> None:
+    """Move back the shards another program moved to its own layout (one state per variable)."""
+    for i, var in enumerate(compiled.variables):
+      holder = held.holder_of(var)
+      built_for = compiled.holders[i] if i < len(compiled.holders) else None
+      if built_for is None or holder is built_for or holder is None:
+        continue
+      if variables_lib.fits(holder, built_for.sharding, type(built_for), built_for.devices):
+        compiled.holders[i] = holder
+        continue
+      variables_lib.move_shards(var, built_for.sharding, type(built_for), built_for.devices)
+      compiled.holders[i] = held.holder_of(var)
 
   def get_program(self, *args) -> Compiled:
     """Capture, propagate and build (without running) for these example arguments."""
@@ -115,11 +131,11 @@ class PartitionedFunction:
     return self.store.pairs()
 
   def sync_variables(self, variables=None) -> None:
-    """Assign the global value of every sharded variable (or of `variables`) to its original."""
+    """Deprecated, does nothing: a partitioned variable's reads assemble its shards."""
     self.store.sync(variables)
 
   def scatter_variables(self, variables=None) -> None:
-    """Send the current value of every original tf.Variable (or of `variables`) to its shards."""
+    """Deprecated, does nothing: a write to a partitioned variable goes to its shards."""
     self.store.scatter(variables)
 
   def variable_bytes(self) -> Dict[str, Dict[str, int]]:
@@ -260,6 +276,8 @@ class PartitionedFunction:
       phase=self._phase,
       name=name_of(self.fn),
     )
+    compiled.holders = [self._sharded_variables.get(id(v)) for v in compiled.variables]
+    self.store.release()  # every variable's value lives in its shards now: free the rest
     if self.backend == 'tf':
       compiled.spmd = tf_executor.spmd_program(compiled, self.devices, self.timeout)
     return compiled
