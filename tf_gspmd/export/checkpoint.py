@@ -108,6 +108,7 @@ from tf_gspmd.export.checkpoint_dir import (  # noqa: F401  (latest_checkpoint: 
 )
 from tf_gspmd.keras.hooks import backing
 from tf_gspmd.partitioned import PartitionedFunction, VariableStore
+from tf_gspmd.program import held
 from tf_gspmd.runtime.sharded import ShardedVariable
 from tf_gspmd.tf_private import context  # async_wait: see save_checkpoint
 
@@ -178,14 +179,17 @@ def _flatten(obj, what: str) -> List[Any]:
   return found + ([_ShardsOf(store)] if store is not None else [])
 
 
-def _bring_shards_up_to_date(obj) -> None:
-  """A partition_model'd Keras model: a write to its own variables since the last step (set_weights,
-  assign) wins over the shards; have its launcher send such writes out before the shards are read.
-  (Duck-typed on what keras/fit.py sets on a model it partitions.)"""
+def _build_optimizers(obj) -> None:
+  """A Keras model or optimizer whose optimizer has not made its slots yet (built lazily, on the
+  first step): build it now from the model's trainable variables, as its first step would, so a
+  restore fills its slots from the checkpoint instead of skipping them."""
   for item in obj if isinstance(obj, (list, tuple)) else [obj]:
-    mirror = getattr(getattr(item, '_tf_gspmd_launcher', None), 'mirror', None)
-    if mirror is not None and hasattr(mirror, 'push_changed'):
-      mirror.push_changed()
+    optimizer = getattr(item, 'optimizer', None)
+    trainable = getattr(item, 'trainable_variables', None)
+    if optimizer is None or getattr(optimizer, 'built', True) or not trainable:
+      continue
+    if hasattr(optimizer, 'build'):
+      optimizer.build(trainable)
 
 
 @dataclasses.dataclass
@@ -228,11 +232,10 @@ def _entries(obj, what: str) -> List[_Entry]:
         variables.append(v)
   names = _unique([_base_name(v) for v in variables])
   entries = [_entry_of(name, v) for name, v in zip(names, variables)]
-  for entry in entries:  # a variable some store holds sharded: its shards are the live value
-    for store in stores:
-      sharded = store.sharded.get(id(entry.plain))
-      if sharded is not None:
-        entry.sharded = sharded
+  for entry in entries:  # a variable held as shards: they are its value (program/held.py)
+    entry.sharded = held.holder_of(entry.plain)
+    for store in stores if entry.sharded is None else ():
+      entry.sharded = store.sharded.get(id(entry.plain))
   return entries
 
 
@@ -403,7 +406,6 @@ def save_checkpoint(source, directory: str, *, max_to_keep: int = 3) -> Checkpoi
   `max_to_keep` checkpoints. Returns a `CheckpointRecord` with the bytes each
   device wrote.
   """
-  _bring_shards_up_to_date(source)
   entries = _entries(source, 'save_checkpoint')
   if max_to_keep < 1:
     raise ValueError(f'save_checkpoint: max_to_keep must be at least 1, got {max_to_keep}.')
@@ -459,7 +461,7 @@ def _restore_pieces(entries: List[_Entry]) -> Tuple[Dict[str, List[_Piece]], Dic
   by_reader: Dict[str, List[_Piece]] = {}
   whole: Dict[str, List[_Piece]] = {}
   for entry in entries:
-    if entry.plain is not None:
+    if entry.plain is not None and entry.sharded is None:
       whole.setdefault(entry.plain.device or '/device:CPU:0', []).append(
         _Piece(entry.name, '', entry.dtype, entry.shape, entry.plain.assign)
       )
@@ -535,6 +537,7 @@ def restore_checkpoint(path: str, target) -> CheckpointRecord:
   Returns a `CheckpointRecord` with the bytes each device read.
   """
   prefix = latest_checkpoint(path)
+  _build_optimizers(target)
   entries = _entries(target, 'restore_checkpoint')
   _check(entries, tf.train.load_checkpoint(prefix), prefix)
   by_reader, whole = _restore_pieces(entries)

@@ -66,7 +66,6 @@ def _keras_forward(model) -> PartitionedFunction:
   from tf_gspmd.annotations import shard
 
   launcher = model._tf_gspmd_launcher  # noqa: SLF001
-  launcher.mirror.push_changed()  # a weight set on the model since the last step wins
   mesh, axes = launcher.mesh, launcher.axes
 
   def split(t):
@@ -80,7 +79,6 @@ def _keras_forward(model) -> PartitionedFunction:
 
   launcher.annotate_unmatched()
   pf = PartitionedFunction(forward, mesh, store=launcher.store, **launcher.kwargs)
-  launcher.mirror.note_new()
   return pf
 
 

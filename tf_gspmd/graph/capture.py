@@ -36,7 +36,6 @@ from tf_gspmd.graph.prune import prune_dead
 from tf_gspmd.sharding import Sharding
 from tf_gspmd.tf_private import FuncGraph
 
-
 # Set while a function is traced to be partitioned: a variable whose value lives only as its
 # shards (program/held.py) then reads and writes its own handle, which the partitioner maps to
 # the shards; outside such a trace it reads and writes the shards themselves.

@@ -6,24 +6,13 @@ axes, the whole `train_step` (forward, gradients, optimizer, metrics) runs as
 one SPMD program, and all steps share one set of sharded variables. Keras
 keeps driving the loop, callbacks and logs.
 
-Two copies of every variable exist: the model's own tf.Variables (what Keras,
-callbacks, checkpoints and the user read and write) and their shards (what the
-partitioned steps read and write). `Mirror` (keras/mirror.py) keeps them from diverging:
-
-* a write to an original wins: before every launch the originals are
-  fingerprinted (one small TF call) and each one changed since the two copies
-  last agreed is scattered to its shards (`set_weights`, `load_weights`, a
-  restored checkpoint, `variable.assign`, a callback changing the learning
-  rate, Keras resetting metrics); `set_weights` / `load_weights` also push
-  unconditionally, so writing back exactly the last-agreed value is not missed;
-* the shards' values are copied back to the originals at the end of each
-  epoch, of every `fit` / `evaluate` / `predict` / `*_on_batch` call, and
-  before `get_weights` / `save` / `save_weights`; metric state also before
-  Keras reads metric results (`get_metrics_result`). Between those points
-  (inside an epoch) the originals of trained variables hold the values of the
-  epoch's start: a callback reading them mid-epoch should call `get_weights`,
-  or partition with `pull_every_step=True` (every shard copied back after
-  each launch, at the cost of gathering the model every step).
+Each variable exists once, as its shards (`tf_gspmd/program/held.py`): the first
+step's build makes the shards of every model, optimizer and metric variable and the
+model's own tf.Variables become views of them. Whatever reads a weight (`get_weights`,
+`save`, a callback, `tf.train.Checkpoint`, `variable.numpy()`) assembles it then; whatever
+writes one (`set_weights`, `load_weights`, a restore, `variable.assign`, a learning-rate
+schedule, Keras resetting metrics) scatters to the shards at once. Nothing is copied
+between steps, and no whole copy of a split variable is kept.
 
 Variables no layout rule annotated are replicated (as Keras' own LayoutMap
 does), so the train, test and predict steps agree on every variable's layout.
@@ -34,9 +23,7 @@ does), so the train, test and predict steps agree on every variable's layout.
 
 from __future__ import annotations
 
-import functools
 import re
-import time
 from typing import Dict, List, Sequence, Union
 
 import keras
@@ -44,9 +31,9 @@ import tensorflow as tf
 
 from tf_gspmd.annotations import shard, shard_variable, variable_sharding
 from tf_gspmd.keras.hooks import backing
-from tf_gspmd.keras.mirror import Mirror, SyncAtEpochEnd
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.partitioned import PartitionedFunction, VariableStore
+from tf_gspmd.program import held
 from tf_gspmd.sharding import P
 from tf_gspmd.xla_bridge.export import XlaLoweringError
 
@@ -112,7 +99,6 @@ class _Launcher:
     self.replicate_unannotated = replicate_unannotated
     self.kwargs = kwargs
     self.store = VariableStore()
-    self.mirror = Mirror(self.store)
     self.strategy = None  # with a tf.distribute strategy: the steps run by strategy.run
     if strategy is not None:
       # Imported here: tf_gspmd.keras (the package) imports this module.
@@ -121,8 +107,6 @@ class _Launcher:
       self.strategy = StrategySteps(model, strategy, self.store)
     self.launches = 0  # partitioned programs run (one per step, or per chunk of steps)
     self.functions: Dict[str, PartitionedFunction] = {}  # e.g. 'train_step', 'train_step_looped'
-    self.check_seconds: List[float] = []  # per launch: the write check before it
-    self.pull_seconds: List[float] = []  # per launch with pull_every_step: the pull after it
     self._annotated_for = set()  # id of each partitioned function whose variables were annotated
 
   # --- layouts ------------------------------------------------------------------
@@ -133,7 +117,7 @@ class _Launcher:
     done = []
     variables = list(self.model.variables) + [v for m in self.model.metrics for v in m.variables]
     for var in variables:
-      if id(backing(var)) in self.store.sharded or variable_sharding(var) is not None:
+      if held.is_held(backing(var)) or variable_sharding(var) is not None:
         continue
       shard_variable(var, self.mesh, P(*([None] * len(var.shape))))
       done.append(getattr(var, 'path', var.name))
@@ -151,24 +135,16 @@ class _Launcher:
     return PartitionedFunction(step, self.mesh, store=self.store, **self.kwargs)
 
   def launch(self, fn, batch):
-    """One partitioned call; writes to the originals since the last one are sent out first."""
+    """One partitioned call (the model's variables are views of the shards it reads)."""
     if id(fn) not in self._annotated_for:  # before its first trace makes shards
       self.annotate_unmatched()
       _check_attention_heads(self.model)
       self._annotated_for.add(id(fn))
-    start = time.perf_counter()
-    self.mirror.push_changed()
-    self.check_seconds.append(time.perf_counter() - start)
     try:
       out = fn(batch)
     except XlaLoweringError as error:  # backend='xla': name the Keras layers, not only nodes
       raise XlaLoweringError(f'{error}{_in_layers(self.model, str(error))}') from None
     self.launches += 1
-    self.mirror.note_new()
-    if self.pull_every_step:
-      start = time.perf_counter()
-      self.mirror.pull()
-      self.pull_seconds.append(time.perf_counter() - start)
     return out
 
   def check_batch_size(self, call: str, args, kwargs) -> None:
@@ -198,11 +174,6 @@ class _Launcher:
       f'padded. Use a batch size that is a multiple of {size}; only the last batch of an '
       'epoch may be shorter.'
     )
-
-  def pull_metrics(self) -> None:
-    """Keras reads metric results from the originals (at an epoch's or evaluation's end)."""
-    if tf.executing_eagerly():  # not while a step is traced: it calls this too
-      self.mirror.pull(self._metric_variables())
 
   def step_function(self, step_method):
     """Keras' `train_function` / `test_function`: up to `steps_per_execution` batches per call."""
@@ -405,9 +376,9 @@ def partition_model(
   replicated (`replicate_unannotated=False`: left to propagation, as before;
   then the train and test steps may disagree on a layout). With
   `steps_per_execution=k`, k train (test) steps run inside one partitioned
-  program. The model's own variables get the trained values at each epoch's
-  and call's end and before `get_weights`/`save` (`pull_every_step=True`:
-  after every launch too, for callbacks that read raw variables mid-epoch).
+  program. The model's own variables are views of their shards: every read sees the
+  trained value, every write reaches the next step (`pull_every_step` is accepted and
+  ignored: there is nothing to copy).
   `strategy`: a `tf.distribute.TPUStrategy` (one replica per mesh device, see
   `xla_bridge.tpu.mesh_device_assignment`) or a stand-in such as a MirroredStrategy
   of the mesh's CPUs: every step runs through `strategy.run`, partition id = replica
@@ -419,7 +390,6 @@ def partition_model(
   unpartition_model(model)  # partitioned before: its trained values back, Keras' methods back
   axes = batch_axes if isinstance(batch_axes, str) else tuple(batch_axes)
   launcher = _Launcher(model, mesh, axes, replicate_unannotated, kwargs, pull_every_step, strategy)
-  mirror = launcher.mirror
 
   def make_train_function(force=False):
     if model.train_function is None or force:
@@ -445,48 +415,22 @@ def partition_model(
   model.make_test_function = make_test_function
   model.make_predict_function = make_predict_function
   model.train_function = model.test_function = model.predict_function = None
-  sync = SyncAtEpochEnd(mirror)
 
-  def wrap(name, before=None, after=None, add_callback=False, with_arguments=False):
+  def checked(name):
+    """`name` (fit, evaluate, predict) refusing a batch size the batch axes do not split."""
     original = getattr(model, name)
     replaced[name] = model.__dict__.get(name)
 
     def wrapped(*args, **kw):
-      if add_callback:
-        given = kw.get('callbacks')
-        # fit's own validation passes evaluate its CallbackList, which holds `sync` already.
-        if not isinstance(given, keras.callbacks.CallbackList):
-          kw['callbacks'] = [sync] + list(given or [])  # first: pull before others read
-      if before and with_arguments:
-        before(args, kw)
-      elif before:
-        before()
-      result = original(*args, **kw)
-      if after:
-        after()
-      return result
+      launcher.check_batch_size(name, args, kw)
+      return original(*args, **kw)
 
     wrapped.__name__ = name
     wrapped.__doc__ = original.__doc__
     setattr(model, name, wrapped)
 
   for name in ('fit', 'evaluate', 'predict'):
-    wrap(
-      name,
-      before=functools.partial(launcher.check_batch_size, name),
-      after=mirror.pull,
-      add_callback=True,
-      with_arguments=True,
-    )
-  for name in ('train_on_batch', 'test_on_batch', 'predict_on_batch'):
-    # Keras writes no variable between the launch (which pushed every earlier write) and
-    # the return of a *_on_batch call.
-    wrap(name, after=lambda: mirror.pull(check=False))
-  for name in ('get_weights', 'save', 'save_weights'):
-    wrap(name, before=mirror.pull)
-  wrap('get_metrics_result', before=launcher.pull_metrics)
-  for name in ('set_weights', 'load_weights'):  # an explicit write of every weight: push it
-    wrap(name, after=lambda: mirror.push([backing(v) for v in model.weights]))
+    checked(name)
   launcher.replaced = replaced
   model._tf_gspmd_store = launcher.store  # noqa: SLF001
   model._tf_gspmd_launcher = launcher  # noqa: SLF001
@@ -494,19 +438,19 @@ def partition_model(
 
 
 def unpartition_model(model):
-  """Undo `partition_model`: trained values back in the model's variables, Keras' own steps back.
-
-  A no-op for a model never partitioned; returns `model`.
+  """Undo `partition_model`: each variable holds its whole value again (its shards are dropped),
+  Keras' own steps are back. A no-op for a model never partitioned; returns `model`.
   """
   launcher = model.__dict__.get('_tf_gspmd_launcher')
   if launcher is None:
     return model
-  launcher.mirror.pull()
-  for name, held in launcher.replaced.items():
-    if held is None:
+  for variable in list(launcher.store.originals.values()):
+    held.unhold(variable)
+  for name, before in launcher.replaced.items():
+    if before is None:
       model.__dict__.pop(name, None)
     else:
-      setattr(model, name, held)
+      setattr(model, name, before)
   model.train_function = model.test_function = model.predict_function = None
   del model._tf_gspmd_launcher, model._tf_gspmd_store  # noqa: SLF001
   return model

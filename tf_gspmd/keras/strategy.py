@@ -9,9 +9,8 @@ per-partition program through `strategy.run`, one replica per mesh device,
 partition id = replica id (what Keras' own TF trainer does under a
 distribution strategy, with tf_gspmd's program as the replica function).
 Train, test and predict steps share one set of shard variables
-(`tpu.ReplicaVariables`), registered in the model's `VariableStore`, so
-keras/fit.py's mirror keeps the model's own variables and the shards agreeing as
-it does on the other backends.
+(`tpu.ReplicaVariables`): they are the variables' one state, as on the other
+backends (`program/held.py`: the model's own variables become views of them).
 
 How variables are made: build and compile the model *outside*
 `strategy.scope()`. Its variables (and its optimizer's, built here before any
@@ -51,7 +50,6 @@ from typing import Dict, Optional
 
 import tensorflow as tf
 
-from tf_gspmd.annotations import variable_sharding
 from tf_gspmd.keras.hooks import backing, distribute_strategy_of
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.partitioned import PartitionedFunction
@@ -190,8 +188,7 @@ class StrategyFunction(PartitionedFunction):
     # per-replica components of one strategy variable, registered in the shared store, not
     # TF variables on the mesh's devices.
     del sharded_cls
-    if id(var) not in self.store.sharded:
-      self.store.annotations[id(var)] = variable_sharding(var)
+    self.store.originals[id(var)] = var
     self.replicas.get(var, sharding)
 
   def runner(self, *args) -> tpu.TPUStrategyStep:

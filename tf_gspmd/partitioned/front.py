@@ -16,8 +16,8 @@ from tf_gspmd.graph import ir
 from tf_gspmd.graph_rewrite.partitioner import OpRecord
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.partitioned import compile as compile_lib
-from tf_gspmd.partitioned import variables as variables_lib
 from tf_gspmd.partitioned import tf_executor, xla_executor
+from tf_gspmd.partitioned import variables as variables_lib
 from tf_gspmd.partitioned.compile import Compiled
 from tf_gspmd.partitioned.signature import is_tensor_like, name_of, signature_key
 from tf_gspmd.partitioned.variables import VariableStore
@@ -110,7 +110,12 @@ class PartitionedFunction:
     for i, var in enumerate(compiled.variables):
       holder = held.holder_of(var)
       built_for = compiled.holders[i] if i < len(compiled.holders) else None
-      if built_for is None or holder is built_for or holder is None:
+      if built_for is None or holder is built_for:
+        continue
+      if holder is None:  # given its own value back (unpartition_model): hold it again
+        self.store.add(var, built_for.sharding, type(built_for), built_for.devices, self.backend)
+        self.store.release()
+        compiled.holders[i] = held.holder_of(var)
         continue
       if variables_lib.fits(holder, built_for.sharding, type(built_for), built_for.devices):
         compiled.holders[i] = holder

@@ -70,8 +70,10 @@ class VariableStore:
       if holder is None:
         continue
       then, now = held.annotation_when_held(var), variable_sharding(var)
-      if now is not None and (then is None or now != then) and not now.is_equivalent_to(
-        holder.sharding
+      if (
+        now is not None
+        and (then is None or now != then)
+        and not now.is_equivalent_to(holder.sharding)
       ):
         raise ValueError(
           f'partition: variable {var.name} was annotated {now} after partitioning; its shards '

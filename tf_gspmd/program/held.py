@@ -100,7 +100,8 @@ def hold(variable: tf.Variable, holder, annotation=None) -> tf.Variable:
     variable.__class__ = HeldVariable
   variable.__dict__[_HOLDER] = holder
   variable.__dict__[_ANNOTATION] = annotation
-  _LIVE[id(variable)] = weakref.ref(variable, lambda _, key=id(variable): _LIVE.pop(key, None))
+  key = id(variable)
+  _LIVE[key] = weakref.ref(variable, lambda _: _LIVE.pop(key, None))
   return variable
 
 

@@ -69,8 +69,9 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
+from tf_gspmd.annotations import variable_sharding
 from tf_gspmd.mesh import Mesh
-from tf_gspmd.program import PartitionContext
+from tf_gspmd.program import PartitionContext, held
 from tf_gspmd.runtime import collectives as tf_collectives
 from tf_gspmd.runtime import sharded as sharded_lib
 from tf_gspmd.runtime.grappler import without_grappler
@@ -174,7 +175,7 @@ class ReplicaVariable:
   """
 
   # The components may live on TPU cores, which a host tf.function does not read: assembled
-  # eagerly (keras/fit.py's mirror then assigns the assembled values in one compiled call).
+  # eagerly (program/held.py reads them through a host call inside a plain tf.function).
   assembles_in_graph = False
 
   def __init__(self, strategy, original, sharding):
@@ -246,34 +247,38 @@ class ReplicaVariables:
     self.originals = {} if originals is None else originals
 
   def get(self, original, sharding) -> ReplicaVariable:
-    """`original`'s shard variable: made (from its value) on first use, the same after."""
-    held = self.sharded.get(id(original))
-    if held is None:
-      held = self.sharded[id(original)] = ReplicaVariable(self.strategy, original, sharding)
-      self.originals[id(original)] = original
-    elif not isinstance(held, ReplicaVariable) or held.strategy is not self.strategy:
-      raise ValueError(
-        f'ReplicaVariables: variable {original.name} is held by {held!r}, not '
-        'by this strategy; steps under another strategy or backend need their '
-        'own store.'
-      )
-    elif not held.sharding.is_equivalent_to(sharding):
-      raise ValueError(
-        f'ReplicaVariables: variable {original.name} is sharded {held.sharding} by '
-        f'an earlier step but {sharding} by this one; annotate it with '
-        'shard_variable to fix its layout.'
-      )
-    return held
+    """`original`'s shard variable: made (from its value) on first use, the same after.
+
+    The shards become the variable's one state (`program/held.py`): `original` is a view of
+    them from then on, and its own buffer is released. A variable held by another backend
+    or strategy moves here (its value assembled on the host, split over the replicas).
+    """
+    holder = held.holder_of(original)
+    if isinstance(holder, ReplicaVariable) and holder.strategy is self.strategy:
+      if not holder.sharding.is_equivalent_to(sharding):
+        raise ValueError(
+          f'ReplicaVariables: variable {original.name} is sharded {holder.sharding} by '
+          f'an earlier step but {sharding} by this one; annotate it with '
+          'shard_variable to fix its layout.'
+        )
+    else:
+      holder = ReplicaVariable(self.strategy, original, sharding)
+      if held.is_held(original):
+        held.replace_holder(original, holder)
+      else:
+        held.hold(original, holder, annotation=variable_sharding(original))
+        held.release([original])
+    self.sharded[id(original)] = holder
+    self.originals[id(original)] = original
+    return holder
 
   def sync(self, originals) -> None:
-    """Assign each original its global value, assembled from the replicas' shards."""
-    for original in originals:
-      original.assign(self.sharded[id(original)].assemble())
+    """Does nothing: a held variable's reads assemble the replicas' shards (kept for callers)."""
+    del originals
 
   def scatter(self, originals) -> None:
-    """Send each original's current value out to the replicas' shards."""
-    for original in originals:
-      self.sharded[id(original)].scatter(original.read_value())
+    """Does nothing: a write to a held variable reaches the replicas' shards at once."""
+    del originals
 
 
 def _check_options(
