@@ -44,7 +44,13 @@ from tf_gspmd.keras.fit import partition_model, unpartition_model
 from tf_gspmd.keras.layout import LayoutMap
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.op_sharding import from_proto, to_proto
-from tf_gspmd.partitioned import PartitionedFunction, partition
+from tf_gspmd.partitioned import (
+  PartitionedFunction,
+  Variable,
+  VariableStore,
+  partition,
+  sharded_variables,
+)
 from tf_gspmd.pictures import visualize
 from tf_gspmd.pipeline import bubble_fraction as pipeline_bubble_fraction
 from tf_gspmd.pipeline import pipeline
@@ -58,6 +64,9 @@ __all__ = [
   'saved_model',
   'partition',
   'PartitionedFunction',
+  'Variable',
+  'VariableStore',
+  'sharded_variables',
   'LayoutMap',
   'partition_model',
   'unpartition_model',

@@ -28,12 +28,15 @@ import re
 from typing import Dict, List, Tuple
 
 import keras
+import tensorflow as tf
 
 from tf_gspmd.annotations import annotate, shard_variable
 from tf_gspmd.keras import hooks, translate
 from tf_gspmd.keras.fit import layer_paths, partition_model
 from tf_gspmd.keras.layout import warn_unused
 from tf_gspmd.keras.strategy import strategy_of
+from tf_gspmd.partitioned import Variable
+from tf_gspmd.partitioned.variables import making_shards
 from tf_gspmd.sharding import NamedSharding
 
 # Attributes tf_gspmd sets: on a Keras variable, the distribution it was made
@@ -102,10 +105,14 @@ _BACKEND_FUNCTIONS = {
 def _variable_init(original):
   @functools.wraps(original)
   def init(self, *args, **kwargs):
-    original(self, *args, **kwargs)
     current = keras.distribution.distribution()
     if current is None:
+      original(self, *args, **kwargs)
       return
+    # Keras makes its tf.Variable inside __init__ (`_initialize`): made there as shards when
+    # its layout splits it, so its whole value never lives on a device.
+    with tf.variable_creator_scope(functools.partial(_as_shards, self, current)):
+      original(self, *args, **kwargs)
     if hooks.layout_of(self) is None:
       hooks.set_layout(self, current.get_variable_layout(self))
     setattr(self, _MADE_UNDER, current)
@@ -115,6 +122,42 @@ def _variable_init(original):
       shard_variable(self, _sharding_of(self, current))
 
   return init
+
+
+def _as_shards(variable, distribution, next_creator, **kwargs):
+  """The tf.Variable behind Keras variable `variable`, made as shards of its layout when that
+  splits it (`tg.Variable`: its initial value computed on the host, split, dropped)."""
+  if making_shards() or tf.inside_function() or kwargs.get('initial_value') is None:
+    return next_creator(**kwargs)  # made while a step is traced: annotated below instead
+  if not _shape_known(variable):
+    return next_creator(**kwargs)  # made from a value (a counter, a constant): its own shape
+  if hooks.layout_of(variable) is None:
+    hooks.set_layout(variable, distribution.get_variable_layout(variable))
+  sharding = _sharding_of(variable, distribution)
+  if not any(entry is not None for entry in sharding.spec):
+    return next_creator(**kwargs)
+  _, devices = translate.mesh_and_devices(distribution.device_mesh)
+  if _backend[0] == 'xla':
+    from tf_gspmd.xla_bridge.pjrt import devices_named
+
+    devices = devices_named(devices)
+  return Variable(
+    kwargs['initial_value'],
+    sharding,
+    name=kwargs.get('name'),
+    trainable=kwargs.get('trainable', True) is not False,
+    dtype=kwargs.get('dtype'),
+    backend=_backend[0],
+    devices=devices,
+  )
+
+
+def _shape_known(variable) -> bool:
+  """Keras knows a variable's shape before making it from an initializer, not from a value."""
+  try:
+    return variable.shape.rank is not None if hasattr(variable.shape, 'rank') else True
+  except ValueError:
+    return False
 
 
 # --- (c) partitioned steps ------------------------------------------------------------------

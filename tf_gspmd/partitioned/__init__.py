@@ -12,25 +12,27 @@ This package is the front over those stages:
 - `compile`: capture, annotate, propagate and build the per-partition program;
 - `boundary`: the given in/out shardings, the mesh and device order the program
   computes in;
-- `variables`: `VariableStore`, the variables' shards between calls;
+- `variables`: `VariableStore`, one function's index of the variables it holds as shards;
+  `Variable` and `sharded_variables`, variables made as shards;
 - `tf_executor`, `xla_executor`: one call on each backend.
 
-Variables the function touches live sharded across the devices between calls
-(`ShardedVariable`s, laid out as propagation decided); `sync_variables()`
-copies their global values back into the original `tf.Variable`s and
-`scatter_variables()` sends changed originals out again.
+A variable the function touches lives once, as its shards across the devices
+(`ShardedVariable`s, laid out as propagation decided): the `tf.Variable` becomes a
+view of them (`program/held.py`), shared by every partitioned function over it.
 """
 
 from tf_gspmd.partitioned.compile import Compiled
 from tf_gspmd.partitioned.front import BACKENDS, PartitionedFunction, partition
 from tf_gspmd.partitioned.signature import name_of
-from tf_gspmd.partitioned.variables import VariableStore
+from tf_gspmd.partitioned.variables import Variable, VariableStore, sharded_variables
 
 __all__ = [
   'BACKENDS',
   'Compiled',
   'PartitionedFunction',
+  'Variable',
   'VariableStore',
   'name_of',
   'partition',
+  'sharded_variables',
 ]

@@ -9,6 +9,8 @@ the same variables see the same shards.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import warnings
 from collections.abc import MutableMapping
 from typing import Any, Dict, Iterator, List, Optional
@@ -16,7 +18,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd.annotations import variable_sharding
+from tf_gspmd.annotations import shard_variable, variable_sharding
 from tf_gspmd.program import held
 from tf_gspmd.sharding import NamedSharding, Sharding
 
@@ -190,3 +192,147 @@ def move_shards(var, sharding: Sharding, sharded_cls, devices) -> None:
 def local_variable(sharded) -> tf.Variable:
   """A TF variable of one shard's shape and dtype, to trace a per-partition program with."""
   return sharded.template if hasattr(sharded, 'template') else sharded.shards[0]
+
+
+# --- variables made as shards ------------------------------------------------------------------
+def sharded_class(backend: str):
+  """What holds a variable's shards on `backend`: 'tf' (TF variables on TF devices) or 'xla'
+  (PJRT buffers)."""
+  if backend == 'xla':
+    from tf_gspmd.xla_bridge.pjrt import XlaShardedVariable
+
+    return XlaShardedVariable
+  if backend != 'tf':
+    raise ValueError(f"backend must be 'tf' or 'xla', got {backend!r}.")
+  from tf_gspmd.runtime import ShardedVariable
+
+  return ShardedVariable
+
+
+# Set while a holder makes its per-device variables: creator scopes let those through as they are.
+_MAKING = threading.local()
+
+
+def making_shards() -> int:
+  """Nonzero while shards are being made (their own tf.Variables are plain ones)."""
+  return getattr(_MAKING, 'depth', 0)
+
+
+def _whole_value(initial_value, dtype) -> tf.Tensor:
+  """The initial value, computed on the host (a callable is called here, once)."""
+  with tf.init_scope(), tf.device('/device:CPU:0'):
+    value = initial_value() if callable(initial_value) else initial_value
+    return tf.convert_to_tensor(value, dtype=dtype)
+
+
+def Variable(  # noqa: N802  (a constructor, named as tf.Variable)
+  initial_value,
+  sharding: Sharding,
+  *,
+  name: Optional[str] = None,
+  trainable: bool = True,
+  dtype=None,
+  backend: str = 'tf',
+  devices=None,
+) -> tf.Variable:
+  """A `tf.Variable` made as shards of `sharding`: its whole value is never kept on a device.
+
+  `initial_value` (a value, or a callable computing it) is computed on the host, split into
+  the shards of `sharding` on `devices` (default: the backend's first `mesh.size` devices) and
+  dropped. The variable is annotated with `sharding` and reads (assembling the shards) and
+  writes (scattering) like any variable; every function partitioned over it runs on its shards.
+
+  >>> w = Variable(np.zeros((8, 4)), NamedSharding(mesh, P('x', None)))  # doctest: +SKIP
+  """
+  from tf_gspmd.tf_private import UninitializedVariable
+
+  value = _whole_value(initial_value, dtype)
+  if not isinstance(sharding, Sharding):
+    raise TypeError(f'tg.Variable: sharding must be a Sharding, got {type(sharding).__name__}.')
+  sharding.check_shape(value.shape.as_list(), what=f'tg.Variable({name or "Variable"})')
+  variable = UninitializedVariable(
+    shape=value.shape, dtype=value.dtype, trainable=trainable, name=name or 'Variable'
+  )
+  _MAKING.depth = making_shards() + 1
+  try:
+    holder = sharded_class(backend)(
+      value,
+      sharding,
+      devices=devices,
+      name=variable.name.split(':')[0],
+      trainable=trainable,
+    )
+  finally:
+    _MAKING.depth -= 1
+  del value  # the shards hold it now
+  shard_variable(variable, sharding)
+  held.hold(variable, holder, annotation=sharding)
+  held.mark_released(variable)  # it never had a buffer of its own
+  return variable
+
+
+def _layout_rule(layout):
+  """`layout` as a function of (variable name, shape) -> its Sharding or None."""
+  if callable(layout) and not hasattr(layout, '_matching'):
+    return layout
+  if hasattr(layout, '_matching'):  # a tf_gspmd.LayoutMap: its mesh and rules
+    mesh, rules = layout.mesh, [(p, s) for p, s in layout._rules.items()]  # noqa: SLF001
+  else:
+    mesh, rules = layout
+  import re
+
+  def rule(name: str, shape) -> Optional[Sharding]:
+    for pattern, spec in rules:
+      if re.fullmatch(pattern, name):
+        return spec if isinstance(spec, Sharding) else NamedSharding(mesh, spec)
+    return None
+
+  return rule
+
+
+@contextlib.contextmanager
+def sharded_variables(mesh, layout, *, backend: str = 'tf', devices=None) -> Iterator[None]:
+  """Make every `tf.Variable` created inside as shards, when `layout` splits it.
+
+  `layout`: a `tg.LayoutMap`, a dict {name regex: P or Sharding} (matched whole against the
+  variable's name with its name scope, without ':0'), or a function (name, shape) -> Sharding
+  or None. A matched variable is made as `tg.Variable` makes it (its initial value computed on
+  the host and split, never kept whole); others are made as usual. TF's own hook for this,
+  `tf.variable_creator_scope`, is what tf.distribute uses.
+
+  >>> with sharded_variables(mesh, {r'.*kernel': P(None, 'model')}):   # doctest: +SKIP
+  ...   w = tf.Variable(tf.random.normal([512, 1024]), name='dense/kernel')
+  """
+  rule = _layout_rule(layout if not isinstance(layout, dict) else (mesh, list(layout.items())))
+
+  def creator(next_creator, **kwargs):
+    name = kwargs.get('name') or 'Variable'
+    if making_shards() or (tf.inside_function() and not tf.executing_eagerly()):
+      return next_creator(**kwargs)  # made while a function is traced: TF lifts it as usual
+    value = _whole_value(kwargs['initial_value'], kwargs.get('dtype'))
+    scoped = _scoped_name(name)
+    sharding = rule(scoped, tuple(value.shape))
+    if sharding is None or not _splits(sharding):
+      return next_creator(**dict(kwargs, initial_value=value))
+    return Variable(
+      value,
+      sharding,
+      name=name,
+      trainable=kwargs.get('trainable', True) is not False,
+      backend=backend,
+      devices=devices,
+    )
+
+  with tf.variable_creator_scope(creator):
+    yield
+
+
+def _scoped_name(name: str) -> str:
+  """`name` under the current name scope (what the variable will be called), without ':0'."""
+  with tf.name_scope(name) as scope:
+    return scope.rstrip('/')
+
+
+def _splits(sharding: Sharding) -> bool:
+  """Whether `sharding` gives each device less than the whole value."""
+  return sharding.kind == 'tiled' and any(t > 1 for t in sharding.tile_shape)
