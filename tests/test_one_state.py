@@ -1,0 +1,295 @@
+"""One state per variable (#31): a partitioned variable lives once, as its shards.
+
+Each case a new user meets on the plain `tg.partition` API or with Keras, against the same
+steps run by plain TF on a twin of the variables, through the oracle: functions partitioned
+separately share the shards, a write between calls is what the next call reads, whatever
+reads a variable sees the trained value, and no whole copy of a split variable is kept.
+"""
+
+import gc
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_gspmd as tg
+from tf_gspmd.program import held
+from tf_gspmd.testing import assert_close
+
+MESH = ((2, 4), ('data', 'model'))
+
+
+def _weights():
+  return (
+    np.random.RandomState(1).randn(16, 64).astype(np.float32),
+    np.random.RandomState(2).randn(64, 4).astype(np.float32),
+  )
+
+
+def _steps(w1, w2, mesh=None):
+  """The README's Megatron step (annotated when `mesh` is given) and an evaluation step."""
+  if mesh is not None:
+    tg.shard_variable(w1, mesh, tg.P(None, 'model'))
+    tg.shard_variable(w2, mesh, tg.P('model', None))
+
+  def loss_of(x, y):
+    logits = tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+
+  @tf.function
+  def train_step(x, y):
+    if mesh is not None:
+      x = tg.shard(x, mesh, tg.P('data', None))
+    with tf.GradientTape() as tape:
+      loss = loss_of(x, y)
+    g1, g2 = tape.gradient(loss, [w1, w2])
+    w1.assign_sub(0.1 * g1)
+    w2.assign_sub(0.1 * g2)
+    return loss
+
+  @tf.function
+  def eval_step(x, y):
+    return loss_of(x, y)
+
+  return train_step, eval_step
+
+
+def _data():
+  return (
+    np.random.RandomState(0).randn(16, 16).astype(np.float32),
+    np.random.RandomState(1).randint(0, 4, 16).astype(np.int32),
+  )
+
+
+def _pair(backend='tf'):
+  """(partitioned train, partitioned eval, their variables), (plain train, plain eval, twins)."""
+  mesh = tg.Mesh.create(*MESH)
+  a = [tf.Variable(v, name=n) for v, n in zip(_weights(), ('w1', 'w2'))]
+  b = [tf.Variable(v, name=n) for v, n in zip(_weights(), ('w1', 'w2'))]
+  train, evaluate = _steps(*a, mesh)
+  plain_train, plain_eval = _steps(*b)
+  return (
+    (tg.partition(train, mesh, backend=backend), tg.partition(evaluate, mesh, backend=backend), a),
+    (plain_train, plain_eval, b),
+  )
+
+
+BACKENDS = ['tf', 'xla']
+
+
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_train_and_eval_partitioned_separately_share_the_trained_weights(backend):
+  if backend == 'xla':
+    pytest.importorskip('jax')
+  (train, evaluate, _), (plain_train, plain_eval, _) = _pair(backend)
+  x, y = _data()
+  assert_close(evaluate(x, y), plain_eval(x, y), 'eval before training')
+  for i in range(3):
+    assert_close(train(x, y), plain_train(x, y), f'train step {i}')
+  # On main the evaluation kept reading its own copy of the untrained weights (10.9 vs 0.0005).
+  assert_close(evaluate(x, y), plain_eval(x, y), 'eval after 3 training steps')
+
+
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_a_write_between_calls_is_what_the_next_call_reads(backend, tmp_path):
+  if backend == 'xla':
+    pytest.importorskip('jax')
+  (train, evaluate, (w1, w2)), (plain_train, plain_eval, (v1, v2)) = _pair(backend)
+  x, y = _data()
+  train(x, y), plain_train(x, y)
+  for w in (w1, v1):
+    w.assign(tf.zeros_like(w))  # assign
+  assert_close(train(x, y), plain_train(x, y), 'step after assign(zeros)')
+
+  checkpoint, twin = tf.train.Checkpoint(w1=w1, w2=w2), tf.train.Checkpoint(w1=v1, w2=v2)
+  saved, saved_twin = checkpoint.save(str(tmp_path / 'a')), twin.save(str(tmp_path / 'b'))
+  # tf.train.Checkpoint.save without sync_variables() writes the trained values.
+  reader = tf.train.load_checkpoint(saved)
+  assert_close(reader.get_tensor('w1/.ATTRIBUTES/VARIABLE_VALUE'), v1.numpy(), 'saved w1')
+  for _ in range(2):
+    train(x, y), plain_train(x, y)
+  checkpoint.restore(saved), twin.restore(saved_twin)  # tf.train.Checkpoint.restore
+  assert_close(evaluate(x, y), plain_eval(x, y), 'eval after tf.train.Checkpoint.restore')
+
+  directory = str(tmp_path / 'tg')
+  tg.save_checkpoint([w1, w2], directory)
+  for _ in range(2):
+    train(x, y)
+  tg.restore_checkpoint(directory, [w1, w2])  # the export page's form: plain variables
+  assert_close(evaluate(x, y), plain_eval(x, y), 'eval after tg.restore_checkpoint([w1, w2])')
+  assert_close(train(x, y), plain_train(x, y), 'train after the restores')
+
+
+def test_plain_reads_see_the_shards_and_a_stale_trace_fails_naming_the_variable():
+  (train, _, (w1, w2)), (plain_train, _, (v1, v2)) = _pair()
+  x, y = _data()
+
+  @tf.function
+  def total_traced_before():
+    return tf.reduce_sum(w1)
+
+  total_traced_before()  # traced while w1 still held its own buffer
+  train(x, y), plain_train(x, y)
+
+  @tf.function
+  def total():
+    return tf.reduce_sum(w1) + tf.reduce_sum(w2)
+
+  assert_close(total(), tf.reduce_sum(v1) + tf.reduce_sum(v2), 'a plain tf.function')
+  assert_close(w1.numpy(), v1.numpy(), 'numpy()')
+  assert_close(tf.reduce_sum(w1), tf.reduce_sum(v1), 'an eager op on the variable')
+  assert tuple(tf.shape(w1).numpy()) == (16, 64)
+  with pytest.raises(tf.errors.FailedPreconditionError, match='w1_is_held_as_shards'):
+    total_traced_before()
+
+
+def test_gradients_of_a_plain_function_over_held_variables():
+  """Training the same variables unpartitioned (a plain tf.function) after partitioning."""
+  (train, _, (w1, w2)), (plain_train, _, (v1, v2)) = _pair()
+  x, y = _data()
+  train(x, y), plain_train(x, y)
+  retraced, _ = _steps(w1, w2)  # a plain step over the held variables
+  for i in range(2):
+    assert_close(retraced(x, y), plain_train(x, y), f'plain step {i} over held variables')
+  assert_close(train(x, y), plain_train(x, y), 'partitioned step after them')
+
+
+def _split_shapes(variables):
+  return {
+    tuple(v.shape)
+    for v in variables
+    if any(e is not None for e in getattr(tg.variable_sharding(v), 'spec', ()) or ())
+  }
+
+
+def _whole_copies(shapes, exclude=()):
+  """Live tf.Variables (other than held views and `exclude`) of any of these shapes."""
+  skip = {id(v) for v in exclude}
+  return [
+    o.name
+    for o in gc.get_objects()
+    if isinstance(o, tf.Variable)
+    and not held.is_held(o)
+    and id(o) not in skip
+    and tuple(o.shape) in shapes
+  ]
+
+
+def test_no_whole_copy_of_a_split_variable_after_partition():
+  (train, _, (w1, w2)), _ = _pair()
+  shapes = {(16, 64), (64, 4)}
+  x, y = _data()
+  train(x, y)
+  gc.collect()
+  assert held.is_held(w1) and held.is_held(w2)
+  # The twins (the plain run's variables) are the only whole variables of these shapes.
+  assert len(_whole_copies(shapes)) == 2
+  for holder in (held.holder_of(w1), held.holder_of(w2)):
+    assert all(tuple(s.shape) != tuple(holder.shape) for s in holder.shards)
+
+
+def _keras_model(seed=0):
+  keras.utils.set_random_seed(seed)
+  model = keras.Sequential(
+    [
+      keras.Input((32,)),
+      keras.layers.Dense(64, use_bias=False, name='d0'),
+      keras.layers.Dense(64, use_bias=False, name='d1'),
+      keras.layers.Dense(4, name='out'),
+    ],
+    name='mlp',
+  )
+  model.compile(optimizer=keras.optimizers.Adam(1e-2, name='opt'), loss='mse')
+  return model
+
+
+@pytest.fixture
+def keras_distribution():
+  tg.keras.enable()
+  yield
+  keras.distribution.set_distribution(None)
+  tg.keras.disable()
+
+
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_model_parallel_keras_model_is_made_and_trained_as_shards(backend, keras_distribution):
+  if backend == 'xla':
+    pytest.importorskip('jax')
+  tg.keras.enable(backend)
+  rng = np.random.RandomState(0)
+  x, y = rng.randn(32, 32).astype(np.float32), rng.randn(32, 4).astype(np.float32)
+  reference = _keras_model()
+  device_mesh = keras.distribution.DeviceMesh(
+    (2, 4), ['batch', 'model'], keras.distribution.list_devices()
+  )
+  layout_map = keras.distribution.LayoutMap(device_mesh)
+  layout_map[r'.*/d\d/kernel'] = (None, 'model')
+  keras.distribution.set_distribution(
+    keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name='batch')
+  )
+  model = _keras_model()
+  keras.distribution.set_distribution(None)
+  kernel = tg.keras.backing(model.layers[0].kernel)
+  assert held.is_held(kernel)  # made as shards: never whole on a device
+  reference.fit(x, y, batch_size=16, epochs=2, verbose=0)
+  model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+  for got, want, v in zip(model.get_weights(), reference.get_weights(), model.weights):
+    assert_close(got, want, v.path)
+  gc.collect()
+  exclude = [tg.keras.backing(v) for v in reference.weights + reference.optimizer.variables]
+  assert _whole_copies({(32, 64), (64, 64)}, exclude) == []
+  # Optimizer slots of split kernels are held too (they inherit the kernel's layout).
+  slots = [v for v in model.optimizer.variables if tuple(v.shape) == (64, 64)]
+  assert slots and all(held.is_held(tg.keras.backing(v)) for v in slots)
+
+
+def test_restore_into_a_model_whose_optimizer_is_not_built_restores_its_slots(tmp_path):
+  mesh = tg.Mesh.create(*MESH)
+  rng = np.random.RandomState(0)
+  x, y = rng.randn(32, 32).astype(np.float32), rng.randn(32, 4).astype(np.float32)
+  trained = tg.partition_model(_keras_model(), mesh, 'data')
+  trained.fit(x, y, batch_size=16, epochs=1, verbose=0)
+  tg.save_checkpoint(trained, str(tmp_path))
+  fresh = tg.partition_model(_keras_model(seed=5), mesh, 'data')
+  assert not fresh.optimizer.built
+  tg.restore_checkpoint(str(tmp_path), fresh)
+  assert fresh.optimizer.built  # its slots were made and restored, not skipped
+  want = {v.path: v.numpy() for v in trained.optimizer.variables}
+  for v in fresh.optimizer.variables:
+    assert_close(v.numpy(), want[v.path], v.path)
+  assert_close(fresh.train_on_batch(x[:16], y[:16]), trained.train_on_batch(x[:16], y[:16]), 'l')
+
+
+def test_variables_made_as_shards_with_tg_variable_and_sharded_variables():
+  mesh = tg.Mesh.create(*MESH)
+  value = np.random.RandomState(3).randn(16, 64).astype(np.float32)
+  w = tg.Variable(value, tg.NamedSharding(mesh, tg.P(None, 'model')), name='w')
+  assert held.is_held(w) and tg.variable_sharding(w).spec == tg.P(None, 'model')
+  assert_close(w.numpy(), value, 'tg.Variable')
+  with tg.sharded_variables(mesh, {r'.*kernel': tg.P('data', 'model')}):
+    k = tf.Variable(lambda: tf.constant(value), name='dense/kernel')
+    b = tf.Variable(tf.zeros([64]), name='dense/bias')
+  assert held.is_held(k) and not held.is_held(b)
+  assert_close(k.numpy(), value, 'sharded_variables')
+
+  @tf.function
+  def f(x):
+    return tf.reduce_sum(tf.matmul(x, k) + b + tf.matmul(x, w))
+
+  x = np.random.RandomState(4).randn(8, 16).astype(np.float32)
+  want = float(tf.reduce_sum(x @ value * 2))
+  assert_close(tg.partition(f, mesh)(x), np.float32(want), 'partitioned over variables made so')
+  assert _whole_copies({(16, 64)}) == []
+
+
+def test_sync_and_scatter_variables_are_deprecated_no_ops():
+  (train, _, (w1, _)), _ = _pair()
+  x, y = _data()
+  train(x, y)
+  before = w1.numpy()
+  with pytest.warns(DeprecationWarning, match='does nothing'):
+    train.sync_variables()
+  with pytest.warns(DeprecationWarning, match='does nothing'):
+    train.scatter_variables()
+  assert np.array_equal(w1.numpy(), before)
