@@ -232,6 +232,14 @@ def read(variable) -> tf.Tensor:
 SHARD_NAME = 'tf_gspmd_shard'
 
 
+def _own_buffer(shard: tf.Tensor) -> tf.Tensor:
+  """`shard` in a buffer of its own. `split`'s pieces are views into one buffer of the whole
+  value (unstack aliases its input); a variable made from a view keeps that whole buffer alive
+  and copies itself out on its first update (copy on write), so both would stay: measured
+  2 W resident for a model of W split over 8 devices, against 1 W with a copy here."""
+  return tf.raw_ops.DeepCopy(x=shard)
+
+
 class ShardedVariable(tf.Module):
   """One `tf.Variable` per partition holding its padded shard of a global value.
 
@@ -273,7 +281,7 @@ class ShardedVariable(tf.Module):
     self.shards = []
     for device, shard in zip(self.devices, shards):
       with tf.device(device):
-        self.shards.append(tf.Variable(shard, name=SHARD_NAME, trainable=trainable))
+        self.shards.append(tf.Variable(_own_buffer(shard), name=SHARD_NAME, trainable=trainable))
 
   @property
   def variables(self) -> tuple:
@@ -310,7 +318,7 @@ class ShardedVariable(tf.Module):
     for var, shard in zip(
       self.shards, split(value, self.sharding, self.devices, f'ShardedVariable {self.label!r}')
     ):
-      var.assign(shard)
+      var.assign(_own_buffer(shard))
 
   def __repr__(self):
     return (

@@ -1,0 +1,242 @@
+"""Memory of a model split over 8 devices: resident set above the process's baseline, in W.
+
+The model (#31): 8 x Dense(H) without bias, SGD, batch 8, every kernel split by columns over
+8 devices ('model' axis of a (1, 8) mesh: Keras `ModelParallel` with a LayoutMap, or
+`tg.shard_variable`/`tg.sharded_variables` for the tf.function step). W = the weights' bytes
+(8 H^2 x 4). All 8 logical devices' memory is this process's memory, so its resident set shows
+what a layout costs. Each side runs in a fresh process:
+
+  tf          plain Keras on TF, unpartitioned (one device)
+  jax         Keras 3 on JAX (.jaxenv), the same ModelParallel (8 host devices)
+  tg_keras    tf_gspmd through keras.distribution (tf_gspmd.keras.enable()), TF backend
+  tg_step     a tf.function step under tg.partition, its variables made by tg.sharded_variables
+  tg_xla      tf_gspmd through keras.distribution, backend='xla'
+
+Per side: `steady` = RSS after two `train_on_batch` (or step calls) minus the baseline (RSS
+after imports and device set-up, before the model), each taken after glibc's malloc_trim so
+that freed temporaries the allocator keeps do not count; `peak` = the process's high-water
+mark (VmHWM) minus the baseline, both in W; `step` = the median of --steps more steps. Steps time
+a memory-bound model: the goal is tf_gspmd within 1.2x of TF unpartitioned, its steady and
+peak within TF's + 0.25 W and no more than Keras-on-JAX's.
+
+  python bench/memory.py [--sizes 2048 4096] [--steps 5] [--sides tf jax tg_keras ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JAX_PYTHON = os.environ.get('TF_GSPMD_JAX_PYTHON', os.path.join(ROOT, '.jaxenv', 'bin', 'python'))
+SIDES = ('tf', 'jax', 'tg_keras', 'tg_step', 'tg_xla')
+LAYERS, BATCH, DEVICES = 8, 8, 8
+
+
+def _trim() -> None:
+  """Return freed heap pages to the OS (glibc's malloc_trim), so the resident set counts what
+  is live, not what the allocator keeps cached from earlier temporaries; every side alike."""
+  import ctypes
+  import gc
+
+  gc.collect()
+  try:
+    ctypes.CDLL('libc.so.6').malloc_trim(0)
+  except (OSError, AttributeError):
+    pass
+
+
+def _rss_mib() -> float:
+  with open('/proc/self/status') as status:
+    for line in status:
+      if line.startswith('VmRSS:'):
+        return int(line.split()[1]) / 1024
+  return float('nan')
+
+
+def _hwm_mib() -> float:
+  with open('/proc/self/status') as status:
+    for line in status:
+      if line.startswith('VmHWM:'):
+        return int(line.split()[1]) / 1024
+  return float('nan')
+
+
+def _cpu_model() -> str:
+  try:
+    with open('/proc/cpuinfo') as info:
+      for line in info:
+        if line.startswith('model name'):
+          return line.split(':', 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or 'unknown'
+
+
+# --- one side, in its own process -------------------------------------------------------------
+def _keras_model(keras, hidden: int):
+  keras.utils.set_random_seed(0)
+  layers = [keras.Input((hidden,))]
+  layers += [keras.layers.Dense(hidden, use_bias=False, name=f'd{i}') for i in range(LAYERS)]
+  model = keras.Sequential(layers, name='mlp')
+  model.compile(optimizer=keras.optimizers.SGD(1e-3), loss='mse')
+  return model
+
+
+def _model_parallel(keras):
+  mesh = keras.distribution.DeviceMesh(
+    (1, DEVICES), ['batch', 'model'], keras.distribution.list_devices()
+  )
+  layout_map = keras.distribution.LayoutMap(mesh)
+  layout_map[r'.*/d\d+/kernel'] = (None, 'model')
+  return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name='batch')
+
+
+def _set_up_devices(side: str):
+  if side == 'jax':
+    os.environ['KERAS_BACKEND'] = 'jax'
+    os.environ['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={DEVICES}'
+    return
+  os.environ['KERAS_BACKEND'] = 'tensorflow'
+  import tensorflow as tf
+
+  cpu = tf.config.list_physical_devices('CPU')[0]
+  tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 8)
+  tf.zeros([1])  # initialize the devices before the baseline
+
+
+def _keras_steps(side: str, hidden: int, x, y):
+  import keras
+
+  if side in ('tg_keras', 'tg_xla'):
+    import tf_gspmd
+
+    tf_gspmd.keras.enable('xla' if side == 'tg_xla' else 'tf')
+  if side != 'tf':
+    keras.distribution.set_distribution(_model_parallel(keras))
+  model = _keras_model(keras, hidden)
+  return lambda: float(model.train_on_batch(x, y))
+
+
+def _tf_function_steps(hidden: int, x, y):
+  import tensorflow as tf
+
+  import tf_gspmd as tg
+
+  mesh = tg.Mesh.create((1, DEVICES), ('batch', 'model'))
+  rng = tf.random.Generator.from_seed(0)
+  with tg.sharded_variables(mesh, {r'd\d+': tg.P(None, 'model')}):
+    kernels = [
+      tf.Variable(lambda: rng.normal([hidden, hidden]) / hidden**0.5, name=f'd{i}')
+      for i in range(LAYERS)
+    ]
+
+  @tf.function
+  def step(x, y):
+    with tf.GradientTape() as tape:
+      h = x
+      for k in kernels:
+        h = tf.matmul(h, k)
+      loss = tf.reduce_mean(tf.square(h - y))
+    for k, g in zip(kernels, tape.gradient(loss, kernels)):
+      k.assign_sub(1e-3 * g)
+    return loss
+
+  partitioned = tg.partition(step, mesh)
+  return lambda: float(partitioned(x, y))
+
+
+def run_side(side: str, hidden: int, steps: int) -> dict:
+  _set_up_devices(side)
+  import numpy as np
+
+  rng = np.random.RandomState(0)
+  x = rng.randn(BATCH, hidden).astype(np.float32)
+  y = rng.randn(BATCH, hidden).astype(np.float32)
+  if side == 'jax':
+    import jax  # noqa: F401  (devices set up before the baseline)
+
+    jax.numpy.zeros([1]).block_until_ready()
+  _trim()
+  base = _rss_mib()
+  step = _tf_function_steps(hidden, x, y) if side == 'tg_step' else _keras_steps(side, hidden, x, y)
+  step(), step()
+  _trim()
+  steady = _rss_mib() - base
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - start)
+  w_mib = LAYERS * hidden * hidden * 4 / 2**20
+  return {
+    'side': side,
+    'hidden': hidden,
+    'W_MiB': w_mib,
+    'steady_W': steady / w_mib,
+    'peak_W': (_hwm_mib() - base) / w_mib,
+    'step_ms': 1e3 * sorted(times)[len(times) // 2],
+  }
+
+
+# --- the driver -------------------------------------------------------------------------------
+def _child(side: str, hidden: int, steps: int) -> dict:
+  python = JAX_PYTHON if side == 'jax' else sys.executable
+  if side == 'jax' and not os.path.exists(python):
+    return {'side': side, 'hidden': hidden, 'error': f'{python} does not exist'}
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', PYTHONPATH=ROOT, TF_GSPMD_PROGRESS='0')
+  done = subprocess.run(
+    [python, __file__, '--child', side, '--sizes', str(hidden), '--steps', str(steps)],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=1800,
+  )
+  lines = [ln for ln in done.stdout.splitlines() if ln.startswith('{')]
+  if done.returncode != 0 or not lines:
+    return {'side': side, 'hidden': hidden, 'error': done.stderr.strip().splitlines()[-1:]}
+  return json.loads(lines[-1])
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--sizes', type=int, nargs='+', default=[2048, 4096])
+  parser.add_argument('--steps', type=int, default=5)
+  parser.add_argument('--sides', nargs='+', default=list(SIDES), choices=SIDES)
+  parser.add_argument('--child', choices=SIDES)
+  args = parser.parse_args()
+  if args.child:
+    print(json.dumps(run_side(args.child, args.sizes[0], args.steps)))
+    return 0
+  print(f'cpu: {_cpu_model()}, {os.cpu_count()} cores; {DEVICES} logical devices')
+  print(f'model: {LAYERS} x Dense(H) no bias, SGD, batch {BATCH}; kernels split by columns')
+  for hidden in args.sizes:
+    results = {side: _child(side, hidden, args.steps) for side in args.sides}
+    w = LAYERS * hidden * hidden * 4 / 2**20
+    print(f'\nH = {hidden}: W = {w:.0f} MiB')
+    print(f'  {"side":10s} {"steady":>8s} {"peak":>8s} {"step":>10s}')
+    for side, r in results.items():
+      if 'error' in r:
+        print(f'  {side:10s} failed: {r["error"]}')
+        continue
+      print(f'  {side:10s} {r["steady_W"]:7.2f}W {r["peak_W"]:7.2f}W {r["step_ms"]:8.1f} ms')
+    tf_side = results.get('tf', {})
+    for side in ('tg_keras', 'tg_step', 'tg_xla'):
+      r = results.get(side, {})
+      if 'error' in r or not r or 'error' in tf_side or not tf_side:
+        continue
+      print(
+        f'  {side}: step / TF {r["step_ms"] / tf_side["step_ms"]:.2f}x (goal <= 1.2), '
+        f'steady - TF {r["steady_W"] - tf_side["steady_W"]:+.2f}W, '
+        f'peak - TF {r["peak_W"] - tf_side["peak_W"]:+.2f}W (goal <= +0.25W)'
+      )
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
