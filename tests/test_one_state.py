@@ -293,3 +293,21 @@ def test_sync_and_scatter_variables_are_deprecated_no_ops():
   with pytest.warns(DeprecationWarning, match='does nothing'):
     train.scatter_variables()
   assert np.array_equal(w1.numpy(), before)
+
+
+def test_shards_that_would_not_fit_a_device_are_refused_before_any_is_made(monkeypatch):
+  """Where TF tells a device's memory (a GPU's memory limit; faked here for the CPUs)."""
+  from tf_gspmd.partitioned import variables as variables_lib
+
+  monkeypatch.setattr(variables_lib, 'device_capacity', lambda device: 1024)  # 1 KiB each
+  mesh = tg.Mesh.create(*MESH)
+  w1, w2 = (tf.Variable(v, name=n) for v, n in zip(_weights(), ('big_w1', 'big_w2')))
+  train, _ = _steps(w1, w2, mesh)
+  need = r'(?s)need 1\.2 KiB on device /device:CPU:0, which holds 1\.0 KiB.*big_w1'
+  with pytest.raises(ValueError, match=need) as error:
+    tg.partition(train, mesh)(*_data())
+  text = str(error.value)
+  assert 'big_w1' in text and 'per device' in text and 'tg.plan predicts' in text
+  assert not held.is_held(w1) and not held.is_held(w2)  # refused before any shard was made
+  with pytest.raises(ValueError, match='tg.plan predicts'):
+    tg.Variable(np.zeros((64, 64), np.float32), tg.NamedSharding(mesh, tg.P(None, 'model')))

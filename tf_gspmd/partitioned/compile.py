@@ -90,12 +90,14 @@ def build(
   sharded_variables: dict,
   phase: Callable[[str], None],
   name: str,
+  check_fits: Optional[Callable[[list], None]] = None,
 ) -> Compiled:
   """The per-partition program of `program` as `plan` lays it out (`spmd` left to the caller).
 
   `shard_variable(var, sharding)` gives a variable its shards (kept in
   `sharded_variables`, keyed by the variable's id); `phase(text)` names the build
-  phase a first call is in.
+  phase a first call is in; `check_fits(layouts)` refuses layouts whose shards would not
+  fit the devices, before any is made.
   """
   main = program.main
   arg_names, capture_names = list(program.arg_inputs), list(program.captures)
@@ -111,6 +113,10 @@ def build(
     boundary.boundary_layout(main, n, s, mesh) for n, s in zip(arg_names, arg_targets)
   ]
   capture_shardings = [target(main, n) for n in capture_names]
+  if check_fits is not None:  # before any shard is made
+    check_fits(
+      [(v.name, tuple(v.shape), v.dtype, target(main, n)) for n, v in zip(var_names, variables)]
+    )
   for var_name, var in zip(var_names, variables):
     shard_variable(var, target(main, var_name))
   arg_shapes = [tuple(main.tensor(n).shape) for n in arg_names + capture_names]

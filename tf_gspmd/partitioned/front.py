@@ -280,12 +280,20 @@ class PartitionedFunction:
       sharded_variables=self._sharded_variables,
       phase=self._phase,
       name=name_of(self.fn),
+      check_fits=self._check_fits if self.backend == 'tf' else None,
     )
     compiled.holders = [self._sharded_variables.get(id(v)) for v in compiled.variables]
     self.store.release()  # every variable's value lives in its shards now: free the rest
     if self.backend == 'tf':
       compiled.spmd = tf_executor.spmd_program(compiled, self.devices, self.timeout)
     return compiled
+
+  def _check_fits(self, layouts) -> None:
+    """Refuse shards that would not fit a device whose memory TF can tell (a GPU's limit)."""
+    from tf_gspmd.runtime.collectives import default_devices
+
+    devices = self.devices or default_devices(self.mesh.size)
+    variables_lib.check_fits(layouts, list(devices))
 
   def _shard_variable(self, var, sharding: NamedSharding, sharded_cls) -> None:
     """Give `var` its shards in the store (subclasses hold them elsewhere)."""

@@ -250,6 +250,13 @@ def Variable(  # noqa: N802  (a constructor, named as tf.Variable)
   if not isinstance(sharding, Sharding):
     raise TypeError(f'tg.Variable: sharding must be a Sharding, got {type(sharding).__name__}.')
   sharding.check_shape(value.shape.as_list(), what=f'tg.Variable({name or "Variable"})')
+  if backend == 'tf':
+    from tf_gspmd.runtime.collectives import default_devices
+
+    check_fits(
+      [(name or 'Variable', tuple(value.shape), value.dtype, sharding)],
+      list(devices or default_devices(sharding.mesh.size)),
+    )
   variable = UninitializedVariable(
     shape=value.shape, dtype=value.dtype, trainable=trainable, name=name or 'Variable'
   )
@@ -336,3 +343,86 @@ def _scoped_name(name: str) -> str:
 def _splits(sharding: Sharding) -> bool:
   """Whether `sharding` gives each device less than the whole value."""
   return sharding.kind == 'tiled' and any(t > 1 for t in sharding.tile_shape)
+
+
+# --- will the shards fit? --------------------------------------------------------------------
+def device_capacity(device: str) -> Optional[int]:
+  """Bytes `device` can hold, where TF can tell: a GPU given a memory limit by its logical
+  device configuration (`tf.config.set_logical_device_configuration`). None elsewhere (a CPU
+  device's memory is the host's; TF reports a GPU's use, not its size, otherwise)."""
+  spec = tf.DeviceSpec.from_string(device)
+  if (spec.device_type or '').upper() != 'GPU':
+    return None
+  gpus = tf.config.list_physical_devices('GPU')
+  index, seen = spec.device_index or 0, 0
+  for gpu in gpus:
+    configs = tf.config.get_logical_device_configuration(gpu) or []
+    for config in configs:
+      if seen == index:
+        limit = getattr(config, 'memory_limit', None)
+        return None if limit is None else int(limit) * 2**20
+      seen += 1
+  return None
+
+
+def check_fits(layouts, devices, capacity=None) -> None:
+  """Refuse, before anything is allocated, shards that would not fit a device.
+
+  `layouts`: (name, shape, dtype, sharding) of the variables about to be made; `devices`: the
+  devices, partition p's at index p. Where a device's capacity is known (`capacity(device)`),
+  the bytes of the shards it would hold (every variable's padded shard: what tg.plan predicts
+  for the variables) must fit in it; the error names the bytes per device and the largest
+  variables.
+  """
+  if not devices:
+    return
+  capacity = capacity or device_capacity
+  limits = {p: capacity(str(d)) for p, d in enumerate(devices)}
+  if all(v is None for v in limits.values()):
+    return
+  per_device = np.zeros(len(devices), dtype=np.int64)
+  sizes = []
+  for name, shape, dtype, sharding in layouts:
+    local = (
+      int(np.prod(sharding.shard_shape(tuple(shape)), dtype=np.int64)) * tf.as_dtype(dtype).size
+    )
+    holders = _devices_holding(sharding, len(devices))
+    per_device[holders] += local
+    sizes.append(
+      (local, int(np.prod(shape, dtype=np.int64)) * tf.as_dtype(dtype).size, name, sharding)
+    )
+  over = [p for p, limit in limits.items() if limit is not None and per_device[p] > limit]
+  if not over:
+    return
+  p = max(over, key=lambda q: per_device[q] - limits[q])
+  largest = sorted(sizes, key=lambda s: -s[0])[:5]
+  lines = '\n'.join(
+    f'  {name}: {_size(total)} in all, {_size(local)} per device as {sharding}'
+    for local, total, name, sharding in largest
+  )
+  raise ValueError(
+    f"partition: the variables' shards need {_size(per_device[p])} on device {devices[p]}, "
+    f'which holds {_size(limits[p])} (tg.plan predicts {_size(per_device.max())} of variables '
+    f'on the fullest device, {_size(per_device.sum())} over all {len(devices)}). Largest '
+    f'variables:\n{lines}\nSplit the largest ones over more devices (their layout), or use '
+    'more devices.'
+  )
+
+
+def _size(n) -> str:
+  """Bytes, readably: '512 B', '1.2 KiB', '3.0 GiB'."""
+  n = float(n)
+  if n < 1024:
+    return f'{n:.0f} B'
+  for unit in ('KiB', 'MiB', 'GiB'):
+    n /= 1024
+    if n < 1024 or unit == 'GiB':
+      break
+  return f'{n:.1f} {unit}'
+
+
+def _devices_holding(sharding, n: int) -> List[int]:
+  """The partitions that hold a shard of `sharding` (a maximal sharding: its one device)."""
+  if getattr(sharding, 'is_maximal', False):
+    return [int(sharding.devices[0])]
+  return list(range(n))
