@@ -140,7 +140,6 @@ def main():
         writers = sorted({cluster.task_of(device) for device, *_ in record.slices})
         print(f'checkpoint {os.path.basename(record.prefix)} written by {writers}')
     describe_collectives(step, devices)
-    step.sync_variables()
     report = float64_check.compare_weights(
       model.trainable_variables, ref_model.trainable_variables, exact_model.trainable_variables
     )

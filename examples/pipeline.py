@@ -96,7 +96,6 @@ def main():
     f'step time: pipelined on 8 devices {piped_time * 1e3:.1f} ms, sequential on one '
     f'{sequential_time * 1e3:.1f} ms (ratio {piped_time / sequential_time:.2f})'
   )
-  pf.sync_variables()
   verdicts += [check(params[n], ref_params[n], n) for n in params]
   verdicts += [check(slots[n], ref_slots[n], f'{n}_momentum') for n in slots]
   print(f'loss {float(loss):.6f} vs sequential {float(ref_loss):.6f}')

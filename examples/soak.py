@@ -77,7 +77,6 @@ def train(directory: str, steps: int, every: int) -> int:
       started = time.time()
       tg.save_checkpoint(step, directory)
       print(f'saved at step {i + 1} in {time.time() - started:.3f} s', flush=True)
-  step.sync_variables()
   np.savez(os.path.join(directory, 'weights.npz'), **{v.path: v.numpy() for v in model.variables})
   np.savez(
     os.path.join(directory, 'optimizer.npz'), **{v.path: v.numpy() for v in optimizer.variables}

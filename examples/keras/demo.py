@@ -104,7 +104,6 @@ def main():
     print(f'{kind:<12}{axes:<8}{n:>6}{volume[(kind, axes)]:>10,}')
   memory_table(step, optimizer)
 
-  step.sync_variables()
   report = float64_check.compare_weights(
     model.trainable_variables, ref_model.trainable_variables, exact_model.trainable_variables
   )
