@@ -74,3 +74,107 @@ def test_tf_manual_region_without_collectives(backend):
   want = (2.0 * blocks + blocks.sum(1, keepdims=True)).reshape(16, 4)
   assert_close(step(x), want)
   assert not step.collectives()
+
+
+# --- tg.shard_map: each collective and its transpose -----------------------------------------
+def _value_and_grad(fn, c):
+  """`fn`'s value and the gradient of sum(fn(x) * c) with respect to x."""
+
+  @tf.function
+  def step(x):
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      y = fn(x)
+      loss = tf.reduce_sum(y * c)
+    return y, tape.gradient(loss, x)
+
+  return step
+
+
+def _against_twin(manual_fn, twin_fn, x, out_shape, mesh, backend):
+  c = _rand(*out_shape, seed=7)
+  step = tg.partition(_value_and_grad(manual_fn, c), mesh, backend=backend)
+  assert_close(step(x), _value_and_grad(twin_fn, c)(x))
+  return step
+
+
+P = tg.P
+COLLECTIVE_CASES = {
+  # name: (region body, in spec, out spec, automatic twin, input shape, output shape)
+  'psum': (
+    lambda b: tg.psum(b, 'x'),
+    P('x'),
+    P(),
+    lambda x: tf.reduce_sum(tf.reshape(x, [8, 2, 4]), 0),
+    (16, 4),
+    (2, 4),
+  ),
+  'all_gather': (
+    lambda b: tg.all_gather(b, 'x', tiled=True),
+    P('x'),
+    P(),
+    tf.identity,
+    (16, 4),
+    (16, 4),
+  ),
+  'all_gather_stacked': (
+    lambda b: tg.all_gather(b, 'x', axis=1),
+    P('x'),
+    P(),
+    lambda x: tf.transpose(tf.reshape(x, [8, 2, 4]), [1, 0, 2]),
+    (16, 4),
+    (2, 8, 4),
+  ),
+  'psum_scatter': (
+    lambda b: tg.psum_scatter(b, 'x', 0, tiled=True),
+    P(),
+    P('x'),
+    lambda x: 8.0 * x,
+    (16, 4),
+    (16, 4),
+  ),
+  'all_to_all': (
+    lambda b: tg.all_to_all(b, 'x', 1, 0),
+    P('x', None),
+    P(None, 'x'),
+    tf.identity,
+    (16, 8),
+    (16, 8),
+  ),
+  'ppermute': (
+    lambda b: tg.ppermute(b, 'x', [(i, (i + 1) % 8) for i in range(8)]),
+    P('x'),
+    P('x'),
+    lambda x: tf.roll(x, 2, 0),
+    (16, 4),
+    (16, 4),
+  ),
+  'axis_index': (
+    lambda b: b * tf.cast(tg.axis_index('x') + 1, tf.float32),
+    P('x'),
+    P('x'),
+    lambda x: x * np.repeat(np.arange(1, 9), 2)[:, None].astype(np.float32),
+    (16, 4),
+    (16, 4),
+  ),
+}
+KIND = {
+  'psum': 'all_reduce',
+  'all_gather': 'all_gather',
+  'all_gather_stacked': 'all_gather',
+  'psum_scatter': 'reduce_scatter',
+  'all_to_all': 'all_to_all',
+  'ppermute': 'permute',
+  'axis_index': None,
+}
+
+
+@pytest.mark.parametrize('backend', BACKENDS)
+@pytest.mark.parametrize('name', sorted(COLLECTIVE_CASES))
+def test_shard_map_collective_and_its_gradient(name, backend):
+  body, in_spec, out_spec, twin, in_shape, out_shape = COLLECTIVE_CASES[name]
+  region = tg.shard_map(body, MESH8, in_spec, out_spec)
+  step = _against_twin(region, twin, _rand(*in_shape), out_shape, MESH8, backend)
+  kinds = {k for k, _ in _hand_written(step)}
+  if KIND[name]:
+    assert KIND[name] in kinds, _kinds(step)

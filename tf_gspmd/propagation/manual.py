@@ -351,7 +351,11 @@ def _replicated(graph: ir.Graph, tensor: str, mesh: Mesh, found, seen) -> frozen
     return every
   seen[tensor] = frozenset()
   node = graph.producer(tensor)
-  seen[tensor] = _replicated_by(graph, node, mesh, found, seen, every)
+  if _per_output(node):
+    index = ir.split_tensor_name(tensor)[1]
+    seen[tensor] = _replicated(graph, node.inputs[index], mesh, found, seen)
+  else:
+    seen[tensor] = _replicated_by(graph, node, mesh, found, seen, every)
   return seen[tensor]
 
 
