@@ -178,3 +178,51 @@ def test_shard_map_collective_and_its_gradient(name, backend):
   kinds = {k for k, _ in _hand_written(step)}
   if KIND[name]:
     assert KIND[name] in kinds, _kinds(step)
+
+
+# --- partially manual, written only with TF's own ops ----------------------------------------
+DATA_GROUPS = [list(g) for g in MESH24.groups(('data',))]
+
+
+def _tf_partial_manual_model(w, manual):
+  """A step manual over 'data' (TF's single_dim) and automatic over 'model', or its twin."""
+  device_mesh = np.arange(8).reshape(2, 4)
+
+  @tf.function
+  def step(x):
+    if manual:
+      w_read = xla_sharding.mesh_split(tf.convert_to_tensor(w), device_mesh, [-1, 1])
+    else:
+      w_read = tf.convert_to_tensor(w)
+    with tf.GradientTape() as tape:
+      tape.watch(w_read)
+      if manual:
+        x = xla_sharding.mesh_split(x, device_mesh, [0, -1])
+        s = xla_sharding.get_op_sharding(x.op)
+        m = xla_sharding.auto_to_manual_spmd_partition(x, s, single_dim=0)
+        h = tf.nn.relu(tf.matmul(m, w_read))
+        h = xla_sharding.manual_to_auto_spmd_partition(h, s, full_shape=[8, 12], single_dim=0)
+      else:
+        h = tf.nn.relu(tf.matmul(x, w_read))
+      loss = tf.reduce_mean(tf.square(h - 1.0))
+    g = tape.gradient(loss, w_read)
+    if manual:  # each 'data' group's part of the gradient, summed over the groups by hand
+      g = tf.raw_ops.CrossReplicaSum(input=g, group_assignment=DATA_GROUPS)
+    w.assign_sub(0.1 * g)
+    return loss
+
+  return step
+
+
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_tf_partially_manual_region_trains_like_its_unpartitioned_twin(backend):
+  init = _rand(16, 12, seed=3)
+  x = _rand(8, 16, seed=4)
+  w_manual, w_twin = tf.Variable(init), tf.Variable(init)
+  step = tg.partition(_tf_partial_manual_model(w_manual, True), MESH24, backend=backend)
+  twin = _tf_partial_manual_model(w_twin, False)
+  losses = [(step(x), twin(x)) for _ in range(3)]
+  step.sync_variables()
+  assert_close([a for a, _ in losses], [b for _, b in losses])
+  assert_close(w_manual, w_twin)
+  assert _hand_written(step) == {('all_reduce', ('data',)): 1}
