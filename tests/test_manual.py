@@ -226,3 +226,65 @@ def test_tf_partially_manual_region_trains_like_its_unpartitioned_twin(backend):
   assert_close([a for a, _ in losses], [b for _, b in losses])
   assert_close(w_manual, w_twin)
   assert _hand_written(step) == {('all_reduce', ('data',)): 1}
+
+
+# --- tg.shard_map partially manual, in a step and in a Keras layer ----------------------------
+def _partial_step(w, manual):
+  def body(xb, wb):
+    h = tf.nn.relu(tf.matmul(xb, wb))
+    return tg.psum(tf.reduce_sum(tf.square(h - 1.0)), 'data') / 96.0
+
+  @tf.function
+  def step(x):
+    with tf.GradientTape() as tape:
+      if manual:
+        loss = tg.shard_map(body, MESH24, (P('data'), P()), P(), axes='data')(x, w)
+      else:
+        loss = tf.reduce_mean(tf.square(tf.nn.relu(x @ w) - 1.0))
+    w.assign_sub(0.1 * tape.gradient(loss, w))
+    return loss
+
+  return step
+
+
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_shard_map_manual_over_one_axis_keeps_the_other_automatic(backend):
+  init, x = _rand(16, 12, seed=1), _rand(8, 16)
+  w, w_twin = tf.Variable(init), tf.Variable(init)
+  tg.shard_variable(w, MESH24, P(None, 'model'))
+  step = tg.partition(_partial_step(w, True), MESH24, backend=backend)
+  twin = _partial_step(w_twin, False)
+  losses = [(step(x), twin(x)) for _ in range(3)]
+  step.sync_variables()
+  assert_close([a for a, _ in losses], [b for _, b in losses])
+  assert_close(w, w_twin)
+  # The weight stays split over 'model' inside the region: its gradient is summed over
+  # 'data' on a quarter of it, and nothing gathers it.
+  sums = [c for c in step.collectives() if c['kind'] == 'all_reduce' and c['axes'] == ('data',)]
+  assert (16, 3) in [tuple(c['shape']) for c in sums], step.collectives()
+  assert not [c for c in step.collectives() if c['kind'] == 'all_gather']
+
+
+class ManualDense(tf.keras.layers.Layer):
+  """A Dense layer whose matmul is a manual region over 'data' (the batch split by hand)."""
+
+  def build(self, input_shape):
+    self.w = self.add_weight(shape=(int(input_shape[-1]), 4), initializer='glorot_uniform')
+
+  def call(self, x):
+    return tg.shard_map(
+      lambda xb, wb: tf.matmul(xb, wb), MESH24, (P('data'), P()), P('data'), axes='data'
+    )(x, self.w)
+
+
+def test_shard_map_in_a_keras_layer_call():
+  layer = ManualDense()
+  layer.build((8, 16))
+  x = _rand(8, 16)
+
+  @tf.function
+  def forward(x):
+    return layer(x)
+
+  got = tg.partition(forward, MESH24)(x)
+  assert_close(got, x @ layer.w.numpy())

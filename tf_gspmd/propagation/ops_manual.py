@@ -26,7 +26,24 @@ _LETTERS = 'abcdefgh'
 
 
 def _boundary(node, ctx):
-  return free_results(node, ctx)
+  """A dim the manual axes do not split (same size on both sides) passes through: the
+  region's automatic axes meet the full tensor's there (propagation never lets a manual
+  axis into the region); a split dim ties nothing."""
+  shape, out = ctx.shape(node.inputs[0]), ctx.out_shape(node)
+  if shape is None or out is None or len(shape) != len(out):
+    return free_results(node, ctx)
+  ins = tuple(
+    _LETTERS[d] if a == b else f'{_LETTERS[d]}_full' for d, (a, b) in enumerate(zip(shape, out))
+  )
+  outs = tuple(
+    _LETTERS[d] if a == b else f'{_LETTERS[d]}_shard' for d, (a, b) in enumerate(zip(shape, out))
+  )
+  if node.op == 'XlaSpmdShardToFullShape':
+    ins, outs = (
+      tuple(e.replace('_full', '_shard') for e in ins),
+      tuple(e.replace('_shard', '_full') for e in outs),
+    )
+  return make_rule([ins], [outs], [shape], [out])
 
 
 def _per_element(node, ctx):
@@ -99,9 +116,10 @@ def _example(op, n_aux=1, attrs=None, out=(8, 4)):
 
 def _boundary_example(op):
   def build(b):
-    x = b.placeholder('x', (8, 4))
+    full, shard = (8, 4), (2, 4)
+    x = b.placeholder('x', full if op == 'XlaSpmdFullToShardShape' else shard)
     attrs = {'manual_sharding': b'', 'dim': -1}
-    b.op(op, [x], [(8, 4)], name='y', attrs=attrs)
+    b.op(op, [x], [shard if op == 'XlaSpmdFullToShardShape' else full], name='y', attrs=attrs)
     return 'y'
 
   return build
