@@ -288,3 +288,101 @@ def test_shard_map_in_a_keras_layer_call():
 
   got = tg.partition(forward, MESH24)(x)
   assert_close(got, x @ layer.w.numpy())
+
+
+# --- bad input: clear errors when traced or partitioned ---------------------------------------
+def _partition_error(fn, mesh, *args):
+  with pytest.raises(ValueError) as info:
+    tg.partition(tf.function(fn), mesh)(*args)
+  return str(info.value)
+
+
+def test_collective_over_an_axis_not_manual_in_the_region():
+  with pytest.raises(ValueError, match=r"tg.psum: mesh axis 'model' is not manual"):
+    tg.partition(
+      tf.function(
+        lambda x: tg.shard_map(
+          lambda b: tg.psum(b, 'model'), MESH24, P('data'), P('data'), axes='data'
+        )(x)
+      ),
+      MESH24,
+    )(_rand(8, 4))
+
+  def tf_written(x):  # groups along 'model' inside a region manual over 'data' only
+    x = xla_sharding.mesh_split(x, np.arange(8).reshape(2, 4), [0, -1])
+    s = xla_sharding.get_op_sharding(x.op)
+    m = xla_sharding.auto_to_manual_spmd_partition(x, s, single_dim=0)
+    groups = [list(g) for g in MESH24.groups(('model',))]
+    m = tf.raw_ops.CrossReplicaSum(input=m, group_assignment=groups)
+    return xla_sharding.manual_to_auto_spmd_partition(m, s, full_shape=[8, 4], single_dim=0)
+
+  message = _partition_error(tf_written, MESH24, _rand(8, 4))
+  assert 'CrossReplicaSum' in message and "['model']" in message and "('data',)" in message
+
+
+def test_group_assignment_that_is_no_mesh_axes_groups():
+  def f(x):
+    x = xla_sharding.split(x, 0, 8)
+    s = xla_sharding.get_op_sharding(x.op)
+    m = xla_sharding.auto_to_manual_spmd_partition(x, s)
+    m = tf.raw_ops.CrossReplicaSum(input=m, group_assignment=[[0]])  # cross_replica_sum's default
+    return xla_sharding.manual_to_auto_spmd_partition(m, s, full_shape=[8, 4])
+
+  message = _partition_error(f, MESH8, _rand(8, 4))
+  assert 'CrossReplicaSum' in message and '[[0]]' in message and 'group_assignment' in message
+
+
+def test_ppermute_that_is_not_a_permutation():
+  with pytest.raises(ValueError, match=r'perm \[\(0, 1\), \(1, 1\)\] is not a permutation'):
+    tg.partition(
+      tf.function(
+        lambda x: tg.shard_map(
+          lambda b: tg.ppermute(b, 'x', [(0, 1), (1, 1)]), MESH8, P('x'), P('x')
+        )(x)
+      ),
+      MESH8,
+    )(_rand(8, 4))
+
+  def tf_written(x):
+    x = xla_sharding.split(x, 0, 8)
+    s = xla_sharding.get_op_sharding(x.op)
+    m = xla_sharding.auto_to_manual_spmd_partition(x, s)
+    m = tf.raw_ops.CollectivePermute(input=m, source_target_pairs=[[0, 1], [2, 1]])
+    return xla_sharding.manual_to_auto_spmd_partition(m, s, full_shape=[8, 4])
+
+  message = _partition_error(tf_written, MESH8, _rand(8, 4))
+  assert 'CollectivePermute' in message and 'not a permutation' in message
+
+
+def test_out_spec_claiming_replication_the_region_does_not_produce():
+  message = _partition_error(
+    lambda x: tg.shard_map(lambda b: b * 2.0, MESH8, P('x'), P())(x), MESH8, _rand(8, 4)
+  )
+  assert "leaves mesh axes ['x'] out" in message and 'psum or all_gather' in message
+  # Replicated by a psum, or unchecked: accepted.
+  tg.partition(
+    tf.function(lambda x: tg.shard_map(lambda b: tg.psum(b, 'x'), MESH8, P('x'), P())(x)), MESH8
+  )(_rand(8, 4))
+
+
+def test_full_shape_the_shard_shape_does_not_divide_into():
+  with pytest.raises(ValueError, match=r'dim 0 \(10\) does not divide into the 8 shards'):
+    tg.partition(tf.function(lambda x: tg.shard_map(lambda b: b, MESH8, P('x'), P('x'))(x)), MESH8)(
+      _rand(10, 4)
+    )
+
+  def tf_written(x):
+    x = xla_sharding.split(x, 0, 8)
+    s = xla_sharding.get_op_sharding(x.op)
+    m = xla_sharding.auto_to_manual_spmd_partition(x, s)
+    return xla_sharding.manual_to_auto_spmd_partition(m, s, full_shape=[24, 4])
+
+  message = _partition_error(tf_written, MESH8, _rand(8, 4))
+  assert 'XlaSpmdShardToFullShape' in message and '[1, 4]' in message and '[24, 4]' in message
+
+
+def test_an_op_no_device_here_runs_is_refused_when_partitioned():
+  message = _partition_error(
+    lambda x: tf.raw_ops.TPUReplicatedInput(inputs=[x]) * 2.0, MESH8, _rand(8, 4)
+  )
+  assert 'TPUReplicatedInput' in message and 'no kernel' in message

@@ -399,3 +399,107 @@ def _is_handle(graph: ir.Graph, tensor: str) -> bool:
   from tf_gspmd.propagation.registry import is_resource
 
   return is_resource(graph.tensor(tensor).dtype)
+
+
+# --- collectives written inside regions, checked before anything is traced ---------------
+def check_collectives(program: ir.Program, mesh: Mesh, found: Dict[Key, Tuple[str, ...]]) -> None:
+  """Refuse a collective written by hand that cannot run as written: outside any region,
+  over an axis not manual in its region, groups that are no mesh axes' groups, a permute
+  that is not a permutation, a split the group does not divide; and an exit whose operand is
+  not the shard shape of its full shape."""
+  from tf_gspmd.propagation import registry
+
+  for graph in program.graphs():
+    ctx = registry.RuleContext(graph)
+    for node in graph.nodes:
+      what = f'{node.op} {node.name}'
+      if node.op == EXIT:
+        b = boundary(node, graph, mesh)
+        have = graph.tensor(node.inputs[0]).shape
+        if have is not None and tuple(have) != b.region_shape:
+          raise ManualRegionError(
+            f'{b.describe()}: its operand has shape {list(have)}, but the full shape '
+            f'{list(b.full_shape)} split by {b.sharding} over the manual axes gives shards of '
+            f'{list(b.region_shape)}; the full shape must be what the shard shape divides into.'
+          )
+        continue
+      entry = registry.entry_of(node.op)
+      if entry.local != 'manual_collective':
+        continue
+      region = region_of(found, graph, node)
+      axes = collective_axes(node, ctx, mesh, entry.local_params)
+      outside = [a for a in axes if a not in region]
+      if outside or (not region and node.inputs):
+        raise ManualRegionError(
+          f'{what}: a collective over mesh axes {tuple(axes)}, but '
+          + (
+            f'{outside} are not manual in this region (manual over {region})'
+            if region
+            else 'it is in no manual region'
+          )
+          + f" of mesh {mesh}; collectives written by hand run over a manual region's axes "
+          'only.'
+        )
+      _check_sizes(node, ctx, mesh, entry.local_params, axes)
+
+
+def collective_axes(node: ir.Node, ctx, mesh: Mesh, params) -> Tuple[str, ...]:
+  """The mesh axes a collective written by hand runs over (read from its constant groups)."""
+  what = f'{node.op} {node.name}'
+  kind = params.get('kind')
+  if kind == 'custom_call':
+    target = custom_target(node)
+    if target not in (ALL_GATHER_TARGET, AXIS_INDEX_TARGET):
+      raise ManualRegionError(
+        f'{what}: custom call target {target!r} has no kernel outside XLA on TPU, and '
+        "tf_gspmd runs tg.shard_map's own targets only."
+      )
+    return tuple(custom_config(node)['axes'])
+  value = ctx.const(node.inputs[1])
+  if value is None:
+    raise ManualRegionError(
+      f'{what}: its group assignment {node.inputs[1]} is not known before the program '
+      'runs; write it as a constant.'
+    )
+  if kind == 'permute':
+    pairs = np.asarray(value, np.int64).reshape(-1, 2)
+    srcs, dsts = pairs[:, 0].tolist(), pairs[:, 1].tolist()
+    if (
+      (pairs < 0).any()
+      or (pairs >= mesh.size).any()
+      or len(set(srcs)) != len(srcs)
+      or len(set(dsts)) != len(dsts)
+    ):
+      raise ManualRegionError(
+        f'{what}: source_target_pairs {pairs.tolist()} are not a permutation of partitions '
+        f'0..{mesh.size - 1}: each is a source at most once and a target at most once.'
+      )
+    return tuple(
+      a
+      for a in mesh.axis_names
+      if any(mesh.coords(int(s))[a] != mesh.coords(int(d))[a] for s, d in pairs)
+    )
+  return axes_of_groups(mesh, value, what)
+
+
+def _check_sizes(node: ir.Node, ctx, mesh: Mesh, params, axes) -> None:
+  kind = params.get('kind')
+  k = mesh.axes_size(axes)
+  shape = ctx.shape(node.inputs[0]) if node.inputs else None
+  what = f'{node.op} {node.name}'
+  if kind == 'all_to_all':
+    from tf_gspmd.propagation.registry import attr
+
+    split, count = int(attr(node, 'split_dimension', 0)), int(attr(node, 'split_count', 0))
+    if count != k or (shape is not None and shape[split] % k):
+      raise ManualRegionError(
+        f'{what}: split_count {count} over mesh axes {axes} (group size {k}); '
+        f'split_dimension {split} of shape {list(shape or ())} must divide into the group.'
+      )
+  if kind == 'reduce_scatter':
+    dim = ctx.const_ints(node.inputs[2])
+    if dim is None or (shape is not None and shape[dim[0]] % k):
+      raise ManualRegionError(
+        f'{what}: scatter_dimension {dim} of shape {list(shape or ())} must be a constant '
+        f'dim that divides into the {k} members of mesh axes {axes}.'
+      )

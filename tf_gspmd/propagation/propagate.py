@@ -269,6 +269,7 @@ class Propagator:
   def run(self) -> PropagationResult:
     self.resource_shapes = infer_resource_shapes(self.program)
     self.manual = manual.regions(self.program, self.mesh)
+    manual.check_collectives(self.program, self.mesh, self.manual)
     manual.check_replication(self.program, self.mesh, self.manual)
     self._build_infos()
     self._seed()
