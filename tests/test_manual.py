@@ -386,3 +386,20 @@ def test_an_op_no_device_here_runs_is_refused_when_partitioned():
     lambda x: tf.raw_ops.TPUReplicatedInput(inputs=[x]) * 2.0, MESH8, _rand(8, 4)
   )
   assert 'TPUReplicatedInput' in message and 'no kernel' in message
+
+
+# --- propagation boundary, explain() and tg.plan ------------------------------------------------
+def _psum_region(x):
+  return tg.shard_map(lambda b: tg.psum(b * 2.0, 'x'), MESH8, P('x'), P())(x)
+
+
+def test_explain_marks_a_region_and_its_boundaries_and_plan_costs_its_collectives():
+  plan = tg.propagate(tf.function(_psum_region), _rand(16, 4), mesh=MESH8)
+  rows = {(r['node'], r['tensor'].rsplit(':', 1)[1]): r for r in plan.records()}
+  enter = rows[('XlaSpmdFullToShardShape', '0')]
+  assert enter['kind'] == 'manual' and 'manual over mesh axes' in enter['detail']
+  assert rows[('CrossReplicaSum', '0')]['sharding'] == "P(None, None) manual('x')"
+  assert 'manual region boundary' in rows[('XlaSpmdShardToFullShape', '0')]['detail']
+  assert "manual('x')" in plan.explain()
+  report = tg.plan(tf.function(_psum_region), tf.TensorSpec([16, 4]), mesh=MESH8)
+  assert [(c['kind'], tuple(c['axes'])) for c in report.collectives()] == [('all_reduce', ('x',))]

@@ -120,13 +120,18 @@ class PropagationResult:
       for node in graph.nodes:
         for out in node.outputs:
           prov = self.provenance[graph.name][out.name]
+          manual = self.manual.get((graph.name, out.name), ())
+          sharding = str(self.shardings[graph.name][out.name].spec)
+          if manual:  # each partition's own value: its automatic layout, then its manual axes
+            sharding += ' manual(' + ', '.join(repr(a) for a in manual) + ')'
           rows.append(
             {
               'graph': graph.name,
               'node': node.name,
               'op': node.op,
               'tensor': out.name,
-              'sharding': str(self.shardings[graph.name][out.name].spec),
+              'sharding': sharding,
+              'manual': manual,
               'kind': prov.kind,
               'direction': prov.direction,
               'via': prov.op,
