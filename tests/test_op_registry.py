@@ -52,7 +52,10 @@ ALLOWED = {
     {'Identity', 'XlaSharding'},
     'recognises the annotation ops tf_gspmd writes around boundary tensors',
   ),
-  'hlo.py': ({'Identity', 'Const'}, 'XLA-side names of pass-through and literal nodes it emits'),
+  'hlo.py': (
+    {'Identity', 'Const', 'XlaAllReduce', 'XlaReduceScatter', 'AllToAll', 'CollectivePermute'},
+    'XLA-side names of pass-through, literal and collective nodes the XLA backend emits',
+  ),
   'xla.py': ({'Placeholder', 'XlaSharding'}, "an exported program's placeholders and annotations"),
   'coalesce.py': ({'Const'}, 'a literal node: its value is known before run time'),
   'shape_ops.py': ({'Const'}, "a literal node's value, which folding keeps only for ints"),

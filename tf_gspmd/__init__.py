@@ -57,6 +57,15 @@ from tf_gspmd.pipeline import pipeline
 from tf_gspmd.planning import PlanReport, abstract_variable, plan
 from tf_gspmd.propagation.api import Plan, propagate
 from tf_gspmd.runtime import CollectiveError, ShardedValue, ShardedVariable, SpmdProgram
+from tf_gspmd.shard_map import (
+  all_gather,
+  all_to_all,
+  axis_index,
+  ppermute,
+  psum,
+  psum_scatter,
+  shard_map,
+)
 from tf_gspmd.sharding import NamedSharding, P, Sharding, named, named_for_rank
 
 __all__ = [
@@ -110,4 +119,11 @@ __all__ = [
   'from_dtensor_mesh',
   'auto_shard',
   'visualize',
+  'shard_map',
+  'psum',
+  'all_gather',
+  'psum_scatter',
+  'all_to_all',
+  'ppermute',
+  'axis_index',
 ]

@@ -107,6 +107,22 @@ from tensorflow.python.trackable.base import VARIABLE_VALUE_KEY
 # tf2xla reads exactly these ops, and TF exports no API writing them.
 from tensorflow.python.compiler.xla.experimental import xla_sharding
 
+# TF's XLA ops (XlaReduceScatter, XlaCustomCall, XlaAllReduce): tf.raw_ops lists none of them
+# (XLA builds them in its own op library). tg.shard_map writes its psum_scatter, all_gather and
+# axis_index as these ops, read back by the partitioner inside manual regions.
+from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+
+# The kernels registered for an op type: a TPU-only op (no CPU kernel) is refused when a
+# function is partitioned, naming it, rather than failing at run time. No public API lists them.
+from tensorflow.python.framework import kernels
+
+
+def set_op_attr(op, name: str, value) -> None:
+  """Set attr `name` (an AttrValue) on a graph op: `Operation._set_attr`, TF's only way to add
+  an attr to an op already built (xla_sharding writes `_XlaSharding` the same way)."""
+  op._set_attr(name, value)  # noqa: SLF001
+
+
 __all__ = [
   'BaseResourceVariable',
   'FuncGraph',
@@ -121,11 +137,14 @@ __all__ = [
   'cpp_shape_inference_pb2',
   'function_def_to_graph',
   'function_type_utils',
+  'gen_xla_ops',
   'handle_data_util',
   'importer',
+  'kernels',
   'op_def_registry',
   'pywrap_tf_session',
   'record',
+  'set_op_attr',
   'variable_accessed',
   'xla_sharding',
 ]

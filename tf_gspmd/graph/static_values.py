@@ -15,6 +15,7 @@ one draw into a constant. Whether an op is stateful comes from its OpDef
 
 from __future__ import annotations
 
+import functools
 from typing import Dict
 
 import numpy as np
@@ -22,7 +23,7 @@ import tensorflow as tf
 
 # Private: TF's public API has no lookup of an op type's OpDef (its attrs, is_stateful).
 from tf_gspmd.graph import emit, ir
-from tf_gspmd.tf_private import op_def_registry
+from tf_gspmd.tf_private import kernels, op_def_registry
 
 # Ops that read only the static shape of their input, never its value.
 _SHAPE_OPS = ('Shape', 'ShapeN', 'Size', 'Rank')
@@ -60,10 +61,24 @@ def _static_shape_value(node: ir.Node, graph: ir.Graph):
   return [np.array(len(shapes[0]), dtype=np.int32)]
 
 
+@functools.lru_cache(maxsize=None)
+def _runs_on_cpu(op_type: str) -> bool:
+  """Whether TF has a CPU kernel for `op_type` (a TPU or XLA op has none: a collective, a
+  per-partition value such as a manual region's axis index, is never folded)."""
+  try:
+    return any(
+      k.device_type == 'CPU' for k in kernels.get_registered_kernels_for_op(op_type).kernel
+    )
+  except Exception:  # noqa: BLE001 (TF knows no such op)
+    return False
+
+
 def _foldable(node: ir.Node) -> bool:
   if node.op in _FED or node.control_inputs or node.called_functions():
     return False
   if is_stateful(node.op):  # new values (or effects) on every call: never a constant
+    return False
+  if not _runs_on_cpu(node.op):
     return False
   if any(t.dtype not in _FOLDABLE_DTYPES for t in node.outputs):
     return False

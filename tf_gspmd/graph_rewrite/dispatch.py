@@ -29,6 +29,49 @@ def _load_families() -> None:
 
 def lookup(p: Partitioner, node: ir.Node, graph: ir.Graph):
   """The handler for `node` and a word on how it is partitioned."""
+  handler, how = _lookup(p, node, graph)
+  if how != 'hand-written' and how != 'static value':
+    _check_runnable(p, node)
+  return handler, how
+
+
+@functools.lru_cache(maxsize=None)
+def _device_types(op_type: str) -> frozenset:
+  from tf_gspmd.tf_private import kernels
+
+  try:
+    return frozenset(k.device_type for k in kernels.get_registered_kernels_for_op(op_type).kernel)
+  except Exception:  # noqa: BLE001 (an op type TF does not know: a function call, checked elsewhere)
+    return frozenset(['?'])
+
+
+def _check_runnable(p: Partitioner, node: ir.Node) -> None:
+  """Refuse, when partitioning, an op the program would emit as it is but no device here runs
+  (a TPU op): a bare "no OpKernel" error at run time names neither the op's purpose nor a fix."""
+  if node.called_functions() or not static_op(node.op):
+    return
+  types = _device_types(node.op)
+  runs = {'CPU', 'GPU', '?'}
+  if str(getattr(p.backend, 'backend', 'tf')).startswith('xla'):
+    runs |= {'XLA_CPU_JIT', 'XLA_GPU_JIT'}
+  if not types & runs:
+    raise ValueError(
+      f"tf_gspmd: op {node.op} (node {node.name}) has no kernel on this machine's devices "
+      f'(registered for {sorted(types) or "none"}) and tf_gspmd has no local computation '
+      'for it, so the partitioned program could not run it. Write it with ops that run here '
+      '(inside a manual region: tg.psum, tg.all_gather, tg.all_to_all, tg.ppermute), or '
+      'report the op.'
+    )
+
+
+def static_op(op_type: str) -> bool:
+  """Whether `op_type` is a registered TF op (not a library function's name)."""
+  from tf_gspmd.graph import static_values
+
+  return static_values.op_def(op_type) is not None
+
+
+def _lookup(p: Partitioner, node: ir.Node, graph: ir.Graph):
   _load_families()
   entry = registry.entry_of(node.op)
   # Values known before run time and values of run-time shape come first: no

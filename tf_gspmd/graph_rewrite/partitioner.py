@@ -96,6 +96,7 @@ class Partitioner:
     self._resource_shapes: Dict[str, Dict[str, tuple]] = {}
     # Pending sums resolved late, through linear ops, in buckets (graph_rewrite/coalesce.py).
     self._coalescer = coalescer
+    self._manual: Optional[Dict[tuple, tuple]] = None
 
   # --- values ---------------------------------------------------------------
   def static_value(self, graph: ir.Graph, tensor: str) -> Optional[np.ndarray]:
@@ -131,6 +132,43 @@ class Partitioner:
 
   def replicate(self, value: Local, why: str = '') -> Local:
     return self.reshard(value, replicated(self.mesh, len(value.shape)), why)
+
+  def manual_axes(self, graph: ir.Graph, tensor: str) -> tuple:
+    """The mesh axes `tensor` is manual over (inside a manual region), or ()."""
+    if self._manual is None:
+      from tf_gspmd.propagation import manual
+
+      self._manual = manual.regions(self.program, self.mesh)
+    return self._manual.get((graph.name, tensor), ())
+
+  def _into_region(self, graph: ir.Graph, node: ir.Node, operands: List[Local]) -> List[Local]:
+    """Operands of a node inside a manual region, none split over its manual axes.
+
+    A value from outside the region (a constant, a weight read there) enters it
+    whole along the manual axes: every partition computes on all of it.
+    """
+    from tf_gspmd.propagation import manual
+
+    if node.op == manual.ENTER or manual.per_output(node):
+      return operands
+    axes = next((self.manual_axes(graph, t.name) for t in node.outputs), ())
+    if not axes:
+      return operands
+    out = []
+    for value in operands:
+      s = value.sharding
+      if value.dtype == tf.resource or not isinstance(s, NamedSharding):
+        out.append(value)
+        continue
+      spec = [tuple(a for a in s.spec.axes_of(d) if a not in axes) for d in range(len(s.spec))]
+      partial = s.partial_axes
+      keep = () if set(partial) & set(axes) else partial
+      if spec == [s.spec.axes_of(d) for d in range(len(s.spec))] and keep == partial:
+        out.append(value)
+        continue
+      target = NamedSharding(self.mesh, P(*[d or None for d in spec]))
+      out.append(self.reshard(value, target, f'entering the manual region of {node.name}'))
+    return out
 
   def note_collective(self, record: dict) -> None:
     if self._current is not None:
@@ -191,6 +229,7 @@ class Partitioner:
     operands = [env[t] for t in node.inputs]
     record = OpRecord(graph.name, node.name, node.op, '')
     self._current = record
+    operands = self._into_region(graph, node, operands)
     linear = None
     if frame is not None:  # pending sums: resolved here, or kept through a linear node
       operands, linear = self._coalescer.before_node(self, frame, node, operands)

@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Tuple
 from tf_gspmd import op_sharding
 from tf_gspmd.graph import ir
 from tf_gspmd.mesh import Mesh
-from tf_gspmd.propagation import registry
+from tf_gspmd.propagation import manual, registry
 from tf_gspmd.propagation.provenance import (
   ANNOTATION,
   AUXILIARY,
@@ -43,6 +43,7 @@ from tf_gspmd.propagation.provenance import (
   BY_RULE,
   DEFAULT,
   FORWARD,
+  MANUAL,
   NO_RULE,
   SCALAR,
   UNKNOWN_RANK,
@@ -96,6 +97,8 @@ class Propagator:
     self._warned = set()
     self.level = 0
     self._active = []
+    # (graph, tensor) -> the mesh axes it is manual over (inside a manual region): never given.
+    self.manual: Dict[Key, Tuple[str, ...]] = {}
 
   # --- setup -------------------------------------------------------------------------
   def _rank(self, key: Key) -> Optional[int]:
@@ -169,14 +172,21 @@ class Propagator:
         raise ValueError(f'rule {rule.text()} gives {t} {len(dims)} dims but its shape is {shape}')
 
   def _seed(self):
-    """User annotations (never changed later) and annotated variables."""
+    """User annotations (never changed later), manual region boundaries and annotated
+    variables."""
     for graph in self.program.graphs():
       for node in graph.nodes:
+        if node.op in (manual.ENTER, manual.EXIT):
+          self._seed_boundary(graph, node)
+          continue
         for index, sharding in sorted(node.annotations.items()):
           key = (graph.name, node.outputs[index].name)
+          if manual.is_manual_sharding(sharding):
+            continue  # a manual region's intermediate: its region says its layout
           self._annotate(
             key, sharding, _unspecified_dims(node), ANNOTATION, qualified(self.program, key)
           )
+          self._check_not_manual(key, f'annotation {sharding} on {node.op} {node.name}')
     for tensor, var in self.program.variables.items():
       key = (self.program.main.name, tensor)
       if key in self.states:
@@ -191,6 +201,41 @@ class Propagator:
         self.states[key] = _State(
           ((),) * rank, (False,) * rank, Provenance(VARIABLE, origin=name, detail='not annotated')
         )
+
+  def _seed_boundary(self, graph: ir.Graph, node: ir.Node):
+    """A region's entry result takes the region's layout of its shard-shaped value; an
+    exit result the full layout: both fixed by the op (but the dims it leaves open)."""
+    b = manual.boundary(node, graph, self.mesh)
+    key = (graph.name, node.outputs[0].name)
+    if node.op == manual.ENTER:
+      axes = b.region_spec
+    else:
+      axes = tuple(b.sharding.spec.axes_of(d) for d in range(len(b.full_shape)))
+    closed = tuple(d not in b.open_dims for d in range(len(axes)))
+    detail = f'manual over mesh axes {b.manual}' + (
+      f', shard shape {list(b.region_shape)}' if node.op == manual.ENTER else ''
+    )
+    prov = Provenance(
+      MANUAL,
+      op=qualified(self.program, (graph.name, node.name)),
+      op_type=node.op,
+      origin=qualified(self.program, key),
+      detail=detail,
+    )
+    self.states[key] = _State(axes, closed, prov)
+
+  def _check_not_manual(self, key, what: str):
+    axes = self.manual.get(key)
+    state = self.states.get(key)
+    if not axes or state is None:
+      return
+    used = [a for dim in state.axes for a in dim if a in axes]
+    if used:
+      raise ValueError(
+        f'{what}: {qualified(self.program, key)} is inside a manual region over mesh axes '
+        f'{axes}, where each partition holds its own value; it cannot be split over the '
+        f'manual axes {used} there. Split it before the region or after it.'
+      )
 
   def _annotate(self, key, sharding: Sharding, unspecified, kind, origin):
     rank = self._rank(key)
@@ -223,6 +268,9 @@ class Propagator:
   # --- the passes ----------------------------------------------------------------------
   def run(self) -> PropagationResult:
     self.resource_shapes = infer_resource_shapes(self.program)
+    self.manual = manual.regions(self.program, self.mesh)
+    manual.check_collectives(self.program, self.mesh, self.manual)
+    manual.check_replication(self.program, self.mesh, self.manual)
     self._build_infos()
     self._seed()
     roots = [self.program.main] + self._uncalled_functions()
@@ -384,6 +432,9 @@ class Propagator:
     rank = self._rank(key)
     if rank is None or len(proposed) != rank:
       return False
+    if key in self.manual:  # inside a manual region: its manual axes are never proposed
+      forbidden = self.manual[key]
+      proposed = tuple(_cut(dim, forbidden) for dim in proposed)
     state = self.states.get(key)
     if state is None:
       self.states[key] = _State(_dedupe(proposed), (False,) * rank, prov)
@@ -443,9 +494,11 @@ class Propagator:
             continue
           gs[out.name] = named((None,) * rank)
           gp[out.name] = self._fallback_provenance(info, index, rank, key in aux_only)
-    return PropagationResult(
+    result = PropagationResult(
       self.program, self.mesh, shardings, provenance, self.infos, self.warnings, iterations
     )
+    result.manual = dict(self.manual)
+    return result
 
   def _fallback_provenance(self, info: _NodeInfo, index: int, rank: int, aux: bool) -> Provenance:
     node = info.node
@@ -537,6 +590,16 @@ def _merge_compatible(specs) -> tuple:
         merged[d] = cur + tuple(extra)
         used.update(extra)
   return tuple(merged)
+
+
+def _cut(axes, forbidden) -> tuple:
+  """`axes` up to the first forbidden one (a dim's axes are major to minor)."""
+  out = []
+  for a in axes:
+    if a in forbidden:
+      break
+    out.append(a)
+  return tuple(out)
 
 
 def _dedupe(spec) -> tuple:

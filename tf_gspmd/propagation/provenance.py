@@ -28,6 +28,7 @@ AUXILIARY = 'auxiliary'  # only used as shape/axis/index-list operands (or unuse
 SCALAR = 'scalar'  # rank 0: replicated
 UNKNOWN_RANK = 'unknown_rank'
 DEFAULT = 'default'  # nothing reached it: replicated
+MANUAL = 'manual'  # fixed by a manual region's entry or exit op (a propagation boundary)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,8 @@ class Provenance:
       return 'user annotation'
     if self.kind == VARIABLE:
       return f'variable {self.origin}'
+    if self.kind == MANUAL:
+      return f'manual region boundary {self.op} ({self.op_type}): {self.detail}'
     if self.kind in (FORWARD, BACKWARD):
       return (
         f'{self.kind} via {self.op} ({self.op_type}) from {self.source}; origin '
@@ -84,6 +87,8 @@ class PropagationResult:
     self._infos = infos
     self.warnings: List[str] = warnings_list
     self.iterations = iterations  # sweeps run per level
+    # (graph, tensor) -> mesh axes it is manual over, for tensors inside manual regions.
+    self.manual: Dict[Key, Tuple[str, ...]] = {}
 
   def _split(self, name: str, graph: Optional[str]) -> Key:
     if graph is None and '::' in name:
@@ -115,13 +120,18 @@ class PropagationResult:
       for node in graph.nodes:
         for out in node.outputs:
           prov = self.provenance[graph.name][out.name]
+          manual = self.manual.get((graph.name, out.name), ())
+          sharding = str(self.shardings[graph.name][out.name].spec)
+          if manual:  # each partition's own value: its automatic layout, then its manual axes
+            sharding += ' manual(' + ', '.join(repr(a) for a in manual) + ')'
           rows.append(
             {
               'graph': graph.name,
               'node': node.name,
               'op': node.op,
               'tensor': out.name,
-              'sharding': str(self.shardings[graph.name][out.name].spec),
+              'sharding': sharding,
+              'manual': manual,
               'kind': prov.kind,
               'direction': prov.direction,
               'via': prov.op,
