@@ -120,7 +120,7 @@ def prepare(compiled: Compiled, sharded_variables: dict, devices: list, name: st
   from tf_gspmd.xla_bridge import pjrt
 
   exported = export(compiled, sharded_variables, name)
-  executable = pjrt.PjrtExecutable(exported, devices)
+  executable = pjrt.PjrtExecutable(exported, devices, donate=True)
   n_args = len(compiled.program.arg_inputs)
   captures = [
     pjrt.put_global(value, layout, executable.devices)

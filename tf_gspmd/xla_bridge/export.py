@@ -74,6 +74,9 @@ class XlaExport:
   args: List[Layout]
   results: List[Layout]
   name: str
+  # The same module with tf2xla's input/output aliases kept: run through PJRT, each assigned
+  # variable's old buffer is donated to its new value (no second copy of it during a step).
+  donating_module: Optional[str] = None
 
   @property
   def num_replicas(self) -> int:
@@ -128,6 +131,7 @@ def export_per_replica(
   _check_parameters(text, local_args, [a.name for a in args], name)
   aliases = _input_output_aliases(text)
   module = native.to_native(_clean_module(text, per_replica.__name__))
+  donating = native.to_native(_clean_module(text, per_replica.__name__, keep_aliases=True))
   outputs = [tf.TensorSpec(t.shape, t.dtype) for t in concrete.outputs]
   results = (
     list(output_layouts)
@@ -146,7 +150,7 @@ def export_per_replica(
         f'{output_index}, expected {len(results)} (after the outputs).'
       )
     results.append(dataclasses.replace(args[param], kind='variable', updates=param))
-  return XlaExport(module, mesh, args, results, name)
+  return XlaExport(module, mesh, args, results, name, donating_module=donating)
 
 
 _MAIN_SIGNATURE = re.compile(r'func\.func @main\((?P<params>.*?)\) -> ')
@@ -223,12 +227,14 @@ def _input_output_aliases(text: str) -> List[tuple]:
   ]
 
 
-def _clean_module(text: str, name: str) -> str:
-  """The module named `name`, without tf2xla's aliasing (buffers are not donated here)."""
+def _clean_module(text: str, name: str, keep_aliases: bool = False) -> str:
+  """The module named `name`, without tf2xla's aliasing unless `keep_aliases` (an exported
+  module's runner, TF's XlaCallModule or a TPU, does not donate its arguments)."""
   lines = text.splitlines()
   for i, line in enumerate(lines):
     if line.startswith('module @'):
-      line = re.sub(r'mhlo\.input_output_alias = \[.*?\](?=, mhlo\.|\})(, )?', '', line)
+      if not keep_aliases:
+        line = re.sub(r'mhlo\.input_output_alias = \[.*?\](?=, mhlo\.|\})(, )?', '', line)
       lines[i] = re.sub(r'^module @[\w.\-]+', f'module @{name}', line)
       break
   return '\n'.join(lines)

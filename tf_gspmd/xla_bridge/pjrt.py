@@ -116,7 +116,9 @@ def put_global(value, layout: Layout, devices: Sequence) -> list:
   if tuple(value.shape) != tuple(layout.shape):
     raise ValueError(f'{layout.name}: shape {tuple(value.shape)}, expected {layout.shape}.')
   shards = sharded_lib.split(value, layout.sharding, [None] * len(devices), layout.name)
-  return put_local([s.numpy() for s in shards], devices)
+  # A copy per shard: split's pieces are views of one buffer of the whole value, and a device
+  # buffer made from a view on the host's memory would keep that whole buffer alive.
+  return put_local([np.array(s, copy=True) for s in shards], devices)
 
 
 def assemble_global(buffers: Sequence, sharding: Sharding, shape, what: str) -> tf.Tensor:
@@ -127,7 +129,7 @@ def assemble_global(buffers: Sequence, sharding: Sharding, shape, what: str) -> 
 class PjrtExecutable:
   """An `XlaExport` compiled for its mesh's devices; `run` maps per-replica buffers to buffers."""
 
-  def __init__(self, export: XlaExport, devices: Optional[Sequence] = None):
+  def __init__(self, export: XlaExport, devices: Optional[Sequence] = None, donate: bool = False):
     n = export.num_replicas
     self.export = export
     self.devices = list(devices) if devices is not None else jax_devices(n)
@@ -143,8 +145,12 @@ class PjrtExecutable:
       np.array([[d.id] for d in self.devices])
     )
     client = self.devices[0].client
+    # donate: each assigned variable's buffers are given to its new value (they are gone after
+    # `run`; the caller keeps the returned ones), so a step never holds a variable twice.
+    self.donates = donate and export.donating_module is not None
+    module = export.donating_module if self.donates else export.module
     self.executable = client.compile_and_load(
-      export.module, xla_client.DeviceList(tuple(self.devices)), options
+      module, xla_client.DeviceList(tuple(self.devices)), options
     )
     # execute_sharded takes one array per parameter; an array replicated over the devices
     # is the container for "one buffer per replica" (the values differ, as replicas' do).
