@@ -104,7 +104,6 @@ def _train(style, arch, layout, caplog):
         )
       else:  # after updates the float32 runs drift apart by their own round-off
         assert_close_to_float64(got, want, exact, f'step {s + 1}')
-  step.sync_variables()
   got, ref32, ref64 = run.state
   distances = [
     (relative_error(g, e), relative_error(w, e), getattr(g, 'path', g.name))
@@ -233,7 +232,6 @@ def test_slot_used_only_through_its_handle_is_sharded_like_a_variable():
   grads = np.random.RandomState(0).randn(2, 8, 4).astype(np.float32)
   for i, grad in enumerate(grads):  # twice: the slot's state carries over
     assert_close(step(grad), reference(grad), f'var after update {i + 1}')
-  step.sync_variables()
   assert_close({'slot': slot, 'var': var}, {'slot': ref_slot, 'var': ref_var})
   assert len(step.variable_bytes()) == 2  # the slot is one of the program's variables
   assert not step.collectives()

@@ -91,7 +91,6 @@ def saved(tmp_path_factory):
   for i, (x, y) in enumerate(batches[:SAVED_AFTER]):
     assert_close(step(x, y), reference(x, y), f'loss of step {i + 1}')
   record = tg.save_checkpoint(step, directory)
-  step.sync_variables()
   variables = list(model.variables) + list(optimizer.variables)
   at_save = _values(variables)
   ref_at_save = _values(list(ref_model.variables) + list(ref_optimizer.variables))
@@ -194,7 +193,6 @@ def _restore_and_continue(saved, mesh, rules):
   record = tg.restore_checkpoint(saved['directory'], step)
   _check_restored_bitwise(step.variable_pairs(), saved)
   _continue(step, saved)
-  step.sync_variables()
   _check_after(list(model.variables) + list(optimizer.variables), saved)
   return step, record
 
@@ -253,7 +251,6 @@ def test_restore_into_a_model_partitioned_before_its_first_call(saved):
     tg.restore_checkpoint(saved['directory'], step)
   tg.restore_checkpoint(saved['directory'], [model, optimizer])
   _continue(step, saved)
-  step.sync_variables()
   _check_after(list(model.variables) + list(optimizer.variables), saved)
 
 
@@ -306,7 +303,6 @@ def test_empty_shards_integers_and_duplicate_names(tmp_path):
   step = _plain_step(tg.Mesh.create((4,), ('x',)), w, v, tg.P('x', None), tg.P('x'))
   step(np.ones((4, 3), np.float32))
   record = tg.save_checkpoint(step, str(tmp_path))
-  step.sync_variables()
   assert record.names == ['w', 'w#2']
   reader = tf.train.load_checkpoint(str(tmp_path))
   assert np.array_equal(reader.get_tensor('w'), w.numpy())
@@ -349,7 +345,6 @@ KILLED_SAVE = textwrap.dedent("""
     x = np.random.RandomState(0).randn(8, 30).astype(np.float32)
     pf(x)
     tg.save_checkpoint(pf, directory)
-    pf.sync_variables()
     np.save(os.path.join(directory, '..', 'w.npy'), w.numpy())
     np.save(os.path.join(directory, '..', 'b.npy'), b.numpy())
     pf(x)

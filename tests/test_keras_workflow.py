@@ -180,12 +180,7 @@ def writes_between_calls(tmp_path, **partition):
   assert_close(_weights(loaded), _weights(reference), 'loaded m.keras')
 
   launcher = model._tf_gspmd_launcher
-  check_ms = 1e3 * np.median(launcher.check_seconds)
-  print(
-    f'write check before each launch: median {check_ms:.2f} ms over '
-    f'{len(launcher.check_seconds)} launches'
-  )
-  assert len(launcher.check_seconds) == launcher.launches == 6 * 4 + 2 + 4
+  assert launcher.launches == 6 * 4 + 2 + 4
   return model
 
 
@@ -456,7 +451,7 @@ def test_partition_again_on_another_mesh_keeps_trained_values():
   assert_close(_evaluate(model, x, y, 16), _evaluate(reference, x, y, 16), 'evaluate')
 
 
-def test_pull_every_step_for_callbacks_that_read_raw_variables_mid_epoch():
+def test_callbacks_that_read_and_write_raw_variables_mid_epoch():
   x, y = _data()
 
   class HalveKernel(keras.callbacks.Callback):
@@ -465,14 +460,9 @@ def test_pull_every_step_for_callbacks_that_read_raw_variables_mid_epoch():
         kernel = self.model.get_layer('out').kernel
         kernel.assign(kernel * 0.5)
 
-  model, reference = _partitioned(_model(), pull_every_step=True), _model()
+  # No option needed (on main, pull_every_step=True): the variable reads its shards.
+  model, reference = _partitioned(_model()), _model()
   got, want = (m.fit(x, y, callbacks=[HalveKernel()], **FIT) for m in (model, reference))
   assert_close(_history(got), _history(want), 'history')
   assert_close(_weights(model), _weights(reference), 'weights')
-  launcher = model._tf_gspmd_launcher
-  print(
-    f'pull_every_step: check before each launch median '
-    f'{1e3 * np.median(launcher.check_seconds):.2f} ms, pull after it '
-    f'{1e3 * np.median(launcher.pull_seconds):.2f} ms'
-  )
-  assert len(launcher.pull_seconds) == launcher.launches == 4
+  assert model._tf_gspmd_launcher.launches == 4

@@ -79,7 +79,6 @@ def test_mlp_data_parallel(devices, batch):
     _step(model, optimizer, lambda x: tg.shard(x, mesh, tg.P('data', None))), mesh
   )
   train_both(step, _step(ref_model, ref_optimizer), _mlp_batches(batch))
-  step.sync_variables()
   assert_close(
     model.variables + optimizer.variables,
     ref_model.variables + ref_optimizer.variables,
@@ -106,7 +105,6 @@ def test_mlp_hidden_not_divisible_by_model_axis():
     _step(model, optimizer, lambda x: tg.shard(x, mesh, tg.P('data', None))), mesh
   )
   train_both(step, _step(ref_model, ref_optimizer), _mlp_batches(10))
-  step.sync_variables()
   assert_close(
     model.variables + optimizer.variables,
     ref_model.variables + ref_optimizer.variables,
@@ -130,7 +128,6 @@ def test_transformer_megatron_on_data_model_mesh():
     exact_step = transformer.train_step(exact_model, exact_optimizer)
   for tokens, labels in batches:
     exact_step(tokens, labels)
-  step.sync_variables()
   # The float64 rule: the attention key biases have a zero gradient in exact arithmetic (a
   # bias added to every key shifts each query's scores alike; softmax cancels it), so in
   # float32 they and their Adam slots hold round-off alone, different in any two correct
@@ -178,7 +175,6 @@ def test_mixture_of_experts_dispatches_with_all_to_all():
   step = tg.partition(moe.train_step(w, mesh), mesh)
   reference = moe.train_step(w_ref)
   train_both(step, reference, [moe.batch(seed=i) for i in range(STEPS)])
-  step.sync_variables()
   assert_close(w, w_ref, 'weights')
   kinds = collective_kinds(step)
   # Dispatch and combine, forward and backward: groups <-> experts is an all-to-all each way.
@@ -238,7 +234,6 @@ def test_cnn_with_batchnorm(spec):
     losses['unpartitioned'].append(reference(x, y).numpy())
     losses['float64'].append(exact_step(x.astype(np.float64), y).numpy())
   assert losses['float64'][0].dtype == np.float64
-  step.sync_variables()
   # The float64 rule: several Adam steps of a BatchNorm net are ill-conditioned in float32
   # (measured on an AVX-512 CPU, both oneDNN settings: bn_0 and conv_0 bias slots 2.9e-6
   # apart between the two float32 runs, a third of float32's bound after 5 steps; on other

@@ -68,7 +68,6 @@ def test_data_parallel_training_step_uneven_batches(batch, devices):
   y = np.random.RandomState(3).randint(0, 4, size=batch).astype(np.int32)
   for k in range(3):
     assert_close(step(x, y), reference(x, y), name=f'loss {k}')
-  step.sync_variables()
   assert_close({'w': w.numpy(), 'b': b.numpy()}, {'w': w_ref.numpy(), 'b': b_ref.numpy()})
   if batch >= devices:
     # The gradient all-reduces appear without being written; nothing is gathered.
@@ -108,7 +107,6 @@ def test_training_loop_inside_one_function_keeps_collectives_in_the_loop():
   reference = _loop_training(mesh, *w_ref, annotate=False)
   x, y = randn(2, 10, 16), np.random.RandomState(3).randint(0, 4, 10).astype(np.int32)
   assert_close(train(x, y, tf.constant(5)), reference(x, y, tf.constant(5)), name='loss')
-  train.sync_variables()
   assert_close([a.numpy() for a in w], [b.numpy() for b in w_ref], name='[w1, w2]')
   in_loop = [
     r

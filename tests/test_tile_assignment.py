@@ -417,7 +417,6 @@ def test_variables_pin_the_mesh_order():
   assert_close(pf(x), want)
   assert pf.get_program(x).spmd.mesh == M24  # the variable keeps the mesh's order
   assert kinds(pf) == [('permute', ())]
-  pf.sync_variables()
   assert_close(w.numpy(), want / 2.0, name='w')
 
 
@@ -464,7 +463,6 @@ def test_a_variable_annotated_in_the_issue_order_is_stored_in_it():
   (sharded,) = pf.sharded_variables()
   assert sharded.sharding.mesh == d24  # device 2 holds the tile (0, 1) the annotation gives it
   assert sharded.sharding.tile_index(2) == (0, 1)
-  pf.sync_variables()
   assert_close(w.numpy(), w_ref.numpy(), name='w')
   # The same step written in the mesh's order moves exactly the same.
   w2 = tf.Variable(randn(11, 8, 8))
@@ -523,7 +521,6 @@ def test_tile_2x4_on_a_1d_mesh_trains_like_unpartitioned():
   step_ref = make(w_ref)
   for _ in range(2):
     assert_close(pf(x), step_ref(x), name='loss')
-  pf.sync_variables()
   assert_close(w.numpy(), w_ref.numpy(), name='w')
   assert set(pf.get_program(x).mesh.axis_names) == {'x#0', 'x#1', 'x#2'}
 

@@ -116,14 +116,14 @@ def test_shard_variables_hold_each_replicas_shard(megatron_step):
     np.testing.assert_array_equal(component.numpy(), w1.numpy()[:, 8 * column : 8 * column + 8])
 
 
-def test_shard_variables_round_trip_to_the_originals(megatron_step):
+def test_the_variables_are_views_of_the_replica_components(megatron_step):
   step, (w1, w2) = megatron_step
-  before = [w1.numpy(), w2.numpy()]
-  w1.assign(tf.zeros_like(w1))
-  w2.assign(tf.zeros_like(w2))
-  step.sync_variables()  # assembled from the 8 per-replica components
-  np.testing.assert_array_equal(w1.numpy(), before[0])
-  np.testing.assert_array_equal(w2.numpy(), before[1])
+  before = w1.numpy()  # assembled from the 8 per-replica components
+  w1.assign(tf.zeros_like(w1))  # scattered to them
+  components = step.variables.sharded[id(w1)].components()
+  assert not any(c.numpy().any() for c in components)
+  w1.assign(before)
+  np.testing.assert_array_equal(w1.numpy(), before)
 
 
 def _replica_hlo(step, examples):
@@ -223,7 +223,6 @@ def test_step_runs_under_strategy_run_with_replica_id_as_partition_id():
   # program, and MirroredStrategy on CPUs runs each replica's ops eagerly, one device at a time.
   step = tpu.TPUStrategyStep(tg.partition(fn, mesh), strategy, x, exported=False)
   np.testing.assert_array_equal(step(x).numpy(), want)
-  step.sync_variables()
   np.testing.assert_array_equal(w.numpy(), np.arange(8) * 3)
   # Every replica claiming partition 0 gives other numbers: the replica id is what decides.
   w.assign(np.arange(8, dtype=np.float32))

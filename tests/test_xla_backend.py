@@ -60,8 +60,6 @@ def train_three(make, mesh, batches, exact=None):
     got, other, want = (np.asarray(f(*batch)) for f in (xla, via_tf, ref_fn))
     assert_close(got, want, f'step {i + 1} loss, xla vs unpartitioned')
     assert_close(got, other, f'step {i + 1} loss, xla vs tf backend')
-  xla.sync_variables()
-  via_tf.sync_variables()
   if exact is None:
     assert_close(xla_vars, ref_vars, 'xla vs unpartitioned')
     assert_close(xla_vars, tf_vars, 'xla vs tf backend')
@@ -231,7 +229,6 @@ def test_training_loop_inside_one_while():
       f'loss after {steps} steps',
     )
   assert len(looped._compiled) == 1  # noqa: SLF001
-  looped.sync_variables()
   assert_close(list(w_tensor), list(w_ref), 'weights')
 
 
@@ -266,13 +263,9 @@ def test_variables_stay_on_device_and_user_weights_are_used_after_scatter():
   assert isinstance(sharded, pjrt.XlaShardedVariable) and len(sharded.shards) == 8
   assert sharded.shards[3].devices() == {pjrt.jax_devices(8)[3]}
   assert pf.variable_bytes()[w.name] == {'total': 512, 'per_device': 64}
-  np.testing.assert_array_equal(w.numpy(), 1.0)  # not written back until sync
-  pf.sync_variables()
-  np.testing.assert_array_equal(w.numpy(), 2.0)
-  w.assign(np.full((16, 8), 5.0, np.float32))  # the user loads new weights ...
-  pf.scatter_variables()  # ... and sends them out
+  np.testing.assert_array_equal(w.numpy(), 2.0)  # w reads its device buffers: one state
+  w.assign(np.full((16, 8), 5.0, np.float32))  # the user loads new weights: the buffers
   assert_close(pf(x), np.float32(2 * 16 * 8 * 6.0), 'sum after the loaded weights')
-  pf.sync_variables()
   np.testing.assert_array_equal(w.numpy(), 6.0)
 
 

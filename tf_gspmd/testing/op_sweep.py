@@ -339,7 +339,6 @@ class Sweep:
           errors.append(f'call {c + 1} output {k}: {why}')
     errors += _frozen_outputs(calls, ref.calls)
     if variables and any(v is not None for v in variables):
-      pf.sync_variables()
       finals = [v.numpy() for v in variables if v is not None]
       for k, (a, b) in enumerate(zip(finals, ref.variables)):
         ok, err, why = compare(a, b, self.max_error)
