@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import tf_gspmd as tg
 from tf_gspmd import Mesh, NamedSharding, P, Sharding
-from tf_gspmd.partitioned import VariableStore, partition
+from tf_gspmd.partitioned import partition
 from tf_gspmd.runtime import SpmdProgram
 
 MESH = Mesh.create((2, 4), ('data', 'model'))
@@ -51,22 +51,6 @@ def _identity_fn():
     return tf.identity(x, name='out') * 2.0
 
   return f
-
-
-def _variable_twice():
-  w = tf.Variable(np.ones((8, 4), np.float32), name='w_shared')
-  store = VariableStore()
-
-  @tf.function
-  def rows(x):
-    return tg.shard(tf.identity(w), MESH8, P('x', None)) + x[:8, :1]
-
-  @tf.function
-  def cols(x):
-    return tg.shard(tf.identity(w), MESH8, P(None, 'x')) + x[:8, :1]
-
-  partition(rows, MESH8, store=store)(X)
-  partition(cols, MESH8, store=store)(X)
 
 
 def _variable_annotated_after():
@@ -282,11 +266,6 @@ CASES = {
     ),
     ValueError,
     ['string', 'AsString', "P('x', None)", 'cannot be moved'],
-  ),
-  'variable_conflicting_layouts_from_two_functions': (
-    _variable_twice,
-    ValueError,
-    ['w_shared', "P('x', None)", "P(None, 'x')"],
   ),
   'variable_annotated_after_partitioning': (
     _variable_annotated_after,

@@ -311,3 +311,37 @@ def test_shards_that_would_not_fit_a_device_are_refused_before_any_is_made(monke
   assert not held.is_held(w1) and not held.is_held(w2)  # refused before any shard was made
   with pytest.raises(ValueError, match='tg.plan predicts'):
     tg.Variable(np.zeros((64, 64), np.float32), tg.NamedSharding(mesh, tg.P(None, 'model')))
+
+
+def test_functions_wanting_other_layouts_of_one_variable_share_its_one_state():
+  """Two functions lay out one unannotated variable differently: on one mesh the second takes
+  the held layout (and reshards its use); on another mesh the shards move there and back."""
+  w = tf.Variable(np.arange(32, dtype=np.float32).reshape(8, 4), name='w_shared')
+  twin = tf.Variable(w.numpy())
+  mesh8, mesh4 = tg.Mesh.create((8,), ('x',)), tg.Mesh.create((4,), ('y',))
+
+  def fns(v, mesh, spec):
+    @tf.function
+    def bump(x):
+      v.assign_add(x)
+      return tf.reduce_sum(v * v)
+
+    @tf.function
+    def read(x):
+      u = tf.identity(v) if mesh is None else tg.shard(tf.identity(v), mesh, spec)
+      return tf.reduce_sum(u * x)
+
+    return bump, read
+
+  x = np.ones((8, 4), np.float32)
+  bump, read = fns(w, mesh8, tg.P('x', None))
+  plain_bump, plain_read = fns(twin, None, None)
+  rows = tg.partition(bump, mesh8)
+  assert_close(rows(x), plain_bump(x), 'bump on 8')
+  cols = tg.partition(fns(w, mesh8, tg.P(None, 'x'))[1], mesh8)
+  assert_close(cols(x), plain_read(x), 'read with another layout on the same mesh')
+  other = tg.partition(fns(w, mesh4, tg.P('y', None))[0], mesh4)
+  assert_close(other(x), plain_bump(x), 'bump on another mesh (the shards move there)')
+  assert held.holder_of(w).sharding.mesh == mesh4
+  assert_close(rows(x), plain_bump(x), 'bump on 8 again (the shards move back)')
+  assert_close(w.numpy(), twin.numpy(), 'the one state')

@@ -168,6 +168,10 @@ def fits(holder, sharding: Sharding, sharded_cls, devices) -> bool:
   """Whether `holder` is what a program needing `sharding` on `devices` reads as it is."""
   if not isinstance(holder, sharded_cls) or not holder.sharding.is_equivalent_to(sharding):
     return False
+  mesh = getattr(sharding, 'mesh', None)
+  held_on = _devices_of(holder)
+  if mesh is not None and held_on is not None and len(held_on) != mesh.size:
+    return False  # equivalent layouts (replicated, say) over another number of devices
   if devices is None or callable(devices):
     return True  # the default devices of the backend: the ones the holder was made on
   return _devices_of(holder) == tuple(devices)
