@@ -67,7 +67,8 @@ def _runs_on_cpu(op_type: str) -> bool:
   per-partition value such as a manual region's axis index, is never folded)."""
   try:
     return any(
-      k.device_type == 'CPU' for k in kernels.get_registered_kernels_for_op(op_type).kernel
+      k.device_type in ('CPU', 'DEFAULT')
+      for k in kernels.get_registered_kernels_for_op(op_type).kernel
     )
   except Exception:  # noqa: BLE001 (TF knows no such op)
     return False

@@ -51,7 +51,7 @@ def _check_runnable(p: Partitioner, node: ir.Node) -> None:
   if node.called_functions() or not static_op(node.op):
     return
   types = _device_types(node.op)
-  runs = {'CPU', 'GPU', '?'}
+  runs = {'CPU', 'GPU', 'DEFAULT', '?'}  # a DEFAULT kernel runs on any device
   if str(getattr(p.backend, 'backend', 'tf')).startswith('xla'):
     runs |= {'XLA_CPU_JIT', 'XLA_GPU_JIT'}
   if not types & runs:
