@@ -157,21 +157,29 @@ def mark_released(variable) -> None:
 
 def _redirect_stale_traces(variables) -> None:
   """Point the captured handles of functions traced before `variables` were held at handles
-  that fail on read, naming the variable (one pass over the referrers of all handles)."""
+  that fail on read, naming the variable.
+
+  One pass over the objects the garbage collector tracks, looking at ConcreteFunctions only
+  (`gc.get_objects`, not `gc.get_referrers`: the latter calls every object's traverse
+  function, and one of TF's crashed the process while another thread ran).
+  """
   import gc
 
   by_handle = {id(v.handle): v for v in variables}
   poisoned: Dict[int, Any] = {}
-  for referrer in gc.get_referrers(*[v.handle for v in variables]):
-    if not isinstance(referrer, list) or not _is_captured_inputs(referrer):
+  for owner in gc.get_objects():
+    if type(owner).__name__ != 'ConcreteFunction':
       continue
-    for i, item in enumerate(referrer):
+    captured = getattr(owner, '_captured_inputs', None)  # what its calls pass: no public API
+    if not isinstance(captured, list):
+      continue
+    for i, item in enumerate(captured):
       variable = by_handle.get(id(item))
-      if variable is None:
+      if variable is None or item is not variable.handle:
         continue
       if id(item) not in poisoned:
         poisoned[id(item)] = _missing_handle(variable)
-      referrer[i] = poisoned[id(item)]
+      captured[i] = poisoned[id(item)]
 
 
 def _missing_handle(variable) -> tf.Tensor:
@@ -184,18 +192,6 @@ def _missing_handle(variable) -> tf.Tensor:
     shared_name=(
       f'{name}_is_held_as_shards_by_tf_gspmd_so_trace_this_function_again_{_MISSING_COUNT[0]}'
     ),
-  )
-
-
-def _is_captured_inputs(candidate: list) -> bool:
-  """True when `candidate` is a ConcreteFunction's list of captured inputs (`_captured_inputs`,
-  which its calls pass to the function: no public API lists or replaces them)."""
-  import gc
-
-  return any(
-    type(owner).__name__ == 'ConcreteFunction'
-    and getattr(owner, '_captured_inputs', None) is candidate
-    for owner in gc.get_referrers(candidate)
   )
 
 
