@@ -115,6 +115,16 @@ class VariableStore:
     if holder is not None and fits(holder, sharding, sharded_cls, devices):
       return
     devices = devices() if callable(devices) else devices
+    if holder is not None and _lost(holder):
+      warnings.warn(
+        f'partition: the shards of variable {var.name} lived on a cluster connection that is '
+        'gone (tf_gspmd.runtime.cluster.connect ran again): its value is lost; it starts from '
+        'zeros on the new devices. Restore a checkpoint (tg.restore_checkpoint) before reading it.',
+        stacklevel=3,
+      )
+      made = sharded_class_zeros(var, sharding, sharded_cls, devices)
+      held.replace_holder(var, made)
+      return
     if holder is not None:
       move_shards(var, sharding, sharded_cls, devices)
       return
@@ -164,8 +174,32 @@ def _devices_of(holder) -> Optional[tuple]:
   return tuple(devices) if devices is not None else None
 
 
+def _lost(holder) -> bool:
+  """Whether `holder`'s shards lived in a remote context a later cluster connect replaced."""
+  made_under = getattr(holder, 'connection', None)
+  remote = [d for d in getattr(holder, 'devices', ()) if '/job:' in str(d)]
+  if made_under is None or not any('/job:localhost' not in str(d) for d in remote):
+    return False  # local devices outlive a connect
+  from tf_gspmd.runtime.cluster import connection_count
+
+  return made_under != connection_count()
+
+
+def sharded_class_zeros(var, sharding: Sharding, sharded_cls, devices):
+  """Shards of zeros for `var` (its value was lost with the devices that held it)."""
+  return sharded_cls(
+    tf.zeros(var.shape, var.dtype),
+    sharding,
+    devices=devices,
+    name=var.name.split(':')[0],
+    trainable=getattr(var, 'trainable', True),
+  )
+
+
 def fits(holder, sharding: Sharding, sharded_cls, devices) -> bool:
   """Whether `holder` is what a program needing `sharding` on `devices` reads as it is."""
+  if _lost(holder):
+    return False
   if not isinstance(holder, sharded_cls) or not holder.sharding.is_equivalent_to(sharding):
     return False
   mesh = getattr(sharding, 'mesh', None)

@@ -45,6 +45,13 @@ import tensorflow as tf
 JOB = 'worker'
 CLIENT_JOB = 'localhost'  # the job of the process that calls the partitioned function
 _client_address: Optional[str] = None  # this process's address in the cluster, once connected
+# How many times `connect` ran: shards made before the last connect live in a remote context
+# that is gone (runtime.ShardedVariable records the count it was made under).
+_connections = [0]
+
+
+def connection_count() -> int:
+  return _connections[0]
 
 
 # --- names ------------------------------------------------------------------------------------
@@ -167,6 +174,7 @@ def connect(spec: tf.train.ClusterSpec, devices_per_task: int, job: str = JOB) -
   replaces the remote context: handles to the old remote tensors and variables
   are invalid afterwards, so partition again and restore from a checkpoint.
   """
+  _connections[0] += 1
   jobs = spec.as_dict()
   if CLIENT_JOB not in jobs:
     # The client's own address must stay the same across connections: left out,

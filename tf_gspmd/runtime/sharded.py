@@ -277,6 +277,9 @@ class ShardedVariable(tf.Module):
     self.sharding = sharding
     self.shape = tuple(int(s) for s in value.shape)
     self.label = name
+    from tf_gspmd.runtime.cluster import connection_count
+
+    self.connection = connection_count()  # its remote shards die with a new connect
     shards = split(value, sharding, self.devices, f'ShardedVariable {name!r}')
     self.shards = []
     for device, shard in zip(self.devices, shards):
