@@ -137,12 +137,17 @@ def lower_annotated(
   `out_shardings`: one Sharding (None: replicated) per result that is not a variable's new
   value, in order (None: all replicated).
   """
+  from tf_gspmd.graph.capture import partition_trace
+
   jitted = tf.function(getattr(fn, 'python_function', fn), jit_compile=True)
   tensors = [tf.convert_to_tensor(a) for a in args]
-  module = hlo_pb2.HloModuleProto.FromString(
-    jitted.experimental_get_compiler_ir(*tensors)(stage='hlo_serialized')
-  )
-  concrete = jitted.get_concrete_function(*tensors)
+  # Traced as the program it is: a variable tf_gspmd holds as shards reads its own handle here
+  # (its value is read and written eagerly below, which assembles and scatters the shards).
+  with partition_trace():
+    module = hlo_pb2.HloModuleProto.FromString(
+      jitted.experimental_get_compiler_ir(*tensors)(stage='hlo_serialized')
+    )
+    concrete = jitted.get_concrete_function(*tensors)
   step_name = getattr(fn, '__name__', None) or concrete.name.decode()
   entry = _entry(module)
   hlo_params = sorted(
