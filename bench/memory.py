@@ -51,20 +51,21 @@ def _trim() -> None:
     pass
 
 
-def _rss_mib() -> float:
+def _status_mib(field: str) -> float:
+  """A /proc/self/status memory field (VmRSS: resident now, VmHWM: its high-water mark)."""
   with open('/proc/self/status') as status:
     for line in status:
-      if line.startswith('VmRSS:'):
+      if line.startswith(f'{field}:'):
         return int(line.split()[1]) / 1024
   return float('nan')
+
+
+def _rss_mib() -> float:
+  return _status_mib('VmRSS')
 
 
 def _hwm_mib() -> float:
-  with open('/proc/self/status') as status:
-    for line in status:
-      if line.startswith('VmHWM:'):
-        return int(line.split()[1]) / 1024
-  return float('nan')
+  return _status_mib('VmHWM')
 
 
 def _cpu_model() -> str:

@@ -213,15 +213,20 @@ def _unmentioned(spec: P, manual) -> Tuple[str, ...]:
   return tuple(a for a in manual if a not in used)
 
 
-def _enter(x: tf.Tensor, spec: P, mesh: Mesh, manual, what: str) -> tf.Tensor:
+def _static_shape_and_spec(x: tf.Tensor, spec: P, which: str, what: str):
+  """`x`'s static shape and `spec` padded with None to its rank (`which`: 'in' or 'out')."""
   if not x.shape.is_fully_defined():
     raise ValueError(f'tg.shard_map: {what} has shape {x.shape}; a static shape is needed.')
   shape = x.shape.as_list()
   if len(spec) > len(shape):
     raise ValueError(
-      f'tg.shard_map: in spec {spec} of {what} has more dims than its shape {shape}.'
+      f'tg.shard_map: {which} spec {spec} of {what} has more dims than its shape {shape}.'
     )
-  spec = P(*(list(spec) + [None] * (len(shape) - len(spec))))
+  return shape, P(*(list(spec) + [None] * (len(shape) - len(spec))))
+
+
+def _enter(x: tf.Tensor, spec: P, mesh: Mesh, manual, what: str) -> tf.Tensor:
+  shape, spec = _static_shape_and_spec(x, spec, 'in', what)
   for d, size in enumerate(shape):
     k = mesh.axes_size(spec.axes_of(d))
     if size % k:
@@ -245,14 +250,7 @@ def _enter(x: tf.Tensor, spec: P, mesh: Mesh, manual, what: str) -> tf.Tensor:
 
 
 def _exit(y: tf.Tensor, spec: P, mesh: Mesh, manual, what: str, check: bool) -> tf.Tensor:
-  if not y.shape.is_fully_defined():
-    raise ValueError(f'tg.shard_map: {what} has shape {y.shape}; a static shape is needed.')
-  local = y.shape.as_list()
-  if len(spec) > len(local):
-    raise ValueError(
-      f'tg.shard_map: out spec {spec} of {what} has more dims than its shape {local}.'
-    )
-  spec = P(*(list(spec) + [None] * (len(local) - len(spec))))
+  local, spec = _static_shape_and_spec(y, spec, 'out', what)
   full = [size * mesh.axes_size(spec.axes_of(d)) for d, size in enumerate(local)]
   proto = _proto(mesh, spec)
   replicated = _unmentioned(spec, manual)
