@@ -2,6 +2,7 @@
 
 import io
 import logging
+import re
 import time
 
 import numpy as np
@@ -37,8 +38,18 @@ def test_a_terminal_sees_one_line_rewritten_then_the_phase_times():
   updates = text.split('\r')[1:]
   assert any('capturing the step' in u for u in updates)
   assert any('propagating shardings' in u for u in updates)
-  assert 'built in' in updates[-1] and 'capturing the step 0.6 s' in updates[-1]
   assert [p for p, _ in progress.phases] == ['capturing the step', 'propagating shardings']
+  # The closing line gives each phase's time as measured (at least the 0.6 s slept; a loaded
+  # machine may add more), and the total as at least their sum.
+  shown = re.fullmatch(
+    r'.*built in ([\d.]+) s \(capturing the step ([\d.]+) s, propagating shardings ([\d.]+) s\)\s*',
+    updates[-1],
+  )
+  assert shown, updates[-1]
+  total, *each = (float(v) for v in shown.groups())
+  assert each == [round(s, 1) for _, s in progress.phases]
+  assert all(s >= 0.6 for _, s in progress.phases)
+  assert total >= sum(each) - 0.1
 
 
 def test_a_short_build_shows_nothing():
@@ -48,6 +59,30 @@ def test_a_short_build_shows_nothing():
     time.sleep(0.3)
   assert stream.getvalue() == ''
   assert [p for p, _ in progress.phases] == ['capturing the step']
+
+
+def test_off_a_terminal_without_logging_plain_lines_reach_the_stream(monkeypatch):
+  """CI and `| tee`: nothing configures logging, so the lines go to the stream itself."""
+  monkeypatch.setattr(build_progress, 'POLL', 0.01)
+  monkeypatch.setattr(build_progress, 'REMIND', 0.2)
+  monkeypatch.setattr(logging.getLogger('tf_gspmd'), 'level', logging.NOTSET)
+  monkeypatch.setattr(logging.getLogger(), 'level', logging.WARNING)  # Python's default
+  stream = io.StringIO()
+  with build_progress.BuildProgress('step', stream=stream, delay=0.0) as progress:
+    progress.phase('capturing the step')
+    time.sleep(0.5)
+    progress.phase('propagating shardings')
+    time.sleep(0.1)
+  lines = stream.getvalue().splitlines()
+  assert '\r' not in stream.getvalue()
+  assert lines[0] == 'tf_gspmd: building step: capturing the step'
+  reminder = 'tf_gspmd: building step: still capturing the step ('
+  still = [line for line in lines if line.startswith(reminder)]
+  # One line per REMIND seconds of the phase (however long a loaded machine made it), not one
+  # per poll (about 50 polls here).
+  assert 1 <= len(still) <= progress.phases[0][1] / 0.2 + 1
+  assert 'tf_gspmd: building step: propagating shardings' in lines
+  assert lines[-1].startswith('tf_gspmd: building step: built in ')
 
 
 def _step(mesh):

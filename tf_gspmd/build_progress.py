@@ -5,10 +5,12 @@ shardings, makes the sharded variables, partitions the program and lets TF
 instantiate it on every device: tens of seconds for a large model. Keras shows a
 progress bar for the steps that follow; this shows which phase the build is in.
 Nothing is shown for a build shorter than `DELAY` seconds. On a terminal it is
-one line, updated in place and closed with the phase times; elsewhere (a log
-file, a notebook, pytest) one INFO line on the 'tf_gspmd' logger per phase
-reached after the delay, and one at the end. Off with `progress=False` on
-`tf_gspmd.partition`, or TF_GSPMD_PROGRESS=0 for the whole process.
+one line, updated in place and closed with the phase times. Elsewhere (CI, `| tee`,
+a notebook) one line per phase reached after the delay, one more every `REMIND`
+seconds of a phase that lasts, and one at the end: INFO records on the 'tf_gspmd'
+logger when logging is configured to show them, else plain lines on the stream
+(stderr), so a build is never silent for want of a logging set-up. Off with
+`progress=False` on `tf_gspmd.partition`, or TF_GSPMD_PROGRESS=0 for the whole process.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Dict, List, Optional, TextIO
 
 DELAY = 3.0  # seconds of build before anything is shown
 POLL = 0.25  # seconds between updates of the line
+REMIND = 30.0  # off a terminal: seconds between two lines of one long phase
 _LOG = logging.getLogger('tf_gspmd')
 
 
@@ -53,7 +56,7 @@ class BuildProgress:
     self._start = self._phase_start = 0.0
     self._phase = ''
     self._shown = False
-    self._logged: Dict[str, bool] = {}
+    self._logged: Dict[str, float] = {}  # off a terminal: phase -> when its last line went out
 
   def __enter__(self) -> 'BuildProgress':
     self._start = self._phase_start = time.perf_counter()
@@ -105,7 +108,23 @@ class BuildProgress:
     if self._is_terminal():  # rewrite the line in place (padded over a longer one); end it
       self.stream.write('\r' + line.ljust(100) + ('\n' if final else ''))
       self.stream.flush()
-    elif final or not self._logged.get(phase):
-      self._logged[phase] = True
-      _LOG.info(line if final else f'tf_gspmd: building {self.name}: {phase}')
+    elif final:
+      self._write_line(line)
+    elif self._due(phase):  # the phase's name first; later lines of a long phase its times
+      first = phase not in self._logged
+      self._logged[phase] = time.perf_counter()
+      self._write_line(f'tf_gspmd: building {self.name}: {phase if first else "still " + text}')
     self._shown = True
+
+  def _due(self, phase: str) -> bool:
+    """Off a terminal: a phase's first line, then one every REMIND seconds it lasts."""
+    last = self._logged.get(phase)
+    return last is None or time.perf_counter() - last >= REMIND
+
+  def _write_line(self, line: str) -> None:
+    """One line where it will be seen: the log when it shows INFO records, else the stream."""
+    if _LOG.isEnabledFor(logging.INFO) and _LOG.hasHandlers():
+      _LOG.info(line)
+    else:
+      self.stream.write(line + '\n')
+      self.stream.flush()
