@@ -309,7 +309,7 @@ def test_batch_size_is_read_where_keras_reads_it():
   """Given positionally it counts; a generator's own batches are not held to Keras' default."""
   model = mlp()
   tg.partition_model(model, tg.Mesh.create((8,), ('data',)))
-  with pytest.raises(ValueError, match=r'batch_size=12 do not split'):
+  with pytest.raises(ValueError, match=r'batch_size=12: 12 rows do not split'):
     model.fit(X, Y, 12, **FIT)
   model = mlp()
   tg.partition_model(model, tg.Mesh.create((2, 3), ('data', 'model')), batch_axes='model')

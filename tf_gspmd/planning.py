@@ -37,6 +37,7 @@ from tf_gspmd import partitioned
 from tf_gspmd.annotations import shard_variable
 from tf_gspmd.graph_rewrite.partitioner import OpRecord
 from tf_gspmd.mesh import Mesh
+from tf_gspmd.partitioned.variables import mark_abstract
 from tf_gspmd.propagation import registry
 from tf_gspmd.sharding import NamedSharding
 
@@ -57,6 +58,7 @@ def abstract_variable(
   in a traced function it is a variable like any other.
   """
   var = UninitializedVariable(shape=shape, dtype=dtype, name=name, trainable=trainable)
+  mark_abstract(var)  # tg.partition refuses it, naming it, instead of splitting nothing
   if sharding is not None:
     shard_variable(var, sharding)
   return var

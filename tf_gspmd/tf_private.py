@@ -76,6 +76,12 @@ from tensorflow.python.framework import auto_control_deps_utils
 # that tf.distribute itself uses; tf.raw_ops.Collective*V2 are the bare ops without them.
 from tensorflow.python.ops import collective_ops
 
+# The registry of tf.py_function's Python callables, by the token their EagerPyFunc op carries:
+# only the callable knows whether the op is a py_function's gradient, which TF pairs with the
+# forward call through a tape kept per token (`is_py_function_gradient`); the op's attrs do not
+# say so, and TF has no public registry of py_functions.
+from tensorflow.python.ops import script_ops
+
 # A resource variable that has a shape and dtype but never allocates its value (a plan of a
 # model too large to build); tf.Variable always initializes.
 from tensorflow.python.ops.resource_variable_ops import UninitializedVariable
@@ -123,6 +129,13 @@ def set_op_attr(op, name: str, value) -> None:
   op._set_attr(name, value)  # noqa: SLF001
 
 
+def is_py_function_gradient(token: str) -> bool:
+  """Whether the EagerPyFunc op of `token` runs a tf.py_function's gradient (`_is_grad_func`
+  of the registered `EagerFunc`; a private attribute, set by TF's EagerPyFunc gradient)."""
+  func = script_ops._py_funcs.get(token)  # noqa: SLF001
+  return bool(getattr(func, '_is_grad_func', False))
+
+
 __all__ = [
   'BaseResourceVariable',
   'FuncGraph',
@@ -140,10 +153,12 @@ __all__ = [
   'gen_xla_ops',
   'handle_data_util',
   'importer',
+  'is_py_function_gradient',
   'kernels',
   'op_def_registry',
   'pywrap_tf_session',
   'record',
+  'script_ops',
   'set_op_attr',
   'variable_accessed',
   'xla_sharding',

@@ -245,6 +245,7 @@ def _signature_function(pf, compiled: Compiled, by_variable, name: str):
   devices = spmd.devices
 
   def serve(*inputs):
+    inputs = _checked_inputs(input_specs, inputs)
     tokens = _device_tokens(devices)
     outputs = launch(tokens, *inputs, *captures, *[list(s.variables) for s in stored])
     outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
@@ -266,6 +267,25 @@ def _signature_function(pf, compiled: Compiled, by_variable, name: str):
     'spmd': spmd,
   }
   return function, layouts
+
+
+def _checked_inputs(specs: Sequence[tf.TensorSpec], inputs) -> list:
+  """`inputs`, each checked at run time to have its spec's (fixed) shape.
+
+  The program was partitioned for these shapes, but a served signature may be fed any: without
+  the check another batch size fails deep in the program, in a reshape of each device's shard,
+  once per device. An EnsureShape is the check that survives Grappler (an Assert on tf.shape
+  of an argument is folded away: the argument's static shape is the spec's); TF's message
+  names the shape fed and the fixed one, the node's name says whose fixed shape it is.
+  """
+  return [
+    tf.ensure_shape(
+      value,
+      spec.shape,
+      name=f'{spec.name}_has_the_fixed_shape_{"x".join(map(str, spec.shape))}_of_this_signature',
+    )
+    for spec, value in zip(specs, inputs)
+  ]
 
 
 def _input_names(compiled: Compiled) -> List[str]:

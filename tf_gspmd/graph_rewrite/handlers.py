@@ -139,6 +139,16 @@ def identity_handler(p, graph, node, operands):
   """Pass-through: the output keeps the operand's layout, then moves to its own."""
   src = operands[0]
   attrs = {}
+  shape = graph.tensor(node.outputs[0].name).shape
+  if (
+    'shape' in node.attrs
+    and not is_dynamic(node.outputs[0])
+    and tuple(src.shape) != tuple(shape)
+    and src.sharding.is_replicated
+  ):
+    # EnsureShape giving a value of run-time shape (a tf.py_function's result, computed whole
+    # on every partition) its static one: the value is the whole tensor, of that shape.
+    src = Local(src.tensor, replicated(p.mesh, len(shape)), tuple(shape))
   if 'shape' in node.attrs:  # EnsureShape: the local block's shape
     attrs['shape'] = attr_value_pb2.AttrValue(shape=tf.TensorShape(src.tensor.shape).as_proto())
   return emit_outputs(p, graph, node, [src.tensor], [src.sharding], attrs=attrs)
@@ -193,11 +203,15 @@ def dynamic_handler(p, graph, node, operands):
 # --- no rule: compute on replicated operands ------------------------------------------
 def fallback_handler(p, graph, node, operands):
   """Gather operands to replicated, compute, slice the result back. Never wrong."""
-  p.warn_once(
-    node.op,
-    f'tf_gspmd: op type {node.op} (e.g. {node.name}) has no partitioning '
-    'rule; its operands are replicated (all-gathered) to compute it.',
-  )
+  from tf_gspmd.propagation import registry
+
+  if registry.lookup(node.op) is not None:  # else propagation said it already, for the op type
+    p.warn_once(
+      node.op,
+      f'tf_gspmd: op type {node.op} (e.g. {node.name}) has no partitioning '
+      'rule; its operands are replicated (all-gathered) to compute it (said once per op type).',
+      per_process=True,
+    )
   inputs = [p.replicate(o, f'{node.op} has no rule').tensor for o in operands]
   return emit_outputs(
     p, graph, node, inputs, [replicated(p.mesh, t.rank or 0) for t in node.outputs]

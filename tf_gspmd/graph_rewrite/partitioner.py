@@ -57,6 +57,10 @@ class OpRecord:
   collectives: List[dict] = dataclasses.field(default_factory=list)
 
 
+# Keys of `Partitioner.warn_once(..., per_process=True)` messages this process logged already.
+_WARNED_IN_PROCESS: set = set()
+
+
 class Partitioner:
   """Turns IR graphs into per-partition TF code, one node at a time.
 
@@ -174,9 +178,12 @@ class Partitioner:
     if self._current is not None:
       self._current.collectives.append(record)
 
-  def warn_once(self, key: str, message: str) -> None:
-    if key not in self._warned:
-      self._warned.add(key)
+  def warn_once(self, key: str, message: str, per_process: bool = False) -> None:
+    """Log `message` once per partitioner, or once per process with `per_process` (an op type
+    without a rule: a Keras `fit` partitions each step function and signature anew)."""
+    seen = _WARNED_IN_PROCESS if per_process else self._warned
+    if key not in seen:
+      seen.add(key)
       log.warning(message)
 
   # --- graphs ---------------------------------------------------------------

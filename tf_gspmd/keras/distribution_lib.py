@@ -19,11 +19,14 @@ API), `uninstall()` puts every replaced attribute back:
     optimizer slot made from it inherits it (Keras' optimizer copies `_layout`).
 (c) `TensorFlowTrainer.fit/evaluate/predict/*_on_batch` first make the model
     partitioned (`tf_gspmd.partition_model`) when a distribution applies to it.
+(d) `DeviceMesh` refusing a shape the devices do not fill says how to configure
+    logical devices.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import re
 from typing import Dict, List, Tuple
 
@@ -82,6 +85,35 @@ def initialize(job_addresses=None, num_processes=None, process_id=None):
       f'got num_processes={num_processes} (job_addresses={job_addresses!r}, '
       f'process_id={process_id}).'
     )
+
+
+def _device_mesh_init(original):
+  """`DeviceMesh.__init__`, whose refusal of a shape the devices do not fill says how to
+  configure logical devices (Keras' own says only that the counts differ)."""
+
+  @functools.wraps(original)
+  def init(self, shape, axis_names, devices=None):
+    try:
+      original(self, shape, axis_names, devices)
+    except ValueError as error:
+      if devices is not None or 'does not match the number of devices' not in str(error):
+        raise
+      raise ValueError(f'{_too_few_devices(shape)} (Keras: {error})') from error
+
+  return init
+
+
+def _too_few_devices(shape) -> str:
+  needed, found = math.prod(shape), keras.distribution.list_devices()
+  return (
+    f'keras.distribution.DeviceMesh(shape={tuple(shape)}) needs {needed} devices; this process '
+    f'has {len(found)} ({", ".join(map(str, found[:4]))}{" ..." if len(found) > 4 else ""}). '
+    f'On CPU, split it into {needed} logical devices before TensorFlow starts (before any '
+    'op runs): tf.config.set_logical_device_configuration('
+    'tf.config.list_physical_devices("CPU")[0], '
+    f'[tf.config.LogicalDeviceConfiguration()] * {needed}). Otherwise give a shape whose '
+    'product is the number of devices, or pass devices=.'
+  )
 
 
 def _backend_mesh(device_mesh):
@@ -368,7 +400,7 @@ def install(backend: str = 'tf') -> None:
       f'tf_gspmd.keras.enable: Keras runs the {backend!r} backend; tf_gspmd '
       "implements keras.distribution for 'tensorflow' (set KERAS_BACKEND)."
     )
-  hooks.patch(_BACKEND_FUNCTIONS, _variable_init, _entry_point)
+  hooks.patch(_BACKEND_FUNCTIONS, _variable_init, _entry_point, _device_mesh_init)
 
 
 def uninstall() -> None:

@@ -169,9 +169,9 @@ class _Launcher:
     if batch is None or batch % size == 0:
       return
     raise ValueError(
-      f'{self.model.name}.{call}: {declared} do not split over the batch axis {self.axes!r} '
-      f'of {size} devices ({batch} is not a multiple of {size}), so every batch would run '
-      f'padded. Use a batch size that is a multiple of {size}; only the last batch of an '
+      f'{self.model.name}.{call}: {declared}: {batch} rows do not split over the batch axis '
+      f'{self.axes!r} of {size} devices ({batch} is not a multiple of {size}), so every batch '
+      f'would run padded. Use a batch size that is a multiple of {size}; only the last batch of an '
       'epoch may be shorter.'
     )
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Tuple
 
+import keras
 import tensorflow as tf
 
 # Private: the base class of every Keras variable, whose constructor is where
@@ -129,16 +130,21 @@ def patch(
   backend_functions: Dict[str, Callable],
   wrap_variable_init: Callable,
   wrap_entry_point: Callable,
+  wrap_device_mesh_init: Callable,
 ) -> None:
   """Put tf_gspmd into Keras' TF backend (`unpatch` takes it out):
 
   * `backend_functions` into its `distribution_lib`, under the names of `_BACKEND_NAMES`;
   * `wrap_variable_init(original)` as every Keras variable's `__init__`;
-  * `wrap_entry_point(name, original)` as each of `ENTRY_POINTS` on the trainer.
+  * `wrap_entry_point(name, original)` as each of `ENTRY_POINTS` on the trainer;
+  * `wrap_device_mesh_init(original)` as the public `keras.distribution.DeviceMesh`'s
+    `__init__` (its own refusal of too few devices does not say how TF makes more).
   """
   for name, function in backend_functions.items():
     _replace(tf_distribution_lib, _BACKEND_NAMES[name], function)
   _replace(KerasVariable, '__init__', wrap_variable_init(KerasVariable.__init__))
+  mesh_class = keras.distribution.DeviceMesh
+  _replace(mesh_class, '__init__', wrap_device_mesh_init(mesh_class.__init__))
   for name in ENTRY_POINTS:
     _replace(TensorFlowTrainer, name, wrap_entry_point(name, TensorFlowTrainer.__dict__[name]))
 

@@ -80,6 +80,47 @@ def _pin_held_layouts(program: ir.Program, mesh: Mesh) -> None:
     program.main.node(node).annotations[index] = sharding
 
 
+def refuse_python_callbacks(program: ir.Program, backend: str, name: str) -> None:
+  """Refuse, naming the op, a Python callback (tf.py_function, tf.numpy_function) the
+  partitioned program could not run as plain TF does.
+
+  On backend='xla': any, since an XLA program cannot call back into Python. On the TF backend:
+  a tf.py_function's gradient. TF pairs it with the forward call through a tape it keeps per
+  py_function (and pops once per gradient call); the partitioned program runs the callback on
+  every partition, so the N gradient calls find one tape, or none (a KeyError, or a collective
+  that hangs, depending on the order the devices ran in).
+  """
+  from tf_gspmd.tf_private import is_py_function_gradient
+
+  for graph in program.graphs():
+    for node in graph.nodes:
+      if node.op not in ('EagerPyFunc', 'PyFunc', 'PyFuncStateless'):
+        continue
+      if backend == 'xla':
+        from tf_gspmd.xla_bridge.export import XlaLoweringError
+
+        raise XlaLoweringError(
+          f'export {name}: op type {node.op} (node {node.name}) has no XLA lowering: a Python '
+          'callback (tf.py_function, tf.numpy_function) runs in the TF runtime, never inside '
+          "an XLA program. Use backend='tf', or write it with TF ops."
+        )
+      token = node.attrs.get('token')
+      if token is not None and is_py_function_gradient(token.s.decode()):
+        # TF's gradient runs under a control dependency on the forward call.
+        forward = [
+          c for c in node.control_inputs if graph.has_node(c) and graph.node(c).op == node.op
+        ]
+        raise ValueError(
+          f'partition {name}: node {node.name} is the gradient of a tf.py_function (op type '
+          f'{node.op}, in graph {graph.name}; the forward call: node '
+          f'{" or ".join(forward) or "unknown"}). A partitioned program runs a Python callback '
+          'on every partition, and TF pairs a py_function with its gradient through one tape '
+          'per function, which the partitions would share. Give the function a gradient of TF '
+          'ops (tf.custom_gradient), or keep the py_function out of what is differentiated '
+          '(tf.stop_gradient on its result).'
+        )
+
+
 def build(
   program: ir.Program,
   plan,

@@ -22,6 +22,41 @@ from tf_gspmd.annotations import shard_variable, variable_sharding
 from tf_gspmd.program import held
 from tf_gspmd.sharding import NamedSharding, Sharding
 
+# Set by `tg.abstract_variable` on the variables it makes: a shape and a dtype, no value.
+_ABSTRACT = '_tf_gspmd_abstract_variable'
+
+
+def mark_abstract(variable) -> None:
+  """Record that `variable` has no value and never will (`tg.abstract_variable`)."""
+  setattr(variable, _ABSTRACT, True)
+
+
+def refuse_abstract(variable) -> None:
+  """Refuse to give shards to an abstract variable: it has nothing to split (a read of it gives
+  an empty tensor, whose shape no sharding of the variable's fits)."""
+  if getattr(variable, _ABSTRACT, False):
+    raise ValueError(
+      f'partition: variable {variable.name} (shape {tuple(variable.shape)}, '
+      f'{variable.dtype.name}) is a tg.abstract_variable: a shape with no value. Abstract '
+      'variables are for planning (tg.plan, tg.auto_shard); to run the step, make the '
+      'variable with a value (tf.Variable, or tg.Variable(value, sharding) to create it '
+      'sharded).'
+    )
+
+
+def _on_mesh(sharding, other) -> str:
+  """The mesh of `sharding`, written out when its spec reads as `other`'s: the same spec over
+  other devices is another layout."""
+  mesh = getattr(sharding, 'mesh', None)
+  return f' on {mesh!r}' if mesh is not None and str(sharding) == str(other) else ''
+
+
+def _made_under(annotation) -> str:
+  """What chose a held variable's layout when its shards were made."""
+  if annotation is None:
+    return 'the layout propagation chose at the first call: it was not annotated then'
+  return f'the layout it was annotated with then, {annotation}'
+
 
 class _Shards(MutableMapping):
   """id(tf.Variable) -> the holder of its shards, read live from the variable (a program built
@@ -72,17 +107,17 @@ class VariableStore:
       if holder is None:
         continue
       then, now = held.annotation_when_held(var), variable_sharding(var)
-      if (
-        now is not None
-        and (then is None or now != then)
-        and not now.is_equivalent_to(holder.sharding)
-      ):
-        raise ValueError(
-          f'partition: variable {var.name} was annotated {now} after partitioning; its shards '
-          f'already live as {holder.sharding} (annotated {then} then). '
-          'Annotate variables before the first call, or make a new variable with the new '
-          'layout and assign the old value to it.'
-        )
+      if now is None or now.is_equivalent_to(holder.sharding):
+        continue  # no annotation, or the layout its shards have: nothing changes
+      if then is not None and now == then:
+        continue  # the annotation its shards were made under (they moved since, for a program)
+      raise ValueError(
+        f'partition: variable {var.name} was annotated {now}{_on_mesh(now, holder.sharding)} '
+        f'after its shards were made; they live as {holder.sharding}'
+        f'{_on_mesh(holder.sharding, now)} ({_made_under(then)}), and a layout does not change '
+        'under a live variable. Annotate variables before the first call, or make a new '
+        'variable with the new layout and assign the old value to it.'
+      )
 
   def pairs(self, variables=None) -> List[tuple]:
     """(variable, shards) pairs, of `variables` only when given."""
@@ -109,6 +144,7 @@ class VariableStore:
     devices, or a function giving them, asked only when shards are made.
     """
     del backend  # the class says it
+    refuse_abstract(var)
     key = id(var)
     self.originals[key] = var
     holder = held.holder_of(var)

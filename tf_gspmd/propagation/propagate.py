@@ -83,6 +83,10 @@ class _NodeInfo:
   error: Optional[str] = None
 
 
+# Op types without a rule whose warning this process showed already (`Propagator._warn`).
+_SHOWN_WITHOUT_RULE: set = set()
+
+
 class Propagator:
   """Runs propagation on one program; use `propagate_program`."""
 
@@ -112,11 +116,18 @@ class Propagator:
   def _graph(self, name: str) -> ir.Graph:
     return self.program.main if name == self.program.main.name else self.program.functions[name]
 
-  def _warn(self, op_type: str, message: str):
+  def _warn(self, op_type: str, message: str, once_per_process: bool = False):
+    """Record `message` in this plan once per op type; show it as a warning too, or (with
+    `once_per_process`) only the first time this process meets the op type: a Keras `fit`
+    propagates each step function and signature anew, which would repeat it for each."""
     if op_type in self._warned:
       return
     self._warned.add(op_type)
     self.warnings.append(message)
+    if once_per_process:
+      if op_type in _SHOWN_WITHOUT_RULE:
+        return
+      _SHOWN_WITHOUT_RULE.add(op_type)
     warnings.warn(message, PropagationWarning, stacklevel=4)
 
   def _build_infos(self):
@@ -133,7 +144,8 @@ class Propagator:
             node.op,
             f'tf_gspmd propagation: no sharding rule for op type {node.op!r} '
             f'(first seen at node {node.name!r} in graph {graph.name!r}); its results '
-            'are replicated.',
+            "are replicated (said once per op type; Plan.warnings lists each program's).",
+            once_per_process=True,
           )
           continue
         if entry.handler is not None:
