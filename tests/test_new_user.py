@@ -74,8 +74,9 @@ def test_a_forward_py_function_partitions_and_matches(give_shape):
   assert_close(got, want, f'py_function, shape by {give_shape}')
 
 
-def test_a_py_function_on_xla_is_an_xla_lowering_error_naming_it():
-  step = tg.partition(_py_function_step('set_shape'), MESH, backend='xla')
+@pytest.mark.parametrize('give_shape', ['set_shape', 'ensure_shape'])
+def test_a_py_function_on_xla_is_an_xla_lowering_error_naming_it(give_shape):
+  step = tg.partition(_py_function_step(give_shape), MESH, backend='xla')
   with pytest.raises(
     XlaLoweringError,
     match=r'op type EagerPyFunc \(node EagerPyFunc\) has no '
