@@ -598,20 +598,20 @@ def execute(build, mode: str, initial: Optional[List[np.ndarray]] = None):
   from `initial`: the plain build's variables)."""
   import keras
 
-  import tf_gspmd
+  from tf_gspmd import keras as tg_keras
   from tf_gspmd.testing.float64 import float64_policy
 
   model_fn, distribution_fn, data, workflow = build()
   floating = np.float64 if mode == 'float64' else np.float32
   with tempfile.TemporaryDirectory() as directory:
     if mode == 'partitioned':
-      tf_gspmd.keras.enable()
+      tg_keras.enable()
       try:
         with distribution_fn().scope():
           return _steps(model_fn(), data, workflow, directory, floating)
       finally:
         keras.distribution.set_distribution(None)
-        tf_gspmd.keras.disable()
+        tg_keras.disable()
     if mode in ('plain', 'xla'):
       return _steps(model_fn(jit_compile=mode == 'xla'), data, workflow, directory, floating)
     with float64_policy():
