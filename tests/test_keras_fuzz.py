@@ -52,12 +52,15 @@ def test_fixed_budget_of_random_keras_models(capsys):
 
 
 def test_generator_is_deterministic_per_seed():
-  first = [keras_fuzz.generate(7, i) for i in range(8)]
-  again = [keras_fuzz.generate(7, i) for i in range(8)]
-  assert first == again
-  assert [keras_fuzz.render(c) for c in first] == [keras_fuzz.render(c) for c in again]
-  assert len({keras_fuzz.render(c) for c in first}) == 8
-  assert keras_fuzz.generate(8, 0) != first[0]
+  first = [keras_fuzz.draft(7, i)[0] for i in range(20)]
+  assert first == [keras_fuzz.draft(7, i)[0] for i in range(20)]
+  assert len({keras_fuzz.render(c) for c in first}) == 20
+  assert keras_fuzz.draft(8, 0)[0] != first[0]
+  whole = [keras_fuzz.generate(7, i) for i in range(3)]  # the layouts drawn too
+  assert whole == [keras_fuzz.generate(7, i) for i in range(3)]
+  assert [keras_fuzz.render(c) for c in whole] == [
+    keras_fuzz.render(keras_fuzz.generate(7, i)) for i in range(3)
+  ]
 
 
 def test_generator_covers_layers_meshes_and_workflows():
@@ -78,7 +81,7 @@ def test_generator_covers_layers_meshes_and_workflows():
 
 
 def test_generator_covers_layouts():
-  cases = [keras_fuzz.generate(12, i) for i in range(40)]
+  cases = [keras_fuzz.generate(12, i) for i in range(20)]
   keys = [key for c in cases for key, _ in c.layout]
   assert any(k.endswith('/output') for k in keys) and any('(' in k for k in keys)
   splits = [_split(c, key, spec) for c in cases for key, spec in c.layout if '(' not in key]

@@ -607,8 +607,12 @@ def execute(build, mode: str, initial: Optional[List[np.ndarray]] = None):
     if mode == 'partitioned':
       tg_keras.enable()
       try:
-        with distribution_fn().scope():
-          return _steps(model_fn(), data, workflow, directory, floating)
+        distribution = distribution_fn()
+        with distribution.scope():
+          model = model_fn()
+          records = _steps(model, data, workflow, directory, floating)
+        _check_layouts(model, distribution, tg_keras.shard_layouts(model))
+        return records
       finally:
         keras.distribution.set_distribution(None)
         tg_keras.disable()
@@ -619,6 +623,20 @@ def execute(build, mode: str, initial: Optional[List[np.ndarray]] = None):
       for variable, value in zip(model.variables, initial):
         variable.assign(np.asarray(value, variable.dtype))
       return _steps(model, data, workflow, directory, floating)
+
+
+def _check_layouts(model, distribution, held) -> None:
+  """Each model variable's shards are split as its layout says: a layout quietly dropped
+  (the variable replicated) would still give the plain results."""
+  for variable in model.variables:
+    if variable.path not in held:
+      continue
+    want = tuple(distribution.get_variable_layout(variable).axes)
+    got = tuple(held[variable.path][0])
+    if got != want:
+      raise AssertionError(
+        f'{variable.path} {tuple(variable.shape)}: its layout is {want}, its shards are {got}'
+      )
 
 
 def _steps(model, data, workflow, directory, floating):
