@@ -249,7 +249,10 @@ class _Drawer:
     return self.add('batchnorm', {'momentum': 0.9})
 
   def _draw_layernorm(self, shape):
-    return self.add('layernorm', {})
+    # Over 1 feature its output is its offset and x - mean is round-off (times 1/sqrt(eps)):
+    # all noise, which two float32 runs do not agree on (the program fuzzer's BatchNorm
+    # normalizes 4 values or more for the same reason).
+    return shape[-1] >= 3 and self.add('layernorm', {})
 
   def _draw_dropout(self, shape):
     return self.add(
