@@ -246,7 +246,32 @@ class _Drawer:
     return self._windowed(str(self.rng.choice(['maxpool2d', 'avgpool2d'])), shape, 0)
 
   def _draw_batchnorm(self, shape):
+    self._drop_offset_before()
     return self.add('batchnorm', {'momentum': 0.9})
+
+  def _drop_offset_before(self) -> None:
+    """The layer feeding a BatchNorm (through pools, flattens, dropouts) gets no offset: the
+    BatchNorm removes it, so its gradient is 0 in exact arithmetic and all round-off, on which
+    no two float32 runs agree (Adam turns it into steps of the learning rate). Practice drops
+    a bias before a BatchNorm too."""
+    name = self.current
+    passing = ('maxpool1d', 'avgpool1d', 'maxpool2d', 'avgpool2d', 'gap1d', 'gap2d')
+    while name != 'x0':
+      k, layer = next((k, x) for k, x in enumerate(self.layers) if x.name == name)
+      if layer.kind in passing + ('flatten', 'dropout'):
+        name = layer.inputs[0]
+        continue
+      original = layer.reuse or layer.name
+      k = next(k for k, x in enumerate(self.layers) if x.name == original)
+      args = dict(self.layers[k].args)
+      if layer.kind in ('dense', 'conv1d', 'conv2d', 'mha', 'gqa'):
+        args['use_bias'] = False
+      elif layer.kind == 'einsum':
+        args.pop('bias_axes', None)
+      elif layer.kind in ('layernorm', 'batchnorm'):
+        args['center'] = False
+      self.layers[k] = dataclasses.replace(self.layers[k], args=tuple(args.items()))
+      return
 
   def _draw_layernorm(self, shape):
     # Over 1 feature its output is its offset and x - mean is round-off (times 1/sqrt(eps)):
