@@ -66,7 +66,7 @@ def test_generator_is_deterministic_per_seed():
 def test_generator_covers_layers_meshes_and_workflows():
   cases = [keras_fuzz.draft(11, i)[0] for i in range(300)]
   kinds = {layer.kind for c in cases for layer in c.layers}
-  assert kinds == set(keras_fuzz._CLASSES), set(keras_fuzz._CLASSES) - kinds
+  assert kinds == set(keras_fuzz.LAYER_CLASSES), set(keras_fuzz.LAYER_CLASSES) - kinds
   assert any(layer.reuse for c in cases for layer in c.layers)  # a layer used twice
   assert {c.mesh_shape for c in cases} == {m for m, _ in keras_fuzz.MESHES}
   assert any(c.devices != tuple(range(8)) for c in cases)

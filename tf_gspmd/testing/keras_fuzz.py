@@ -71,7 +71,7 @@ MAX_ELEMENTS = 512  # per sample, per activation: models stay small enough to ru
 
 @dataclasses.dataclass(frozen=True)
 class Layer:
-  """One layer call. `kind` names the Keras class (`_CLASSES`); `args` its keyword arguments
+  """One layer call. `kind` names the Keras class (`LAYER_CLASSES`); `args` its keyword arguments
   (positional ones under integer keys); `inputs` the tensors it reads ('x0' is the model's
   input); `reuse` the earlier layer this call applies again ('' for a new layer)."""
 
@@ -110,7 +110,7 @@ class Case:
     )
 
 
-_CLASSES = {
+LAYER_CLASSES = {
   'dense': 'Dense',
   'einsum': 'EinsumDense',
   'conv1d': 'Conv1D',
@@ -467,7 +467,7 @@ def _layer_lines(case: Case) -> List[str]:
   for layer in case.layers:
     if not layer.reuse:
       args = _call_args(layer.args + (('name', layer.name),))
-      lines.append(f'    {layer.name} = keras.layers.{_CLASSES[layer.kind]}({args})')
+      lines.append(f'    {layer.name} = keras.layers.{LAYER_CLASSES[layer.kind]}({args})')
     inputs = [f't_{n}' if n != 'x0' else 'x0' for n in layer.inputs]
     called = f'[{", ".join(inputs)}]' if layer.kind == 'add' else ', '.join(inputs)
     lines.append(f'    t_{layer.name} = {layer.reuse or layer.name}({called})')
