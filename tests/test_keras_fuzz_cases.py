@@ -6,9 +6,12 @@ what was wrong.
 """
 
 import keras
+import numpy as np
 import pytest
+import tensorflow as tf
 
-from tf_gspmd.testing import keras_fuzz
+import tf_gspmd as tg
+from tf_gspmd.testing import fuzz, keras_fuzz
 
 
 @pytest.fixture(autouse=True, scope='module')
@@ -55,3 +58,24 @@ def build_35_153():
 
 def test_keras_fuzz_35_153():
   keras_fuzz.check(build_35_153)
+
+
+def build_squeeze_of_a_split_size_one_dim(dtype=np.float32):
+  """The TF program under case 35_153: Squeeze with no squeeze_dims of a (1, 3) value split
+  P('b', 'a') on a 4x2 mesh (local blocks (1, 1))."""
+  mesh = tg.Mesh(np.arange(8).reshape((4, 2)), ('a', 'b'))
+  x = np.random.RandomState(0).standard_normal((5, 1, 3)).astype(dtype)
+
+  def make():
+    @tf.function(autograph=False)
+    def program(x):
+      y = tg.shard(tf.reduce_sum(x, axis=0), mesh, tg.P('b', 'a'))
+      return [tf.squeeze(y) * 2.0]
+
+    return program, []
+
+  return mesh, make, [x]
+
+
+def test_squeeze_of_a_split_size_one_dim():
+  fuzz.check(build_squeeze_of_a_split_size_one_dim)
