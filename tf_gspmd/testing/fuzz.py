@@ -256,8 +256,8 @@ def shrink(
   budget: int = 150,
   log: Callable[[str], None] = lambda _: None,
   seconds: float = math.inf,
-  smaller: Callable = None,
-  valid: Callable = None,
+  smaller: Optional[Callable] = None,
+  valid: Optional[Callable] = None,
 ) -> Program:
   """The smallest program found (greedily) that still `fails`: each accepted change restarts
   the candidate list; at most `budget` candidates are run, for at most `seconds`.
