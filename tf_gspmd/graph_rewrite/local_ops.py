@@ -6,6 +6,7 @@ is written here:
 
 - Reshape: its shape operand holds the global shape; locally it reshapes to
   this partition's block of the result.
+- Squeeze: the dims it removes named (a block of a split dim may be 1 where the dim is not).
 - BiasAddGrad: emitted as the Sum it is (see `bias_add_grad_handler`).
 - Fill, BroadcastTo, Tile: their shape operands hold global shapes; locally
   they fill, broadcast or tile to this partition's block of the result.
@@ -14,6 +15,7 @@ is written here:
 from __future__ import annotations
 
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
 
 from tf_gspmd.graph_rewrite import factors, uneven
 from tf_gspmd.graph_rewrite.handlers import check_local_shape, computes, emit_outputs, global_shape
@@ -31,6 +33,20 @@ def reshape_handler(p, graph, node, operands):
   out_shape = global_shape(graph, node.outputs[0].name)
   local = tf.constant(chosen.results[0].shard_shape(out_shape), dtype=operands[1].dtype)
   return emit_outputs(p, graph, node, [src.tensor, local], list(chosen.results))
+
+
+@computes('squeeze')
+def squeeze_handler(p, graph, node, operands):
+  """Squeeze on the local blocks, naming the dims it removes: without `squeeze_dims` it
+  removes every dim of size 1, and a block of a split dim can be 1 where the dim is not
+  (3 columns over 4 devices), which would go too."""
+  chosen = factors.choose_layouts(p, graph, node, operands)
+  src = p.reshard(operands[0], chosen.operands[0], 'squeeze operand')
+  removed = list(node.attrs['squeeze_dims'].list.i) if 'squeeze_dims' in node.attrs else []
+  if not removed:
+    removed = [d for d, size in enumerate(operands[0].shape) if size == 1]
+  dims = attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(i=removed))
+  return emit_outputs(p, graph, node, [src.tensor], list(chosen.results), {'squeeze_dims': dims})
 
 
 @computes('bias_add_grad')

@@ -405,6 +405,7 @@ register('SplitV', 'shape', split_v, _split_v_example)
 
 # --- properties ---------------------------------------------------------------------
 declare('Reshape', local='reshape', linear='reshape')
+declare('Squeeze', local='squeeze')
 declare(['Reshape', 'ExpandDims', 'Squeeze'], aliasing=True)
 declare('Tile', local='tile')
 declare('BroadcastTo', local='broadcast_to')

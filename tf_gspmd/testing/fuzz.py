@@ -154,6 +154,8 @@ def _xla_witness(build):
 
 def _further(a, b, exact):
   """Leaf by leaf, whichever of `a` and `b` is further from `exact`."""
+  if isinstance(a, dict):
+    return {k: _further(a[k], b[k], exact[k]) for k in a}
   if isinstance(a, (list, tuple)):
     return [_further(x, y, e) for x, y, e in zip(a, b, exact)]
   from tf_gspmd.testing.oracle import relative_error
@@ -175,13 +177,24 @@ def _further_from_float64(got, want, exact) -> str:
 
 def judge(build, backend: str = 'tf', timeout: float = 60.0) -> Outcome:
   """Run `build`'s program partitioned and not (twice each) and say how it went."""
+  return outcome_of(
+    lambda: reference(build),
+    lambda: partitioned(build, backend, timeout),
+    lambda got, want: compare(build, got, want, backend),
+  )
+
+
+def outcome_of(plain: Callable, split: Callable, judged: Callable) -> Outcome:
+  """How a case went: `plain()` failing is 'invalid', `split()` (the partitioned run)
+  failing a refusal or a crash, else `judged(got, want)` (None, '' for the float64 rule,
+  or why they differ) decides. The Keras fuzzer's runs go through here too."""
   start = time.time()
   try:
-    want = reference(build)
+    want = plain()
   except Exception as error:  # noqa: BLE001
     return Outcome('invalid', _error_text(error), type(error).__name__, time.time() - start)
   try:
-    got = partitioned(build, backend, timeout)
+    got = split()
   except Exception as error:  # noqa: BLE001
     return Outcome(
       classify(error),
@@ -190,7 +203,7 @@ def judge(build, backend: str = 'tf', timeout: float = 60.0) -> Outcome:
       time.time() - start,
       poisoned=_is_poison(error),
     )
-  why = compare(build, got, want, backend)
+  why = judged(got, want)
   status = 'pass' if why is None or why == '' else 'mismatch'
   return Outcome(status, why or '', '', time.time() - start, float64=why == '')
 
@@ -243,18 +256,22 @@ def shrink(
   budget: int = 150,
   log: Callable[[str], None] = lambda _: None,
   seconds: float = math.inf,
+  smaller: Optional[Callable] = None,
+  valid: Optional[Callable] = None,
 ) -> Program:
   """The smallest program found (greedily) that still `fails`: each accepted change restarts
-  the candidate list; at most `budget` candidates are run, for at most `seconds`."""
+  the candidate list; at most `budget` candidates are run, for at most `seconds`.
+  `smaller` and `valid` replace `candidates` and `is_valid` (the Keras fuzzer's cases)."""
+  smaller, valid = smaller or candidates, valid or is_valid
   best, tried = program, 0
   deadline = time.time() + seconds
   progress = True
   while progress and tried < budget:
     progress = False
-    for candidate in candidates(best):
+    for candidate in smaller(best):
       if tried >= budget or time.time() > deadline:
         break
-      if candidate == best or not is_valid(candidate):
+      if candidate == best or not valid(candidate):
         continue
       tried += 1
       if fails(candidate):
@@ -415,11 +432,16 @@ def _shrink_and_write(program, outcome, backend, out, limits, echo):
     small = program  # the reference itself failed: a fuzzer bug, shown as drawn
   else:
     small = shrink(program, failing_like(outcome, backend), limits[0], echo, limits[1])
-  text = test_case(small, outcome, backend)
+  name = f'test_fuzz_case_{program.seed}_{program.index}_{backend}.py'
+  write_case(test_case(small, outcome, backend), out, name, echo)
+
+
+def write_case(text: str, out: str, name: str, echo) -> None:
+  """Echo a shrunk case's test module, and write it to `out`/`name` when `out` is given."""
   echo(text)
   if out:
     os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, f'test_fuzz_case_{program.seed}_{program.index}_{backend}.py')
+    path = os.path.join(out, name)
     with open(path, 'w') as f:
       f.write(text)
     echo(f'wrote {path}')
