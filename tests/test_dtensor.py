@@ -272,7 +272,7 @@ def test_partition_runs_on_the_dtensor_meshs_devices():
   pf = tg.partition(tf.function(lambda a: tf.reduce_sum(a, axis=1)), mesh, in_shardings=cols)
   a = randn(0, 3, 8)
   assert_close(pf(a), a.sum(axis=1))
-  devices = pf.get_program(a).spmd.devices
+  devices = pf.get_program(a).prepared.devices
   assert [tf.DeviceSpec.from_string(d).device_index for d in devices] == [4, 5, 6, 7]
   assert kinds(pf) == [('all_reduce', ('x',), 1)]
 

@@ -389,16 +389,16 @@ def test_inputs_and_outputs_keep_their_order_as_sharded_values():
   assert_close(pf(x), x * 3.0)
   compiled = pf.get_program(x)
   assert compiled.arg_shardings[0].mesh == layout.mesh  # split in the annotation's order
-  assert compiled.spmd.mesh == layout.mesh  # and the program runs in it
+  assert compiled.prepared.mesh == layout.mesh  # and the program runs in it
   assert kinds(pf) == []
   # Per-device pieces follow the annotation: device 2 holds tile (0, 1).
-  shards = compiled.spmd.out_shardings[0]
+  shards = compiled.prepared.out_shardings[0]
   assert shards.tile_index(2) == (0, 1) and shards.tile_index(1) == (0, 3)
   # Inputs and outputs must stay in the mesh's order (the output is annotated so): the program
   # keeps the mesh's order, the input moves once on entry.
   pf = partition(f, M24, in_shardings=order, out_shardings=NamedSharding(M24, P('x', 'y')))
   assert_close(pf(x), x * 3.0)
-  assert pf.get_program(x).spmd.mesh == M24 and kinds(pf) == [('permute', ())]
+  assert pf.get_program(x).prepared.mesh == M24 and kinds(pf) == [('permute', ())]
 
 
 def test_variables_pin_the_mesh_order():
@@ -415,7 +415,7 @@ def test_variables_pin_the_mesh_order():
   want = (w.numpy() + x) * 2.0
   pf = partition(f, M24, in_shardings=order)
   assert_close(pf(x), want)
-  assert pf.get_program(x).spmd.mesh == M24  # the variable keeps the mesh's order
+  assert pf.get_program(x).prepared.mesh == M24  # the variable keeps the mesh's order
   assert kinds(pf) == [('permute', ())]
   assert_close(w.numpy(), want / 2.0, name='w')
 
@@ -439,7 +439,7 @@ def test_input_with_a_last_tile_dims_subgroup_in_another_order():
   in_order = partition(f, M24, in_shardings=NamedSharding(M24, P('x', None)))
   assert_close(in_order(x), f(x))
   # Only the annotated order differs: the program runs in it, nothing extra moves.
-  assert compiled.spmd.mesh != M24 and kinds(pf) == kinds(in_order)
+  assert compiled.prepared.mesh != M24 and kinds(pf) == kinds(in_order)
 
 
 def test_a_variable_annotated_in_the_issue_order_is_stored_in_it():
@@ -459,7 +459,7 @@ def test_a_variable_annotated_in_the_issue_order_is_stored_in_it():
   x = randn(12, 8, 8)
   pf = partition(make(w), M24, in_shardings=NamedSharding(d24, P('x', None)))
   assert_close(pf(x), make(w_ref)(x))
-  assert pf.get_program(x).spmd.mesh == d24
+  assert pf.get_program(x).prepared.mesh == d24
   (sharded,) = pf.sharded_variables()
   assert sharded.sharding.mesh == d24  # device 2 holds the tile (0, 1) the annotation gives it
   assert sharded.sharding.tile_index(2) == (0, 1)
