@@ -15,7 +15,8 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 import tf_gspmd as tg
-from tf_gspmd import Mesh, NamedSharding, P, Sharding, get_sharding, variable_sharding
+from tf_gspmd import Mesh, NamedSharding, P, Sharding, get_sharding
+from tf_gspmd.annotations import variable_sharding
 from tf_gspmd.dtensor_compat import is_dtensor_layout, is_dtensor_mesh, mesh_devices
 from tf_gspmd.testing import assert_close
 
@@ -203,7 +204,9 @@ def test_shard_writes_the_graph_of_the_converted_sharding(ours):
 
 def test_shard_with_a_single_device_layout_is_assign_device():
   single = dtensor.Layout.from_device('CPU:3')
-  assert graph_nodes(lambda x: tg.shard(x, single)) == graph_nodes(lambda x: tg.assign_device(x, 3))
+  assert graph_nodes(lambda x: tg.shard(x, single)) == graph_nodes(
+    lambda x: tg.xla_sharding.assign_device(x, 3)
+  )
 
 
 @pytest.mark.parametrize(

@@ -133,7 +133,7 @@ def test_abstract_variable_has_no_value_and_keeps_its_sharding():
   mesh = Mesh.create((2048,), ('x',))
   sharding = NamedSharding(mesh, P('x', None))
   v = tg.abstract_variable([2048 * 1024, 1024], tf.float32, sharding, name='big')
-  assert v.shape == (2048 * 1024, 1024) and tg.variable_sharding(v) == sharding
+  assert v.shape == (2048 * 1024, 1024) and tg.get_sharding(v) == sharding
   assert not bool(v.is_initialized())
   assert v.numpy().size == 0  # 8 GB that were never allocated: a read finds no buffer
 

@@ -109,7 +109,7 @@ def test_tile_dims_no_axis_grouping_gives_are_refused_clearly():
 
     @tf.function
     def f(x):
-      return tg.annotate(x, s) * 2.0
+      return tg.shard(x, s) * 2.0
 
     from tf_gspmd.graph.capture import capture
 
@@ -315,9 +315,9 @@ def test_interior_annotations_in_another_order_cost_nothing():
   def make(device_mesh):
     @tf.function
     def f(x, w):
-      x = tg.mesh_split(x, device_mesh, [0, -1])  # TPU style: rows over mesh dim 0
+      x = tg.xla_sharding.mesh_split(x, device_mesh, [0, -1])  # TPU style: rows over mesh dim 0
       h = tf.nn.relu(tf.matmul(x, w))
-      h = tg.mesh_split(h, device_mesh, [0, 1])
+      h = tg.xla_sharding.mesh_split(h, device_mesh, [0, 1])
       return tf.reduce_sum(h, axis=1)
 
     return f
@@ -486,7 +486,7 @@ def test_tile_222_on_a_2x4_mesh_runs_on_sub_axes(order):
 
   @tf.function
   def f(a):
-    a = tg.annotate(a, tile)
+    a = tg.shard(a, tile)
     return tf.nn.relu(tf.einsum('abc,cd->abd', a, w)) * 2.0
 
   a = randn(22, 4, 4, 8)
@@ -508,7 +508,7 @@ def test_tile_2x4_on_a_1d_mesh_trains_like_unpartitioned():
   def make(var):
     @tf.function
     def step(x):
-      x = tg.annotate(x, Sharding.tiled(np.arange(8).reshape(2, 4)))
+      x = tg.shard(x, Sharding.tiled(np.arange(8).reshape(2, 4)))
       with tf.GradientTape() as tape:
         loss = tf.reduce_sum(tf.tanh(tf.matmul(x, var)) ** 2)
       var.assign_sub(0.1 * tape.gradient(loss, var))
@@ -531,7 +531,7 @@ def test_a_layout_no_refinement_spells_is_still_refused():
 
   @tf.function
   def f(a):
-    return tg.annotate(a, tile) * 2.0
+    return tg.shard(a, tile) * 2.0
 
   with pytest.raises(ValueError, match='devices'):
     partition(f, M24)(randn(25, 4, 4))
@@ -544,7 +544,7 @@ def test_sub_axis_tiles_on_the_xla_backend():
 
   @tf.function
   def f(a):
-    a = tg.annotate(a, Sharding.tiled(np.arange(8).reshape(2, 2, 2)))
+    a = tg.shard(a, Sharding.tiled(np.arange(8).reshape(2, 2, 2)))
     return tf.einsum('abc,cd->abd', a, w)
 
   a = randn(27, 4, 4, 8)
