@@ -76,9 +76,7 @@ ALLOWED = {
     | {'ResourceApplyGradientDescent', 'ResourceApplyMomentum', 'ResourceApplyKerasMomentum'}
     | {'ResourceApplyAdagrad', 'ResourceApplyAdagradV2', 'ResourceApplyAdadelta'}
     | {'ResourceApplyRMSProp', 'ResourceApplyCenteredRMSProp', 'ResourceApplyAdam'}
-    | {'ResourceApplyAdaMax', 'ResourceApplyAdamWithAmsgrad', 'ResourceScatterAdd'}
-    | {'ResourceScatterSub', 'ResourceScatterMul', 'ResourceScatterDiv', 'ResourceScatterMax'}
-    | {'ResourceScatterMin', 'ResourceScatterUpdate'},
+    | {'ResourceApplyAdaMax', 'ResourceApplyAdamWithAmsgrad'},
     'DRAW_ORDER: the order the variables program draws values in',
   ),
 }

@@ -92,14 +92,8 @@ DRAW_ORDER = {
     'ResourceApplyAdaMax',
     'ResourceApplyAdamWithAmsgrad',
   ),
-  'scatter': (
-    'ResourceScatterAdd',
-    'ResourceScatterSub',
-    'ResourceScatterMul',
-    'ResourceScatterDiv',
-    'ResourceScatterMax',
-    'ResourceScatterMin',
-    'ResourceScatterUpdate',
+  'scatter': tuple(
+    f'ResourceScatter{update}' for update in ('Add', 'Sub', 'Mul', 'Div', 'Max', 'Min', 'Update')
   ),
 }
 
