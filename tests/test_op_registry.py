@@ -76,7 +76,9 @@ ALLOWED = {
     | {'ResourceApplyGradientDescent', 'ResourceApplyMomentum', 'ResourceApplyKerasMomentum'}
     | {'ResourceApplyAdagrad', 'ResourceApplyAdagradV2', 'ResourceApplyAdadelta'}
     | {'ResourceApplyRMSProp', 'ResourceApplyCenteredRMSProp', 'ResourceApplyAdam'}
-    | {'ResourceApplyAdaMax', 'ResourceApplyAdamWithAmsgrad'},
+    | {'ResourceApplyAdaMax', 'ResourceApplyAdamWithAmsgrad', 'ResourceScatterAdd'}
+    | {'ResourceScatterSub', 'ResourceScatterMul', 'ResourceScatterDiv', 'ResourceScatterMax'}
+    | {'ResourceScatterMin', 'ResourceScatterUpdate'},
     'DRAW_ORDER: the order the variables program draws values in',
   ),
 }

@@ -92,8 +92,14 @@ DRAW_ORDER = {
     'ResourceApplyAdaMax',
     'ResourceApplyAdamWithAmsgrad',
   ),
-  'scatter': tuple(
-    f'ResourceScatter{update}' for update in ('Add', 'Sub', 'Mul', 'Div', 'Max', 'Min', 'Update')
+  'scatter': (
+    'ResourceScatterAdd',
+    'ResourceScatterSub',
+    'ResourceScatterMul',
+    'ResourceScatterDiv',
+    'ResourceScatterMax',
+    'ResourceScatterMin',
+    'ResourceScatterUpdate',
   ),
 }
 
