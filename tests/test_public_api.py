@@ -40,6 +40,7 @@ def test_an_unknown_name_is_an_attribute_error():
 
 def test_xla_sharding_mirrors_tfs_module_by_name():
   assert tg.xla_sharding.__all__
+  assert 'xla_sharding' not in tg.__all__  # a star import keeps TF's module of that name
   for name in tg.xla_sharding.__all__:
     assert callable(getattr(tf_xla_sharding, name)), name  # TF's own name
     assert callable(getattr(tg.xla_sharding, name))

@@ -52,9 +52,10 @@ from tf_gspmd.shard_map import (
 )
 from tf_gspmd.sharding import NamedSharding, P, Sharding
 
+# `tg.xla_sharding` is reached by name, not star-imported: `from tf_gspmd import *` leaves a
+# module's own `xla_sharding` (TF's) as it was.
 __all__ = [
   'keras',
-  'xla_sharding',
   'saved_model',
   'partition',
   'PartitionedFunction',
