@@ -5,9 +5,6 @@ DTensor meshes are built here without DTensor's runtime (no
 devices=[...])` and `dtensor.Mesh(...)` only make value types.
 """
 
-import os
-import sys
-
 import keras
 import numpy as np
 import pytest
@@ -20,8 +17,7 @@ from tf_gspmd.annotations import variable_sharding
 from tf_gspmd.dtensor_compat import is_dtensor_layout, is_dtensor_mesh, mesh_devices
 from tf_gspmd.testing import assert_close
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_partitioned import _loop_training, randn  # noqa: E402
+from helpers import loop_training, randn  # noqa: E402
 
 UNSHARDED = dtensor.UNSHARDED
 CPUS = [f'CPU:{i}' for i in range(8)]
@@ -302,7 +298,7 @@ def _dtensor_variable(seed, shape, layout):
 
 def _sgd_steps(w1, w2):
   """`steps` SGD steps of the 2-layer MLP `relu(x @ w1) @ w2`; the annotations are the layouts."""
-  return _loop_training(None, w1, w2, annotate=False)
+  return loop_training(None, w1, w2, annotate=False)
 
 
 def test_dtensor_annotated_mlp_trains_partitioned_like_unpartitioned():

@@ -22,14 +22,12 @@ from tf_gspmd.propagation.api import propagate_captured
 from tf_gspmd.runtime import launcher
 from tf_gspmd.testing import assert_close
 
+from helpers import randn
+
 sys.path.insert(
   0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'bench')
 )
 import first_step  # noqa: E402
-
-
-def randn(seed, *shape):
-  return np.random.RandomState(seed).randn(*shape).astype(np.float32)
 
 
 def mlp_step(layers: int, mesh=None, width: int = 8, seed: int = 0):

@@ -33,15 +33,13 @@ from tf_gspmd.xla_bridge import XlaLoweringError, stablehlo_collectives  # noqa:
 
 sys.path.insert(0, os.path.dirname(__file__))
 import test_keras_workflow as workflow  # noqa: E402
-from test_keras_distribution import (
-  FIT,
-  X,
-  Y,
-  check_model_parallel_example,  # noqa: E402
+from test_keras_distribution import (  # noqa: E402
+  check_model_parallel_example,
   guide_distribution,
-  guide_model,
   step_programs,
 )
+
+from helpers import FIT, X, Y, guide_model  # noqa: E402
 
 # Recorded collective kind -> the native XLA op it is exported as (tests/test_xla_backend.py).
 NATIVE = {

@@ -8,13 +8,11 @@ import tf_gspmd as tg
 from tf_gspmd.partitioned import partition
 from tf_gspmd.testing import assert_close
 
+from helpers import loop_training, randn, variable_mlp
+
 
 def kinds(pf):
   return sorted((r['kind'], r['axes']) for r in pf.collectives())
-
-
-def randn(seed, *shape):
-  return np.random.RandomState(seed).randn(*shape).astype(np.float32)
 
 
 def test_megatron_mlp_on_2x4_mesh():
@@ -76,35 +74,13 @@ def test_data_parallel_training_step_uneven_batches(batch, devices):
     assert len(step.collectives()) == 1 and step.collectives()[0]['fused'] == 3
 
 
-def _mlp(seed):
-  return [tf.Variable(randn(seed, 16, 32) * 0.1), tf.Variable(randn(seed + 1, 32, 4) * 0.1)]
-
-
-def _loop_training(mesh, w1, w2, annotate):
-  @tf.function
-  def train(x, y, steps):
-    if annotate:
-      x = tg.shard(x, mesh, tg.P('data', None))
-    loss = tf.constant(0.0)
-    for _ in tf.range(steps):
-      with tf.GradientTape() as tape:
-        logits = tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)
-        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
-      g1, g2 = tape.gradient(loss, [w1, w2])
-      w1.assign_sub(0.5 * g1)
-      w2.assign_sub(0.5 * g2)
-    return loss
-
-  return train
-
-
 def test_training_loop_inside_one_function_keeps_collectives_in_the_loop():
   mesh = tg.Mesh.create((2, 4), ('data', 'model'))
-  w, w_ref = _mlp(0), _mlp(0)
+  w, w_ref = variable_mlp(0), variable_mlp(0)
   tg.shard_variable(w[0], mesh, tg.P(None, 'model'))
   tg.shard_variable(w[1], mesh, tg.P('model', None))
-  train = partition(_loop_training(mesh, *w, annotate=True), mesh)
-  reference = _loop_training(mesh, *w_ref, annotate=False)
+  train = partition(loop_training(mesh, *w, annotate=True), mesh)
+  reference = loop_training(mesh, *w_ref, annotate=False)
   x, y = randn(2, 10, 16), np.random.RandomState(3).randint(0, 4, 10).astype(np.int32)
   assert_close(train(x, y, tf.constant(5)), reference(x, y, tf.constant(5)), name='loss')
   assert_close([a.numpy() for a in w], [b.numpy() for b in w_ref], name='[w1, w2]')

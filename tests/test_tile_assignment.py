@@ -26,6 +26,8 @@ from tf_gspmd.runtime import ShardedValue, SpmdProgram
 from tf_gspmd.sharding import REPLICATED, NamedSharding, P, Sharding, named
 from tf_gspmd.testing import assert_close
 
+from helpers import randn
+
 M8 = Mesh.create((8,), ('x',))
 M24 = Mesh.create((2, 4), ('x', 'y'))
 M222 = Mesh.create((2, 2, 2), ('x', 'y', 'z'))
@@ -265,10 +267,6 @@ def test_lowered_reshards_between_orders_are_exact(mesh):
 # --- partitioned functions on 8 logical CPUs --------------------------------------------------
 def kinds(pf):
   return sorted((r['kind'], r['axes']) for r in pf.collectives())
-
-
-def randn(seed, *shape):
-  return np.random.RandomState(seed).randn(*shape).astype(np.float32)
 
 
 def _tiled(order, dims, replicate_last=False):
