@@ -140,3 +140,17 @@ def test_switch_case_branches_partitioned_alike():
   a = randn(1, 10, 3)  # 10 rows over 4: the max must not see padding
   for k in range(3):
     assert_close(pf(a, tf.constant(k)), f(a, tf.constant(k)), name=f'branch {k}')
+
+
+@pytest.mark.parametrize('spec', [tg.P('data', None, None), tg.P(None, 'model', 'data')])
+def test_matrix_band_part_keeps_the_band_of_whole_matrices(spec):
+  """MatrixBandPart needs its two matrix dims whole (which elements it keeps depends on their
+  global row and column); a batch split passes through."""
+  mesh = tg.Mesh.create((2, 4), ('data', 'model'))
+
+  @tf.function
+  def band(x):
+    return tf.linalg.band_part(tg.shard(x, mesh, spec), 2, 1) * 3.0
+
+  x = randn(0, 6, 10, 7)
+  assert_close(partition(band, mesh)(x), band(x), name='band')

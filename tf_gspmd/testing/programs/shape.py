@@ -224,4 +224,16 @@ def shape(entries) -> List[OpSpec]:
       arg(v.ints((10, 3), -1, 4)),
     )
   )
+  out += _band_parts()
   return out
+
+
+def _band_parts() -> List[OpSpec]:
+  """MatrixBandPart: a band, the lower triangle and the whole matrix, on uneven matrices
+  (its own value stream: the draws above keep their values)."""
+  x = Values('MatrixBandPart').uniform((3, 10, 7))
+  return [
+    spec('MatrixBandPart', lambda a: raw('MatrixBandPart', a, 2, 1), arg(x)),
+    spec('MatrixBandPart/lower', lambda a: raw('MatrixBandPart', a, -1, 0), arg(x)),
+    spec('MatrixBandPart/all', lambda a: raw('MatrixBandPart', a, -1, -1), arg(x)),
+  ]
