@@ -263,7 +263,7 @@ def _ours_arrays(ours, batch):
   from tf_gspmd.xla_bridge import pjrt
 
   compiled = ours.get_program(*batch)
-  run = ours._xla_run(compiled)  # noqa: SLF001
+  run = ours._prepared(compiled)  # noqa: SLF001
   devices = run.executable.devices
   inputs = [pjrt.put_global(v, layout, devices) for v, layout in zip(batch, run.export.args)]
   inputs += run.capture_buffers

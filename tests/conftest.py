@@ -4,6 +4,7 @@ import os
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
+import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 NUM_DEVICES = 8
@@ -61,3 +62,16 @@ def pytest_sessionstart(session):
   if reporter is not None:  # printed even under -q (CI's log says which code path ran)
     for line in _machine_lines():
       reporter.write_line(line)
+
+
+@pytest.fixture
+def keras_enabled():
+  """tf_gspmd.keras.enable() for one test, undone after it (no distribution left set)."""
+  import keras
+
+  import tf_gspmd as tg
+
+  tg.keras.enable()
+  yield
+  keras.distribution.set_distribution(None)
+  tg.keras.disable()

@@ -11,7 +11,7 @@ from tensorflow.python.compiler.xla.experimental import xla_sharding as tfx
 from tensorflow.python.eager import context
 
 import tf_gspmd as tg
-from tf_gspmd import Mesh, NamedSharding, P, Sharding, get_sharding
+from tf_gspmd import Mesh, NamedSharding, P, Sharding, get_sharding, op_sharding
 from tf_gspmd.testing import assert_close
 
 MESH = Mesh.create((2, 4), ('data', 'model'))
@@ -21,31 +21,34 @@ SPEC = tf.TensorSpec([8, 6], tf.float32)
 
 # (TF's annotation with use_sharding_op=True, the same annotation made with tf_gspmd)
 SAME_ANNOTATIONS = {
-  'split': (lambda x: tfx.split(x, 1, 3, use_sharding_op=True), lambda x: tg.split(x, 1, 3)),
+  'split': (
+    lambda x: tfx.split(x, 1, 3, use_sharding_op=True),
+    lambda x: tg.xla_sharding.split(x, 1, 3),
+  ),
   'split_negative_dim': (
     lambda x: tfx.split(x, -2, 4, use_sharding_op=True),
-    lambda x: tg.split(x, -2, 4),
+    lambda x: tg.xla_sharding.split(x, -2, 4),
   ),
   'tile': (
     lambda x: tfx.tile(x, np.array([[1, 0], [3, 2]]), use_sharding_op=True),
-    lambda x: tg.tile(x, [[1, 0], [3, 2]]),
+    lambda x: tg.xla_sharding.tile(x, [[1, 0], [3, 2]]),
   ),
   'tile_unspecified_dims': (
     lambda x: tfx.tile(x, np.array([[1, 0], [3, 2]]), use_sharding_op=True, unspecified_dims=[1]),
-    lambda x: tg.tile(x, [[1, 0], [3, 2]], unspecified_dims=[1]),
+    lambda x: tg.xla_sharding.tile(x, [[1, 0], [3, 2]], unspecified_dims=[1]),
   ),
   'partial_tile': (
     lambda x: tfx.partial_tile(x, np.array([[[1, 0]], [[3, 2]]]), use_sharding_op=True),
-    lambda x: tg.partial_tile(x, [[[1, 0]], [[3, 2]]]),
+    lambda x: tg.xla_sharding.partial_tile(x, [[[1, 0]], [[3, 2]]]),
   ),
   'replicate': (lambda x: tfx.replicate(x, use_sharding_op=True), tg.replicate),
   'assign_device': (
     lambda x: tfx.assign_device(x, 3, use_sharding_op=True),
-    lambda x: tg.assign_device(x, 3),
+    lambda x: tg.xla_sharding.assign_device(x, 3),
   ),
   'mesh_split': (
     lambda x: tfx.mesh_split(x, DEVICE_MESH, [1, 0], use_sharding_op=True),
-    lambda x: tg.mesh_split(x, DEVICE_MESH, [1, 0]),
+    lambda x: tg.xla_sharding.mesh_split(x, DEVICE_MESH, [1, 0]),
   ),
   'mesh_split_unused_axis': (
     lambda x: tfx.mesh_split(x, DEVICE_MESH, [0, -1], use_sharding_op=True),
@@ -53,13 +56,13 @@ SAME_ANNOTATIONS = {
   ),
   'mesh_split_3d': (
     lambda x: tfx.mesh_split(x, DEVICE_MESH_3D, [-1, 2], use_sharding_op=True),
-    lambda x: tg.mesh_split(x, DEVICE_MESH_3D, [-1, 2]),
+    lambda x: tg.xla_sharding.mesh_split(x, DEVICE_MESH_3D, [-1, 2]),
   ),
   'mesh_split_manual': (
     lambda x: tfx.mesh_split(
       x, DEVICE_MESH_3D, [0, -1], use_sharding_op=True, manual_mesh_dims=[2]
     ),
-    lambda x: tg.mesh_split(x, DEVICE_MESH_3D, [0, -1], manual_mesh_dims=[2]),
+    lambda x: tg.xla_sharding.mesh_split(x, DEVICE_MESH_3D, [0, -1], manual_mesh_dims=[2]),
   ),
 }
 
@@ -105,12 +108,12 @@ def test_tf_annotations_read_back_equal_to_ours(use_sharding_op):
   @tf.function
   def annotated_by_tf_gspmd(x):
     outs = {
-      'split': tg.split(x * 1.0, 0, 4),
-      'tile': tg.tile(x * 2.0, [[1, 0], [3, 2]]),
-      'partial_tile': tg.partial_tile(x * 3.0, [[[1, 0]], [[3, 2]]]),
+      'split': tg.xla_sharding.split(x * 1.0, 0, 4),
+      'tile': tg.xla_sharding.tile(x * 2.0, [[1, 0], [3, 2]]),
+      'partial_tile': tg.xla_sharding.partial_tile(x * 3.0, [[[1, 0]], [[3, 2]]]),
       'mesh_split': tg.shard(x * 4.0, MESH, P('data', None)),
-      'replicate': tg.replicate(x * 5.0),
-      'assign_device': tg.assign_device(x * 6.0, 2),
+      'replicate': tg.xla_sharding.replicate(x * 5.0),
+      'assign_device': tg.xla_sharding.assign_device(x * 6.0, 2),
     }
     read['ours'] = {k: get_sharding(t) for k, t in outs.items()}
     return outs
@@ -129,8 +132,8 @@ def test_get_sharding_on_a_mesh_and_unannotated_tensors():
   @tf.function
   def f(x):
     a = tfx.mesh_split(x, DEVICE_MESH, [1, 0], use_sharding_op=True)
-    b = tg.replicate(x)
-    c = tg.tile(x, [[1, 0], [3, 2]])
+    b = tg.xla_sharding.replicate(x)
+    c = tg.xla_sharding.tile(x, [[1, 0], [3, 2]])
     assert get_sharding(a, MESH) == NamedSharding(MESH, P('model', 'data'))
     assert get_sharding(a, MESH).spec == P('model', 'data')
     assert get_sharding(b, MESH).spec == P(None, None)
@@ -175,7 +178,7 @@ def test_gradient_carries_the_sharding():
 def test_uneven_and_too_small_dims_are_accepted():
   @tf.function
   def f(x):
-    y = tg.split(x, 1, 8)  # 6 columns over 8 devices: TF's split refuses, XLA pads
+    y = tg.xla_sharding.split(x, 1, 8)  # 6 columns over 8 devices: TF's split refuses, XLA pads
     assert get_sharding(y).shard_bounds((8, 6), 7) == ((0, 8), (6, 6))
     return y
 
@@ -188,11 +191,11 @@ def test_eager_annotation_returns_the_tensor_unchanged():
   for annotate in [
     lambda t: tg.shard(t, MESH, P('data', None)),
     tg.replicate,
-    lambda t: tg.split(t, 0, 4),
-    lambda t: tg.mesh_split(t, DEVICE_MESH, [0, 1]),
-    lambda t: tg.tile(t, [[0, 1]]),
-    lambda t: tg.partial_tile(t, [[[0, 1]]]),
-    lambda t: tg.assign_device(t, 1),
+    lambda t: tg.xla_sharding.split(t, 0, 4),
+    lambda t: tg.xla_sharding.mesh_split(t, DEVICE_MESH, [0, 1]),
+    lambda t: tg.xla_sharding.tile(t, [[0, 1]]),
+    lambda t: tg.xla_sharding.partial_tile(t, [[[0, 1]]]),
+    lambda t: tg.xla_sharding.assign_device(t, 1),
   ]:
     assert annotate(x) is x
   assert get_sharding(x) is None
@@ -211,13 +214,13 @@ def test_errors_name_tensor_sharding_and_fix():
   with pytest.raises(ValueError, match='one spec entry per tensor dim'):
     wrong_rank.get_concrete_function(SPEC)
   with pytest.raises(ValueError, match=r'mesh dims \[0\] are used twice'):
-    tg.mesh_split_sharding(DEVICE_MESH, [0, 0])
+    tg.xla_sharding.mesh_split_sharding(DEVICE_MESH, [0, 0])
   with pytest.raises(ValueError, match=r'mesh dim 2 does not exist; use 0..1'):
-    tg.mesh_split_sharding(DEVICE_MESH, [2, -1])
+    tg.xla_sharding.mesh_split_sharding(DEVICE_MESH, [2, -1])
   with pytest.raises(ValueError, match=r'mesh dims \[1\] are used twice'):
-    tg.mesh_split_sharding(DEVICE_MESH, [1, -1], manual_mesh_dims=[1])
+    tg.xla_sharding.mesh_split_sharding(DEVICE_MESH, [1, -1], manual_mesh_dims=[1])
   with pytest.raises(ValueError, match=r'split_dimension 2 is out of range.*\[-2, 2\)'):
-    tf.function(lambda x: tg.split(x, 2, 4)).get_concrete_function(SPEC)
+    tf.function(lambda x: tg.xla_sharding.split(x, 2, 4)).get_concrete_function(SPEC)
   with pytest.raises(TypeError, match='Expected a tf.Variable'):
     tg.shard_variable(tf.constant(1.0), MESH, P())
   with pytest.raises(ValueError, match='a mesh needs a spec'):
@@ -235,7 +238,7 @@ def test_mesh_split_sharding_matches_tf():
     (np.arange(4).reshape(2, 2, 1), [1, -1], None),
   ]
   for device_mesh, mapping, manual in cases:
-    ours = tg.to_proto(tg.mesh_split_sharding(device_mesh, mapping, manual))
+    ours = op_sharding.to_proto(tg.xla_sharding.mesh_split_sharding(device_mesh, mapping, manual))
     theirs = tfx.mesh_split_sharding(device_mesh, mapping, manual).proto
     assert ours.SerializeToString() == theirs.SerializeToString(), (mapping, manual)
 
@@ -256,8 +259,10 @@ def test_shard_variable_is_found_from_reads_in_graphs():
   v = tf.Variable(tf.ones([8, 4]), name='kernel')
   assert tg.shard_variable(v, MESH, P(None, 'model')) is v
   expected = NamedSharding(MESH, P(None, 'model'))
-  assert tg.variable_sharding(v) == expected and get_sharding(v) == expected
-  assert v._get_xla_sharding().SerializeToString() == tg.to_proto(expected).SerializeToString()
+  assert tg.get_sharding(v) == expected and get_sharding(v) == expected
+  assert (
+    v._get_xla_sharding().SerializeToString() == op_sharding.to_proto(expected).SerializeToString()
+  )
 
   @tf.function
   def inner(x):
@@ -318,7 +323,7 @@ def test_keras_layer_annotations():
   assert layer.output_spec == P('data', 'model')  # survived Keras' attribute tracking
   x = np.random.default_rng(0).normal(size=(4, 6)).astype(np.float32)
   eager = layer(x).numpy()  # eager call: annotations return their input
-  assert tg.variable_sharding(layer.kernel) == NamedSharding(MESH, P(None, 'model'))
+  assert tg.get_sharding(layer.kernel) == NamedSharding(MESH, P(None, 'model'))
 
   @tf.function
   def forward(inputs):

@@ -151,7 +151,7 @@ def test_ample_budget_gives_data_parallelism():
     everything = tuple(mesh.axis_names) if len(mesh.axis_names) > 1 else mesh.axis_names[0]
     assert [s.spec for s in result.input_shardings] == [P(everything, None)] * 2
     assert all(s.is_replicated for s in result.shardings.values()), result.shardings
-    assert all(tg.variable_sharding(v) is None for v in variables)  # annotations restored
+    assert all(tg.get_sharding(v) is None for v in variables)  # annotations restored
 
 
 def _megatron_mlp(seed=0):

@@ -26,29 +26,15 @@ import tf_gspmd as tg
 from tf_gspmd.export import checkpoint as ckpt
 from tf_gspmd.testing import assert_close
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_models import _mlp_batches, _step  # noqa: E402
+from helpers import keras_mlp, keras_step, mlp_batches  # noqa: E402
 
 SAVED_AFTER = 3  # steps trained before the save
 HIDDEN = 30
 
 
-def _mlp(seed, hidden=HIDDEN):
-  """test_models' MLP with Adam, named explicitly: a checkpoint names variables by their Keras
-  paths, which hold the model's and optimizer's names (Keras numbers default names per instance)."""
-  keras.utils.set_random_seed(seed)
-  model = keras.Sequential(
-    [
-      keras.Input((16,)),
-      keras.layers.Dense(hidden, activation='relu', name='hidden_0'),
-      keras.layers.Dense(hidden, activation='relu', name='hidden_1'),
-      keras.layers.Dense(4, name='logits'),
-    ],
-    name='mlp',
-  )
-  optimizer = keras.optimizers.Adam(1e-2, name='adam')
-  optimizer.build(model.trainable_variables)
-  return model, optimizer
+def named_mlp(seed, hidden=HIDDEN):
+  """helpers' MLP with Adam, named explicitly (a checkpoint names variables by their names)."""
+  return keras_mlp(seed, hidden, named=True)
 
 
 def _layout(mesh, rules):
@@ -59,11 +45,11 @@ def _layout(mesh, rules):
 
 
 def _partitioned(seed, mesh, rules):
-  model, optimizer = _mlp(seed, hidden=HIDDEN)
+  model, optimizer = named_mlp(seed, hidden=HIDDEN)
   assert _layout(mesh, rules).apply(model)
   data_axis = mesh.axis_names[0]
   step = tg.partition(
-    _step(model, optimizer, lambda x: tg.shard(x, mesh, tg.P(data_axis, None))), mesh
+    keras_step(model, optimizer, lambda x: tg.shard(x, mesh, tg.P(data_axis, None))), mesh
   )
   return model, optimizer, step
 
@@ -85,9 +71,9 @@ def saved(tmp_path_factory):
   directory = str(tmp_path_factory.mktemp('ckpt'))
   mesh = tg.Mesh.create((2, 4), ('data', 'model'))
   model, optimizer, step = _partitioned(0, mesh, MEGATRON)
-  ref_model, ref_optimizer = _mlp(0, hidden=HIDDEN)
-  reference = _step(ref_model, ref_optimizer)
-  batches = _mlp_batches(8)
+  ref_model, ref_optimizer = named_mlp(0, hidden=HIDDEN)
+  reference = keras_step(ref_model, ref_optimizer)
+  batches = mlp_batches(8)
   for i, (x, y) in enumerate(batches[:SAVED_AFTER]):
     assert_close(step(x, y), reference(x, y), f'loss of step {i + 1}')
   record = tg.save_checkpoint(step, directory)
@@ -227,12 +213,12 @@ def test_restore_into_four_by_two_mesh_two_dim_slices(saved):
 
 def test_restore_into_plain_variables_and_keras_model(saved):
   """A Keras model and optimizer, unpartitioned: bitwise, then trains like the reference."""
-  model, optimizer = _mlp(2, hidden=HIDDEN)
+  model, optimizer = named_mlp(2, hidden=HIDDEN)
   record = tg.restore_checkpoint(saved['directory'], [model, optimizer])
   assert record.original_bytes > 0 and not record.slices
   got = _values(list(model.variables) + list(optimizer.variables))
   assert all(np.array_equal(got[n], saved['at_save'][n]) for n in saved['at_save'])
-  step = _step(model, optimizer)
+  step = keras_step(model, optimizer)
   _continue(step, saved)
   _check_after(list(model.variables) + list(optimizer.variables), saved)
   # Plain tf.Variables by name (a dict gives the names).
@@ -255,7 +241,7 @@ def test_restore_into_a_model_partitioned_before_its_first_call(saved):
 
 
 def test_mismatched_shape_dtype_or_missing_variable_is_named(saved):
-  model, _ = _mlp(0, hidden=HIDDEN + 1)
+  model, _ = named_mlp(0, hidden=HIDDEN + 1)
   with pytest.raises(ValueError) as err:
     tg.restore_checkpoint(saved['directory'], model)
   message = str(err.value)
@@ -471,7 +457,7 @@ def test_keras_fit_model_saves_its_shards_and_restores_on_another_mesh(tmp_path)
   model fit on 8 devices: its shards and its own variables, bitwise."""
 
   def build(seed):
-    model, _ = _mlp(seed)
+    model, _ = named_mlp(seed)
     model.compile(
       optimizer=keras.optimizers.Adam(1e-2, name='adam'),
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

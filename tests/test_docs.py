@@ -22,7 +22,8 @@ import re
 from typing import List, Optional
 
 import pytest
-from test_readme import run_python  # a fresh interpreter with the repo importable
+
+from helpers import run_python  # a fresh interpreter with the repo importable
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / 'README.md'] + sorted((ROOT / 'docs').glob('*.md'))

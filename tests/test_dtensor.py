@@ -5,9 +5,6 @@ DTensor meshes are built here without DTensor's runtime (no
 devices=[...])` and `dtensor.Mesh(...)` only make value types.
 """
 
-import os
-import sys
-
 import keras
 import numpy as np
 import pytest
@@ -15,12 +12,12 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 import tf_gspmd as tg
-from tf_gspmd import Mesh, NamedSharding, P, Sharding, get_sharding, variable_sharding
+from tf_gspmd import Mesh, NamedSharding, P, Sharding, get_sharding
+from tf_gspmd.annotations import variable_sharding
 from tf_gspmd.dtensor_compat import is_dtensor_layout, is_dtensor_mesh, mesh_devices
 from tf_gspmd.testing import assert_close
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_partitioned import _loop_training, randn  # noqa: E402
+from helpers import loop_training, randn  # noqa: E402
 
 UNSHARDED = dtensor.UNSHARDED
 CPUS = [f'CPU:{i}' for i in range(8)]
@@ -203,7 +200,9 @@ def test_shard_writes_the_graph_of_the_converted_sharding(ours):
 
 def test_shard_with_a_single_device_layout_is_assign_device():
   single = dtensor.Layout.from_device('CPU:3')
-  assert graph_nodes(lambda x: tg.shard(x, single)) == graph_nodes(lambda x: tg.assign_device(x, 3))
+  assert graph_nodes(lambda x: tg.shard(x, single)) == graph_nodes(
+    lambda x: tg.xla_sharding.assign_device(x, 3)
+  )
 
 
 @pytest.mark.parametrize(
@@ -272,7 +271,7 @@ def test_partition_runs_on_the_dtensor_meshs_devices():
   pf = tg.partition(tf.function(lambda a: tf.reduce_sum(a, axis=1)), mesh, in_shardings=cols)
   a = randn(0, 3, 8)
   assert_close(pf(a), a.sum(axis=1))
-  devices = pf.get_program(a).spmd.devices
+  devices = pf.get_program(a).prepared.devices
   assert [tf.DeviceSpec.from_string(d).device_index for d in devices] == [4, 5, 6, 7]
   assert kinds(pf) == [('all_reduce', ('x',), 1)]
 
@@ -299,7 +298,7 @@ def _dtensor_variable(seed, shape, layout):
 
 def _sgd_steps(w1, w2):
   """`steps` SGD steps of the 2-layer MLP `relu(x @ w1) @ w2`; the annotations are the layouts."""
-  return _loop_training(None, w1, w2, annotate=False)
+  return loop_training(None, w1, w2, annotate=False)
 
 
 def test_dtensor_annotated_mlp_trains_partitioned_like_unpartitioned():

@@ -22,14 +22,12 @@ from tf_gspmd.propagation.api import propagate_captured
 from tf_gspmd.runtime import launcher
 from tf_gspmd.testing import assert_close
 
+from helpers import randn
+
 sys.path.insert(
   0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'bench')
 )
 import first_step  # noqa: E402
-
-
-def randn(seed, *shape):
-  return np.random.RandomState(seed).randn(*shape).astype(np.float32)
 
 
 def mlp_step(layers: int, mesh=None, width: int = 8, seed: int = 0):
@@ -92,7 +90,7 @@ def _propagate_and_partition_seconds(layers: int) -> tuple:
   propagate = time.thread_time() - start
   compiled = pf.get_program(x)
   start = time.thread_time()
-  compiled.spmd.build_per_partition(
+  compiled.prepared.build_per_partition(
     x, *compiled.capture_values, *[pf.store.sharded[id(v)] for v in compiled.variables]
   )
   return propagate, time.thread_time() - start
@@ -130,7 +128,7 @@ def test_a_call_builds_no_specs_and_passes_no_variables(monkeypatch):
   assert_close(variables, ref_variables, 'variables')
   # The launch function captured the 6 sharded variables (x 8 devices): a call passes
   # only the tokens and the batch.
-  spmd = pf.get_program(randn(0, 16, 8)).spmd
+  spmd = pf.get_program(randn(0, 16, 8)).prepared
   ((outer, bound),) = spmd._outer.values()  # noqa: SLF001
   assert len(bound) == len(variables)
   (concrete,) = outer._list_all_concrete_functions()  # noqa: SLF001
@@ -158,7 +156,7 @@ def test_per_partition_calls_and_the_launch_run_no_grappler(monkeypatch):
     x = randn(4, 16, 8)
     assert_close(pf(x), reference(x), 'loss')
     assert context.context().function_call_options is before  # the caller's options restored
-    ((outer, _),) = pf.get_program(x).spmd._outer.values()  # noqa: SLF001
+    ((outer, _),) = pf.get_program(x).prepared._outer.values()  # noqa: SLF001
     (concrete,) = outer._list_all_concrete_functions()  # noqa: SLF001
     calls = [op for op in concrete.graph.get_operations() if op.type == 'StatefulPartitionedCall']
     assert len(calls) == 8

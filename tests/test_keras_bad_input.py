@@ -21,11 +21,12 @@ import tf_gspmd as tg
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_bad_input import assert_holds, assert_raises_clearly  # noqa: E402
-from test_keras_distribution import enabled  # noqa: E402,F401  (autouse: keras.enable())
 
 X = np.random.RandomState(0).randn(32, 16).astype(np.float32)
 Y = np.random.RandomState(1).randint(0, 4, 32).astype(np.int32)
 FIT = dict(epochs=1, shuffle=False, verbose=0)
+
+pytestmark = pytest.mark.usefixtures('keras_enabled')  # conftest.py
 
 
 def mlp(seed=0):

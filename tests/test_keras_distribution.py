@@ -7,11 +7,8 @@ error per tensor <= 1e-5 in float32), and the collectives of the partitioned
 training step are counted.
 """
 
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -22,40 +19,18 @@ from tf_gspmd.keras import distribution_lib, hooks
 from tf_gspmd.partitioned import PartitionedFunction
 from tf_gspmd.testing import as_float32, assert_close, bound
 
+import helpers
+from helpers import FIT, X, Y, guide_model
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Read when pytest imports this file: importing tf_gspmd must leave Keras as it was.
 BACKEND_HAD_DISTRIBUTE_TENSOR_AT_IMPORT = hasattr(hooks.backend_module(), 'distribute_tensor')
 ENABLED_AT_IMPORT = tg.keras.is_enabled()
 
-rng = np.random.RandomState(0)
-X = rng.randn(64, 16).astype(np.float32)
-Y = rng.randint(0, 4, 64).astype(np.int32)
-FIT = dict(batch_size=16, epochs=2, shuffle=False, verbose=0, validation_data=(X[:32], Y[:32]))
 FIT_SHORT = dict(batch_size=16, epochs=1, shuffle=False, verbose=0)
 
 
-@pytest.fixture(autouse=True)
-def enabled():
-  tg.keras.enable()
-  yield
-  keras.distribution.set_distribution(None)
-  tg.keras.disable()
-
-
-def guide_model():
-  """The guide's model shape: Dense layers and an EinsumDense, compiled with Adam and a metric."""
-  keras.utils.set_random_seed(0)
-  inputs = keras.Input((16,))
-  y = keras.layers.Dense(32, activation='relu', name='d1')(inputs)
-  y = keras.layers.EinsumDense('bh,hk->bk', output_shape=24, bias_axes='k', name='e1')(y)
-  y = keras.layers.Dense(4, name='d2')(keras.ops.relu(y))
-  model = keras.Model(inputs, y)
-  model.compile(
-    optimizer=keras.optimizers.Adam(1e-2),
-    metrics=['accuracy'],
-    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-  )
-  return model
+pytestmark = pytest.mark.usefixtures('keras_enabled')  # conftest.py
 
 
 def step_programs(function):
@@ -252,16 +227,7 @@ def run_python(code_or_path, tmp_path, timeout=240, args=()):
   script = code_or_path if isinstance(code_or_path, pathlib.Path) else tmp_path / 'script.py'
   if script is not code_or_path:
     script.write_text(code_or_path)
-  env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL='2')
-  result = subprocess.run(
-    [sys.executable, str(script), *args],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-    check=False,
-  )
+  result = helpers.run_python(script, timeout, args)
   assert result.returncode == 0, result.stderr[-3000:]
   return result.stdout
 

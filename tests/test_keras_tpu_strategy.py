@@ -16,8 +16,6 @@ Results are checked by the oracle (tf_gspmd.testing: normwise relative error per
 """
 
 import collections
-import os
-import sys
 
 import keras
 import numpy as np
@@ -32,8 +30,7 @@ from tf_gspmd.testing import as_float32, assert_close
 from tf_gspmd.xla_bridge import tpu
 from tf_gspmd.xla_bridge.hlo import hlo_collectives
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_keras_distribution import X, Y, guide_model  # noqa: E402
+from helpers import X, Y, guide_model
 
 MODEL_GROUPS = ((0, 1, 2, 3), (4, 5, 6, 7))
 DATA_GROUPS = ((0, 4), (1, 5), (2, 6), (3, 7))

@@ -33,15 +33,13 @@ from tf_gspmd.xla_bridge import XlaLoweringError, stablehlo_collectives  # noqa:
 
 sys.path.insert(0, os.path.dirname(__file__))
 import test_keras_workflow as workflow  # noqa: E402
-from test_keras_distribution import (
-  FIT,
-  X,
-  Y,
-  check_model_parallel_example,  # noqa: E402
+from test_keras_distribution import (  # noqa: E402
+  check_model_parallel_example,
   guide_distribution,
-  guide_model,
   step_programs,
 )
+
+from helpers import FIT, X, Y, guide_model  # noqa: E402
 
 # Recorded collective kind -> the native XLA op it is exported as (tests/test_xla_backend.py).
 NATIVE = {
@@ -66,7 +64,7 @@ def compiled_collectives(pf):
   """The collectives of a step that ran: one native op in the module per recorded one, and
   what XLA compiled (its optimized HLO) by kind."""
   assert pf.backend == 'xla'
-  run = pf._last.xla  # noqa: SLF001
+  run = pf._last.prepared  # noqa: SLF001
   module = run.export.module
   assert 'custom_call @tf_gspmd' not in module
   recorded = collections.Counter(NATIVE[r['kind']] for r in pf.collectives())
@@ -98,7 +96,7 @@ def test_writes_between_calls_on_xla(tmp_path):
 def test_steps_per_execution_is_one_while_loop_on_xla():
   model = workflow.steps_per_execution(backend='xla')
   looped = model._tf_gspmd_launcher.functions['train_step_looped']  # noqa: SLF001
-  module = looped._last.xla.export.module  # noqa: SLF001
+  module = looped._last.prepared.export.module  # noqa: SLF001
   assert module.count('stablehlo.while') == 1, 'k steps are one While loop in one module'
   recorded, compiled = compiled_collectives(looped)
   assert recorded['all-reduce'] >= 2 and compiled.get('all-reduce', 0) >= 1

@@ -18,7 +18,7 @@ LAYERS = (
   ('mesh', 'sharding'),  # value types
   ('op_sharding',),  # OpSharding conversion, the one place
   ('dtensor_compat',),  # TF DTensor's Mesh and Layout as tf_gspmd's, the one place
-  ('annotations',),  # writes and reads TF's XlaSharding
+  ('annotations', 'xla_sharding'),  # writes and reads TF's XlaSharding
   ('pipeline', 'shard_map'),  # pipelining, manual regions: annotated TF ops, before capture
   ('graph',),  # capture, IR, rebuild, static values
   ('propagation',),  # one rule per op type, the fixpoint

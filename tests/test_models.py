@@ -5,19 +5,17 @@ import collections
 import os
 import sys
 
-import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import tf_gspmd as tg
 from tf_gspmd.testing import assert_close, assert_close_to_float64, relative_error
 from tf_gspmd.testing.float64 import float64_policy, float64_twin
 
+from helpers import STEPS, image_batches, keras_cnn, keras_mlp, keras_step, mlp_batches
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'examples', 'keras'))
 import transformer  # noqa: E402
-
-STEPS = 5
 
 
 def train_both(step, reference, batches):
@@ -30,55 +28,16 @@ def collective_kinds(step):
   return collections.Counter((r['kind'], r['axes']) for r in step.collectives())
 
 
-def _mlp(seed, hidden=32):
-  keras.utils.set_random_seed(seed)
-  model = keras.Sequential(
-    [
-      keras.Input((16,)),
-      keras.layers.Dense(hidden, activation='relu', name='hidden_0'),
-      keras.layers.Dense(hidden, activation='relu', name='hidden_1'),
-      keras.layers.Dense(4, name='logits'),
-    ]
-  )
-  optimizer = keras.optimizers.Adam(1e-2)
-  optimizer.build(model.trainable_variables)
-  return model, optimizer
-
-
-def _step(model, optimizer, annotate=None):
-  loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-  @tf.function
-  def step(x, y):
-    if annotate is not None:
-      x = annotate(x)
-    with tf.GradientTape() as tape:
-      loss = loss_fn(y, model(x, training=True))
-    grads = tape.gradient(loss, model.trainable_variables)
-    optimizer.apply_gradients(zip(grads, model.trainable_variables))
-    return loss
-
-  return step
-
-
-def _mlp_batches(batch):
-  rng = np.random.RandomState(0)
-  return [
-    (rng.randn(batch, 16).astype(np.float32), rng.randint(0, 4, batch).astype(np.int32))
-    for _ in range(STEPS)
-  ]
-
-
 @pytest.mark.parametrize('devices,batch', [(8, 16), (4, 10)])
 def test_mlp_data_parallel(devices, batch):
   """(a) and the uneven variant: batch split only; gradient all-reduces appear unwritten."""
   mesh = tg.Mesh.create((devices,), ('data',))
-  model, optimizer = _mlp(0)
-  ref_model, ref_optimizer = _mlp(0)
+  model, optimizer = keras_mlp(0)
+  ref_model, ref_optimizer = keras_mlp(0)
   step = tg.partition(
-    _step(model, optimizer, lambda x: tg.shard(x, mesh, tg.P('data', None))), mesh
+    keras_step(model, optimizer, lambda x: tg.shard(x, mesh, tg.P('data', None))), mesh
   )
-  train_both(step, _step(ref_model, ref_optimizer), _mlp_batches(batch))
+  train_both(step, keras_step(ref_model, ref_optimizer), mlp_batches(batch))
   assert_close(
     model.variables + optimizer.variables,
     ref_model.variables + ref_optimizer.variables,
@@ -94,17 +53,17 @@ def test_mlp_data_parallel(devices, batch):
 def test_mlp_hidden_not_divisible_by_model_axis():
   """Uneven variant: hidden size 30 over a model axis of 4 (shards of 8, 8, 8, 6)."""
   mesh = tg.Mesh.create((2, 4), ('data', 'model'))
-  model, optimizer = _mlp(0, hidden=30)
-  ref_model, ref_optimizer = _mlp(0, hidden=30)
+  model, optimizer = keras_mlp(0, hidden=30)
+  ref_model, ref_optimizer = keras_mlp(0, hidden=30)
   layout = tg.LayoutMap(mesh)
   layout[r'.*hidden_0/kernel'] = tg.P(None, 'model')
   layout[r'.*hidden_0/bias'] = tg.P('model')
   layout[r'.*hidden_1/kernel'] = tg.P('model', None)
   assert len(layout.apply(model)) == 3
   step = tg.partition(
-    _step(model, optimizer, lambda x: tg.shard(x, mesh, tg.P('data', None))), mesh
+    keras_step(model, optimizer, lambda x: tg.shard(x, mesh, tg.P('data', None))), mesh
   )
-  train_both(step, _step(ref_model, ref_optimizer), _mlp_batches(10))
+  train_both(step, keras_step(ref_model, ref_optimizer), mlp_batches(10))
   assert_close(
     model.variables + optimizer.variables,
     ref_model.variables + ref_optimizer.variables,
@@ -186,32 +145,6 @@ def test_mixture_of_experts_dispatches_with_all_to_all():
       assert rec['bytes'] < token_shard_bytes, rec
 
 
-def _cnn(seed):
-  keras.utils.set_random_seed(seed)
-  model = keras.Sequential(
-    [
-      keras.Input((16, 12, 3)),
-      keras.layers.Conv2D(8, 3, padding='same', activation='relu', name='conv_0'),
-      keras.layers.BatchNormalization(name='bn_0'),
-      keras.layers.MaxPooling2D(2, name='pool_0'),
-      keras.layers.Conv2D(8, 3, padding='same', activation='relu', name='conv_1'),
-      keras.layers.GlobalAveragePooling2D(),
-      keras.layers.Dense(4, name='logits'),
-    ]
-  )
-  optimizer = keras.optimizers.Adam(1e-2)
-  optimizer.build(model.trainable_variables)
-  return model, optimizer
-
-
-def _images(batch, height=16):
-  rng = np.random.RandomState(0)
-  return [
-    (rng.randn(batch, height, 12, 3).astype(np.float32), rng.randint(0, 4, batch).astype(np.int32))
-    for _ in range(STEPS)
-  ]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
   'spec',
@@ -221,15 +154,15 @@ def _images(batch, height=16):
 def test_cnn_with_batchnorm(spec):
   """(c) Image height split over 4 (halo exchange), batch over 2, BatchNorm statistics reduced."""
   mesh = tg.Mesh.create((2, 4), ('data', 'h'))
-  model, optimizer = _cnn(0)
-  ref_model, ref_optimizer = _cnn(0)
-  exact_model, exact_optimizer = float64_twin(_cnn, seed=0)
-  step = tg.partition(_step(model, optimizer, lambda x: tg.shard(x, mesh, tg.P(*spec))), mesh)
-  reference = _step(ref_model, ref_optimizer)
+  model, optimizer = keras_cnn(0)
+  ref_model, ref_optimizer = keras_cnn(0)
+  exact_model, exact_optimizer = float64_twin(keras_cnn, seed=0)
+  step = tg.partition(keras_step(model, optimizer, lambda x: tg.shard(x, mesh, tg.P(*spec))), mesh)
+  reference = keras_step(ref_model, ref_optimizer)
   with float64_policy():  # the step's Keras loss computes in the policy it is made under
-    exact_step = _step(exact_model, exact_optimizer)
+    exact_step = keras_step(exact_model, exact_optimizer)
   losses = {'partitioned': [], 'unpartitioned': [], 'float64': []}
-  for x, y in _images(4):
+  for x, y in image_batches(4):
     losses['partitioned'].append(step(x, y).numpy())
     losses['unpartitioned'].append(reference(x, y).numpy())
     losses['float64'].append(exact_step(x.astype(np.float64), y).numpy())

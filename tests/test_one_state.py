@@ -159,7 +159,7 @@ def _split_shapes(variables):
   return {
     tuple(v.shape)
     for v in variables
-    if any(e is not None for e in getattr(tg.variable_sharding(v), 'spec', ()) or ())
+    if any(e is not None for e in getattr(tg.get_sharding(v), 'spec', ()) or ())
   }
 
 
@@ -265,7 +265,7 @@ def test_variables_made_as_shards_with_tg_variable_and_sharded_variables():
   mesh = tg.Mesh.create(*MESH)
   value = np.random.RandomState(3).randn(16, 64).astype(np.float32)
   w = tg.Variable(value, tg.NamedSharding(mesh, tg.P(None, 'model')), name='w')
-  assert held.is_held(w) and tg.variable_sharding(w).spec == tg.P(None, 'model')
+  assert held.is_held(w) and tg.get_sharding(w).spec == tg.P(None, 'model')
   assert_close(w.numpy(), value, 'tg.Variable')
   with tg.sharded_variables(mesh, {r'.*kernel': tg.P('data', 'model')}):
     k = tf.Variable(lambda: tf.constant(value), name='dense/kernel')

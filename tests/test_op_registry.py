@@ -59,6 +59,28 @@ ALLOWED = {
   'xla.py': ({'Placeholder', 'XlaSharding'}, "an exported program's placeholders and annotations"),
   'coalesce.py': ({'Const'}, 'a literal node: its value is known before run time'),
   'shape_ops.py': ({'Const'}, "a literal node's value, which folding keeps only for ints"),
+  # Sweep data beside the sweep programs: the order a program always drew its ops' values in
+  # from one seeded stream (programs/__init__.py `in_draw_order`), kept so every case keeps
+  # its values; test data, not a property of the op (#34).
+  'reductions.py': (
+    {'Sum', 'Max', 'Min', 'Mean', 'EuclideanNorm', 'Prod', 'All', 'Any', 'ArgMax', 'ArgMin'}
+    | {'Cumsum', 'Cumprod', 'CumulativeLogsumexp'},
+    'DRAW_ORDER: the order the reductions program draws values in',
+  ),
+  'shape.py': (
+    {'UnsortedSegmentSum', 'UnsortedSegmentMax', 'UnsortedSegmentMin', 'UnsortedSegmentProd'},
+    'SEGMENT_DRAW_ORDER: the order the shape program draws segment values in',
+  ),
+  'state.py': (
+    {'AssignVariableOp', 'AssignAddVariableOp', 'AssignSubVariableOp'}
+    | {'ResourceApplyGradientDescent', 'ResourceApplyMomentum', 'ResourceApplyKerasMomentum'}
+    | {'ResourceApplyAdagrad', 'ResourceApplyAdagradV2', 'ResourceApplyAdadelta'}
+    | {'ResourceApplyRMSProp', 'ResourceApplyCenteredRMSProp', 'ResourceApplyAdam'}
+    | {'ResourceApplyAdaMax', 'ResourceApplyAdamWithAmsgrad', 'ResourceScatterAdd'}
+    | {'ResourceScatterSub', 'ResourceScatterMul', 'ResourceScatterDiv', 'ResourceScatterMax'}
+    | {'ResourceScatterMin', 'ResourceScatterUpdate'},
+    'DRAW_ORDER: the order the variables program draws values in',
+  ),
 }
 
 
@@ -249,3 +271,35 @@ def test_entries_are_immutable():
     entry.local = 'other'
   with pytest.raises(TypeError):
     entry.local_params['fill'] = 'other'
+
+
+def test_two_modules_registering_one_op_family_are_refused():
+  fresh = registry.Registry()
+  fresh.register('A', 'shape', lambda n, c: None, module='tf_gspmd.propagation.ops_shape')
+  fresh.register('B', 'shape', lambda n, c: None, module='tf_gspmd.propagation.ops_shape')
+  with pytest.raises(ValueError, match="op family 'shape' is registered by two modules"):
+    fresh.register('C', 'shape', lambda n, c: None, module='tf_gspmd.propagation.ops_indexing')
+
+
+def test_a_family_module_registers_the_family_it_is_named_for():
+  with pytest.raises(ValueError, match="registers family 'shape'; name it 'indexing'"):
+    registry.Registry().register(
+      'A', 'shape', lambda n, c: None, module='tf_gspmd.propagation.ops_indexing'
+    )
+
+
+def test_every_family_has_one_module_named_for_it():
+  registry.op_types()  # every family module loaded
+  owners = registry.REGISTRY.family_modules()
+  assert set(owners) == set(registry.families())
+  assert {m.rpartition('.')[2] for m in owners.values()} == set(registry.family_modules())
+  for family, module in owners.items():
+    assert module == f'tf_gspmd.propagation.ops_{family}'
+
+
+def test_register_refuses_a_family_from_a_module_not_its_own():
+  registry.op_types()  # every family module loaded: 'matmul' belongs to ops_matmul
+  # register() takes the module from its caller: this test module is not ops_matmul.
+  with pytest.raises(ValueError, match="op family 'matmul' is registered by two modules"):
+    registry.register('NotAnOpType', 'matmul', lambda n, c: None)
+  assert registry.lookup('NotAnOpType') is None

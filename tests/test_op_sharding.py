@@ -16,8 +16,9 @@ from tensorflow.compiler.xla import xla_data_pb2
 from tensorflow.python.compiler.xla.experimental import xla_sharding
 
 from tf_gspmd import *  # noqa: F401,F403  (repr strings are evaluated in this namespace)
-from tf_gspmd import Mesh, NamedSharding, P, Sharding, named_for_rank
+from tf_gspmd import Mesh, NamedSharding, P, Sharding
 from tf_gspmd.op_sharding import from_proto, to_proto
+from tf_gspmd.sharding import named_for_rank
 
 OpSharding = xla_data_pb2.OpSharding
 MESH_2x4 = np.arange(8).reshape(2, 4)

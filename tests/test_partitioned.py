@@ -8,13 +8,11 @@ import tf_gspmd as tg
 from tf_gspmd.partitioned import partition
 from tf_gspmd.testing import assert_close
 
+from helpers import loop_training, randn, variable_mlp
+
 
 def kinds(pf):
   return sorted((r['kind'], r['axes']) for r in pf.collectives())
-
-
-def randn(seed, *shape):
-  return np.random.RandomState(seed).randn(*shape).astype(np.float32)
 
 
 def test_megatron_mlp_on_2x4_mesh():
@@ -76,35 +74,13 @@ def test_data_parallel_training_step_uneven_batches(batch, devices):
     assert len(step.collectives()) == 1 and step.collectives()[0]['fused'] == 3
 
 
-def _mlp(seed):
-  return [tf.Variable(randn(seed, 16, 32) * 0.1), tf.Variable(randn(seed + 1, 32, 4) * 0.1)]
-
-
-def _loop_training(mesh, w1, w2, annotate):
-  @tf.function
-  def train(x, y, steps):
-    if annotate:
-      x = tg.shard(x, mesh, tg.P('data', None))
-    loss = tf.constant(0.0)
-    for _ in tf.range(steps):
-      with tf.GradientTape() as tape:
-        logits = tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)
-        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
-      g1, g2 = tape.gradient(loss, [w1, w2])
-      w1.assign_sub(0.5 * g1)
-      w2.assign_sub(0.5 * g2)
-    return loss
-
-  return train
-
-
 def test_training_loop_inside_one_function_keeps_collectives_in_the_loop():
   mesh = tg.Mesh.create((2, 4), ('data', 'model'))
-  w, w_ref = _mlp(0), _mlp(0)
+  w, w_ref = variable_mlp(0), variable_mlp(0)
   tg.shard_variable(w[0], mesh, tg.P(None, 'model'))
   tg.shard_variable(w[1], mesh, tg.P('model', None))
-  train = partition(_loop_training(mesh, *w, annotate=True), mesh)
-  reference = _loop_training(mesh, *w_ref, annotate=False)
+  train = partition(loop_training(mesh, *w, annotate=True), mesh)
+  reference = loop_training(mesh, *w_ref, annotate=False)
   x, y = randn(2, 10, 16), np.random.RandomState(3).randint(0, 4, 10).astype(np.int32)
   assert_close(train(x, y, tf.constant(5)), reference(x, y, tf.constant(5)), name='loss')
   assert_close([a.numpy() for a in w], [b.numpy() for b in w_ref], name='[w1, w2]')
@@ -164,3 +140,17 @@ def test_switch_case_branches_partitioned_alike():
   a = randn(1, 10, 3)  # 10 rows over 4: the max must not see padding
   for k in range(3):
     assert_close(pf(a, tf.constant(k)), f(a, tf.constant(k)), name=f'branch {k}')
+
+
+@pytest.mark.parametrize('spec', [tg.P('data', None, None), tg.P(None, 'model', 'data')])
+def test_matrix_band_part_keeps_the_band_of_whole_matrices(spec):
+  """MatrixBandPart needs its two matrix dims whole (which elements it keeps depends on their
+  global row and column); a batch split passes through."""
+  mesh = tg.Mesh.create((2, 4), ('data', 'model'))
+
+  @tf.function
+  def band(x):
+    return tf.linalg.band_part(tg.shard(x, mesh, spec), 2, 1) * 3.0
+
+  x = randn(0, 6, 10, 7)
+  assert_close(partition(band, mesh)(x), band(x), name='band')

@@ -11,12 +11,13 @@ bytes are 1/S of the total.
 import collections
 import re
 
-import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf_gspmd as tg
 from tf_gspmd.testing import assert_close
+
+from helpers import randn, run_python
 
 
 def dense_stage(p, h):
@@ -77,10 +78,6 @@ def run_both(stage_fn, params, specs, mesh, microbatches, x, y, batch_spec):
 
 def counts(pf):
   return collections.Counter((c['kind'], tuple(c['axes'])) for c in pf.collectives())
-
-
-def randn(seed, *shape, scale=1.0):
-  return (np.random.RandomState(seed).randn(*shape) * scale).astype(np.float32)
 
 
 def test_four_stages_with_data_parallelism_and_eight_microbatches():
@@ -152,20 +149,7 @@ ROOT = __import__('pathlib').Path(__file__).resolve().parent.parent
 
 
 def _run(script, timeout=300):
-  import os
-  import subprocess
-  import sys
-
-  env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL='2')
-  return subprocess.run(
-    [sys.executable, str(script)],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-    check=False,
-  )
+  return run_python(script, timeout)
 
 
 def test_readme_pipeline_section_runs(tmp_path):

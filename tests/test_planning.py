@@ -63,7 +63,7 @@ def test_plan_at_8_is_what_partition_builds_and_runs(which):
   assert report.variable_bytes() == pf.variable_bytes()
   assert _collectives(report.collectives()) == _collectives(pf.collectives())
   assert report.collectives(), 'a 2-D or expert-sharded step without collectives: wrong layouts'
-  real_graph = pf.get_program(*data).spmd.per_partition.function.graph
+  real_graph = pf.get_program(*data).prepared.per_partition.function.graph
   assert (report.activation_peak, report.activation_tensors) == activation_peak(real_graph)
   assert report.parameter_bytes == sum(v.per_device for v in report.variables if v.trainable)
   assert report.optimizer_bytes == 2 * report.parameter_bytes  # Adam: two slots per weight
@@ -133,7 +133,7 @@ def test_abstract_variable_has_no_value_and_keeps_its_sharding():
   mesh = Mesh.create((2048,), ('x',))
   sharding = NamedSharding(mesh, P('x', None))
   v = tg.abstract_variable([2048 * 1024, 1024], tf.float32, sharding, name='big')
-  assert v.shape == (2048 * 1024, 1024) and tg.variable_sharding(v) == sharding
+  assert v.shape == (2048 * 1024, 1024) and tg.get_sharding(v) == sharding
   assert not bool(v.is_initialized())
   assert v.numpy().size == 0  # 8 GB that were never allocated: a read finds no buffer
 

@@ -4,32 +4,17 @@ Also the usage example of docs/api.md and the oracle's of docs/testing.md, which
 README's (tests/test_docs.py checks that every page's code runs somewhere).
 """
 
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
+
+from helpers import run_python
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / 'README.md').read_text()
 API_PAGE = (ROOT / 'docs' / 'api.md').read_text()
 TESTING_PAGE = (ROOT / 'docs' / 'testing.md').read_text()
-
-
-def run_python(script: pathlib.Path, timeout: int = 240) -> subprocess.CompletedProcess:
-  """Run `script` in a fresh interpreter (its own TF devices) with the repo importable."""
-  env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL='2')
-  return subprocess.run(
-    [sys.executable, str(script)],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-    check=False,
-  )
 
 
 def first_python_block(markdown: str) -> str:

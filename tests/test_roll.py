@@ -9,18 +9,15 @@ roll back: one permute the other way.
 
 import collections
 
-import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf_gspmd as tg
 from tf_gspmd.testing import assert_close
 
+from helpers import randn
+
 MESH = tg.Mesh.create((4, 2), ('stage', 'data'))
-
-
-def randn(seed, *shape):
-  return np.random.RandomState(seed).randn(*shape).astype(np.float32)
 
 
 def counts(pf):

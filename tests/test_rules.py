@@ -102,7 +102,7 @@ def test_golden_rule_texts_are_up_to_date():
     committed = f.read()
   assert committed == support_table.golden_text(), (
     'rule texts changed; if intended, regenerate tests/golden/op_rules.txt with '
-    'support_table.golden_text()'
+    'python -m tf_gspmd.propagation.support_table'
   )
   lines = committed.splitlines()
   assert [n.split(':')[0] for n in lines] == sorted(n.split(':')[0] for n in lines)
@@ -123,7 +123,7 @@ def test_every_keras_step_op_type_has_a_rule():
   assert set(families) >= {
     'elementwise',
     'matmul',
-    'reductions',
+    'reduction',
     'shape',
     'nn',
     'variables',

@@ -24,6 +24,7 @@ import pytest
 import tensorflow as tf
 
 import tf_gspmd as tg
+from tf_gspmd.sharding import named_for_rank
 from tf_gspmd.testing import assert_close
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -413,7 +414,7 @@ def test_xla_export_recompiles_and_its_annotated_graph_reads_back(exports, tmp_p
     shardings = sharding if isinstance(sharding, tuple) else (sharding,)
     assert name in read, name
     for i, s in enumerate(shardings):
-      back = tg.named_for_rank(read[name][i], mesh, s.rank)
+      back = named_for_rank(read[name][i], mesh, s.rank)
       assert back == s, (name, i, back, s)
       checked += 1
   assert checked >= len(written)

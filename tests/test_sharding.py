@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tf_gspmd import *  # noqa: F401,F403  (repr strings are evaluated in this namespace)
-from tf_gspmd import Mesh, NamedSharding, P, Sharding, from_proto, named, named_for_rank
-from tf_gspmd.sharding import num_shards, shard_bounds
+from tf_gspmd import Mesh, NamedSharding, P, Sharding
+from tf_gspmd.op_sharding import from_proto
+from tf_gspmd.sharding import named, named_for_rank, num_shards, shard_bounds
 
 MESH = Mesh.create((2, 4), ('data', 'model'))
 MESH3 = Mesh(np.array([[[5, 2], [7, 0]], [[1, 6], [3, 4]]]), ('x', 'y', 'z'))

@@ -26,6 +26,8 @@ from tf_gspmd.runtime import ShardedValue, SpmdProgram
 from tf_gspmd.sharding import REPLICATED, NamedSharding, P, Sharding, named
 from tf_gspmd.testing import assert_close
 
+from helpers import randn
+
 M8 = Mesh.create((8,), ('x',))
 M24 = Mesh.create((2, 4), ('x', 'y'))
 M222 = Mesh.create((2, 2, 2), ('x', 'y', 'z'))
@@ -109,7 +111,7 @@ def test_tile_dims_no_axis_grouping_gives_are_refused_clearly():
 
     @tf.function
     def f(x):
-      return tg.annotate(x, s) * 2.0
+      return tg.shard(x, s) * 2.0
 
     from tf_gspmd.graph.capture import capture
 
@@ -267,10 +269,6 @@ def kinds(pf):
   return sorted((r['kind'], r['axes']) for r in pf.collectives())
 
 
-def randn(seed, *shape):
-  return np.random.RandomState(seed).randn(*shape).astype(np.float32)
-
-
 def _tiled(order, dims, replicate_last=False):
   s = Sharding.tiled(np.reshape(order, dims), (REPLICATED,) if replicate_last else ())
   return s
@@ -315,9 +313,9 @@ def test_interior_annotations_in_another_order_cost_nothing():
   def make(device_mesh):
     @tf.function
     def f(x, w):
-      x = tg.mesh_split(x, device_mesh, [0, -1])  # TPU style: rows over mesh dim 0
+      x = tg.xla_sharding.mesh_split(x, device_mesh, [0, -1])  # TPU style: rows over mesh dim 0
       h = tf.nn.relu(tf.matmul(x, w))
-      h = tg.mesh_split(h, device_mesh, [0, 1])
+      h = tg.xla_sharding.mesh_split(h, device_mesh, [0, 1])
       return tf.reduce_sum(h, axis=1)
 
     return f
@@ -389,16 +387,16 @@ def test_inputs_and_outputs_keep_their_order_as_sharded_values():
   assert_close(pf(x), x * 3.0)
   compiled = pf.get_program(x)
   assert compiled.arg_shardings[0].mesh == layout.mesh  # split in the annotation's order
-  assert compiled.spmd.mesh == layout.mesh  # and the program runs in it
+  assert compiled.prepared.mesh == layout.mesh  # and the program runs in it
   assert kinds(pf) == []
   # Per-device pieces follow the annotation: device 2 holds tile (0, 1).
-  shards = compiled.spmd.out_shardings[0]
+  shards = compiled.prepared.out_shardings[0]
   assert shards.tile_index(2) == (0, 1) and shards.tile_index(1) == (0, 3)
   # Inputs and outputs must stay in the mesh's order (the output is annotated so): the program
   # keeps the mesh's order, the input moves once on entry.
   pf = partition(f, M24, in_shardings=order, out_shardings=NamedSharding(M24, P('x', 'y')))
   assert_close(pf(x), x * 3.0)
-  assert pf.get_program(x).spmd.mesh == M24 and kinds(pf) == [('permute', ())]
+  assert pf.get_program(x).prepared.mesh == M24 and kinds(pf) == [('permute', ())]
 
 
 def test_variables_pin_the_mesh_order():
@@ -415,7 +413,7 @@ def test_variables_pin_the_mesh_order():
   want = (w.numpy() + x) * 2.0
   pf = partition(f, M24, in_shardings=order)
   assert_close(pf(x), want)
-  assert pf.get_program(x).spmd.mesh == M24  # the variable keeps the mesh's order
+  assert pf.get_program(x).prepared.mesh == M24  # the variable keeps the mesh's order
   assert kinds(pf) == [('permute', ())]
   assert_close(w.numpy(), want / 2.0, name='w')
 
@@ -439,7 +437,7 @@ def test_input_with_a_last_tile_dims_subgroup_in_another_order():
   in_order = partition(f, M24, in_shardings=NamedSharding(M24, P('x', None)))
   assert_close(in_order(x), f(x))
   # Only the annotated order differs: the program runs in it, nothing extra moves.
-  assert compiled.spmd.mesh != M24 and kinds(pf) == kinds(in_order)
+  assert compiled.prepared.mesh != M24 and kinds(pf) == kinds(in_order)
 
 
 def test_a_variable_annotated_in_the_issue_order_is_stored_in_it():
@@ -459,7 +457,7 @@ def test_a_variable_annotated_in_the_issue_order_is_stored_in_it():
   x = randn(12, 8, 8)
   pf = partition(make(w), M24, in_shardings=NamedSharding(d24, P('x', None)))
   assert_close(pf(x), make(w_ref)(x))
-  assert pf.get_program(x).spmd.mesh == d24
+  assert pf.get_program(x).prepared.mesh == d24
   (sharded,) = pf.sharded_variables()
   assert sharded.sharding.mesh == d24  # device 2 holds the tile (0, 1) the annotation gives it
   assert sharded.sharding.tile_index(2) == (0, 1)
@@ -486,7 +484,7 @@ def test_tile_222_on_a_2x4_mesh_runs_on_sub_axes(order):
 
   @tf.function
   def f(a):
-    a = tg.annotate(a, tile)
+    a = tg.shard(a, tile)
     return tf.nn.relu(tf.einsum('abc,cd->abd', a, w)) * 2.0
 
   a = randn(22, 4, 4, 8)
@@ -508,7 +506,7 @@ def test_tile_2x4_on_a_1d_mesh_trains_like_unpartitioned():
   def make(var):
     @tf.function
     def step(x):
-      x = tg.annotate(x, Sharding.tiled(np.arange(8).reshape(2, 4)))
+      x = tg.shard(x, Sharding.tiled(np.arange(8).reshape(2, 4)))
       with tf.GradientTape() as tape:
         loss = tf.reduce_sum(tf.tanh(tf.matmul(x, var)) ** 2)
       var.assign_sub(0.1 * tape.gradient(loss, var))
@@ -531,7 +529,7 @@ def test_a_layout_no_refinement_spells_is_still_refused():
 
   @tf.function
   def f(a):
-    return tg.annotate(a, tile) * 2.0
+    return tg.shard(a, tile) * 2.0
 
   with pytest.raises(ValueError, match='devices'):
     partition(f, M24)(randn(25, 4, 4))
@@ -544,7 +542,7 @@ def test_sub_axis_tiles_on_the_xla_backend():
 
   @tf.function
   def f(a):
-    a = tg.annotate(a, Sharding.tiled(np.arange(8).reshape(2, 2, 2)))
+    a = tg.shard(a, Sharding.tiled(np.arange(8).reshape(2, 2, 2)))
     return tf.einsum('abc,cd->abd', a, w)
 
   a = randn(27, 4, 4, 8)

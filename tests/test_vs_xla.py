@@ -6,9 +6,6 @@ the layout tf_gspmd chose for it, and lets XLA partition it on 8 PJRT CPU
 devices. Both are trained against the unpartitioned step.
 """
 
-import os
-import sys
-
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -19,8 +16,7 @@ from tf_gspmd.testing import assert_close
 pytest.importorskip('jax')
 from tf_gspmd.xla_bridge import reference_partitioner  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_models import _mlp, _mlp_batches, _step  # noqa: E402
+from helpers import keras_mlp, keras_step, mlp_batches  # noqa: E402
 
 MESH_SHAPE, AXES = (2, 4), ('data', 'model')
 
@@ -35,11 +31,11 @@ def _megatron_layout(mesh):
 
 def _both_ways(mesh, batches):
   """(ours, XLA's, unpartitioned reference, model, reference model) on one shared model."""
-  model, optimizer = _mlp(0)
-  ref_model, ref_optimizer = _mlp(0)
+  model, optimizer = keras_mlp(0)
+  ref_model, ref_optimizer = keras_mlp(0)
   _megatron_layout(mesh).apply(model)
   annotate = lambda x: tg.shard(x, mesh, tg.P('data', None))  # noqa: E731
-  step = _step(model, optimizer, annotate)
+  step = keras_step(model, optimizer, annotate)
   ours = tg.partition(step, mesh)
   program = ours.get_program(*batches[0])
   layouts = {id(v): ours.store.sharded[id(v)].sharding for v in program.variables}
@@ -53,10 +49,10 @@ def _both_ways(mesh, batches):
   )
   # Ours compiled by XLA too (backend='xla'), to read its collectives from compiled HLO: on a
   # model of its own (a partitioned function's variables are one state with its shards).
-  xla_model, xla_optimizer = _mlp(0)
+  xla_model, xla_optimizer = keras_mlp(0)
   _megatron_layout(mesh).apply(xla_model)
-  ours_xla = tg.partition(_step(xla_model, xla_optimizer, annotate), mesh, backend='xla')
-  return ours, ours_xla, theirs, _step(ref_model, ref_optimizer), model, ref_model
+  ours_xla = tg.partition(keras_step(xla_model, xla_optimizer, annotate), mesh, backend='xla')
+  return ours, ours_xla, theirs, keras_step(ref_model, ref_optimizer), model, ref_model
 
 
 @pytest.mark.xfail(
@@ -66,7 +62,7 @@ def _both_ways(mesh, batches):
 )
 def test_mlp_2d_mesh_values_and_collectives():
   mesh = tg.Mesh.create(MESH_SHAPE, AXES)
-  batches = _mlp_batches(16)
+  batches = mlp_batches(16)
   ours, ours_xla, theirs, reference, model, ref_model = _both_ways(mesh, batches)
 
   # Every parameter carries the layout tf_gspmd chose: the Megatron kernels are split.

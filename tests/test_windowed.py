@@ -23,9 +23,7 @@ from tf_gspmd.propagation.halo import WindowDim, plan_input_gradient, same_paddi
 from tf_gspmd.runtime import trace_per_partition
 from tf_gspmd.testing import assert_close
 
-
-def randn(seed, *shape):
-  return np.random.RandomState(seed).randn(*shape).astype(np.float32)
+from helpers import randn
 
 
 # --- halo geometry against numpy ------------------------------------------------------------

@@ -9,7 +9,6 @@ against numpy on 1-D and 2-D meshes, with replica groups written out by hand.
 """
 
 import collections
-import os
 import sys
 
 import numpy as np
@@ -29,9 +28,21 @@ from tf_gspmd.xla_bridge import (
   stablehlo_collectives,
 )
 
-sys.path.insert(0, os.path.dirname(__file__))
-import test_models as models  # noqa: E402
-import test_partitioned  # noqa: E402
+from helpers import (  # noqa: E402
+  ROOT,
+  image_batches,
+  keras_cnn,
+  keras_mlp,
+  keras_step,
+  loop_training,
+  mlp_batches,
+  randn,
+  variable_mlp,
+)
+
+sys.path[:0] = [str(ROOT / 'examples'), str(ROOT / 'examples' / 'keras')]
+import moe  # noqa: E402
+import transformer  # noqa: E402
 
 STEPS = 3
 # Recorded collective kind -> the native XLA op it is exported as.
@@ -85,7 +96,7 @@ def _keras_step(build, spec_of):
   def make(annotate):
     model, optimizer = build(annotate)
     annotate_fn = None if not annotate else spec_of
-    return models._step(model, optimizer, annotate_fn), model.variables + optimizer.variables
+    return keras_step(model, optimizer, annotate_fn), model.variables + optimizer.variables
 
   return make
 
@@ -93,10 +104,8 @@ def _keras_step(build, spec_of):
 @pytest.mark.parametrize('devices,batch', [(8, 16), (4, 10)])
 def test_mlp_data_parallel(devices, batch):
   mesh = tg.Mesh.create((devices,), ('data',))
-  make = _keras_step(
-    lambda annotate: models._mlp(0), lambda x: tg.shard(x, mesh, tg.P('data', None))
-  )
-  step, executable = train_three(make, mesh, models._mlp_batches(batch)[:STEPS])
+  make = _keras_step(lambda annotate: keras_mlp(0), lambda x: tg.shard(x, mesh, tg.P('data', None)))
+  step, executable = train_three(make, mesh, mlp_batches(batch)[:STEPS])
   recorded, compiled = check_exported_collectives(step, executable)
   # Six gradients and the loss, all over 'data', fused into buckets (graph_rewrite/coalesce.py).
   assert recorded == {'all-reduce': 2}
@@ -109,7 +118,7 @@ def test_mlp_hidden_not_divisible_by_model_axis():
   mesh = tg.Mesh.create((2, 4), ('data', 'model'))
 
   def build(annotate):
-    model, optimizer = models._mlp(0, hidden=30)
+    model, optimizer = keras_mlp(0, hidden=30)
     if annotate:
       layout = tg.LayoutMap(mesh)
       layout[r'.*hidden_0/kernel'] = tg.P(None, 'model')
@@ -119,7 +128,7 @@ def test_mlp_hidden_not_divisible_by_model_axis():
     return model, optimizer
 
   make = _keras_step(build, lambda x: tg.shard(x, mesh, tg.P('data', None)))
-  step, executable = train_three(make, mesh, models._mlp_batches(10)[:STEPS])
+  step, executable = train_three(make, mesh, mlp_batches(10)[:STEPS])
   recorded, compiled = check_exported_collectives(step, executable)
   assert sum(r.get('fused', 1) for r in step.collectives() if r['kind'] == 'all_reduce') >= 8
   assert recorded['all-reduce'] >= 2 and compiled.get('all-reduce', 0) >= 1
@@ -133,10 +142,10 @@ def test_transformer_megatron_with_adam():
   mesh = tg.Mesh.create((2, 4), ('data', 'model'))
 
   def make(annotate):
-    model, optimizer = models.transformer.build(seed=0)
+    model, optimizer = transformer.build(seed=0)
     if annotate:
-      models.transformer.layout(mesh).apply(model)
-    step = models.transformer.train_step(model, optimizer, mesh if annotate else None)
+      transformer.layout(mesh).apply(model)
+    step = transformer.train_step(model, optimizer, mesh if annotate else None)
     return step, model.variables + optimizer.variables
 
   def exact():
@@ -144,12 +153,12 @@ def test_transformer_megatron_with_adam():
     # every key shifts each query's scores alike; softmax cancels it): in float32 they and
     # their Adam slots hold round-off alone (measured: normwise 0.7-1.2 apart between two
     # correct float32 runs), so every variable is compared against a float64 run.
-    model, optimizer = float64_twin(models.transformer.build, seed=0)
+    model, optimizer = float64_twin(transformer.build, seed=0)
     with float64_policy():  # the step's Keras loss computes in the policy it is made under
-      step = models.transformer.train_step(model, optimizer)
+      step = transformer.train_step(model, optimizer)
     return step, model.variables + optimizer.variables
 
-  batches = [models.transformer.batch(seed=i) for i in range(STEPS)]
+  batches = [transformer.batch(seed=i) for i in range(STEPS)]
   step, executable = train_three(make, mesh, batches, exact)
   recorded, compiled = check_exported_collectives(step, executable)
   assert recorded['all-reduce'] >= 4 and compiled.get('all-reduce', 0) >= 1
@@ -163,9 +172,9 @@ def test_transformer_megatron_with_adam():
 def test_cnn_with_halos_and_batchnorm():
   mesh = tg.Mesh.create((2, 4), ('data', 'h'))
   make = _keras_step(
-    lambda annotate: models._cnn(0), lambda x: tg.shard(x, mesh, tg.P('data', 'h', None, None))
+    lambda annotate: keras_cnn(0), lambda x: tg.shard(x, mesh, tg.P('data', 'h', None, None))
   )
-  step, executable = train_three(make, mesh, models._images(4)[:STEPS])
+  step, executable = train_three(make, mesh, image_batches(4)[:STEPS])
   recorded, compiled = check_exported_collectives(step, executable)
   assert 'all-gather' not in recorded
   assert recorded['collective-permute'] >= 8  # halos of both convs and the pool, both ways
@@ -177,12 +186,12 @@ def test_mixture_of_experts_with_all_to_all():
   mesh = tg.Mesh.create((2, 4), ('data', 'model'))
 
   def make(annotate):
-    w = models.moe.weights(0)
+    w = moe.weights(0)
     if annotate:
-      models.moe.annotate(w, mesh)
-    return models.moe.train_step(w, mesh if annotate else None), list(w.values())
+      moe.annotate(w, mesh)
+    return moe.train_step(w, mesh if annotate else None), list(w.values())
 
-  step, executable = train_three(make, mesh, [models.moe.batch(seed=i) for i in range(STEPS)])
+  step, executable = train_three(make, mesh, [moe.batch(seed=i) for i in range(STEPS)])
   recorded, compiled = check_exported_collectives(step, executable)
   assert recorded['all-to-all'] >= 4
   # Measured: 4 exported, 3 after XLA's optimizer (it merges two identical ones).
@@ -197,15 +206,15 @@ def test_mixture_of_experts_with_all_to_all():
 
 def test_training_loop_inside_one_while():
   mesh = tg.Mesh.create((2, 4), ('data', 'model'))
-  x = test_partitioned.randn(2, 10, 16)
+  x = randn(2, 10, 16)
   y = np.random.RandomState(3).randint(0, 4, 10).astype(np.int32)
 
   def make(annotate):
-    w = test_partitioned._mlp(0)
+    w = variable_mlp(0)
     if annotate:
       tg.shard_variable(w[0], mesh, tg.P(None, 'model'))
       tg.shard_variable(w[1], mesh, tg.P('model', None))
-    return test_partitioned._loop_training(mesh, *w, annotate=annotate), w
+    return loop_training(mesh, *w, annotate=annotate), w
 
   # The trip count is a Python number: XLA needs a tf.range bound as a compile-time constant.
   step, executable = train_three(make, mesh, [(x, y, 4)])
@@ -215,13 +224,11 @@ def test_training_loop_inside_one_while():
   assert sum(r.get('fused', 1) for r in step.collectives()) == 4
   assert ' while(' in executable.compiled_hlo() and compiled.get('all-reduce', 0) >= 1
   # As a tensor, the trip count is a run-time input of one compiled program (a dynamic while).
-  w_tensor, w_ref = test_partitioned._mlp(0), test_partitioned._mlp(0)
+  w_tensor, w_ref = variable_mlp(0), variable_mlp(0)
   tg.shard_variable(w_tensor[0], mesh, tg.P(None, 'model'))
   tg.shard_variable(w_tensor[1], mesh, tg.P('model', None))
-  looped = tg.partition(
-    test_partitioned._loop_training(mesh, *w_tensor, annotate=True), mesh, backend='xla'
-  )
-  reference = test_partitioned._loop_training(mesh, *w_ref, annotate=False)
+  looped = tg.partition(loop_training(mesh, *w_tensor, annotate=True), mesh, backend='xla')
+  reference = loop_training(mesh, *w_ref, annotate=False)
   for steps in (3, 1):
     assert_close(
       looped(x, y, tf.constant(steps)),

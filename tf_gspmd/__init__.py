@@ -17,33 +17,17 @@ NamedSharding(Mesh.create((2, 4), ('batch', 'model')), P('batch', None))
 # First: a missing or unsupported TensorFlow says what to install (imported for that check).
 from tf_gspmd import (
   _tf_version,  # noqa: F401
+  auto_shard,  # the package, callable: tg.auto_shard(fn, ...) runs the search
   keras,  # keras.distribution on TF: changes nothing until keras.enable()
+  xla_sharding,  # TF's xla_sharding functions by their TF names
 )
-from tf_gspmd.annotations import (
-  annotate,
-  assign_device,
-  get_sharding,
-  mesh_split,
-  mesh_split_sharding,
-  partial_tile,
-  replicate,
-  shard,
-  shard_variable,
-  split,
-  tile,
-  variable_sharding,
-)
-from tf_gspmd.auto_shard import auto_shard
+from tf_gspmd.annotations import get_sharding, shard, shard_variable
 from tf_gspmd.dtensor_compat import from_dtensor_layout, from_dtensor_mesh
 from tf_gspmd.export import saved_model  # tg.saved_model.save / load, save_xla / load_xla
 from tf_gspmd.export.checkpoint import restore_checkpoint, save_checkpoint
-from tf_gspmd.graph.capture import capture
-from tf_gspmd.graph.rebuild import rebuild
-from tf_gspmd.graph_rewrite.reshard import plan_reshard
 from tf_gspmd.keras.fit import partition_model, unpartition_model
 from tf_gspmd.keras.layout import LayoutMap
 from tf_gspmd.mesh import Mesh
-from tf_gspmd.op_sharding import from_proto, to_proto
 from tf_gspmd.partitioned import (
   PartitionedFunction,
   Variable,
@@ -56,7 +40,7 @@ from tf_gspmd.pipeline import bubble_fraction as pipeline_bubble_fraction
 from tf_gspmd.pipeline import pipeline
 from tf_gspmd.planning import PlanReport, abstract_variable, plan
 from tf_gspmd.propagation.api import Plan, propagate
-from tf_gspmd.runtime import CollectiveError, ShardedValue, ShardedVariable, SpmdProgram
+from tf_gspmd.runtime import CollectiveError, ShardedValue, ShardedVariable
 from tf_gspmd.shard_map import (
   all_gather,
   all_to_all,
@@ -66,8 +50,10 @@ from tf_gspmd.shard_map import (
   psum_scatter,
   shard_map,
 )
-from tf_gspmd.sharding import NamedSharding, P, Sharding, named, named_for_rank
+from tf_gspmd.sharding import NamedSharding, P, Sharding
 
+# `tg.xla_sharding` is reached by name, not star-imported: `from tf_gspmd import *` leaves a
+# module's own `xla_sharding` (TF's) as it was.
 __all__ = [
   'keras',
   'saved_model',
@@ -84,32 +70,15 @@ __all__ = [
   'plan',
   'PlanReport',
   'abstract_variable',
-  'capture',
-  'rebuild',
-  'plan_reshard',
   'CollectiveError',
   'ShardedValue',
   'ShardedVariable',
-  'SpmdProgram',
   'Mesh',
   'P',
   'Sharding',
   'NamedSharding',
-  'named',
-  'named_for_rank',
-  'from_proto',
-  'to_proto',
-  'annotate',
   'shard',
-  'mesh_split',
-  'mesh_split_sharding',
-  'split',
-  'tile',
-  'partial_tile',
-  'replicate',
-  'assign_device',
   'shard_variable',
-  'variable_sharding',
   'get_sharding',
   'save_checkpoint',
   'restore_checkpoint',
@@ -127,3 +96,49 @@ __all__ = [
   'ppermute',
   'axis_index',
 ]
+
+# Names kept one release for code written against them, each with the one to use instead:
+# TF's xla_sharding names live in `tg.xla_sharding`; internals of one stage in their module.
+_DEPRECATED = {
+  'annotate': ('tf_gspmd.annotations', 'annotate', 'tg.shard(x, sharding)'),
+  'assign_device': ('tf_gspmd.xla_sharding', 'assign_device', 'tg.xla_sharding.assign_device'),
+  'mesh_split': ('tf_gspmd.xla_sharding', 'mesh_split', 'tg.xla_sharding.mesh_split'),
+  'mesh_split_sharding': (
+    'tf_gspmd.xla_sharding',
+    'mesh_split_sharding',
+    'tg.xla_sharding.mesh_split_sharding',
+  ),
+  'partial_tile': ('tf_gspmd.xla_sharding', 'partial_tile', 'tg.xla_sharding.partial_tile'),
+  'replicate': ('tf_gspmd.xla_sharding', 'replicate', 'tg.xla_sharding.replicate'),
+  'split': ('tf_gspmd.xla_sharding', 'split', 'tg.xla_sharding.split'),
+  'tile': ('tf_gspmd.xla_sharding', 'tile', 'tg.xla_sharding.tile'),
+  'variable_sharding': ('tf_gspmd.annotations', 'variable_sharding', 'tg.get_sharding(variable)'),
+  'named': ('tf_gspmd.sharding', 'named', 'tf_gspmd.sharding.named'),
+  'named_for_rank': ('tf_gspmd.sharding', 'named_for_rank', 'tf_gspmd.sharding.named_for_rank'),
+  'from_proto': ('tf_gspmd.op_sharding', 'from_proto', 'tf_gspmd.op_sharding.from_proto'),
+  'to_proto': ('tf_gspmd.op_sharding', 'to_proto', 'tf_gspmd.op_sharding.to_proto'),
+  'capture': ('tf_gspmd.graph.capture', 'capture', 'tf_gspmd.graph.capture.capture'),
+  'rebuild': ('tf_gspmd.graph.rebuild', 'rebuild', 'tf_gspmd.graph.rebuild.rebuild'),
+  'plan_reshard': (
+    'tf_gspmd.graph_rewrite.reshard',
+    'plan_reshard',
+    'tf_gspmd.graph_rewrite.reshard.plan_reshard',
+  ),
+  'SpmdProgram': ('tf_gspmd.runtime', 'SpmdProgram', 'tf_gspmd.runtime.SpmdProgram'),
+}
+
+
+def __getattr__(name: str):
+  """A deprecated name: the object it named, with a DeprecationWarning saying what to use."""
+  if name not in _DEPRECATED:
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+  import importlib
+  import warnings
+
+  module, attr, instead = _DEPRECATED[name]
+  warnings.warn(
+    f'tf_gspmd.{name} is deprecated and goes in the next release; use {instead}.',
+    DeprecationWarning,
+    stacklevel=2,
+  )
+  return getattr(importlib.import_module(module), attr)

@@ -272,7 +272,7 @@ class _Planner(partitioned.PartitionedFunction):
     templates = [shards.template for shards in self.sharded_variables_of(compiled)]
     self._last = compiled
     return trace_per_partition(
-      compiled.spmd.mesh,
+      compiled.prepared.mesh,
       compiled.per_partition,
       list(compiled.local_specs) + templates,
       autograph=False,

@@ -112,7 +112,7 @@ def main():
     print(f'{kind:<12}{str(axes):<22}{count}')
   if backend == 'xla':
     step = train_step_of(model)
-    counts = step._last.xla.executable.collective_counts()  # noqa: SLF001
+    counts = step._last.prepared.executable.collective_counts()  # noqa: SLF001
     print(
       f'\nXLA compiled the training step for {step.mesh.size} PJRT devices; its collectives: '
       + ', '.join(f'{kind} x{n}' for kind, n in sorted(counts.items()))

@@ -67,6 +67,9 @@ measured constants, `calibrate`), `cost` (a plan priced: `estimate`), `search` (
 descent and the entry point, `auto_shard`), `result` (`AutoShardResult`).
 """
 
+import sys
+import types
+
 from tf_gspmd.auto_shard.constants import (
   DEFAULT_CONSTANTS_FILE,
   KINDS,
@@ -87,7 +90,17 @@ from tf_gspmd.auto_shard.groups import (
 from tf_gspmd.auto_shard.result import AutoShardResult
 from tf_gspmd.auto_shard.search import SHORTLIST, SMALL_SEARCH, SWEEP_GAIN, TIE, auto_shard
 
-auto_shard.calibrate = calibrate  # tg.auto_shard.calibrate(): tg.auto_shard is the function
+
+class _CallablePackage(types.ModuleType):
+  """This package, callable: `tg.auto_shard(fn, ...)` runs the search (`search.auto_shard`)
+  while `tf_gspmd.auto_shard` stays the package, so `import tf_gspmd.auto_shard.groups` and
+  `tg.auto_shard.calibrate()` work too (a function of the package's name would shadow it)."""
+
+  def __call__(self, *args, **kwargs) -> AutoShardResult:
+    return auto_shard(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallablePackage
 
 __all__ = [
   'AUTO',

@@ -172,8 +172,11 @@ def split_leading_from(x: tf.Tensor, dim: int, k: int) -> tf.Tensor:
   return y
 
 
-def _no_autograph(cls):
-  """Keep autograph out of library code: only the user's per-partition function is converted."""
+def no_autograph(cls):
+  """Keep autograph out of library code: only the user's per-partition function is converted.
+
+  Every `Collectives` subclass gets it by itself (`Collectives.__init_subclass__`).
+  """
   for attr, value in list(vars(cls).items()):
     if callable(value) and not isinstance(value, type) and not attr.startswith('__'):
       setattr(cls, attr, tf.autograph.experimental.do_not_convert(value))
@@ -191,7 +194,7 @@ class _no_dependencies:
     return self._scope.__exit__(*exc)
 
 
-@_no_autograph
+@no_autograph
 class Collectives(abc.ABC):
   """Collectives over mesh axes, called inside the per-partition program.
 
@@ -201,6 +204,13 @@ class Collectives(abc.ABC):
   """
 
   backend = 'abstract'
+  # Device types whose kernels its programs may run beyond CPU and GPU ones (an XLA JIT's).
+  kernel_device_types: frozenset = frozenset()
+
+  def __init_subclass__(cls, **kwargs):
+    # Every backend's collectives keep autograph out, without remembering a decorator.
+    super().__init_subclass__(**kwargs)
+    no_autograph(cls)
 
   def __init__(self, mesh: Mesh, partition_id, *, name: str = 'gspmd'):
     tables.check_mesh(mesh)

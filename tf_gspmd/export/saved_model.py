@@ -214,8 +214,8 @@ def _stored(pf, compiled, by_variable, variable) -> _StoredShards:
 
 def _signature_function(pf, compiled: Compiled, by_variable, name: str):
   """The serving tf.function of one compiled program (flat inputs -> dict of outputs)."""
-  spmd = compiled.spmd
-  if spmd is None:
+  spmd = compiled.prepared
+  if not isinstance(spmd, SpmdProgram):
     raise ValueError(
       "saved_model.save: the function was partitioned with backend='xla'; a "
       'SavedModel serves the TF backend (use save_xla for the XLA module).'

@@ -52,8 +52,7 @@ def _check_runnable(p: Partitioner, node: ir.Node) -> None:
     return
   types = _device_types(node.op)
   runs = {'CPU', 'GPU', 'DEFAULT', '?'}  # a DEFAULT kernel runs on any device
-  if str(getattr(p.backend, 'backend', 'tf')).startswith('xla'):
-    runs |= {'XLA_CPU_JIT', 'XLA_GPU_JIT'}
+  runs |= getattr(p.backend, 'kernel_device_types', frozenset())
   if not types & runs:
     raise ValueError(
       f"tf_gspmd: op {node.op} (node {node.name}) has no kernel on this machine's devices "

@@ -38,7 +38,7 @@ from tf_gspmd.keras import hooks, translate
 from tf_gspmd.keras.fit import layer_paths, partition_model
 from tf_gspmd.keras.layout import warn_unused
 from tf_gspmd.keras.strategy import strategy_of
-from tf_gspmd.partitioned import Variable
+from tf_gspmd.partitioned import Variable, executors
 from tf_gspmd.partitioned.variables import making_shards
 from tf_gspmd.sharding import NamedSharding
 
@@ -49,9 +49,9 @@ _PARTITIONED_FOR = '_tf_gspmd_distribution'
 
 _STEP_FACTORIES = ('make_train_function', 'make_test_function', 'make_predict_function')
 
-# The backend partitioned models run on: 'tf' (TF devices and collectives) or 'xla' (one
-# XLA-compiled program per replica, run through PJRT); set by install().
-_backend = ['tf']
+# The backend partitioned models run on (a name of `executors.EXECUTORS`: TF devices and
+# collectives by default); set by install().
+_backend = [executors.DEFAULT]
 
 
 # --- (a) the backend's distribution_lib -------------------------------------------------
@@ -169,10 +169,7 @@ def _as_shards(variable, distribution, next_creator, **kwargs):
   if not any(entry is not None for entry in sharding.spec):
     return next_creator(**kwargs)
   _, devices = translate.mesh_and_devices(distribution.device_mesh)
-  if _backend[0] == 'xla':
-    from tf_gspmd.xla_bridge.pjrt import devices_named
-
-    devices = devices_named(devices)
+  devices = executors.get(_backend[0]).devices_named(devices)
   return Variable(
     kwargs['initial_value'],
     sharding,
@@ -300,10 +297,8 @@ def partition_for_distribution(model) -> bool:
   _warn_unused_keys(model, distribution)
   _give_layouts(model.variables, distribution)  # before fit builds optimizer slots from them
   mesh, devices = translate.mesh_and_devices(distribution.device_mesh)
-  if backend == 'xla':
-    from tf_gspmd.xla_bridge.pjrt import devices_named
-
-    devices = devices_named(devices)  # the DeviceMesh's devices, in its order, as jax's
+  # The DeviceMesh's devices, in its order, as the backend's devices.
+  devices = executors.get(backend).devices_named(devices)
   # strategy: a tf.distribute scope entered (a TPUStrategy's): its strategy.run runs the steps.
   partition_model(
     model,
@@ -356,7 +351,7 @@ def _warn_unused_keys(model, distribution) -> None:
 def _check_backend(model, backend: str) -> None:
   """A model keeps the backend it was partitioned on: refuse a switch, saying what to do."""
   launcher = model.__dict__.get('_tf_gspmd_launcher')
-  had = launcher.kwargs.get('backend', 'tf') if launcher is not None else backend
+  had = launcher.kwargs.get('backend', executors.DEFAULT) if launcher is not None else backend
   if had != backend:
     raise ValueError(
       f'tf_gspmd.keras: model {model.name} runs partitioned on backend={had!r}, but '
@@ -384,25 +379,24 @@ def installed() -> bool:
 
 
 def backend() -> str:
-  """The backend models are partitioned on while installed ('tf' or 'xla')."""
+  """The backend models are partitioned on while installed (a name of `executors.NAMES`)."""
   return _backend[0]
 
 
-def install(backend: str = 'tf') -> None:
-  if backend not in ('tf', 'xla'):
-    raise ValueError(f"tf_gspmd.keras.enable: backend must be 'tf' or 'xla', got {backend!r}.")
+def install(backend: str = executors.DEFAULT) -> None:
+  executors.get(backend, 'tf_gspmd.keras.enable')  # refuses a name it does not know
   _backend[0] = backend
   if installed():
     return
-  backend = keras.backend.backend()
-  if backend != 'tensorflow':
+  keras_backend = keras.backend.backend()
+  if keras_backend != 'tensorflow':
     raise RuntimeError(
-      f'tf_gspmd.keras.enable: Keras runs the {backend!r} backend; tf_gspmd '
+      f'tf_gspmd.keras.enable: Keras runs the {keras_backend!r} backend; tf_gspmd '
       "implements keras.distribution for 'tensorflow' (set KERAS_BACKEND)."
     )
   hooks.patch(_BACKEND_FUNCTIONS, _variable_init, _entry_point, _device_mesh_init)
 
 
 def uninstall() -> None:
-  _backend[0] = 'tf'
+  _backend[0] = executors.DEFAULT
   hooks.unpatch()

@@ -52,7 +52,7 @@ import tensorflow as tf
 
 from tf_gspmd.keras.hooks import backing, distribute_strategy_of
 from tf_gspmd.mesh import Mesh
-from tf_gspmd.partitioned import PartitionedFunction
+from tf_gspmd.partitioned import PartitionedFunction, executors
 from tf_gspmd.xla_bridge import tpu
 
 
@@ -171,7 +171,7 @@ class StrategyFunction(PartitionedFunction):
     exported: Optional[bool] = None,
     **kwargs,
   ):
-    if kwargs.get('backend', 'tf') != 'tf':
+    if kwargs.get('backend', executors.DEFAULT) != executors.DEFAULT:
       raise ValueError(
         f'partition_model: strategy= runs the steps by strategy.run; backend='
         f'{kwargs["backend"]!r} is another way to run them: give one of the two.'

@@ -27,7 +27,9 @@ class Compiled:
 
   program: ir.Program
   plan: Any  # propagation.api.Plan
-  spmd: Any  # runtime.SpmdProgram (backend='tf')
+  # The executor's program made ready to run (`Executor.prepare`): a runtime.SpmdProgram on
+  # the TF backend, an XlaRun (export, executable, capture buffers) on XLA; None until then.
+  prepared: Any
   arg_shardings: List[NamedSharding]
   capture_values: List[Any]
   variables: List[Any]  # the original tf.Variables, in program order
@@ -36,7 +38,6 @@ class Compiled:
   local_specs: List[Any] = dataclasses.field(default_factory=list)  # shard specs of args+captures
   out_shardings: List[Any] = dataclasses.field(default_factory=list)
   out_shapes: List[tuple] = dataclasses.field(default_factory=list)
-  xla: Any = None  # backend='xla': the XlaRun (export, executable, capture buffers)
   mesh: Optional[Mesh] = None  # the mesh the program computes on (see boundary.program_mesh)
   capture_shardings: List[NamedSharding] = dataclasses.field(default_factory=list)
   # The shards of each variable the program was built for: a call finds them moved (another
@@ -126,17 +127,18 @@ def build(
   plan,
   program_mesh: Mesh,
   *,
-  backend: str,
+  executor,
   shard_variable: Callable,
   sharded_variables: dict,
   phase: Callable[[str], None],
   name: str,
   check_fits: Optional[Callable[[list], None]] = None,
 ) -> Compiled:
-  """The per-partition program of `program` as `plan` lays it out (`spmd` left to the caller).
+  """The per-partition program of `program` as `plan` lays it out (`prepared` left to the caller).
 
   `shard_variable(var, sharding)` gives a variable its shards (kept in
-  `sharded_variables`, keyed by the variable's id); `phase(text)` names the build
+  `sharded_variables`, keyed by the variable's id); `executor`: the backend's
+  `executors.Executor`; `phase(text)` names the build
   phase a first call is in; `check_fits(layouts)` refuses layouts whose shards would not
   fit the devices, before any is made.
   """
@@ -145,7 +147,7 @@ def build(
   var_names = list(program.variables)
   variables = [program.variables[n] for n in var_names]
   mesh = program_mesh
-  if backend == 'tf':
+  if executor.reorders_devices:
     mesh = boundary.working_order(main, plan, mesh, arg_names, program.variables)
   target = plan.target if mesh == program_mesh else boundary.in_order(plan.target, mesh)
   arg_targets = [target(main, n) for n in arg_names]
@@ -177,11 +179,7 @@ def build(
     out_shardings=out_shardings,
     op_records=op_records,
     phase=phase,
-    running=(
-      'compiling with XLA and running the first step'
-      if backend == 'xla'
-      else f'instantiating on {mesh.size} devices and running the first step'
-    ),
+    running=executor.running_phase(mesh),
   )
   per_partition.__name__ = name
   local_specs = [

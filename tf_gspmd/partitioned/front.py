@@ -1,8 +1,8 @@
 """`PartitionedFunction`: the object `tf_gspmd.partition` returns, a thin front.
 
 It keeps one compiled program per call signature (`compile`), the variables' shards
-(`variables.VariableStore`), and hands each call to its backend's executor
-(`tf_executor`, `xla_executor`); the rest is reading what was compiled.
+(`variables.VariableStore`), and hands each call to its backend's executor (looked up by
+name in `executors`); the rest is reading what was compiled.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tf_gspmd.graph import ir
 from tf_gspmd.graph_rewrite.partitioner import OpRecord
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.partitioned import compile as compile_lib
-from tf_gspmd.partitioned import tf_executor, xla_executor
+from tf_gspmd.partitioned import executors, xla_executor
 from tf_gspmd.partitioned import variables as variables_lib
 from tf_gspmd.partitioned.compile import Compiled
 from tf_gspmd.partitioned.signature import is_tensor_like, name_of, signature_key
@@ -24,7 +24,7 @@ from tf_gspmd.partitioned.variables import VariableStore
 from tf_gspmd.program import held
 from tf_gspmd.sharding import NamedSharding
 
-BACKENDS = ('tf', 'xla')  # TF collectives on TF devices (default); XLA through PJRT
+BACKENDS = executors.NAMES  # the executor registry's names
 
 
 class PartitionedFunction:
@@ -44,12 +44,13 @@ class PartitionedFunction:
     devices: Optional[Sequence[str]] = None,
     timeout: Optional[float] = None,
     store: Optional[VariableStore] = None,
-    backend: str = 'tf',
+    backend: str = executors.DEFAULT,
     progress: Optional[bool] = None,
   ):
     from tf_gspmd import dtensor_compat
 
-    if dtensor_compat.is_dtensor_mesh(mesh) and devices is None and backend == 'tf':
+    executor = executors.get(backend)
+    if dtensor_compat.is_dtensor_mesh(mesh) and devices is None and executor.runs_dtensor_devices:
       devices = dtensor_compat.mesh_devices(mesh)  # a DTensor mesh runs on the devices it names
     mesh = dtensor_compat.converted(mesh)
     # DTensor Layouts (one for all, or one per tensor) converted once here: every later reader
@@ -58,9 +59,8 @@ class PartitionedFunction:
     out_shardings = dtensor_compat.converted(out_shardings)
     if not isinstance(mesh, Mesh):
       raise TypeError(f'partition: mesh must be a tf_gspmd.Mesh, got {type(mesh).__name__}.')
-    if backend not in BACKENDS:
-      raise ValueError(f'partition: backend must be one of {BACKENDS}, got {backend!r}.')
     self.backend = backend
+    self.executor = executor
     self.fn = fn
     self.mesh = mesh
     self.in_shardings = in_shardings
@@ -99,11 +99,9 @@ class PartitionedFunction:
     self._own_layouts(compiled)
     self._last = compiled
     flat_args = [a for a in tf.nest.flatten(args) if is_tensor_like(a)]
-    if self.backend == 'xla':
-      run = self._xla_run(compiled)
-      return xla_executor.run(compiled, run, flat_args, self._sharded_variables)
     what = f'partition({name_of(self.fn)!r})'
-    return tf_executor.run(compiled, flat_args, self._sharded_variables, what)
+    self._prepared(compiled)
+    return self.executor.run(compiled, flat_args, self._sharded_variables, what)
 
   def _own_layouts(self, compiled: Compiled) -> None:
     """Move back the shards another program moved to its own layout (one state per variable)."""
@@ -178,20 +176,23 @@ class PartitionedFunction:
 
   def xla_executable(self, *args):
     """backend='xla': the compiled `xla_bridge.PjrtExecutable` for these arguments."""
-    if self.backend != 'xla':
-      raise ValueError("xla_executable(): this function was partitioned with backend='tf'.")
-    return self._xla_run(self._compile(args)).executable
-
-  def _xla_devices(self) -> list:
-    return xla_executor.devices_for(self.mesh, self.devices)
-
-  def _xla_run(self, compiled: Compiled) -> xla_executor.XlaRun:
-    """`compiled` made ready to run on the XLA devices (once: kept as `compiled.xla`)."""
-    if compiled.xla is None:
-      compiled.xla = xla_executor.prepare(
-        compiled, self._sharded_variables, self._xla_devices(), name_of(self.fn)
+    if not self.executor.compiles_with_xla:
+      raise ValueError(
+        f'xla_executable(): this function was partitioned with backend={self.backend!r}.'
       )
-    return compiled.xla
+    return self._prepared(self._compile(args)).executable
+
+  def _prepared(self, compiled: Compiled):
+    """`compiled` made ready to run by the executor (once: kept as `compiled.prepared`)."""
+    if compiled.prepared is None:
+      compiled.prepared = self.executor.prepare(
+        compiled,
+        self._sharded_variables,
+        self.executor.devices(self.mesh, self.devices),
+        self.timeout,
+        name_of(self.fn),
+      )
+    return compiled.prepared
 
   # --- explaining ------------------------------------------------------------------
   def explain(self) -> str:
@@ -269,36 +270,32 @@ class PartitionedFunction:
     return compiled
 
   def _build(self, program: ir.Program, plan, program_mesh: Mesh) -> Compiled:
-    """The per-partition program and, for backend='tf', its launcher."""
-    executor = xla_executor if self.backend == 'xla' else tf_executor
-    sharded_cls = executor.sharded_variable_class()
+    """The per-partition program, prepared to run when its executor prepares at build."""
+    sharded_cls = self.executor.sharded_variable_class()
     compiled = compile_lib.build(
       program,
       plan,
       program_mesh,
-      backend=self.backend,
+      executor=self.executor,
       shard_variable=lambda var, sharding: self._shard_variable(var, sharding, sharded_cls),
       sharded_variables=self._sharded_variables,
       phase=self._phase,
       name=name_of(self.fn),
-      check_fits=self._check_fits if self.backend == 'tf' else None,
+      check_fits=self._check_fits,
     )
     compiled.holders = [self._sharded_variables.get(id(v)) for v in compiled.variables]
     self.store.release()  # every variable's value lives in its shards now: free the rest
-    if self.backend == 'tf':
-      compiled.spmd = tf_executor.spmd_program(compiled, self.devices, self.timeout)
+    if self.executor.prepares_at_build:
+      self._prepared(compiled)
     return compiled
 
   def _check_fits(self, layouts) -> None:
     """Refuse shards that would not fit a device whose memory TF can tell (a GPU's limit)."""
-    from tf_gspmd.runtime.collectives import default_devices
-
-    devices = self.devices or default_devices(self.mesh.size)
-    variables_lib.check_fits(layouts, list(devices))
+    self.executor.check_fits(layouts, self.mesh.size, self.devices)
 
   def _shard_variable(self, var, sharding: NamedSharding, sharded_cls) -> None:
     """Give `var` its shards in the store (subclasses hold them elsewhere)."""
-    devices = self._xla_devices if self.backend == 'xla' else self.devices
+    devices = self.executor.devices(self.mesh, self.devices)
     self.store.add(var, sharding, sharded_cls, devices, self.backend)
 
 

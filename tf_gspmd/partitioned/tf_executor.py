@@ -6,7 +6,41 @@ from typing import Optional, Sequence
 
 import tensorflow as tf
 
+from tf_gspmd.partitioned import executors
 from tf_gspmd.partitioned.compile import Compiled
+
+
+class TFExecutor(executors.Executor):
+  """backend='tf': TF collective ops between TF devices, the program launched by `SpmdProgram`."""
+
+  name = 'tf'
+  reorders_devices = True
+  runs_dtensor_devices = True
+  prepares_at_build = True
+
+  def collectives_class(self) -> type:
+    from tf_gspmd.runtime.collectives import TFCollectives
+
+    return TFCollectives
+
+  def sharded_variable_class(self) -> type:
+    return sharded_variable_class()
+
+  def check_fits(self, layouts, mesh_size: int, devices: Optional[Sequence[str]]) -> None:
+    from tf_gspmd.partitioned.variables import check_fits
+    from tf_gspmd.runtime.collectives import default_devices
+
+    check_fits(layouts, list(devices or default_devices(mesh_size)))
+
+  def running_phase(self, mesh) -> str:
+    return f'instantiating on {mesh.size} devices and running the first step'
+
+  def prepare(self, compiled, sharded_variables: dict, devices, timeout, name: str):
+    del sharded_variables, name  # the launcher takes the variables' shards at each call
+    return spmd_program(compiled, devices, timeout)
+
+  def run(self, compiled, flat_args, sharded_variables: dict, what: str):
+    return run(compiled, flat_args, sharded_variables, what)
 
 
 def sharded_variable_class():
@@ -48,11 +82,11 @@ def run(compiled: Compiled, flat_args, sharded_variables: dict, what: str):
     + [sharded_variables[id(v)] for v in compiled.variables]
   )
   try:
-    flat = compiled.spmd(*inputs)
+    flat = compiled.prepared(*inputs)
   except tf.errors.UnavailableError as error:  # a task of a cluster died: say which
     from tf_gspmd.runtime import cluster
 
-    cluster.raise_if_task_lost(compiled.spmd.devices, error, what)
+    cluster.raise_if_task_lost(compiled.prepared.devices, error, what)
     raise
   flat = list(flat) if isinstance(flat, (list, tuple)) else [flat]
   structure = compiled.program.structured_outputs

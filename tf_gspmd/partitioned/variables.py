@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gspmd.annotations import shard_variable, variable_sharding
+from tf_gspmd.partitioned import executors
 from tf_gspmd.program import held
 from tf_gspmd.sharding import NamedSharding, Sharding
 
@@ -269,20 +270,6 @@ def local_variable(sharded) -> tf.Variable:
 
 
 # --- variables made as shards ------------------------------------------------------------------
-def sharded_class(backend: str):
-  """What holds a variable's shards on `backend`: 'tf' (TF variables on TF devices) or 'xla'
-  (PJRT buffers)."""
-  if backend == 'xla':
-    from tf_gspmd.xla_bridge.pjrt import XlaShardedVariable
-
-    return XlaShardedVariable
-  if backend != 'tf':
-    raise ValueError(f"backend must be 'tf' or 'xla', got {backend!r}.")
-  from tf_gspmd.runtime import ShardedVariable
-
-  return ShardedVariable
-
-
 # Set while a holder makes its per-device variables: creator scopes let those through as they are.
 _MAKING = threading.local()
 
@@ -306,7 +293,7 @@ def Variable(  # noqa: N802  (a constructor, named as tf.Variable)
   name: Optional[str] = None,
   trainable: bool = True,
   dtype=None,
-  backend: str = 'tf',
+  backend: str = executors.DEFAULT,
   devices=None,
 ) -> tf.Variable:
   """A `tf.Variable` made as shards of `sharding`: its whole value is never kept on a device.
@@ -324,19 +311,16 @@ def Variable(  # noqa: N802  (a constructor, named as tf.Variable)
   if not isinstance(sharding, Sharding):
     raise TypeError(f'tg.Variable: sharding must be a Sharding, got {type(sharding).__name__}.')
   sharding.check_shape(value.shape.as_list(), what=f'tg.Variable({name or "Variable"})')
-  if backend == 'tf':
-    from tf_gspmd.runtime.collectives import default_devices
-
-    check_fits(
-      [(name or 'Variable', tuple(value.shape), value.dtype, sharding)],
-      list(devices or default_devices(sharding.mesh.size)),
-    )
+  executor = executors.get(backend, 'tg.Variable')
+  executor.check_fits(
+    [(name or 'Variable', tuple(value.shape), value.dtype, sharding)], sharding.mesh.size, devices
+  )
   variable = UninitializedVariable(
     shape=value.shape, dtype=value.dtype, trainable=trainable, name=name or 'Variable'
   )
   _MAKING.depth = making_shards() + 1
   try:
-    holder = sharded_class(backend)(
+    holder = executor.sharded_variable_class()(
       value,
       sharding,
       devices=devices,
@@ -372,7 +356,9 @@ def _layout_rule(layout):
 
 
 @contextlib.contextmanager
-def sharded_variables(mesh, layout, *, backend: str = 'tf', devices=None) -> Iterator[None]:
+def sharded_variables(
+  mesh, layout, *, backend: str = executors.DEFAULT, devices=None
+) -> Iterator[None]:
   """Make every `tf.Variable` created inside as shards, when `layout` splits it.
 
   `layout`: a `tg.LayoutMap`, a dict {name regex: P or Sharding} (matched whole against the

@@ -5,11 +5,13 @@ XLA collective ops for a TPU replica."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, List, Optional, Sequence
 
 import tensorflow as tf
 
 from tf_gspmd.mesh import Mesh
+from tf_gspmd.partitioned import executors
 from tf_gspmd.partitioned.compile import Compiled
 from tf_gspmd.partitioned.variables import local_variable
 
@@ -21,6 +23,40 @@ class XlaRun:
   export: Any  # xla_bridge.XlaExport
   executable: Any  # xla_bridge.PjrtExecutable
   capture_buffers: List[list]
+
+
+class XlaExecutor(executors.Executor):
+  """backend='xla': one StableHLO module for every replica, compiled by XLA, run by PJRT."""
+
+  name = 'xla'
+  compiles_with_xla = True
+
+  def collectives_class(self) -> type:
+    from tf_gspmd.xla_bridge.native import NativeCollectives
+
+    return NativeCollectives
+
+  def sharded_variable_class(self) -> type:
+    return sharded_variable_class()
+
+  def devices(self, mesh: Mesh, devices: Optional[Sequence]):
+    return functools.partial(devices_for, mesh, devices)  # jax is imported when asked
+
+  def devices_named(self, names: Sequence[str]) -> list:
+    from tf_gspmd.xla_bridge.pjrt import devices_named
+
+    return devices_named(names)
+
+  def running_phase(self, mesh) -> str:
+    return 'compiling with XLA and running the first step'
+
+  def prepare(self, compiled, sharded_variables: dict, devices, timeout, name: str) -> 'XlaRun':
+    del timeout  # PJRT runs have no watchdog
+    return prepare(compiled, sharded_variables, devices(), name)
+
+  def run(self, compiled, flat_args, sharded_variables: dict, what: str):
+    del what
+    return run(compiled, compiled.prepared, flat_args, sharded_variables)
 
 
 def sharded_variable_class():

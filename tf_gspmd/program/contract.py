@@ -17,7 +17,7 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 import tensorflow as tf
 
 from tf_gspmd.collectives import tables
-from tf_gspmd.collectives.interface import CollectiveRecord, Collectives, _no_autograph
+from tf_gspmd.collectives.interface import CollectiveRecord, Collectives, no_autograph
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.sharding import Sharding
 
@@ -25,7 +25,7 @@ PARTITION_ID_SPEC = tf.TensorSpec([], tf.int32, name='partition_id')
 TOKEN_SPEC = tf.TensorSpec([], tf.resource, name='token')
 
 
-@_no_autograph
+@no_autograph
 class PartitionContext:
   """What a per-partition function receives as `ctx`.
 

@@ -431,25 +431,25 @@ def _invert_perm_example(b):
   return 'y'
 
 
-register('Slice', 'shape', slice_rule, _slice_example)
-register('StridedSlice', 'shape', strided_slice, _strided_slice_example)
-register(['Pad', 'PadV2', 'MirrorPad'], 'shape', pad, _pad_example('Pad'))
-register('GatherV2', 'shape', gather_v2, _gather_v2_example)
-register('Gather', 'shape', gather_v1, _gather_example)
-register('GatherNd', 'shape', gather_nd, _gather_nd_example)
+register('Slice', 'indexing', slice_rule, _slice_example)
+register('StridedSlice', 'indexing', strided_slice, _strided_slice_example)
+register(['Pad', 'PadV2', 'MirrorPad'], 'indexing', pad, _pad_example('Pad'))
+register('GatherV2', 'indexing', gather_v2, _gather_v2_example)
+register('Gather', 'indexing', gather_v1, _gather_example)
+register('GatherNd', 'indexing', gather_nd, _gather_nd_example)
 register(
   ['UnsortedSegmentSum', 'UnsortedSegmentMax', 'UnsortedSegmentMin', 'UnsortedSegmentProd'],
-  'shape',
+  'indexing',
   unsorted_segment,
   _segment_example('UnsortedSegmentSum'),
 )
-register('OneHot', 'shape', one_hot, _one_hot_example)
-register(['Shape', 'Size', 'Rank'], 'shape', shape_query, _shape_example('Shape'))
-register('ShapeN', 'shape', shape_query, _shape_example('ShapeN'))
-register(['BroadcastGradientArgs', 'BroadcastArgs'], 'shape', int_vector_op, _bga_example)
-register('InvertPermutation', 'shape', int_vector_op, _invert_perm_example)
-register('ConcatOffset', 'shape', int_vector_op, _concat_offset_example)
-register('StridedSliceGrad', 'shape', strided_slice_grad, _strided_slice_grad_example)
+register('OneHot', 'indexing', one_hot, _one_hot_example)
+register(['Shape', 'Size', 'Rank'], 'indexing', shape_query, _shape_example('Shape'))
+register('ShapeN', 'indexing', shape_query, _shape_example('ShapeN'))
+register(['BroadcastGradientArgs', 'BroadcastArgs'], 'indexing', int_vector_op, _bga_example)
+register('InvertPermutation', 'indexing', int_vector_op, _invert_perm_example)
+register('ConcatOffset', 'indexing', int_vector_op, _concat_offset_example)
+register('StridedSliceGrad', 'indexing', strided_slice_grad, _strided_slice_grad_example)
 
 
 # --- properties ---------------------------------------------------------------------
@@ -470,11 +470,13 @@ declare('OneHot', local='one_hot')
 declare(['Shape', 'ShapeN', 'Size', 'Rank'], local='static')
 
 # --- sweep programs (testing/programs/shape.py) -----------------------------------
-declare(op_types_of('shape'), sweep='shape')
-# Segment reductions: `order` of their value draws (one seeded stream), `near_one` for a
-# product that stays finite.
-for _order, _op in enumerate(
-  ['UnsortedSegmentSum', 'UnsortedSegmentMax', 'UnsortedSegmentMin', 'UnsortedSegmentProd']
-):
-  _params = {'form': 'segment', 'order': _order, 'near_one': _op == 'UnsortedSegmentProd'}
+declare(op_types_of('indexing'), sweep='shape')
+# Segment reductions: `near_one` for a product that stays finite.
+for _op in [
+  'UnsortedSegmentSum',
+  'UnsortedSegmentMax',
+  'UnsortedSegmentMin',
+  'UnsortedSegmentProd',
+]:
+  _params = {'form': 'segment', 'near_one': _op == 'UnsortedSegmentProd'}
   declare(_op, sweep_params=_params)

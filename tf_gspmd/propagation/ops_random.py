@@ -133,14 +133,14 @@ def _key_counter(node, ctx):
 
 
 for _op in RANDOM:
-  register(_op, 'generators', free_results, _random_example(_op))
+  register(_op, 'random', free_results, _random_example(_op))
 for _op in DRAWN_WHOLE:
-  register(_op, 'generators', free_results, _drawn_whole_example(_op))
-register('Fill', 'generators', free_results, _fill_example)
-register(['Range', 'LinSpace'], 'generators', free_results, _range_example)
+  register(_op, 'random', free_results, _drawn_whole_example(_op))
+register('Fill', 'random', free_results, _fill_example)
+register(['Range', 'LinSpace'], 'random', free_results, _range_example)
 register(
   ['StatelessRandomGetKeyCounter', 'StatelessRandomGetKeyCounterAlg'],
-  'generators',
+  'random',
   _key_counter,
   _key_counter_example,
 )
@@ -157,4 +157,4 @@ declare(
 )
 
 # --- sweep programs (testing/programs/generators.py) -----------------------------------
-declare(op_types_of('generators'), sweep='generators')
+declare(op_types_of('random'), sweep='generators')

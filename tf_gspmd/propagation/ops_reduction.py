@@ -209,27 +209,27 @@ def _top_k_example(b):
 
 
 for _op in SUM_LIKE:
-  register(_op, 'reductions', reduce_rule, _reduce_example(_op))
-register(['ArgMax', 'ArgMin'], 'reductions', arg_reduce, _arg_example('ArgMax'))
-register(['Softmax', 'LogSoftmax'], 'reductions', last_dim_whole, _softmax_example('Softmax'))
+  register(_op, 'reduction', reduce_rule, _reduce_example(_op))
+register(['ArgMax', 'ArgMin'], 'reduction', arg_reduce, _arg_example('ArgMax'))
+register(['Softmax', 'LogSoftmax'], 'reduction', last_dim_whole, _softmax_example('Softmax'))
 register(
   'SparseSoftmaxCrossEntropyWithLogits',
-  'reductions',
+  'reduction',
   sparse_xent,
   _xent_example('SparseSoftmaxCrossEntropyWithLogits', False),
 )
 register(
   'SoftmaxCrossEntropyWithLogits',
-  'reductions',
+  'reduction',
   dense_xent,
   _xent_example('SoftmaxCrossEntropyWithLogits', True),
 )
-register('BiasAddGrad', 'reductions', bias_add_grad, _bias_add_grad_example)
-register('L2Loss', 'reductions', l2_loss, _l2_example)
+register('BiasAddGrad', 'reduction', bias_add_grad, _bias_add_grad_example)
+register('L2Loss', 'reduction', l2_loss, _l2_example)
 register(
-  ['Cumsum', 'Cumprod', 'CumulativeLogsumexp'], 'reductions', scan_rule, _scan_example('Cumsum')
+  ['Cumsum', 'Cumprod', 'CumulativeLogsumexp'], 'reduction', scan_rule, _scan_example('Cumsum')
 )
-register('TopKV2', 'reductions', top_k, _top_k_example)
+register('TopKV2', 'reduction', top_k, _top_k_example)
 
 
 # --- properties ---------------------------------------------------------------------
@@ -245,13 +245,13 @@ declare('BiasAddGrad', local='bias_add_grad')
 # --- sweep programs (testing/programs/reductions.py) -----------------------------------
 # `form`: the program's loop sweeping the op; `order`: the order its values are drawn in
 # (one seeded stream); `near_one`: values near 1, so products stay finite.
-declare(op_types_of('reductions'), sweep='reductions')
+declare(op_types_of('reduction'), sweep='reductions')
 for _form, _ops in (
   ('reduce', ['Sum', 'Max', 'Min', 'Mean', 'EuclideanNorm', 'Prod']),
   ('reduce_bool', ['All', 'Any']),
   ('arg_reduce', ['ArgMax', 'ArgMin']),
   ('scan', ['Cumsum', 'Cumprod', 'CumulativeLogsumexp']),
 ):
-  for _order, _op in enumerate(_ops):
-    _params = {'form': _form, 'order': _order, 'near_one': _op in ('Prod', 'Cumprod')}
+  for _op in _ops:
+    _params = {'form': _form, 'near_one': _op in ('Prod', 'Cumprod')}
     declare(_op, sweep_params=_params)

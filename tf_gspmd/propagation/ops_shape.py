@@ -1,5 +1,5 @@
 """Shape ops: Reshape and its kin, Transpose, Tile, BroadcastTo, ReverseV2, Roll,
-Pack/Unpack, Concat and Split (slices, pads, gathers and shape queries: `ops_indexing`).
+MatrixBandPart, Pack/Unpack, Concat and Split (slices, pads, gathers and shape queries: `ops_indexing`).
 
 Reshape (and ExpandDims/Squeeze, which are reshapes) factor both shapes into
 common pieces: a dim that is split or merged becomes a compound dim of
@@ -188,6 +188,17 @@ def reverse(node, ctx):
   return make_rule([dims, None], [dims], [shape, None], [ctx.out_shape(node)], kinds=kinds)
 
 
+def matrix_band_part(node, ctx):
+  """MatrixBandPart(x, num_lower, num_upper): which elements of a matrix it keeps depends on
+  their global row and column, so the two matrix dims must be whole; batch dims pass through."""
+  shape = ctx.shape(node.inputs[0])
+  dims = tuple(Namer().take(len(shape)))
+  kinds = {d: NEED_REPLICATION for d in dims[-2:]}
+  return make_rule(
+    [dims, None, None], [dims], [shape, None, None], [ctx.out_shape(node)], kinds=kinds
+  )
+
+
 def roll(node, ctx):
   """Roll(x, shift, axis): every dim passes through; a rolled dim split over mesh axes
   takes whole shards and shard edges from the partitions `shift` rows away
@@ -337,6 +348,13 @@ def _reverse_example(b):
   return 'y'
 
 
+def _matrix_band_part_example(b):
+  x = b.placeholder('x', (2, 4, 8))
+  lower, upper = b.const(1, name='num_lower'), b.const(-1, name='num_upper')
+  b.op('MatrixBandPart', [x, lower, upper], [(2, 4, 8)], name='y')
+  return 'y'
+
+
 def _roll_example(b):
   x = b.placeholder('x', (8, 6))
   shift, axis = b.const([3], name='shift'), b.const([0], name='axis')
@@ -395,6 +413,7 @@ register('Tile', 'shape', tile, _tile_example)
 register('BroadcastTo', 'shape', broadcast_to, _broadcast_to_example)
 register('ReverseV2', 'shape', reverse, _reverse_example)
 register('Roll', 'shape', roll, _roll_example)
+register('MatrixBandPart', 'shape', matrix_band_part, _matrix_band_part_example)
 register('Pack', 'shape', pack, _pack_example)
 register('Unpack', 'shape', unpack, _unpack_example)
 register('ConcatV2', 'shape', concat_v2, _concat_v2_example)

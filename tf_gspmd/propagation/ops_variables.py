@@ -260,40 +260,35 @@ declare(
   'VarHandleOp',
   unswept='variables used by a tf.function are captured resource handles, not VarHandleOp nodes',
 )
-# `form`: the program's loop sweeping the op; `order`: the order its values are drawn in
-# (one seeded stream).
-for _order, _op in enumerate(['AssignVariableOp', 'AssignAddVariableOp', 'AssignSubVariableOp']):
-  declare(_op, sweep='variables', sweep_params={'form': 'assign', 'order': _order})
+# `form`: the program's loop sweeping the op.
+for _op in ['AssignVariableOp', 'AssignAddVariableOp', 'AssignSubVariableOp']:
+  declare(_op, sweep='variables', sweep_params={'form': 'assign'})
 # Optimizer updates: slot variables, scalar inputs before the gradient (Momentum's take
 # (lr, grad, momentum)).
-for _order, (_op, _slots, _scalars) in enumerate(
-  [
-    ('ResourceApplyGradientDescent', 0, (0.1,)),
-    ('ResourceApplyMomentum', 1, (0.1, 0.9)),
-    ('ResourceApplyKerasMomentum', 1, (0.1, 0.9)),
-    ('ResourceApplyAdagrad', 1, (0.1,)),
-    ('ResourceApplyAdagradV2', 1, (0.1, 1e-7)),
-    ('ResourceApplyAdadelta', 2, (0.1, 0.95, 1e-7)),
-    ('ResourceApplyRMSProp', 2, (0.1, 0.9, 0.5, 1e-7)),
-    ('ResourceApplyCenteredRMSProp', 3, (0.1, 0.9, 0.5, 1e-7)),
-    ('ResourceApplyAdam', 2, (0.9, 0.999, 0.01, 0.9, 0.999, 1e-7)),
-    ('ResourceApplyAdaMax', 2, (0.9, 0.01, 0.9, 0.999, 1e-7)),
-    ('ResourceApplyAdamWithAmsgrad', 3, (0.9, 0.999, 0.01, 0.9, 0.999, 1e-7)),
-  ]
-):
-  _params = {'form': 'apply', 'order': _order, 'slots': _slots, 'scalars': _scalars}
+for _op, _slots, _scalars in [
+  ('ResourceApplyGradientDescent', 0, (0.1,)),
+  ('ResourceApplyMomentum', 1, (0.1, 0.9)),
+  ('ResourceApplyKerasMomentum', 1, (0.1, 0.9)),
+  ('ResourceApplyAdagrad', 1, (0.1,)),
+  ('ResourceApplyAdagradV2', 1, (0.1, 1e-7)),
+  ('ResourceApplyAdadelta', 2, (0.1, 0.95, 1e-7)),
+  ('ResourceApplyRMSProp', 2, (0.1, 0.9, 0.5, 1e-7)),
+  ('ResourceApplyCenteredRMSProp', 3, (0.1, 0.9, 0.5, 1e-7)),
+  ('ResourceApplyAdam', 2, (0.9, 0.999, 0.01, 0.9, 0.999, 1e-7)),
+  ('ResourceApplyAdaMax', 2, (0.9, 0.01, 0.9, 0.999, 1e-7)),
+  ('ResourceApplyAdamWithAmsgrad', 3, (0.9, 0.999, 0.01, 0.9, 0.999, 1e-7)),
+]:
+  _params = {'form': 'apply', 'slots': _slots, 'scalars': _scalars}
   _params['momentum_last'] = _op in ('ResourceApplyMomentum', 'ResourceApplyKerasMomentum')
   declare(_op, sweep='variables', sweep_params=_params)
-for _order, _op in enumerate(
-  [
-    'ResourceScatterAdd',
-    'ResourceScatterSub',
-    'ResourceScatterMul',
-    'ResourceScatterDiv',
-    'ResourceScatterMax',
-    'ResourceScatterMin',
-    'ResourceScatterUpdate',
-  ]
-):
-  _params = {'form': 'scatter', 'order': _order, 'nonzero': _op == 'ResourceScatterDiv'}
+for _op in [
+  'ResourceScatterAdd',
+  'ResourceScatterSub',
+  'ResourceScatterMul',
+  'ResourceScatterDiv',
+  'ResourceScatterMax',
+  'ResourceScatterMin',
+  'ResourceScatterUpdate',
+]:
+  _params = {'form': 'scatter', 'nonzero': _op == 'ResourceScatterDiv'}
   declare(_op, sweep='variables', sweep_params=_params)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import pkgutil
 import types
 from typing import Any, Callable, Dict, List, Mapping, Optional
@@ -162,10 +163,21 @@ class Registry:
 
   def __init__(self):
     self._entries: Dict[str, Entry] = {}
+    self._family_modules: Dict[str, str] = {}  # family -> the one module registering it
 
   def register(
-    self, op_types, family: str, rule=None, example=None, handler=None, note='', **props
+    self,
+    op_types,
+    family: str,
+    rule=None,
+    example=None,
+    handler=None,
+    note='',
+    module=None,
+    **props,
   ):
+    if module is not None:
+      self._claim(family, module)
     for op_type in _op_type_list(op_types):
       if op_type in self._entries:
         raise ValueError(
@@ -175,6 +187,23 @@ class Registry:
       if rule is None and handler is None:
         raise ValueError(f'Registry: {op_type!r} needs a rule function or a handler.')
       self._entries[op_type] = Entry(op_type, family, rule, handler, example, note, **props)
+
+  def _claim(self, family: str, module: str) -> None:
+    """One family, one module, named as it (`ops_<family>`): what a family holds then does not
+    depend on which module was imported first."""
+    owner = self._family_modules.setdefault(family, module)
+    if owner != module:
+      raise ValueError(
+        f'Registry: op family {family!r} is registered by two modules, {owner} and {module}; '
+        'a family is one ops_<family> module.'
+      )
+    stem = module.rpartition('.')[2]
+    if stem.startswith('ops_') and stem != f'ops_{family}':
+      raise ValueError(f'Registry: {module} registers family {family!r}; name it {stem[4:]!r}.')
+
+  def family_modules(self) -> Dict[str, str]:
+    """Family -> the module that registers it."""
+    return dict(self._family_modules)
 
   def declare(self, op_types, **props):
     """Set properties of registered op types (their family module declares them)."""
@@ -209,8 +238,14 @@ def _ensure_loaded():
 
 
 def register(op_types, family, rule=None, example=None, handler=None, note='', **props):
-  """Register op types of one family (props: `Entry`'s properties)."""
-  REGISTRY.register(op_types, family, rule, example, handler, note, **props)
+  """Register op types of one family (props: `Entry`'s properties).
+
+  A family belongs to the module registering it (the caller, `ops_<family>`): a second
+  module registering into it is refused.
+  """
+  caller = inspect.currentframe().f_back  # the family's module
+  module = caller.f_globals.get('__name__') if caller is not None else None
+  REGISTRY.register(op_types, family, rule, example, handler, note, module=module, **props)
 
 
 def declare(op_types, **props):
@@ -219,7 +254,8 @@ def declare(op_types, **props):
 
 
 def op_types_of(family: str) -> List[str]:
-  """The op types registered so far in `family` (for a family module's declarations)."""
+  """The op types of `family` (for its module's declarations, after its registrations: no
+  other module registers into it, so the list does not depend on import order)."""
   return REGISTRY.families().get(family, [])
 
 

@@ -1,7 +1,8 @@
-"""Generate docs/support_table.md: every registered op type, its family and rule text.
+"""Generate docs/support_table.md and tests/golden/op_rules.txt from the op registry.
 
-Run `python -m tf_gspmd.propagation.support_table [path]` after changing a rule;
-a test checks that the committed file is up to date.
+Run `python -m tf_gspmd.propagation.support_table` after changing a rule: it writes
+both (`[path]` writes the support table there instead, and no golden file);
+tests/test_rules.py checks that the committed files are up to date.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import sys
 
 from tf_gspmd.propagation import registry
 
-DEFAULT_PATH = os.path.join(os.path.dirname(__file__), '..', '..', 'docs', 'support_table.md')
+_ROOT = os.path.join(os.path.dirname(__file__), '..', '..')
+DEFAULT_PATH = os.path.join(_ROOT, 'docs', 'support_table.md')
+GOLDEN_PATH = os.path.join(_ROOT, 'tests', 'golden', 'op_rules.txt')
 
 
 def rule_texts() -> dict:
@@ -51,10 +54,18 @@ def support_table() -> str:
 
 
 def main(argv):
-  path = argv[1] if len(argv) > 1 else DEFAULT_PATH
-  with open(path, 'w') as f:
-    f.write(support_table())
-  print(f'wrote {os.path.normpath(path)}')
+  writes = (
+    [(argv[1], support_table())]
+    if len(argv) > 1
+    else [
+      (DEFAULT_PATH, support_table()),
+      (GOLDEN_PATH, golden_text()),
+    ]
+  )
+  for path, text in writes:
+    with open(path, 'w') as f:
+      f.write(text)
+    print(f'wrote {os.path.normpath(path)}')
 
 
 if __name__ == '__main__':

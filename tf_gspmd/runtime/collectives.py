@@ -16,7 +16,6 @@ from tf_gspmd.collectives.interface import (  # noqa: F401  re-exported
   KINDS,
   CollectiveRecord,
   Collectives,
-  _no_autograph,
   _no_dependencies,
   merge_leading_into,
   pad_dim,
@@ -54,7 +53,6 @@ def default_devices(num_partitions: int) -> Tuple[str, ...]:
   return tuple(f'/device:CPU:{p}' for p in range(num_partitions))
 
 
-@_no_autograph
 class TFCollectives(Collectives):
   """Collectives from TF collective V2 ops between the devices of one process.
 

@@ -60,7 +60,7 @@ def trace_per_partition(
   fn: Callable,
   local_specs: Sequence,
   *,
-  backend='tf',
+  backend=None,
   devices: Optional[Sequence[str]] = None,
   op_timeout: float = 0.0,
   jit_compile: Optional[bool] = None,
@@ -70,14 +70,14 @@ def trace_per_partition(
 ) -> PerPartitionProgram:
   """Trace `fn(ctx, *local_args)` once as the per-partition program (see `tf_gspmd.program`).
 
-  Backend 'tf' gives a function of `(partition_id, token, *local_args)` that runs
-  collectives with TF ops between `devices` (default: see `default_devices`);
-  `op_timeout` is TF's per-op collective timeout (0: none; see `TFCollectives` for
-  why the launcher uses a watchdog instead). Any other backend (a `Collectives`
-  subclass such as `tf_gspmd.xla_bridge.XlaCollectives`, or a `program.Backend`)
-  is traced as `program.trace_per_partition` does.
+  The default backend (None: the TF runtime) gives a function of
+  `(partition_id, token, *local_args)` that runs collectives with TF ops between
+  `devices` (default: see `default_devices`); `op_timeout` is TF's per-op collective
+  timeout (0: none; see `TFCollectives` for why the launcher uses a watchdog instead).
+  Any other backend (a `Collectives` subclass such as `tf_gspmd.xla_bridge.XlaCollectives`,
+  or a `program.Backend`) is traced as `program.trace_per_partition` does.
   """
-  if backend == 'tf':
+  if backend is None:
     backend = tf_backend(devices, op_timeout, progress_markers)
   return program_lib.trace_per_partition(
     mesh, fn, local_specs, backend=backend, jit_compile=jit_compile, autograph=autograph, name=name

@@ -398,9 +398,9 @@ def campaign(
     program = generate(seed, index, max_ops)
     sampled = xla_every and index % xla_every == 0 and xla_lowers(program)
     backends = ['tf'] + (['xla'] if sampled else [])
-    for backend in backends:
+    for i, backend in enumerate(backends):
       outcome = run(program, backend)
-      tally.xla_runs += backend == 'xla'
+      tally.xla_runs += i > 0  # the sampled second run is XLA's
       _record(tally, program, backend, outcome, echo)
       if outcome.poisoned:
         echo(f'POISONED: a collective failed; resume with --start {index + 1}')

@@ -33,18 +33,18 @@ import tensorflow as tf
 from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
 from tf_gspmd.collectives import tables
-from tf_gspmd.collectives.interface import Collectives, _no_autograph  # noqa: SLF001
+from tf_gspmd.collectives.interface import Collectives
 from tf_gspmd.mesh import Mesh
 
 _XLA_REDUCE_OPS = {'sum': 'Add', 'prod': 'Mul', 'max': 'Max', 'min': 'Min'}
 MODES = ('CrossReplica', 'CrossReplicaAndPartition')
 
 
-@_no_autograph
 class XlaCollectives(Collectives):
   """Collectives as XLA ops; build with the partition id of the program."""
 
   backend = 'xla'
+  kernel_device_types = frozenset({'XLA_CPU_JIT', 'XLA_GPU_JIT'})
 
   def __init__(self, mesh: Mesh, partition_id, *, name: str = 'gspmd', mode: str = 'CrossReplica'):
     super().__init__(mesh, partition_id, name=name)

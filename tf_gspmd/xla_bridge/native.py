@@ -30,7 +30,6 @@ import tensorflow as tf
 from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
 from tf_gspmd.collectives import tables
-from tf_gspmd.collectives.interface import _no_autograph  # noqa: SLF001
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.xla_bridge.collectives import XlaCollectives
 
@@ -38,7 +37,6 @@ MARKER_PREFIX = 'tf_gspmd.'
 MARKER_KINDS = ('all_gather', 'all_to_all', 'collective_permute')
 
 
-@_no_autograph
 class NativeCollectives(XlaCollectives):
   """Collectives for an exported per-replica program (partition id = XLA replica id)."""
 

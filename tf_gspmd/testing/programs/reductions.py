@@ -3,8 +3,8 @@
 The program `reductions` reads `sweep_params['form']` of each entry naming it
 ('reduce', 'reduce_bool', 'arg_reduce', 'scan'; others have a program of
 their own below) and `near_one` (values drawn near 1, so products stay finite).
-Entries come in the order of `sweep_params['order']`, the order values were
-always drawn in (the draws share one seeded stream).
+Entries come in `DRAW_ORDER`, the order values were always drawn in (the draws
+share one seeded stream).
 """
 
 from __future__ import annotations
@@ -22,11 +22,19 @@ from tf_gspmd.testing.op_builders import (
   raw,
   spec,
 )
+from tf_gspmd.testing.programs import in_draw_order
+
+# Per form, the order values were always drawn in (see `in_draw_order`).
+DRAW_ORDER = {
+  'reduce': ('Sum', 'Max', 'Min', 'Mean', 'EuclideanNorm', 'Prod'),
+  'reduce_bool': ('All', 'Any'),
+  'arg_reduce': ('ArgMax', 'ArgMin'),
+  'scan': ('Cumsum', 'Cumprod', 'CumulativeLogsumexp'),
+}
 
 
 def _ops_named(entries, form: str) -> List[str]:
-  named = [e for e in entries if e.sweep_params.get('form') == form]
-  return [e.op_type for e in sorted(named, key=lambda e: e.sweep_params['order'])]
+  return [e.op_type for e in in_draw_order(entries, form, DRAW_ORDER[form])]
 
 
 def _param(op: str, name: str):

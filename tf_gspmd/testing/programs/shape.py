@@ -22,6 +22,15 @@ from tf_gspmd.testing.op_builders import (
   raw,
   spec,
 )
+from tf_gspmd.testing.programs import in_draw_order
+
+# The order segment reductions' values were always drawn in (see `in_draw_order`).
+SEGMENT_DRAW_ORDER = (
+  'UnsortedSegmentSum',
+  'UnsortedSegmentMax',
+  'UnsortedSegmentMin',
+  'UnsortedSegmentProd',
+)
 
 
 def _strided(begin, end, strides, **masks):
@@ -200,10 +209,7 @@ def shape(entries) -> List[OpSpec]:
     )
   )
   # Segment reductions, in the order their values were always drawn (one seeded stream).
-  segments = sorted(
-    (e for e in entries if e.sweep_params.get('form') == 'segment'),
-    key=lambda e: e.sweep_params['order'],
-  )
+  segments = in_draw_order(entries, 'segment', SEGMENT_DRAW_ORDER)
   for e in segments:
     op = e.op_type
     # A product of values near 1 stays finite.
@@ -218,4 +224,16 @@ def shape(entries) -> List[OpSpec]:
       arg(v.ints((10, 3), -1, 4)),
     )
   )
+  out += _band_parts()
   return out
+
+
+def _band_parts() -> List[OpSpec]:
+  """MatrixBandPart: a band, the lower triangle and the whole matrix, on uneven matrices
+  (its own value stream: the draws above keep their values)."""
+  x = Values('MatrixBandPart').uniform((3, 10, 7))
+  return [
+    spec('MatrixBandPart', lambda a: raw('MatrixBandPart', a, 2, 1), arg(x)),
+    spec('MatrixBandPart/lower', lambda a: raw('MatrixBandPart', a, -1, 0), arg(x)),
+    spec('MatrixBandPart/all', lambda a: raw('MatrixBandPart', a, -1, -1), arg(x)),
+  ]

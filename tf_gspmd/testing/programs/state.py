@@ -1,8 +1,8 @@
 """Sweep programs of sources (constants, placeholders, sinks), variables and control flow.
 
 The program `variables` reads `sweep_params['form']` ('assign', 'apply', 'scatter')
-and `order` (the order values are drawn in: one seeded stream) of the entries
-naming it; optimizer updates (`apply`) read `slots` (slot variables), `scalars`
+of the entries naming it, in `DRAW_ORDER` (the order values are drawn in: one
+seeded stream); optimizer updates (`apply`) read `slots` (slot variables), `scalars`
 (inputs before the gradient) and `momentum_last`; row updates read `nonzero`.
 """
 
@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gspmd.testing.op_builders import BINARY_SHAPE, OpSpec, Values, arg, program, raw, spec, var
+from tf_gspmd.testing.programs import in_draw_order
 
 
 def _with_control(op, value):
@@ -75,10 +76,36 @@ def _apply(op, n_slots, scalars, momentum_last):
   return fn
 
 
+# Per form, the order values were always drawn in (see `in_draw_order`).
+DRAW_ORDER = {
+  'assign': ('AssignVariableOp', 'AssignAddVariableOp', 'AssignSubVariableOp'),
+  'apply': (
+    'ResourceApplyGradientDescent',
+    'ResourceApplyMomentum',
+    'ResourceApplyKerasMomentum',
+    'ResourceApplyAdagrad',
+    'ResourceApplyAdagradV2',
+    'ResourceApplyAdadelta',
+    'ResourceApplyRMSProp',
+    'ResourceApplyCenteredRMSProp',
+    'ResourceApplyAdam',
+    'ResourceApplyAdaMax',
+    'ResourceApplyAdamWithAmsgrad',
+  ),
+  'scatter': (
+    'ResourceScatterAdd',
+    'ResourceScatterSub',
+    'ResourceScatterMul',
+    'ResourceScatterDiv',
+    'ResourceScatterMax',
+    'ResourceScatterMin',
+    'ResourceScatterUpdate',
+  ),
+}
+
+
 def _in_order(entries, form: str):
-  """Entries of one form in the order their values were always drawn (one seeded stream)."""
-  named = [e for e in entries if e.sweep_params.get('form') == form]
-  return sorted(named, key=lambda e: e.sweep_params['order'])
+  return in_draw_order(entries, form, DRAW_ORDER[form])
 
 
 @program('variables')

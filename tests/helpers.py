@@ -1,0 +1,165 @@
+"""What several test files share: values, meshes, models, a fresh interpreter.
+
+Test files import from here (pytest puts `tests/` on sys.path), never from each other;
+fixtures live in `conftest.py`.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tf_gspmd as tg
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MESH = tg.Mesh.create((2, 4), ('data', 'model'))  # the usual 8-device mesh
+STEPS = 5  # training steps a partitioned model runs against the unpartitioned one
+
+
+def randn(seed, *shape, scale=1.0):
+  """Seeded standard-normal float32 values of `shape` (times `scale`)."""
+  return (np.random.RandomState(seed).randn(*shape) * scale).astype(np.float32)
+
+
+def run_python(script: pathlib.Path, timeout: int = 240, args=()) -> subprocess.CompletedProcess:
+  """Run `script` in a fresh interpreter (its own TF devices) with the repo importable."""
+  env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL='2')
+  return subprocess.run(
+    [sys.executable, str(script), *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    check=False,
+  )
+
+
+# --- Keras models and their data ----------------------------------------------------------
+def _with_adam(model, **names):
+  optimizer = keras.optimizers.Adam(1e-2, **names)
+  optimizer.build(model.trainable_variables)
+  return model, optimizer
+
+
+def keras_mlp(seed, hidden=32, named=False):
+  """A 16 -> hidden -> hidden -> 4 Keras MLP and its built Adam optimizer.
+
+  `named`: the model called 'mlp' and the optimizer 'adam' (a checkpoint names variables by
+  their Keras paths, which hold those names; Keras numbers default names per instance).
+  """
+  keras.utils.set_random_seed(seed)
+  layers = [
+    keras.Input((16,)),
+    keras.layers.Dense(hidden, activation='relu', name='hidden_0'),
+    keras.layers.Dense(hidden, activation='relu', name='hidden_1'),
+    keras.layers.Dense(4, name='logits'),
+  ]
+  if named:
+    return _with_adam(keras.Sequential(layers, name='mlp'), name='adam')
+  return _with_adam(keras.Sequential(layers))
+
+
+def keras_cnn(seed):
+  """Conv/BatchNorm/MaxPool/Conv, global average pooling, a Dense head; and Adam."""
+  keras.utils.set_random_seed(seed)
+  model = keras.Sequential(
+    [
+      keras.Input((16, 12, 3)),
+      keras.layers.Conv2D(8, 3, padding='same', activation='relu', name='conv_0'),
+      keras.layers.BatchNormalization(name='bn_0'),
+      keras.layers.MaxPooling2D(2, name='pool_0'),
+      keras.layers.Conv2D(8, 3, padding='same', activation='relu', name='conv_1'),
+      keras.layers.GlobalAveragePooling2D(),
+      keras.layers.Dense(4, name='logits'),
+    ]
+  )
+  return _with_adam(model)
+
+
+def keras_step(model, optimizer, annotate=None):
+  """One training step (sparse cross-entropy, the optimizer) as a tf.function of (x, y)."""
+  loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+  @tf.function
+  def step(x, y):
+    if annotate is not None:
+      x = annotate(x)
+    with tf.GradientTape() as tape:
+      loss = loss_fn(y, model(x, training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    return loss
+
+  return step
+
+
+def mlp_batches(batch):
+  """`STEPS` (features, labels) batches for `keras_mlp`."""
+  rng = np.random.RandomState(0)
+  return [
+    (rng.randn(batch, 16).astype(np.float32), rng.randint(0, 4, batch).astype(np.int32))
+    for _ in range(STEPS)
+  ]
+
+
+def image_batches(batch, height=16):
+  """`STEPS` (images, labels) batches for `keras_cnn`."""
+  rng = np.random.RandomState(0)
+  return [
+    (rng.randn(batch, height, 12, 3).astype(np.float32), rng.randint(0, 4, batch).astype(np.int32))
+    for _ in range(STEPS)
+  ]
+
+
+# --- the Keras distribution guide's model and data ---------------------------------------------
+_guide_rng = np.random.RandomState(0)
+X = _guide_rng.randn(64, 16).astype(np.float32)
+Y = _guide_rng.randint(0, 4, 64).astype(np.int32)
+FIT = dict(batch_size=16, epochs=2, shuffle=False, verbose=0, validation_data=(X[:32], Y[:32]))
+
+
+def guide_model():
+  """The guide's model shape: Dense layers and an EinsumDense, compiled with Adam and a metric."""
+  keras.utils.set_random_seed(0)
+  inputs = keras.Input((16,))
+  y = keras.layers.Dense(32, activation='relu', name='d1')(inputs)
+  y = keras.layers.EinsumDense('bh,hk->bk', output_shape=24, bias_axes='k', name='e1')(y)
+  y = keras.layers.Dense(4, name='d2')(keras.ops.relu(y))
+  model = keras.Model(inputs, y)
+  model.compile(
+    optimizer=keras.optimizers.Adam(1e-2),
+    metrics=['accuracy'],
+    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+  )
+  return model
+
+
+# --- a plain TF MLP trained in a loop inside one function ----------------------------------------
+def variable_mlp(seed):
+  """The two weight matrices of a 16 -> 32 -> 4 MLP, as tf.Variables."""
+  return [tf.Variable(randn(seed, 16, 32) * 0.1), tf.Variable(randn(seed + 1, 32, 4) * 0.1)]
+
+
+def loop_training(mesh, w1, w2, annotate):
+  """`train(x, y, steps)`: `steps` SGD steps of the MLP (w1, w2) in a tf.range loop."""
+
+  @tf.function
+  def train(x, y, steps):
+    if annotate:
+      x = tg.shard(x, mesh, tg.P('data', None))
+    loss = tf.constant(0.0)
+    for _ in tf.range(steps):
+      with tf.GradientTape() as tape:
+        logits = tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+      g1, g2 = tape.gradient(loss, [w1, w2])
+      w1.assign_sub(0.5 * g1)
+      w2.assign_sub(0.5 * g2)
+    return loss
+
+  return train

@@ -1,0 +1,88 @@
+"""The executor registry: every backend `tg.partition(..., backend=name)` can run on, by name.
+
+A backend is what runs the per-partition program on devices. Everything that differs
+between backends is a method of its `Executor` (below), so the rest of tf_gspmd asks the
+executor instead of comparing backend names: the front, the compile step, the variable
+store and Keras hold an `Executor`, never a `'tf'`/`'xla'` string
+(`tests/test_executors.py` refuses a comparison with a backend name outside this module).
+
+An executor provides:
+
+- `collectives_class()`: its `Collectives` (the collective ops the program emits); a
+  subclass of `collectives.Collectives` keeps autograph out of its methods by itself;
+- `sharded_variable_class()`: what holds a variable's shards between calls;
+- `devices(mesh, devices)` / `devices_named(names)`: the devices it runs on;
+- `check_fits(layouts, mesh, devices)`: refuse shards that would not fit, before any is made;
+- `prepare(...)` and `run(...)`: the compiled program made ready to run (`Compiled.prepared`),
+  then called once with global values.
+
+Adding a backend: write an `Executor` subclass in its own module and add one line to
+`EXECUTORS` (docs/architecture.md, "How to add a backend").
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+# name -> 'module:class' of its Executor, loaded on first use (a backend's dependencies, such
+# as jax for 'xla', are imported only when it is used).
+EXECUTORS: Dict[str, str] = {
+  'tf': 'tf_gspmd.partitioned.tf_executor:TFExecutor',  # TF collectives on TF devices
+  'xla': 'tf_gspmd.partitioned.xla_executor:XlaExecutor',  # StableHLO, compiled, run by PJRT
+}
+DEFAULT = 'tf'
+NAMES: Tuple[str, ...] = tuple(EXECUTORS)
+_LOADED: Dict[str, 'Executor'] = {}
+
+
+class Executor:
+  """What one backend provides (the defaults are the TF backend's choices where it has one)."""
+
+  name = ''
+  # The program computes in the device order most of its layouts name (boundary.working_order).
+  reorders_devices = False
+  # A DTensor mesh's own devices are this backend's devices (TF device names).
+  runs_dtensor_devices = False
+  # `prepare` runs when the program is built (else on its first call).
+  prepares_at_build = False
+  # Its prepared program is an XLA executable (`PartitionedFunction.xla_executable`).
+  compiles_with_xla = False
+
+  def collectives_class(self) -> type:
+    raise NotImplementedError
+
+  def sharded_variable_class(self) -> type:
+    raise NotImplementedError
+
+  def devices(self, mesh, devices: Optional[Sequence]) -> Any:
+    """The devices shards are made on: a list, None (the default ones), or a function giving
+    them (asked only when shards are made)."""
+    return devices
+
+  def devices_named(self, names: Sequence[str]) -> list:
+    """This backend's devices for TF device names (a Keras DeviceMesh's)."""
+    return list(names)
+
+  def check_fits(self, layouts, mesh_size: int, devices: Optional[Sequence]) -> None:
+    """Refuse `layouts` ((name, shape, dtype, sharding) each) whose shards would not fit."""
+
+  def running_phase(self, mesh) -> str:
+    """The build phase named once the per-partition program is written."""
+    raise NotImplementedError
+
+  def prepare(self, compiled, sharded_variables: dict, devices, timeout, name: str) -> Any:
+    raise NotImplementedError
+
+  def run(self, compiled, flat_args, sharded_variables: dict, what: str):
+    raise NotImplementedError
+
+
+def get(name: str, what: str = 'partition') -> Executor:
+  """The executor called `name`; a ValueError naming the known ones for any other."""
+  if name not in EXECUTORS:
+    raise ValueError(f'{what}: backend must be one of {NAMES}, got {name!r}.')
+  if name not in _LOADED:
+    module, _, cls = EXECUTORS[name].partition(':')
+    _LOADED[name] = getattr(importlib.import_module(module), cls)()
+  return _LOADED[name]
