@@ -19,7 +19,7 @@ from tf_gspmd import (
   _tf_version,  # noqa: F401
   auto_shard,  # the package, callable: tg.auto_shard(fn, ...) runs the search
   keras,  # keras.distribution on TF: changes nothing until keras.enable()
-  xla_sharding,  # TF's xla_sharding functions by their TF names
+  xla_sharding,  # noqa: F401 (tg.xla_sharding; not in __all__, see there)
 )
 from tf_gspmd.annotations import get_sharding, shard, shard_variable
 from tf_gspmd.dtensor_compat import from_dtensor_layout, from_dtensor_mesh

@@ -91,19 +91,22 @@ def refuse_python_callbacks(program: ir.Program, backend: str, name: str) -> Non
   every partition, so the N gradient calls find one tape, or none (a KeyError, or a collective
   that hangs, depending on the order the devices ran in).
   """
+  from tf_gspmd.partitioned import executors
   from tf_gspmd.tf_private import is_py_function_gradient
+
+  runs_callbacks = executors.get(backend).runs_python_callbacks
 
   for graph in program.graphs():
     for node in graph.nodes:
       if node.op not in ('EagerPyFunc', 'PyFunc', 'PyFuncStateless'):
         continue
-      if backend == 'xla':
+      if not runs_callbacks:
         from tf_gspmd.xla_bridge.export import XlaLoweringError
 
         raise XlaLoweringError(
           f'export {name}: op type {node.op} (node {node.name}) has no XLA lowering: a Python '
           'callback (tf.py_function, tf.numpy_function) runs in the TF runtime, never inside '
-          "an XLA program. Use backend='tf', or write it with TF ops."
+          f"an XLA program. Use backend='{executors.DEFAULT}', or write it with TF ops."
         )
       token = node.attrs.get('token')
       if token is not None and is_py_function_gradient(token.s.decode()):

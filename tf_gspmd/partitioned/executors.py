@@ -48,6 +48,8 @@ class Executor:
   prepares_at_build = False
   # Its prepared program is an XLA executable (`PartitionedFunction.xla_executable`).
   compiles_with_xla = False
+  # Its program may call back into Python (tf.py_function, tf.numpy_function).
+  runs_python_callbacks = True
 
   def collectives_class(self) -> type:
     raise NotImplementedError

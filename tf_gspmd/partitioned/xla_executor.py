@@ -30,6 +30,7 @@ class XlaExecutor(executors.Executor):
 
   name = 'xla'
   compiles_with_xla = True
+  runs_python_callbacks = False  # an XLA program cannot call into Python
 
   def collectives_class(self) -> type:
     from tf_gspmd.xla_bridge.native import NativeCollectives

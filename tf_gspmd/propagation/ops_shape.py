@@ -1,5 +1,6 @@
 """Shape ops: Reshape and its kin, Transpose, Tile, BroadcastTo, ReverseV2, Roll,
-MatrixBandPart, Pack/Unpack, Concat and Split (slices, pads, gathers and shape queries: `ops_indexing`).
+MatrixBandPart, Pack/Unpack, Concat and Split (slices, pads, gathers and shape queries:
+`ops_indexing`).
 
 Reshape (and ExpandDims/Squeeze, which are reshapes) factor both shapes into
 common pieces: a dim that is split or merged becomes a compound dim of

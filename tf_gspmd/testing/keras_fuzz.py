@@ -622,7 +622,7 @@ class _Run:
 
 def execute(build, mode: str, initial: Optional[List[np.ndarray]] = None):
   """The workflow's records run `mode`: 'partitioned' (under the case's distribution),
-  'plain', 'xla' (plain, compiled by XLA on one device) or 'float64' (plain, in float64,
+  'plain', 'jit' (plain, compiled by XLA on one device) or 'float64' (plain, in float64,
   from `initial`: the plain build's variables)."""
   import keras
 
@@ -644,8 +644,8 @@ def execute(build, mode: str, initial: Optional[List[np.ndarray]] = None):
       finally:
         keras.distribution.set_distribution(None)
         tg_keras.disable()
-    if mode in ('plain', 'xla'):
-      return _steps(model_fn(jit_compile=mode == 'xla'), data, workflow, directory, floating)
+    if mode in ('plain', 'jit'):
+      return _steps(model_fn(jit_compile=mode == 'jit'), data, workflow, directory, floating)
     with float64_policy():
       model = model_fn()
       for variable, value in zip(model.variables, initial):
@@ -704,7 +704,7 @@ def compare(build, got, want) -> Optional[str]:
     # rounding noise of one size, and each tensor is measured against the plain run further
     # from float64.
     try:
-      witness = _records_tree(execute(build, 'xla'))
+      witness = _records_tree(execute(build, 'jit'))
     except Exception:  # noqa: BLE001  (an op XLA cannot compile: no witness)
       witness = None
     if witness is not None:
