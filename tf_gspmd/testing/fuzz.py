@@ -166,15 +166,43 @@ def compare(build, got, want, backend: str = 'tf') -> Optional[str]:
   exact = reference(build, np.float64)
   why = _further_from_float64(got, want, exact)
   if why:
-    # A second float32 witness: XLA running the unpartitioned program sums in other orders
-    # (and its training BatchNorm takes the variance as E[x^2] - E[x]^2). Where the exact
-    # result is 0 (a gradient a later BatchNorm or softmax cancels), or float32 keeps little
-    # of it, the witnesses disagree as much as a correct partitioned program may: each
-    # tensor is measured against the witness further from float64.
-    witness = _xla_witness(build)
-    if witness is not None:
-      why = _further_from_float64(got, _further(want, witness, exact), exact)
+    # More float32 witnesses of the unpartitioned program, each as correct as `want`: XLA
+    # sums in other orders (and its training BatchNorm takes the variance as E[x^2] -
+    # E[x]^2), and the same program on inputs rounded to float32 another way (`_nudged`).
+    # Where the exact result is 0 or nearly (a gradient a later BatchNorm or softmax
+    # cancels: what float32 gives there is a few units of the rounding of the terms that
+    # cancel), one float32 run may land 1 such unit off and another 3: each tensor is
+    # measured against the witness furthest from float64. A wrong partitioned program (a
+    # partial sum counted twice, a block missing) is off by the size of the terms themselves.
+    witness = want
+    for more in [_xla_witness(build)] + [_nudged(build, k) for k in range(NUDGED_WITNESSES)]:
+      if more is not None:
+        witness = _further(witness, more, exact)
+    why = _further_from_float64(got, witness, exact)
   return '' if not why else f'{first}\n{why}'
+
+
+NUDGED_WITNESSES = 4
+
+
+def _nudged(build, seed: int):
+  """The unpartitioned program's outputs and variables, every floating input and variable
+  moved by at most one unit in the last place (up, down or not, at random by `seed`)."""
+  rng = np.random.RandomState(seed)
+  _, make, args = build(np.float32)
+  fn, variables = make()
+  for v in variables:
+    if v.dtype.is_floating:
+      v.assign(_nudge(v.numpy(), rng))
+  args = [_nudge(a, rng) if np.asarray(a).dtype.kind == 'f' else a for a in args]
+  return _calls(fn, args), [v.numpy() for v in variables]
+
+
+def _nudge(value, rng) -> np.ndarray:
+  value = np.asarray(value)
+  step = rng.randint(-1, 2, size=value.shape)
+  up, down = np.nextafter(value, np.inf), np.nextafter(value, -np.inf)
+  return np.where(step > 0, up, np.where(step < 0, down, value)).astype(value.dtype)
 
 
 def _xla_witness(build):
