@@ -76,6 +76,11 @@ __all__ = [
 
 # --- running and judging one program ---------------------------------------------------------
 CALLS = 2  # state (a variable's assign_add) shows on the second call
+# The determinism check: a program without state is called this many more times partitioned
+# (a call after the first costs milliseconds), and every `REBUILD_EVERY`-th program is
+# partitioned a second time from scratch; each result must be bitwise the first one.
+REPEATS = 3
+REBUILD_EVERY = 10
 
 
 @dataclasses.dataclass
@@ -83,7 +88,7 @@ class Outcome:
   """status: 'pass', 'mismatch', 'crash', 'refusal' (a ValueError of tf_gspmd naming what it
   refuses), 'invalid' (the unpartitioned program failed: a fuzzer bug)."""
 
-  status: str
+  status: str  # also 'nondeterministic': one partitioned program gave two different bit patterns
   message: str = ''
   error_type: str = ''
   seconds: float = 0.0
@@ -94,8 +99,8 @@ class Outcome:
     return self.status == other.status and self.error_type == other.error_type
 
 
-def _calls(fn, args) -> List[List[np.ndarray]]:
-  return [[np.asarray(t) for t in fn(*args)] for _ in range(CALLS)]
+def _calls(fn, args, calls: int = CALLS) -> List[List[np.ndarray]]:
+  return [[np.asarray(t) for t in fn(*args)] for _ in range(calls)]
 
 
 def reference(build, dtype=np.float32, jit: bool = False):
@@ -111,14 +116,41 @@ def reference(build, dtype=np.float32, jit: bool = False):
   return calls, [v.numpy() for v in variables]
 
 
-def partitioned(build, backend: str = 'tf', timeout: float = 60.0):
+def partitioned(build, backend: str = 'tf', timeout: float = 60.0, repeats: int = 0):
+  """Outputs of every call and the variables after them, partitioned; with `repeats` (for a
+  program without state) that many more calls, whose outputs must be bitwise the first's
+  (else `Nondeterministic`)."""
   from tf_gspmd.partitioned import partition
 
   mesh, make, args = build(np.float32)
   fn, variables = make()
   pf = partition(fn, mesh, backend=backend, timeout=timeout, progress=False)
   calls = _calls(pf, args)
+  for k, again in enumerate(_calls(pf, args, repeats)):
+    _require_identical(calls[0], again, f'call {CALLS + k + 1} of the same partitioned program')
   return calls, [v.numpy() for v in variables]
+
+
+class Nondeterministic(AssertionError):
+  """The same partitioned program, given the same inputs, gave other bits."""
+
+
+def _require_identical(first, again, what: str) -> None:
+  for j, (a, b) in enumerate(zip(first, again)):
+    if a.shape != b.shape or a.tobytes() != b.tobytes():
+      with np.errstate(all='ignore'):
+        diff = np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))) if a.size else 0.0
+      raise Nondeterministic(
+        f"{what}: output {j} {a.dtype}{list(a.shape)} is not bitwise the first call's "
+        f'(largest difference {diff:.3g})'
+      )
+
+
+def _require_same_run(first, again) -> None:
+  """Two runs (outputs of every call, variables after) bitwise equal."""
+  for c, (a, b) in enumerate(zip(first[0], again[0])):
+    _require_identical(a, b, f'a second build of the program, call {c + 1}')
+  _require_identical(first[1], again[1], 'a second build of the program, the variables after')
 
 
 def compare(build, got, want, backend: str = 'tf') -> Optional[str]:
@@ -134,15 +166,43 @@ def compare(build, got, want, backend: str = 'tf') -> Optional[str]:
   exact = reference(build, np.float64)
   why = _further_from_float64(got, want, exact)
   if why:
-    # A second float32 witness: XLA running the unpartitioned program sums in other orders
-    # (and its training BatchNorm takes the variance as E[x^2] - E[x]^2). Where the exact
-    # result is 0 (a gradient a later BatchNorm or softmax cancels), or float32 keeps little
-    # of it, the witnesses disagree as much as a correct partitioned program may: each
-    # tensor is measured against the witness further from float64.
-    witness = _xla_witness(build)
-    if witness is not None:
-      why = _further_from_float64(got, _further(want, witness, exact), exact)
+    # More float32 witnesses of the unpartitioned program, each as correct as `want`: XLA
+    # sums in other orders (and its training BatchNorm takes the variance as E[x^2] -
+    # E[x]^2), and the same program on inputs rounded to float32 another way (`_nudged`).
+    # Where the exact result is 0 or nearly (a gradient a later BatchNorm or softmax
+    # cancels: what float32 gives there is a few units of the rounding of the terms that
+    # cancel), one float32 run may land 1 such unit off and another 3: each tensor is
+    # measured against the witness furthest from float64. A wrong partitioned program (a
+    # partial sum counted twice, a block missing) is off by the size of the terms themselves.
+    witness = want
+    for more in [_xla_witness(build)] + [_nudged(build, k) for k in range(NUDGED_WITNESSES)]:
+      if more is not None:
+        witness = _further(witness, more, exact)
+    why = _further_from_float64(got, witness, exact)
   return '' if not why else f'{first}\n{why}'
+
+
+NUDGED_WITNESSES = 4
+
+
+def _nudged(build, seed: int):
+  """The unpartitioned program's outputs and variables, every floating input and variable
+  moved by at most one unit in the last place (up, down or not, at random by `seed`)."""
+  rng = np.random.RandomState(seed)
+  _, make, args = build(np.float32)
+  fn, variables = make()
+  for v in variables:
+    if v.dtype.is_floating:
+      v.assign(_nudge(v.numpy(), rng))
+  args = [_nudge(a, rng) if np.asarray(a).dtype.kind == 'f' else a for a in args]
+  return _calls(fn, args), [v.numpy() for v in variables]
+
+
+def _nudge(value, rng) -> np.ndarray:
+  value = np.asarray(value)
+  step = rng.randint(-1, 2, size=value.shape)
+  up, down = np.nextafter(value, np.inf), np.nextafter(value, -np.inf)
+  return np.where(step > 0, up, np.where(step < 0, down, value)).astype(value.dtype)
 
 
 def _xla_witness(build):
@@ -175,19 +235,28 @@ def _further_from_float64(got, want, exact) -> str:
     return str(error)
 
 
-def judge(build, backend: str = 'tf', timeout: float = 60.0) -> Outcome:
-  """Run `build`'s program partitioned and not (twice each) and say how it went."""
+def judge(
+  build, backend: str = 'tf', timeout: float = 60.0, repeats: int = 0, rebuild: bool = False
+) -> Outcome:
+  """Run `build`'s program partitioned and not (twice each) and say how it went; `repeats`
+  and `rebuild`: the determinism check (see `REPEATS`)."""
+
+  def split():
+    got = partitioned(build, backend, timeout, repeats)
+    if rebuild:
+      _require_same_run(got, partitioned(build, backend, timeout))
+    return got
+
   return outcome_of(
-    lambda: reference(build),
-    lambda: partitioned(build, backend, timeout),
-    lambda got, want: compare(build, got, want, backend),
+    lambda: reference(build), split, lambda got, want: compare(build, got, want, backend)
   )
 
 
 def outcome_of(plain: Callable, split: Callable, judged: Callable) -> Outcome:
   """How a case went: `plain()` failing is 'invalid', `split()` (the partitioned run)
-  failing a refusal or a crash, else `judged(got, want)` (None, '' for the float64 rule,
-  or why they differ) decides. The Keras fuzzer's runs go through here too."""
+  failing a refusal or a crash (or `Nondeterministic`), else `judged(got, want)` (None, ''
+  for the float64 rule, or why they differ) decides. The Keras fuzzer's runs go through here
+  too."""
   start = time.time()
   try:
     want = plain()
@@ -195,6 +264,8 @@ def outcome_of(plain: Callable, split: Callable, judged: Callable) -> Outcome:
     return Outcome('invalid', _error_text(error), type(error).__name__, time.time() - start)
   try:
     got = split()
+  except Nondeterministic as error:
+    return Outcome('nondeterministic', str(error), type(error).__name__, time.time() - start)
   except Exception as error:  # noqa: BLE001
     return Outcome(
       classify(error),
@@ -208,8 +279,11 @@ def outcome_of(plain: Callable, split: Callable, judged: Callable) -> Outcome:
   return Outcome(status, why or '', '', time.time() - start, float64=why == '')
 
 
-def run(program: Program, backend: str = 'tf', timeout: float = 60.0) -> Outcome:
-  return judge(load(render(program)), backend, timeout)
+def run(
+  program: Program, backend: str = 'tf', timeout: float = 60.0, rebuild: bool = False
+) -> Outcome:
+  repeats = 0 if program.assign else REPEATS
+  return judge(load(render(program)), backend, timeout, repeats, rebuild)
 
 
 def check(build, backend: str = 'tf') -> None:
@@ -362,6 +436,9 @@ def test_case(program: Program, outcome: Outcome, backend: str = 'tf') -> str:
 
 
 # --- the campaign ----------------------------------------------------------------------------
+FAILURES = ('mismatch', 'crash', 'invalid', 'nondeterministic')
+
+
 @dataclasses.dataclass
 class Tally:
   programs: int = 0
@@ -375,8 +452,9 @@ class Tally:
     rate = self.programs / seconds if seconds else 0.0
     return (
       f'programs run {self.programs} (xla {self.xla_runs}), mismatches {c["mismatch"]}, '
-      f'crashes {c["crash"]}, refusals {c["refusal"]}, invalid {c["invalid"]}, '
-      f'float64 rule {c["float64"]}; {seconds:.1f} s ({rate:.2f} programs/s)'
+      f'crashes {c["crash"]}, nondeterministic {c["nondeterministic"]}, refusals '
+      f'{c["refusal"]}, invalid {c["invalid"]}, float64 rule {c["float64"]}; {seconds:.1f} s '
+      f'({rate:.2f} programs/s)'
     )
 
 
@@ -399,13 +477,13 @@ def campaign(
     sampled = xla_every and index % xla_every == 0 and xla_lowers(program)
     backends = ['tf'] + (['xla'] if sampled else [])
     for i, backend in enumerate(backends):
-      outcome = run(program, backend)
+      outcome = run(program, backend, rebuild=index % REBUILD_EVERY == 0)
       tally.xla_runs += i > 0  # the sampled second run is XLA's
       _record(tally, program, backend, outcome, echo)
       if outcome.poisoned:
         echo(f'POISONED: a collective failed; resume with --start {index + 1}')
         return tally
-      if outcome.status in ('mismatch', 'crash', 'invalid') and shrink_budget:
+      if outcome.status in FAILURES and shrink_budget:
         _shrink_and_write(program, outcome, backend, out, (shrink_budget, shrink_seconds), echo)
     tally.programs += 1
   echo(tally.line(time.time() - began))
@@ -419,7 +497,7 @@ def _record(tally, program, backend, outcome, echo):
   tally.counts['float64'] += outcome.float64
   if outcome.status == 'refusal':
     tally.refusals[outcome.message[:160]] += 1
-  if outcome.status in ('mismatch', 'crash', 'invalid'):
+  if outcome.status in FAILURES:
     tally.failures.append(f'{program.label()} {backend}: {outcome.message[:300]}')
   note = ' (float64 rule)' if outcome.float64 else ''
   detail = '' if outcome.status == 'pass' else ' ' + ' '.join(outcome.message.split())[:200]
@@ -428,8 +506,10 @@ def _record(tally, program, backend, outcome, echo):
 
 def _shrink_and_write(program, outcome, backend, out, limits, echo):
   """`limits`: (candidates, seconds) the shrinker may spend."""
-  if outcome.status == 'invalid':
-    small = program  # the reference itself failed: a fuzzer bug, shown as drawn
+  if outcome.status in ('invalid', 'nondeterministic'):
+    # The reference itself failed (a fuzzer bug), or bits that differ from run to run (which
+    # a shrinker cannot chase): shown as drawn.
+    small = program
   else:
     small = shrink(program, failing_like(outcome, backend), limits[0], echo, limits[1])
   name = f'test_fuzz_case_{program.seed}_{program.index}_{backend}.py'
@@ -447,6 +527,18 @@ def write_case(text: str, out: str, name: str, echo) -> None:
     echo(f'wrote {path}')
 
 
+def _freeze_imports() -> None:
+  """Put what the imports made (~350k objects of TF and tf_gspmd, alive for the whole run) out
+  of the garbage collector's reach: every full collection walked them again, and so did each
+  program's scan for functions that captured a variable (`program.held.release`)."""
+  import gc
+
+  import tf_gspmd.partitioned  # noqa: F401  (imported here so that it is frozen too)
+
+  gc.collect()
+  gc.freeze()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--programs', type=int, default=100)
@@ -462,6 +554,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   from tf_gspmd.testing.op_sweep import configure_devices
 
   configure_devices(8)
+  _freeze_imports()
   tally = campaign(
     args.seed,
     args.programs,
@@ -473,7 +566,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     echo=lambda s: print(s, flush=True),
     shrink_seconds=args.shrink_seconds,
   )
-  return 1 if tally.counts['mismatch'] or tally.counts['crash'] else 0
+  return 1 if any(tally.counts[s] for s in ('mismatch', 'crash', 'nondeterministic')) else 0
 
 
 if __name__ == '__main__':
