@@ -99,33 +99,24 @@ __all__ = [
 
 # Names kept one release for code written against them, each with the one to use instead:
 # TF's xla_sharding names live in `tg.xla_sharding`; internals of one stage in their module.
+# (module, attribute, what to use instead) of each.
 _DEPRECATED = {
   'annotate': ('tf_gspmd.annotations', 'annotate', 'tg.shard(x, sharding)'),
-  'assign_device': ('tf_gspmd.xla_sharding', 'assign_device', 'tg.xla_sharding.assign_device'),
-  'mesh_split': ('tf_gspmd.xla_sharding', 'mesh_split', 'tg.xla_sharding.mesh_split'),
-  'mesh_split_sharding': (
-    'tf_gspmd.xla_sharding',
-    'mesh_split_sharding',
-    'tg.xla_sharding.mesh_split_sharding',
-  ),
-  'partial_tile': ('tf_gspmd.xla_sharding', 'partial_tile', 'tg.xla_sharding.partial_tile'),
-  'replicate': ('tf_gspmd.xla_sharding', 'replicate', 'tg.xla_sharding.replicate'),
-  'split': ('tf_gspmd.xla_sharding', 'split', 'tg.xla_sharding.split'),
-  'tile': ('tf_gspmd.xla_sharding', 'tile', 'tg.xla_sharding.tile'),
   'variable_sharding': ('tf_gspmd.annotations', 'variable_sharding', 'tg.get_sharding(variable)'),
-  'named': ('tf_gspmd.sharding', 'named', 'tf_gspmd.sharding.named'),
-  'named_for_rank': ('tf_gspmd.sharding', 'named_for_rank', 'tf_gspmd.sharding.named_for_rank'),
-  'from_proto': ('tf_gspmd.op_sharding', 'from_proto', 'tf_gspmd.op_sharding.from_proto'),
-  'to_proto': ('tf_gspmd.op_sharding', 'to_proto', 'tf_gspmd.op_sharding.to_proto'),
-  'capture': ('tf_gspmd.graph.capture', 'capture', 'tf_gspmd.graph.capture.capture'),
-  'rebuild': ('tf_gspmd.graph.rebuild', 'rebuild', 'tf_gspmd.graph.rebuild.rebuild'),
-  'plan_reshard': (
-    'tf_gspmd.graph_rewrite.reshard',
-    'plan_reshard',
-    'tf_gspmd.graph_rewrite.reshard.plan_reshard',
-  ),
-  'SpmdProgram': ('tf_gspmd.runtime', 'SpmdProgram', 'tf_gspmd.runtime.SpmdProgram'),
 }
+for _module, _names in [
+  ('xla_sharding', xla_sharding.__all__),
+  ('sharding', ['named', 'named_for_rank']),
+  ('op_sharding', ['from_proto', 'to_proto']),
+  ('graph.capture', ['capture']),
+  ('graph.rebuild', ['rebuild']),
+  ('graph_rewrite.reshard', ['plan_reshard']),
+  ('runtime', ['SpmdProgram']),
+]:
+  _home = 'tg.xla_sharding' if _module == 'xla_sharding' else f'tf_gspmd.{_module}'
+  for _name in _names:
+    _DEPRECATED[_name] = (f'tf_gspmd.{_module}', _name, f'{_home}.{_name}')
+del _module, _names, _home, _name
 
 
 def __getattr__(name: str):

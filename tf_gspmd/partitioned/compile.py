@@ -17,7 +17,7 @@ import tensorflow as tf
 from tf_gspmd.graph import ir
 from tf_gspmd.graph_rewrite.partitioner import Local, OpRecord, Partitioner
 from tf_gspmd.mesh import Mesh
-from tf_gspmd.partitioned import boundary
+from tf_gspmd.partitioned import boundary, executors
 from tf_gspmd.sharding import NamedSharding
 
 
@@ -81,26 +81,24 @@ def _pin_held_layouts(program: ir.Program, mesh: Mesh) -> None:
     program.main.node(node).annotations[index] = sharding
 
 
-def refuse_python_callbacks(program: ir.Program, backend: str, name: str) -> None:
+def refuse_python_callbacks(program: ir.Program, executor, name: str) -> None:
   """Refuse, naming the op, a Python callback (tf.py_function, tf.numpy_function) the
   partitioned program could not run as plain TF does.
 
-  On backend='xla': any, since an XLA program cannot call back into Python. On the TF backend:
-  a tf.py_function's gradient. TF pairs it with the forward call through a tape it keeps per
-  py_function (and pops once per gradient call); the partitioned program runs the callback on
-  every partition, so the N gradient calls find one tape, or none (a KeyError, or a collective
-  that hangs, depending on the order the devices ran in).
+  On an executor that cannot run them (backend='xla': an XLA program cannot call back into
+  Python): any. On the TF backend: a tf.py_function's gradient. TF pairs it with the forward
+  call through a tape it keeps per py_function (and pops once per gradient call); the
+  partitioned program runs the callback on every partition, so the N gradient calls find one
+  tape, or none (a KeyError, or a collective that hangs, depending on the order the devices
+  ran in).
   """
-  from tf_gspmd.partitioned import executors
   from tf_gspmd.tf_private import is_py_function_gradient
-
-  runs_callbacks = executors.get(backend).runs_python_callbacks
 
   for graph in program.graphs():
     for node in graph.nodes:
       if node.op not in ('EagerPyFunc', 'PyFunc', 'PyFuncStateless'):
         continue
-      if not runs_callbacks:
+      if not executor.runs_python_callbacks:
         from tf_gspmd.xla_bridge.export import XlaLoweringError
 
         raise XlaLoweringError(

@@ -261,7 +261,7 @@ class PartitionedFunction:
     program, mesh = compile_lib.capture_annotated(
       self.fn, args, self.mesh, self.in_shardings, self.out_shardings, name_of(self.fn)
     )
-    compile_lib.refuse_python_callbacks(program, self.backend, name_of(self.fn))
+    compile_lib.refuse_python_callbacks(program, self.executor, name_of(self.fn))
     self._phase('propagating shardings')
     plan = propagate_captured(program, mesh)
     self._phase('making the sharded variables')

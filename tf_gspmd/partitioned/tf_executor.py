@@ -24,7 +24,10 @@ class TFExecutor(executors.Executor):
     return TFCollectives
 
   def sharded_variable_class(self) -> type:
-    return sharded_variable_class()
+    """What holds a variable's shards: one TF variable per device."""
+    from tf_gspmd.runtime import ShardedVariable
+
+    return ShardedVariable
 
   def check_fits(self, layouts, mesh_size: int, devices: Optional[Sequence[str]]) -> None:
     from tf_gspmd.partitioned.variables import check_fits
@@ -41,13 +44,6 @@ class TFExecutor(executors.Executor):
 
   def run(self, compiled, flat_args, sharded_variables: dict, what: str):
     return run(compiled, flat_args, sharded_variables, what)
-
-
-def sharded_variable_class():
-  """What holds a variable's shards for this backend: one TF variable per device."""
-  from tf_gspmd.runtime import ShardedVariable
-
-  return ShardedVariable
 
 
 def spmd_program(compiled: Compiled, devices: Optional[Sequence[str]], timeout: Optional[float]):

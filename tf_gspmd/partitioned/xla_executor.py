@@ -38,7 +38,10 @@ class XlaExecutor(executors.Executor):
     return NativeCollectives
 
   def sharded_variable_class(self) -> type:
-    return sharded_variable_class()
+    """What holds a variable's shards: device buffers, one per device."""
+    from tf_gspmd.xla_bridge.pjrt import XlaShardedVariable
+
+    return XlaShardedVariable
 
   def devices(self, mesh: Mesh, devices: Optional[Sequence]):
     return functools.partial(devices_for, mesh, devices)  # jax is imported when asked
@@ -58,13 +61,6 @@ class XlaExecutor(executors.Executor):
   def run(self, compiled, flat_args, sharded_variables: dict, what: str):
     del what
     return run(compiled, compiled.prepared, flat_args, sharded_variables)
-
-
-def sharded_variable_class():
-  """What holds a variable's shards for this backend: device buffers, one per device."""
-  from tf_gspmd.xla_bridge.pjrt import XlaShardedVariable
-
-  return XlaShardedVariable
 
 
 def devices_for(mesh: Mesh, devices: Optional[Sequence]) -> list:
