@@ -253,3 +253,64 @@ def test_fuzz_3535_115_broadcast_into_batch_norms_judged_by_float64():
   another way 2.1e-04 .. 4.5e-04: float32 itself, not the partitioner (`fuzz.compare`'s
   witnesses)."""
   fuzz.check(build_3535_115)
+
+
+def build_3535_3081(dtype=np.float32):
+  """[3535:3081] 10 ops mesh 8* grad (6 annotations, 1186 input elements)"""
+  mesh = tg.Mesh(np.array([5, 6, 1, 7, 0, 2, 4, 3]).reshape((8,)), ('x',))
+  rng = np.random.RandomState(6616)
+  x2 = (rng.standard_normal((5, 7, 8, 4)) * 1.0).astype(dtype)
+  v3_value = (rng.standard_normal((2, 2, 4, 3)) * 0.25).astype(dtype)
+  v16_value = (rng.standard_normal((1, 2)) * 1.0).astype(dtype)
+  x20 = (rng.standard_normal((1, 1, 2)) * 1.0).astype(dtype)
+  x23 = (rng.standard_normal((1, 1, 1, 2)) * 1.0).astype(dtype)
+  i25 = rng.randint(0, 2, size=(12,)).astype(np.int32)
+  loss_weight_t8 = rng.standard_normal((1, 1, 1)).astype(dtype)
+  loss_weight_t26 = rng.standard_normal((12, 1, 1, 2)).astype(dtype)
+
+  def make():
+    v3 = tf.Variable(v3_value)
+    v16 = tf.Variable(v16_value)
+    tg.shard_variable(v16, mesh, tg.P(None, 'x'))
+
+    @tf.function(autograph=False)
+    def program(x2, x20, x23, i25):
+      with tf.GradientTape() as tape:
+        x2 = tg.shard(x2, mesh, tg.P(None, None, 'x', None))
+        x20 = tg.shard(x20, mesh, tg.P('x', None, None))
+        tape.watch([x2, x20, x23])
+        t4 = tf.nn.conv2d(x2, v3, strides=2, padding='VALID')
+        t5 = tf.reduce_sum(t4, axis=[0, 1, 2, 3], keepdims=True)
+        t5 = tg.shard(t5, mesh, tg.P(None, None, None, None))
+        t7 = -t5
+        t8 = tf.reshape(t7, [1, 1, 1])
+        t17 = tf.einsum('abck,kn->abcn', t5, v16)
+        t18 = tf.abs(t17)
+        t19 = t18[:, :, :, :]
+        t19 = tg.shard(t19, mesh, tg.P(None, 'x', None, None))
+        t21 = x20 + t19
+        t24 = tf.concat([t21, x23], 0)
+        t26 = tf.gather(t24, i25, axis=0)
+        t26 = tg.shard(t26, mesh, tg.P(None, None, None, 'x'))
+        loss = tf.reduce_sum(t8 * loss_weight_t8) + tf.reduce_sum(t26 * loss_weight_t26)
+      grads = tape.gradient(
+        loss, [x2, x23, v3, v16], unconnected_gradients=tf.UnconnectedGradients.ZERO
+      )
+      grads = [tf.convert_to_tensor(g) for g in grads]
+      return [t8, t26, grads[0], grads[1], grads[2], grads[3]]
+
+    return program, [v3, v16]
+
+  return mesh, make, [x2, x20, x23, i25]
+
+
+@pytest.mark.xfail(
+  strict=True,
+  raises=TypeError,
+  reason='open bug (campaign seed 3535, program 3081): the gradient of a gather sums its slices '
+  'with an UnsortedSegmentSum whose data has dims TF left unknown; the segment handler prices '
+  'resharding it in bytes (factors._cost -> plan_reshard), which needs every dim: a TypeError '
+  'instead of a result or a refusal naming the op',
+)
+def test_fuzz_3535_3081_segment_sum_of_a_gather_gradient_with_unknown_dims():
+  fuzz.check(build_3535_3081, backend='tf')
