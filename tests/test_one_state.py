@@ -62,10 +62,21 @@ def _data():
   )
 
 
-def _pair(backend='tf'):
-  """(partitioned train, partitioned eval, their variables), (plain train, plain eval, twins)."""
+def _pair(backend='tf', as_shards=False):
+  """(partitioned train, partitioned eval, their variables), (plain train, plain eval, twins).
+
+  `as_shards`: the partitioned side's variables made as shards (`tg.Variable`), else plain
+  tf.Variables the partitioned functions adopt.
+  """
   mesh = tg.Mesh.create(*MESH)
-  a = [tf.Variable(v, name=n) for v, n in zip(_weights(), ('w1', 'w2'))]
+  specs = (tg.P(None, 'model'), tg.P('model', None))
+  if as_shards:
+    a = [
+      tg.Variable(v, tg.NamedSharding(mesh, spec), name=n, backend=backend)
+      for v, n, spec in zip(_weights(), ('w1', 'w2'), specs)
+    ]
+  else:
+    a = [tf.Variable(v, name=n) for v, n in zip(_weights(), ('w1', 'w2'))]
   b = [tf.Variable(v, name=n) for v, n in zip(_weights(), ('w1', 'w2'))]
   train, evaluate = _steps(*a, mesh)
   plain_train, plain_eval = _steps(*b)
@@ -121,15 +132,16 @@ def test_a_write_between_calls_is_what_the_next_call_reads(backend, tmp_path):
   assert_close(train(x, y), plain_train(x, y), 'train after the restores')
 
 
-def test_plain_reads_see_the_shards_and_a_stale_trace_fails_naming_the_variable():
-  (train, _, (w1, w2)), (plain_train, _, (v1, v2)) = _pair()
+@pytest.mark.parametrize('as_shards', [False, True], ids=['adopted', 'split'])
+def test_plain_reads_and_functions_traced_before_see_the_trained_value(as_shards):
+  (train, _, (w1, w2)), (plain_train, _, (v1, v2)) = _pair(as_shards=as_shards)
   x, y = _data()
 
   @tf.function
   def total_traced_before():
     return tf.reduce_sum(w1)
 
-  total_traced_before()  # traced while w1 still held its own buffer
+  total_traced_before()  # traced before the first partitioned call
   train(x, y), plain_train(x, y)
 
   @tf.function
@@ -140,13 +152,13 @@ def test_plain_reads_see_the_shards_and_a_stale_trace_fails_naming_the_variable(
   assert_close(w1.numpy(), v1.numpy(), 'numpy()')
   assert_close(tf.reduce_sum(w1), tf.reduce_sum(v1), 'an eager op on the variable')
   assert tuple(tf.shape(w1).numpy()) == (16, 64)
-  with pytest.raises(tf.errors.FailedPreconditionError, match='w1_is_held_as_shards'):
-    total_traced_before()
+  assert_close(total_traced_before(), tf.reduce_sum(v1), 'a function traced before')
 
 
-def test_gradients_of_a_plain_function_over_held_variables():
+@pytest.mark.parametrize('as_shards', [False, True], ids=['adopted', 'split'])
+def test_gradients_of_a_plain_function_over_held_variables(as_shards):
   """Training the same variables unpartitioned (a plain tf.function) after partitioning."""
-  (train, _, (w1, w2)), (plain_train, _, (v1, v2)) = _pair()
+  (train, _, (w1, w2)), (plain_train, _, (v1, v2)) = _pair(as_shards=as_shards)
   x, y = _data()
   train(x, y), plain_train(x, y)
   retraced, _ = _steps(w1, w2)  # a plain step over the held variables
@@ -164,20 +176,20 @@ def _split_shapes(variables):
 
 
 def _whole_copies(shapes, exclude=()):
-  """Live tf.Variables (other than held views and `exclude`) of any of these shapes."""
-  skip = {id(v) for v in exclude}
+  """Live tf.Variables (other than those made as shards and `exclude`) of any of these shapes."""
+  skip = {id(v) for v in exclude} | {id(v.logical) for v in held.held_variables()}
   return [
     o.name
     for o in gc.get_objects()
     if isinstance(o, tf.Variable)
-    and not held.is_held(o)
+    and not held.is_split(o)
     and id(o) not in skip
     and tuple(o.shape) in shapes
   ]
 
 
-def test_no_whole_copy_of_a_split_variable_after_partition():
-  (train, _, (w1, w2)), _ = _pair()
+def test_no_whole_copy_of_a_variable_made_as_shards_after_partition():
+  (train, _, (w1, w2)), _ = _pair(as_shards=True)
   shapes = {(16, 64), (64, 4)}
   x, y = _data()
   train(x, y)

@@ -116,10 +116,11 @@ def test_shard_variables_hold_each_replicas_shard(megatron_step):
     np.testing.assert_array_equal(component.numpy(), w1.numpy()[:, 8 * column : 8 * column + 8])
 
 
-def test_the_variables_are_views_of_the_replica_components(megatron_step):
+def test_the_replica_components_hold_the_variables_value_at_each_step(megatron_step):
   step, (w1, w2) = megatron_step
-  before = w1.numpy()  # assembled from the 8 per-replica components
-  w1.assign(tf.zeros_like(w1))  # scattered to them
+  before = w1.numpy()
+  w1.assign(tf.zeros_like(w1))
+  step.scatter_variables()  # what each step does first: a plain variable is its own state
   components = step.variables.sharded[id(w1)].components()
   assert not any(c.numpy().any() for c in components)
   w1.assign(before)

@@ -55,11 +55,6 @@ def _both_ways(mesh, batches):
   return ours, ours_xla, theirs, keras_step(ref_model, ref_optimizer), model, ref_model
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason='XLA reference partitioner lowers with the variables own buffers, which tf_gspmd '
-  'releases once it holds them as shards (#31); build it before partitioning (not yet done)',
-)
 def test_mlp_2d_mesh_values_and_collectives():
   mesh = tg.Mesh.create(MESH_SHAPE, AXES)
   batches = mlp_batches(16)

@@ -83,29 +83,28 @@ from tensorflow.python.ops import collective_ops
 from tensorflow.python.ops import script_ops
 
 # A resource variable that has a shape and dtype but never allocates its value (a plan of a
-# model too large to build); tf.Variable always initializes.
+# model too large to build; a SplitVariable's logical handle, program/held.py); tf.Variable
+# always initializes.
 from tensorflow.python.ops.resource_variable_ops import UninitializedVariable
 
-# The class every TF2 variable is: a variable held as shards (program/held.py) becomes a class
-# with its methods but not its type, because TF's eager fast path reads an instance's buffer
-# through its handle in C++, bypassing any Python override; an object that is not one is
-# converted through the registered conversion function instead (what tf.distribute's
-# DistributedVariable relies on). tf.Variable is its public base, not the class itself.
-from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable
-from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
 # The variable-access hook every TF read calls: it watches the variable on the active gradient
-# tapes (and, in a FuncGraph, records it among the graph's variables). A variable whose value
-# lives only as shards (program/held.py) reads them instead of its handle and calls this itself,
-# so `tf.GradientTape` still sees the read; no public API watches a variable from inside a read.
+# tapes (and, in a FuncGraph, records it among the graph's variables). A SplitVariable
+# (program/held.py) reads its shards instead of a handle and calls this itself, so
+# `tf.GradientTape` still sees the read; no public API watches a variable from inside a read.
 from tensorflow.python.ops.resource_variable_ops import variable_accessed
 
 # `record_operation` ties a computed value to an input on the gradient tapes, with its gradient
-# function: a held variable's assembled value is tied to the variable's handle (identity
+# function: a SplitVariable's assembled value is tied to the variable's handle (identity
 # gradient), as TF ties a ReadVariableOp's result; tf.custom_gradient cannot name a handle.
 from tensorflow.python.eager import record
 
-# The key a variable's value is saved under in a checkpoint ('VARIABLE_VALUE'): a held variable
+# Whether a SavedModel is being written (`in_save_context`): a SplitVariable (program/held.py)
+# is exported as its shard variables only (the functions that read it capture them), not also
+# as its whole value; TF tells a checkpoint's serialization from a SavedModel's no other way.
+from tensorflow.python.saved_model import save_context
+
+# The key a variable's value is saved under in a checkpoint ('VARIABLE_VALUE'): a SplitVariable
 # serializes its assembled value under it, as a plain variable would.
 from tensorflow.python.trackable.base import VARIABLE_VALUE_KEY
 
@@ -137,9 +136,7 @@ def is_py_function_gradient(token: str) -> bool:
 
 
 __all__ = [
-  'BaseResourceVariable',
   'FuncGraph',
-  'ResourceVariable',
   'UninitializedVariable',
   'VARIABLE_VALUE_KEY',
   'atomic_function',
@@ -158,6 +155,7 @@ __all__ = [
   'op_def_registry',
   'pywrap_tf_session',
   'record',
+  'save_context',
   'script_ops',
   'set_op_attr',
   'variable_accessed',

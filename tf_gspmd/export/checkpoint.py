@@ -129,6 +129,7 @@ class _Entry:
   dtype: tf.DType
   plain: Any = None
   sharded: Any = None
+  adopted: bool = False  # `plain` is its own value, copied into `sharded` around each call
 
 
 def _is_keras_variable(value) -> bool:
@@ -205,11 +206,6 @@ def _entries(obj, what: str) -> List[_Entry]:
   if isinstance(obj, dict):
     return [_entry_of(str(name), v) for name, v in obj.items()]
   items = _flatten(obj, what)
-  stores = [
-    item.store if isinstance(item, _ShardsOf) else item
-    for item in items
-    if isinstance(item, (VariableStore, _ShardsOf))
-  ]
   variables, seen = [], set()
   for item in items:
     if isinstance(item, _ShardsOf):
@@ -232,18 +228,23 @@ def _entries(obj, what: str) -> List[_Entry]:
         variables.append(v)
   names = _unique([_base_name(v) for v in variables])
   entries = [_entry_of(name, v) for name, v in zip(names, variables)]
-  for entry in entries:  # a variable held as shards: they are its value (program/held.py)
+  for entry in entries:  # a variable made as shards: they are its value (program/held.py)
     entry.sharded = held.holder_of(entry.plain)
-    for store in stores if entry.sharded is None else ():
-      entry.sharded = store.sharded.get(id(entry.plain))
+    entry.adopted = entry.sharded is not None and not held.is_split(entry.plain)
   return entries
+
+
+def _adopted(entries: List[_Entry]) -> list:
+  """The plain variables among `entries` whose shards are a copy (program/held.py): a save
+  refreshes the copy from them first, a restore writes them from it after."""
+  return [e.plain for e in entries if e.adopted]
 
 
 def values_by_name(source) -> Dict[str, np.ndarray]:
   """Checkpoint name -> the global value `save_checkpoint(source, ...)` would write now (a
   sharded variable assembled from its shards): what a restore must reproduce bitwise."""
   return {
-    e.name: (e.sharded.assemble() if e.sharded is not None else e.plain).numpy()
+    e.name: (e.sharded.assemble() if e.sharded is not None and not e.adopted else e.plain).numpy()
     for e in _entries(source, 'values_by_name')
   }
 
@@ -407,6 +408,7 @@ def save_checkpoint(source, directory: str, *, max_to_keep: int = 3) -> Checkpoi
   device wrote.
   """
   entries = _entries(source, 'save_checkpoint')
+  held.scatter_adopted(_adopted(entries))  # each device writes its slices of the current value
   if max_to_keep < 1:
     raise ValueError(f'save_checkpoint: max_to_keep must be at least 1, got {max_to_keep}.')
   os.makedirs(directory, exist_ok=True)
@@ -543,6 +545,7 @@ def restore_checkpoint(path: str, target) -> CheckpointRecord:
   by_reader, whole = _restore_pieces(entries)
   for key, pieces in list(by_reader.items()) + list(whole.items()):
     _read_device(prefix, key, pieces)
+  held.gather_adopted(_adopted(entries))  # the restored shards are their variables' value
   return _record(
     prefix, entries, by_reader, sum(p.nbytes for pieces in whole.values() for p in pieces)
   )

@@ -23,6 +23,7 @@ the live `tf.Variable` behind each variable handle placeholder, and
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
@@ -87,13 +88,43 @@ def concrete_function_of(fn, args=(), kwargs=None, input_signature=None):
 
 
 def _fresh(fn):
-  """A tf.function with `fn`'s options and none of its traces (a ConcreteFunction as it is).
+  """A tf.function with `fn`'s options and none of its traces (a ConcreteFunction as it is),
+  whose body runs `_apart`: the tf.functions it calls trace for this capture alone.
 
   `_clone` is the tf.function's own copy constructor (what binding it to an instance uses);
   no public API copies a tf.function's options (autograph, jit_compile, input signature).
   """
   clone = getattr(fn, '_clone', None)
-  return clone(None) if clone is not None else fn
+  if clone is None:
+    return fn
+  body = fn.python_function
+
+  @functools.wraps(body)  # the same signature (`__wrapped__`): the same FunctionType
+  def apart(*args, **kwargs):
+    with _apart():
+      return body(*args, **kwargs)
+
+  return clone(apart)
+
+
+def _keep_device(op) -> str:
+  """A device function that leaves every op where it was placed."""
+  return op.device
+
+
+@contextlib.contextmanager
+def _apart() -> Iterator[None]:
+  """Keep the traces of nested tf.functions made during a partition trace apart from plain ones.
+
+  A nested tf.function's cache key holds the calling graph's device functions when one of
+  them is a callable (TF's `make_function_context`, so call-site placements are respected).
+  A callable that changes no placement, new for each capture, makes the key this capture's
+  own: a nested function traced here (reading variables' logical handles, for the
+  partitioner) is never what a plain call runs, nor a plain trace (reading the shards) what
+  the partitioner sees.
+  """
+  with tf.compat.v1.get_default_graph().device(lambda op: _keep_device(op)):
+    yield
 
 
 def _as_tf_function(fn):

@@ -137,7 +137,9 @@ _BACKEND_FUNCTIONS = {
 def _variable_init(original):
   @functools.wraps(original)
   def init(self, *args, **kwargs):
-    current = keras.distribution.distribution()
+    # An optimizer slot takes its variable's layout (Keras passes it): made under the
+    # distribution that variable was made under, even when none is current now.
+    current = keras.distribution.distribution() or getattr(kwargs.get('layout'), _MADE_UNDER, None)
     if current is None:
       original(self, *args, **kwargs)
       return
@@ -148,6 +150,7 @@ def _variable_init(original):
     if hooks.layout_of(self) is None:
       hooks.set_layout(self, current.get_variable_layout(self))
     setattr(self, _MADE_UNDER, current)
+    _remember(hooks.layout_of(self), current)
     if hooks.backing(self) is not None:
       # Made inside a step being captured (optimizer slots, metric state): annotated now,
       # before the capture reads it; otherwise the step would give it a layout of its own.
@@ -156,9 +159,17 @@ def _variable_init(original):
   return init
 
 
+def _remember(layout, distribution) -> None:
+  """Tag `layout` with the distribution it was given under (its slots are made under it)."""
+  try:
+    setattr(layout, _MADE_UNDER, distribution)
+  except AttributeError:  # a layout that takes no attributes (None, a tuple): nothing to find
+    pass
+
+
 def _as_shards(variable, distribution, next_creator, **kwargs):
-  """The tf.Variable behind Keras variable `variable`, made as shards of its layout when that
-  splits it (`tg.Variable`: its initial value computed on the host, split, dropped)."""
+  """The tf.Variable behind Keras variable `variable`, made as shards of its layout (a
+  `SplitVariable`, by `tg.Variable`: its initial value computed on the host, split, dropped)."""
   if making_shards() or tf.inside_function() or kwargs.get('initial_value') is None:
     return next_creator(**kwargs)  # made while a step is traced: annotated below instead
   if not _shape_known(variable):
@@ -166,8 +177,8 @@ def _as_shards(variable, distribution, next_creator, **kwargs):
   if hooks.layout_of(variable) is None:
     hooks.set_layout(variable, distribution.get_variable_layout(variable))
   sharding = _sharding_of(variable, distribution)
-  if not any(entry is not None for entry in sharding.spec):
-    return next_creator(**kwargs)
+  # Replicated ones too: their copies on the devices are their one state (a plain variable
+  # would be copied into them and back at every step).
   _, devices = translate.mesh_and_devices(distribution.device_mesh)
   devices = executors.get(_backend[0]).devices_named(devices)
   return Variable(

@@ -6,13 +6,13 @@ axes, the whole `train_step` (forward, gradients, optimizer, metrics) runs as
 one SPMD program, and all steps share one set of sharded variables. Keras
 keeps driving the loop, callbacks and logs.
 
-Each variable exists once, as its shards (`tf_gspmd/program/held.py`): the first
-step's build makes the shards of every model, optimizer and metric variable and the
-model's own tf.Variables become views of them. Whatever reads a weight (`get_weights`,
-`save`, a callback, `tf.train.Checkpoint`, `variable.numpy()`) assembles it then; whatever
-writes one (`set_weights`, `load_weights`, a restore, `variable.assign`, a learning-rate
-schedule, Keras resetting metrics) scatters to the shards at once. Nothing is copied
-between steps, and no whole copy of a split variable is kept.
+Each variable has one state (`tf_gspmd/program/held.py`). Under a tf_gspmd distribution
+Keras makes its variables as shards (`SplitVariable`s): whatever reads a weight
+(`get_weights`, `save`, a callback, `tf.train.Checkpoint`, `variable.numpy()`) assembles it
+then, whatever writes one (`set_weights`, `load_weights`, a restore, `variable.assign`, a
+learning-rate schedule, Keras resetting metrics) scatters to the shards at once, and no whole
+copy of a split variable is kept. A variable made before (a plain tf.Variable) stays its own
+state: each step copies it into its shards and writes the new value back.
 
 Variables no layout rule annotated are replicated (as Keras' own LayoutMap
 does), so the train, test and predict steps agree on every variable's layout.
@@ -438,8 +438,9 @@ def partition_model(
 
 
 def unpartition_model(model):
-  """Undo `partition_model`: each variable holds its whole value again (its shards are dropped),
-  Keras' own steps are back. A no-op for a model never partitioned; returns `model`.
+  """Undo `partition_model`: Keras' own steps are back, plain variables' shards are dropped
+  (they hold their value), a variable made as shards keeps them (its value). A no-op for a model
+  never partitioned; returns `model`.
   """
   launcher = model.__dict__.get('_tf_gspmd_launcher')
   if launcher is None:

@@ -34,6 +34,12 @@ from keras.src.backend.common.variables import Variable as KerasVariable
 # `keras.distribution` functions and `Layer.__call__` dispatch to.
 from keras.src.backend.tensorflow import distribution_lib as tf_distribution_lib
 
+# Private: the TF backend's variable class (`keras.Variable` is its public alias only when
+# the backend is TF). Its SavedModel children are its own, none: one whose value is a
+# SplitVariable must also export the shard variables its traced reads capture
+# (`_trackable_children` is TF's trackable protocol, which Keras does not expose).
+from keras.src.backend.tensorflow.core import Variable as KerasTFVariable
+
 # Private: the class keras.Model's training entry points live on under the TF backend.
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
@@ -90,6 +96,26 @@ def _built_tf_variable(value):
 
 
 annotations.register_variable_unwrapper(_built_tf_variable)
+
+
+def _with_saved_model_children(original):
+  """`_trackable_children` of a Keras variable, plus, in a SavedModel, its value's own (a
+  SplitVariable's shard variables: `saved_model_children`)."""
+
+  def children(self, save_type='checkpoint', **kwargs):
+    found = original(self, save_type, **kwargs)
+    extra = getattr(backing(self), 'saved_model_children', None)
+    if extra is None or str(getattr(save_type, 'value', save_type)) != 'savedmodel':
+      return found
+    return dict(found, **extra())
+
+  return children
+
+
+# Permanent, not in `patch`: a SplitVariable outlives tg.keras.disable(), and exports then too.
+KerasTFVariable._trackable_children = _with_saved_model_children(  # noqa: SLF001
+  KerasTFVariable._trackable_children  # noqa: SLF001
+)
 
 
 def layout_of(variable):

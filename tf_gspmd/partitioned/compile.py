@@ -44,6 +44,21 @@ class Compiled:
   # program needed another layout) when the variable's holder is another object now.
   holders: List[Any] = dataclasses.field(default_factory=list)
 
+  def written_variables(self) -> List[Any]:
+    """The variables a call may write: every one whose handle reaches an op other than a read
+    (an assignment, an optimizer's apply, a function or loop taking the handle)."""
+    graph = self.program.main
+    by_placeholder = {name: var for name, var in self.program.variables.items()}
+    return [
+      var
+      for name, var in by_placeholder.items()
+      if any(graph.node(node).op not in _READS for node, _ in graph.consumers(name))
+    ]
+
+
+# Ops that only read the variable whose handle they take.
+_READS = frozenset({'ReadVariableOp', 'ResourceGather', 'ResourceGatherNd', 'VariableShape'})
+
 
 def capture_annotated(fn, args, mesh: Mesh, in_shardings, out_shardings, fn_name: str):
   """`fn` captured for `args`, its arguments and outputs annotated as given.

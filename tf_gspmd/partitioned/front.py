@@ -101,7 +101,10 @@ class PartitionedFunction:
     flat_args = [a for a in tf.nest.flatten(args) if is_tensor_like(a)]
     what = f'partition({name_of(self.fn)!r})'
     self._prepared(compiled)
-    return self.executor.run(compiled, flat_args, self._sharded_variables, what)
+    held.scatter_adopted(compiled.variables)  # a plain variable is its own state: copy it in
+    outputs = self.executor.run(compiled, flat_args, self._sharded_variables, what)
+    held.gather_adopted(compiled.written_variables())  # ... and what the call wrote back out
+    return outputs
 
   def _own_layouts(self, compiled: Compiled) -> None:
     """Move back the shards another program moved to its own layout (one state per variable)."""
@@ -110,9 +113,8 @@ class PartitionedFunction:
       built_for = compiled.holders[i] if i < len(compiled.holders) else None
       if built_for is None or holder is built_for:
         continue
-      if holder is None:  # given its own value back (unpartition_model): hold it again
+      if holder is None:  # its shards dropped (unpartition_model): give it shards again
         self.store.add(var, built_for.sharding, type(built_for), built_for.devices, self.backend)
-        self.store.release()
         compiled.holders[i] = held.holder_of(var)
         continue
       if variables_lib.fits(holder, built_for.sharding, type(built_for), built_for.devices):
@@ -284,7 +286,6 @@ class PartitionedFunction:
       check_fits=self._check_fits,
     )
     compiled.holders = [self._sharded_variables.get(id(v)) for v in compiled.variables]
-    self.store.release()  # every variable's value lives in its shards now: free the rest
     if self.executor.prepares_at_build:
       self._prepared(compiled)
     return compiled

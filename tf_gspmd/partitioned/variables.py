@@ -1,10 +1,11 @@
-"""The variables a partitioned function touches, each held once as its shards.
+"""The variables a partitioned function touches, and their shards.
 
-A variable's shards are the one state of the variable (`program/held.py`): the user's
-`tf.Variable` becomes a view of them, and every partitioned function over it finds the same
-shards, with no store to pass. A `VariableStore` is one function's index of the variables it
-touches (`pairs`, `byte_counts`, the id -> shards mapping its executors read); two stores over
-the same variables see the same shards.
+A variable made as shards (`Variable`, `sharded_variables`: a `held.SplitVariable`) has them
+as its one state; a plain variable a function adopts keeps its own value, copied into its
+shards and back around each partitioned call (`program/held.py`). Every partitioned function
+over a variable finds the same shards, with no store to pass. A `VariableStore` is one
+function's index of the variables it touches (`pairs`, `byte_counts`, the id -> shards mapping
+its executors read); two stores over the same variables see the same shards.
 """
 
 from __future__ import annotations
@@ -174,10 +175,6 @@ class VariableStore:
     )
     held.hold(var, made, annotation=variable_sharding(var))
 
-  def release(self) -> None:
-    """Free the own buffers of the variables this store's functions hold as shards."""
-    held.release(list(self.originals.values()))
-
   def byte_counts(self) -> Dict[str, Dict[str, int]]:
     """Per variable name: its total bytes and the bytes one device holds.
 
@@ -296,7 +293,8 @@ def Variable(  # noqa: N802  (a constructor, named as tf.Variable)
   backend: str = executors.DEFAULT,
   devices=None,
 ) -> tf.Variable:
-  """A `tf.Variable` made as shards of `sharding`: its whole value is never kept on a device.
+  """A `tf.Variable` made as shards of `sharding` (a `SplitVariable`): its whole value is
+  never kept on a device.
 
   `initial_value` (a value, or a callable computing it) is computed on the host, split into
   the shards of `sharding` on `devices` (default: the backend's first `mesh.size` devices) and
@@ -305,8 +303,6 @@ def Variable(  # noqa: N802  (a constructor, named as tf.Variable)
 
   >>> w = Variable(np.zeros((8, 4)), NamedSharding(mesh, P('x', None)))  # doctest: +SKIP
   """
-  from tf_gspmd.tf_private import UninitializedVariable
-
   value = _whole_value(initial_value, dtype)
   if not isinstance(sharding, Sharding):
     raise TypeError(f'tg.Variable: sharding must be a Sharding, got {type(sharding).__name__}.')
@@ -315,24 +311,18 @@ def Variable(  # noqa: N802  (a constructor, named as tf.Variable)
   executor.check_fits(
     [(name or 'Variable', tuple(value.shape), value.dtype, sharding)], sharding.mesh.size, devices
   )
-  variable = UninitializedVariable(
-    shape=value.shape, dtype=value.dtype, trainable=trainable, name=name or 'Variable'
-  )
   _MAKING.depth = making_shards() + 1
   try:
     holder = executor.sharded_variable_class()(
-      value,
-      sharding,
-      devices=devices,
-      name=variable.name.split(':')[0],
-      trainable=trainable,
+      value, sharding, devices=devices, name=name or 'Variable', trainable=trainable
     )
   finally:
     _MAKING.depth -= 1
   del value  # the shards hold it now
+  variable = held.SplitVariable(
+    holder, name=name or 'Variable', trainable=trainable, annotation=sharding
+  )
   shard_variable(variable, sharding)
-  held.hold(variable, holder, annotation=sharding)
-  held.mark_released(variable)  # it never had a buffer of its own
   return variable
 
 

@@ -1,36 +1,43 @@
-"""One state per variable: a tf.Variable whose value lives only as its shards.
+"""One state per variable: `SplitVariable`, and the shards of adopted plain variables.
 
-`hold(variable, holder)` makes a user's `tf.Variable` a view of `holder` (a
-`runtime.ShardedVariable`, an `xla_bridge.XlaShardedVariable` or a TPU strategy's
-`ReplicaVariable`: anything with `sharding`, `shape`, `dtype`, `assemble()` and
-`scatter(value)`) and releases the variable's own storage, so no whole copy of a split
-variable stays anywhere. The variable keeps its Python identity, name, shape, dtype and
-trackable place, so Keras, checkpoints, `tf.function`s and the user keep using it:
+A variable reaches a partitioned program in one of two ways:
 
-* a read (`numpy()`, `value()`, `read_value()`, a plain `tf.function`, `tf.train.Checkpoint`
-  saving) assembles the whole value from the shards, on demand, and drops it after use;
-  gradient tapes see it as a read of the variable (identity gradient);
-* a write (`assign*`, `scatter_*`, `tf.train.Checkpoint.restore`, Keras' `set_weights`)
-  scatters the new value to the shards;
-* while `graph.capture` traces a function to partition it (`tracing_for_partition()`) the
-  variable reads and writes its own handle, as any variable would: the partitioner maps that
-  handle to the shards, which the per-partition program reads and writes in place.
+* **made as shards** (`tg.Variable`, `tg.sharded_variables`, a Keras variable under a
+  tf_gspmd distribution): a `SplitVariable` from birth. Its value lives only in its holder (a
+  `runtime.ShardedVariable`, an `xla_bridge.XlaShardedVariable`, a TPU strategy's
+  `ReplicaVariable`: anything with `sharding`, `shape`, `dtype`, `assemble()` and
+  `scatter(value)`); no whole copy is kept anywhere. It is a `tf.Variable` of its own class,
+  the way tf.distribute's variables are, so TF and Keras use it as any variable:
 
-Every partitioned function over the variable finds the same holder (`holder_of`), so a train
-and an evaluation step, a checkpoint and the user all see one state. A program built for
-another layout, device list or backend moves the state to its own (`move_to`: assembled on the
-host one variable at a time, split again); programs of the same mesh reuse the held layout
-(`held_sharding`), so they agree and nothing moves.
+  - a read (`numpy()`, `value()`, a plain `tf.function`, a checkpoint) assembles the whole
+    value from the shards, on demand (in a traced function: as ops reading the shard
+    variables, so the function captures them and a SavedModel exports them);
+  - a write (`assign*`, `scatter_*` with dense or `IndexedSlices` updates, a checkpoint
+    restore, Keras' `set_weights`) scatters the new value to the shards;
+  - gradient tapes see a read of the variable (identity gradient), and a `tf.function` takes
+    it as an argument by reference (it retraces per variable, reading the shards);
+  - while `graph.capture` traces a function to partition it (`tracing_for_partition()`) it
+    reads and writes its *logical handle* (an uninitialized variable of the whole shape that
+    never allocates): the partitioner maps that handle to the shards, which the per-partition
+    program reads and writes in place.
 
-The variable's whole value is never kept: a `tf.function` traced before the variable was held
-read its handle directly, and its next call fails naming the variable (trace it again: a new
-`tf.function`); one traced afterwards reads the shards.
+* **adopted** (a plain `tf.Variable` a partitioned function touches, annotated with
+  `tg.shard_variable` or given a layout by propagation): it stays the plain variable it was,
+  and stays its own state. A partitioned call splits its current value into the shards before
+  running and assembles the new value back into it afterwards (`scatter_adopted`,
+  `gather_adopted`), so every plain read and write, every function traced before or after,
+  sees one value. The price is a whole copy beside the shards and a copy in and out per call:
+  make a variable as shards to hold it once.
+
+Every partitioned function over a variable finds the same holder (`holder_of`), so a train and
+an evaluation step see one state. A program built for another layout, device list or backend
+moves the shards to its own (`replace_holder`).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterable, Iterator, List, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -38,161 +45,118 @@ import tensorflow as tf
 from tf_gspmd.graph.capture import tracing_for_partition
 from tf_gspmd.tf_private import (
   VARIABLE_VALUE_KEY,
-  BaseResourceVariable,
-  ResourceVariable,
+  UninitializedVariable,
+  handle_data_util,
   record,
+  save_context,
   variable_accessed,
 )
 
-_HOLDER = '_tf_gspmd_holder'
-_RELEASED = '_tf_gspmd_released'
-_ANNOTATION = '_tf_gspmd_annotation_when_held'
-_CLASS = '_tf_gspmd_class_before_held'
-_MISSING_COUNT = [0]
-# id(variable) -> weak reference to every held variable (for `held_variables`, the memory tests).
-_LIVE: Dict[int, weakref.ref] = {}
+# id(plain tf.Variable) -> (weak reference to it, its holder, the annotation then).
+_ADOPTED: Dict[int, tuple] = {}
+# id(SplitVariable) -> weak reference (for `held_variables`, the memory tests).
+_SPLIT: Dict[int, weakref.ref] = {}
 
 
 def holder_of(variable) -> Optional[Any]:
-  """The holder of `variable`'s shards, or None when it holds its own value."""
-  return getattr(variable, '__dict__', {}).get(_HOLDER)
+  """The holder of `variable`'s shards, or None when it has none."""
+  if isinstance(variable, SplitVariable):
+    return variable._holder  # noqa: SLF001
+  entry = _ADOPTED.get(id(variable))
+  if entry is None or entry[0]() is not variable:
+    return None
+  return entry[1]
 
 
 def is_held(variable) -> bool:
+  """Whether `variable` has shards (its own, or an adopted variable's copy)."""
   return holder_of(variable) is not None
 
 
+def is_split(variable) -> bool:
+  """Whether `variable`'s shards are its only state (made as shards)."""
+  return isinstance(variable, SplitVariable)
+
+
 def held_sharding(variable):
-  """The sharding `variable`'s shards have (None when it is not held)."""
+  """The sharding `variable`'s shards have (None when it has none)."""
   holder = holder_of(variable)
   return None if holder is None else holder.sharding
 
 
 def held_variables() -> List[tf.Variable]:
-  """Every live variable whose value lives as shards."""
+  """Every live variable whose value lives only as shards."""
   out = []
-  for key, ref in list(_LIVE.items()):
+  for key, ref in list(_SPLIT.items()):
     variable = ref()
     if variable is None:
-      _LIVE.pop(key, None)
+      _SPLIT.pop(key, None)
     else:
       out.append(variable)
   return out
 
 
-def hold(variable: tf.Variable, holder, annotation=None) -> tf.Variable:
-  """Make `variable` a view of `holder`'s shards; returns it.
+def hold(variable, holder, annotation=None) -> tf.Variable:
+  """Give `variable` the shards `holder` (made from its current value); returns it.
 
-  `holder` must already hold the variable's current value (made from it, or from the value
-  the variable is to start with). The variable's own buffer stays until `release`.
-  `annotation`: the layout the user annotated it with then (None: none), so an annotation
-  changed afterwards can be refused instead of ignored.
+  A `SplitVariable` takes them as its state; a plain variable is adopted: it keeps its own
+  value, and partitioned calls copy it into `holder` and back. `annotation`: the layout the
+  user annotated it with then (None: none), so a changed annotation is refused, not ignored.
   """
-  if not isinstance(variable, tf.Variable) or not hasattr(variable, 'handle'):
-    raise TypeError(f'hold: {variable!r} is not a resource tf.Variable.')
+  if not isinstance(variable, tf.Variable):
+    raise TypeError(f'hold: {variable!r} is not a tf.Variable.')
   if tuple(holder.shape) != tuple(variable.shape) or holder.dtype != variable.dtype:
     raise ValueError(
       f'hold: variable {variable.name} is {variable.dtype.name}{list(variable.shape)}, its '
       f'shards hold {holder.dtype.name}{list(holder.shape)}.'
     )
-  if not is_held(variable):
-    variable.__dict__[_CLASS] = type(variable)
-    variable.__class__ = HeldVariable
-  variable.__dict__[_HOLDER] = holder
-  variable.__dict__[_ANNOTATION] = annotation
+  if isinstance(variable, SplitVariable):
+    variable._holder = holder  # noqa: SLF001
+    variable._annotation = annotation  # noqa: SLF001
+    return variable
   key = id(variable)
-  _LIVE[key] = weakref.ref(variable, lambda _: _LIVE.pop(key, None))
+  _ADOPTED[key] = (weakref.ref(variable, lambda _: _ADOPTED.pop(key, None)), holder, annotation)
   return variable
 
 
 def annotation_when_held(variable):
-  """The layout `variable` was annotated with when it became held (None: none)."""
-  return getattr(variable, '__dict__', {}).get(_ANNOTATION)
-
-
-def unhold(variable) -> None:
-  """Give a held variable its own whole value back and make it a plain variable again."""
-  holder = holder_of(variable)
-  if holder is None:
-    return
-  value = holder.assemble()
-  variable.__class__ = variable.__dict__.pop(_CLASS)
-  tf.raw_ops.AssignVariableOp(resource=variable.handle, value=value, validate_shape=False)
-  for key in (_HOLDER, _RELEASED, _ANNOTATION):
-    variable.__dict__.pop(key, None)
-  _LIVE.pop(id(variable), None)
+  """The layout `variable` was annotated with when it got its shards (None: none)."""
+  if isinstance(variable, SplitVariable):
+    return variable._annotation  # noqa: SLF001
+  entry = _ADOPTED.get(id(variable))
+  return entry[2] if entry is not None and entry[0]() is variable else None
 
 
 def replace_holder(variable, holder) -> None:
-  """Give a held variable another holder (a program built for another layout or backend)."""
+  """Give a variable with shards other shards (a program built for another layout or backend)."""
   if not is_held(variable):
-    raise ValueError(f'replace_holder: variable {variable.name} is not held.')
-  variable.__dict__[_HOLDER] = holder
+    raise ValueError(f'replace_holder: variable {variable.name} has no shards.')
+  hold(variable, holder, annotation_when_held(variable))
 
 
-def release(variables) -> None:
-  """Free the own buffers of held `variables`: their values live in the shards now.
+def unhold(variable) -> None:
+  """Drop an adopted variable's shards (its own value is current). A `SplitVariable` keeps its
+  shards: they are its value."""
+  entry = _ADOPTED.get(id(variable))
+  if entry is not None and entry[0]() is variable:
+    _ADOPTED.pop(id(variable), None)
 
-  An eager variable's resource belongs to its handle (TF frees it with the last reference),
-  so it cannot be destroyed while the variable lives; its buffer is replaced by an empty one
-  (the handle keeps its static shape). A `tf.function` traced before the variable was held
-  captured that handle: its captured input is swapped for the handle of a never-initialized
-  variable named after this one, so its next call fails naming the variable (trace it again)
-  instead of computing on an empty or stale value.
-  """
-  variables = [v for v in variables if is_held(v) and not v.__dict__.get(_RELEASED)]
-  if not variables or not tf.executing_eagerly():
-    return
-  _redirect_stale_traces(variables)
+
+def scatter_adopted(variables: Iterable) -> None:
+  """Split the current value of each adopted variable among `variables` into its shards."""
   for variable in variables:
-    empty = tf.zeros([0] * max(variable.shape.rank or 0, 1), variable.dtype)
-    tf.raw_ops.AssignVariableOp(resource=variable.handle, value=empty, validate_shape=False)
-    variable.__dict__[_RELEASED] = True
+    holder = None if isinstance(variable, SplitVariable) else holder_of(variable)
+    if holder is not None:
+      holder.scatter(variable.read_value())
 
 
-def mark_released(variable) -> None:
-  """Record that `variable` never had a buffer of its own (created as shards)."""
-  variable.__dict__[_RELEASED] = True
-
-
-def _redirect_stale_traces(variables) -> None:
-  """Point the captured handles of functions traced before `variables` were held at handles
-  that fail on read, naming the variable.
-
-  One pass over the objects the garbage collector tracks, looking at ConcreteFunctions only
-  (`gc.get_objects`, not `gc.get_referrers`: the latter calls every object's traverse
-  function, and one of TF's crashed the process while another thread ran).
-  """
-  import gc
-
-  by_handle = {id(v.handle): v for v in variables}
-  poisoned: Dict[int, Any] = {}
-  for owner in gc.get_objects():
-    if type(owner).__name__ != 'ConcreteFunction':
-      continue
-    captured = getattr(owner, '_captured_inputs', None)  # what its calls pass: no public API
-    if not isinstance(captured, list):
-      continue
-    for i, item in enumerate(captured):
-      variable = by_handle.get(id(item))
-      if variable is None or item is not variable.handle:
-        continue
-      if id(item) not in poisoned:
-        poisoned[id(item)] = _missing_handle(variable)
-      captured[i] = poisoned[id(item)]
-
-
-def _missing_handle(variable) -> tf.Tensor:
-  """A handle to a variable that does not exist, named so that its read error says why."""
-  _MISSING_COUNT[0] += 1
-  name = variable.name.split(':')[0]
-  return tf.raw_ops.VarHandleOp(
-    dtype=variable.dtype,
-    shape=variable.shape,
-    shared_name=(
-      f'{name}_is_held_as_shards_by_tf_gspmd_so_trace_this_function_again_{_MISSING_COUNT[0]}'
-    ),
-  )
+def gather_adopted(variables: Iterable) -> None:
+  """Assemble each adopted variable's shards back into the variable (after a call wrote them)."""
+  for variable in variables:
+    holder = None if isinstance(variable, SplitVariable) else holder_of(variable)
+    if holder is not None:
+      with tf.device(variable.device):
+        variable.assign(holder.assemble())
 
 
 def read_global(holder, dtype) -> tf.Tensor:
@@ -218,27 +182,178 @@ def write_global(holder, value: tf.Tensor):
   return tf.py_function(scatter, [value], tf.int32, name='scatter_held')
 
 
-def _base(name: str) -> Callable:
-  """TF's own implementation of a variable method (for reads and writes inside a partition
-  trace, where a held variable behaves as the variable it was)."""
-  return _TF_METHODS[name]
+_MISSING_COUNT = [0]
 
 
-class _HeldView:
-  """The methods that make a variable read and write its shards (see the module docstring)."""
+def _missing_handle(logical) -> tf.Tensor:
+  """The handle a partition trace reads and writes (the partitioner maps it to the shards): a
+  handle to a variable that is never created, of the whole shape and dtype, named so that a
+  read of it anywhere else fails saying why (never an empty or stale value)."""
+  _MISSING_COUNT[0] += 1
+  name = logical.name.split(':')[0].replace('/', '_')
+  handle = tf.raw_ops.VarHandleOp(
+    dtype=logical.dtype,
+    shape=logical.shape,
+    shared_name=(
+      f'{name}_is_split_by_tf_gspmd_and_this_function_was_traced_for_tg_partition_'
+      f'{_MISSING_COUNT[0]}'
+    ),
+  )
+  handle_data_util.copy_handle_data(logical.handle, handle)  # its shape and dtype, for traces
+  return handle
 
-  _should_act_as_resource_variable = True  # tf's is_resource_variable(): it still is one
+
+class _ByReference(tf.types.experimental.TraceType):
+  """How a `tf.function` sees a SplitVariable argument: this very variable, by reference (as a
+  closure would), with no tensor passed; another variable traces again. Its shards' handles are
+  then captured by the trace, as any variable read inside the body."""
+
+  def __init__(self, variable):
+    self._ref = weakref.ref(variable)
+    self._id = id(variable)
+
+  def is_subtype_of(self, other) -> bool:
+    return self == other
+
+  def most_specific_common_supertype(self, others):
+    return self if all(self == other for other in others) else None
+
+  def placeholder_value(self, placeholder_context):
+    return self._ref()
+
+  def to_tensors(self, value):
+    return []
+
+  def from_tensors(self, tensors):
+    return self._ref()
+
+  def flatten(self):
+    return []
+
+  def cast(self, value, cast_context):
+    return value
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, _ByReference) and self._id == other._id and self._ref() is not None
+
+  def __hash__(self) -> int:
+    return hash(self._id)
+
+  def __repr__(self) -> str:
+    return f'SplitVariable#{self._id}'
+
+
+# Sparse writes: TF's resource op (what a partition trace emits, for the partitioner) and the
+# dense op computing the same on a whole value (a plain trace: read, update, write back).
+_SCATTERS = {
+  'scatter_add': ('ResourceScatterAdd', tf.tensor_scatter_nd_add),
+  'scatter_sub': ('ResourceScatterSub', tf.tensor_scatter_nd_sub),
+  'scatter_max': ('ResourceScatterMax', tf.tensor_scatter_nd_max),
+  'scatter_min': ('ResourceScatterMin', tf.tensor_scatter_nd_min),
+  'scatter_update': ('ResourceScatterUpdate', tf.tensor_scatter_nd_update),
+  'scatter_mul': ('ResourceScatterMul', None),
+  'scatter_div': ('ResourceScatterDiv', None),
+}
+_SCATTERS_ND = {
+  'scatter_nd_add': ('ResourceScatterNdAdd', tf.tensor_scatter_nd_add),
+  'scatter_nd_sub': ('ResourceScatterNdSub', tf.tensor_scatter_nd_sub),
+  'scatter_nd_update': ('ResourceScatterNdUpdate', tf.tensor_scatter_nd_update),
+  'scatter_nd_max': ('ResourceScatterNdMax', tf.tensor_scatter_nd_max),
+  'scatter_nd_min': ('ResourceScatterNdMin', tf.tensor_scatter_nd_min),
+}
+_ASSIGNS = {
+  'assign': 'AssignVariableOp',
+  'assign_add': 'AssignAddVariableOp',
+  'assign_sub': 'AssignSubVariableOp',
+}
+
+
+class SplitVariable(tf.Variable):
+  """A `tf.Variable` whose value lives only as shards over devices (see the module docstring).
+
+  Made by `tg.Variable`, `tg.sharded_variables` and Keras under a tf_gspmd distribution; not
+  to be confused with tf.distribute's `ShardedVariable` (row partitions on parameter servers).
+  """
+
+  _should_act_as_resource_variable = True  # TF's is_resource_variable(): read it as one
+
+  def __init__(self, holder, *, name: str, trainable: bool = True, annotation=None):
+    with tf.init_scope():
+      # Its name, shape and dtype as TF's variables keep them, and what a SavedModel writes
+      # for it; never allocated (TF reads an uninitialized eager variable as an empty
+      # tensor, so its handle is not the one a trace reads).
+      self._logical = UninitializedVariable(
+        shape=tf.TensorShape(holder.shape),
+        dtype=holder.dtype,
+        trainable=trainable,
+        name=name,
+      )
+      self._handle = _missing_handle(self._logical)
+    self._holder = holder
+    self._annotation = annotation
+    key = id(self)
+    _SPLIT[key] = weakref.ref(self, lambda _: _SPLIT.pop(key, None))
+
+  # --- what it is ------------------------------------------------------------------------
+  name = property(lambda self: self._logical.name)
+  dtype = property(lambda self: self._logical.dtype)
+  shape = property(lambda self: self._logical.shape)
+  handle = property(lambda self: self._handle)
+  trainable = property(lambda self: self._logical.trainable)
+  device = property(lambda self: self._logical.device)
+  graph = property(lambda self: self._logical.graph)
+  op = property(lambda self: self._logical.op)
+  synchronization = property(lambda self: self._logical.synchronization)
+  aggregation = property(lambda self: self._logical.aggregation)
+  constraint = property(lambda self: None)
+  _shared_name = property(lambda self: self._logical._shared_name)  # noqa: SLF001
+  _unique_id = property(lambda self: self._logical._unique_id)  # noqa: SLF001
+  _handle_name = property(lambda self: self._logical._handle_name)  # noqa: SLF001
+  _in_graph_mode = False
 
   @property
-  def _tf_gspmd_holder(self):
-    return self.__dict__[_HOLDER]
+  def initializer(self):
+    return None  # made with its value: nothing to run (as an eager variable)
+
+  @property
+  def initial_value(self):
+    raise RuntimeError(f'SplitVariable {self.name}: its initial value was split and dropped.')
+
+  @property
+  def logical(self) -> tf.Variable:
+    """The uninitialized variable behind its handle (no buffer: it never holds a value)."""
+    return self._logical
+
+  @property
+  def sharding(self):
+    """The sharding its shards have."""
+    return self._holder.sharding
+
+  def get_shape(self) -> tf.TensorShape:
+    return self.shape
+
+  def __repr__(self) -> str:
+    if tf.executing_eagerly():
+      return (
+        f"<tg.SplitVariable '{self.name}' shape={self.shape} dtype={self.dtype.name}, "
+        f'{self._holder.sharding}, numpy={self.numpy()!r}>'
+      )
+    return f"<tg.SplitVariable '{self.name}' shape={self.shape} dtype={self.dtype.name}>"
 
   # --- reads -----------------------------------------------------------------------------
+  def value(self):
+    return self._read_variable_op()
+
+  def read_value(self):
+    return tf.identity(self._read_variable_op())
+
   def _read_variable_op(self, no_copy=False):
-    if tracing_for_partition():
-      return _base('_read_variable_op')(self, no_copy)
+    del no_copy
     variable_accessed(self)  # gradient tapes watch it, as for any variable read
-    value = read_global(self._tf_gspmd_holder, self.dtype)
+    if tracing_for_partition():
+      value = tf.raw_ops.ReadVariableOp(resource=self.handle, dtype=self.dtype)
+    else:
+      value = read_global(self._holder, self.dtype)
     record.record_operation(
       'ReadVariableOp',
       [value],
@@ -248,146 +363,217 @@ class _HeldView:
     )
     return value
 
+  def numpy(self) -> np.ndarray:
+    if not tf.executing_eagerly():
+      raise NotImplementedError('numpy() is only available when eager execution is enabled.')
+    return self.read_value().numpy()
+
+  def __array__(self, dtype=None):
+    value = self.numpy()
+    return value if dtype is None else value.astype(dtype)
+
+  def _dense_var_to_tensor(self, dtype=None, name=None, as_ref=False):
+    del name, as_ref
+    if dtype is not None and not dtype.is_compatible_with(self.dtype):
+      raise ValueError(
+        f'Incompatible type conversion requested to type {dtype.name} for variable of type '
+        f'{self.dtype.name} (Variable: {self.name}).'
+      )
+    return self.value()
+
+  def _as_graph_element(self):
+    return None
+
   def is_initialized(self, name=None):
-    if tracing_for_partition():
-      return _base('is_initialized')(self, name)
-    return tf.constant(True)
+    del name
+    lost = getattr(self._holder, 'lost', None)
+    return tf.constant(not (lost() if callable(lost) else False))
 
   def sparse_read(self, indices, name=None):
     if tracing_for_partition():
-      return _base('sparse_read')(self, indices, name)
+      variable_accessed(self)
+      return tf.raw_ops.ResourceGather(
+        resource=self.handle, indices=indices, dtype=self.dtype, name=name
+      )
     return tf.gather(self.value(), indices, name=name)
 
   def gather_nd(self, indices, name=None):
     if tracing_for_partition():
-      return _base('gather_nd')(self, indices, name)
+      variable_accessed(self)
+      return tf.raw_ops.ResourceGatherNd(
+        resource=self.handle, indices=indices, dtype=self.dtype, name=name
+      )
     return tf.gather_nd(self.value(), indices, name=name)
 
   def __tf_tracing_type__(self, signature_context):
-    raise TypeError(
-      f'Variable {self.name} lives as shards (tf_gspmd); a tf.function reads it from its '
-      'closure, not as an argument: use it inside the function instead of passing it.'
-    )
+    del signature_context
+    return _ByReference(self)
 
   # --- writes ----------------------------------------------------------------------------
-  def assign(self, value, use_locking=None, name=None, read_value=True):
-    if tracing_for_partition():
-      return _base('assign')(self, value, use_locking, name, read_value)
+  def _write(self, op_name: str, value, read_value: bool, name=None):
     value = tf.convert_to_tensor(value, dtype=self.dtype)
-    if not self.shape.is_compatible_with(value.shape):
+    if op_name == 'AssignVariableOp' and not self.shape.is_compatible_with(value.shape):
       raise ValueError(
         f"Cannot assign value to variable '{self.name}': Shape mismatch. The variable shape "
         f'{self.shape}, and the assigned value shape {value.shape} are incompatible.'
       )
-    op = write_global(self._tf_gspmd_holder, value)
-    return self if read_value else op
+    if tracing_for_partition():
+      variable_accessed(self)
+      op = getattr(tf.raw_ops, op_name)(resource=self.handle, value=value, name=name)
+    else:
+      if op_name != 'AssignVariableOp':
+        now = read_global(self._holder, self.dtype)
+        value = now + value if op_name == 'AssignAddVariableOp' else now - value
+      op = write_global(self._holder, value)
+    if not read_value:
+      return op
+    if tf.executing_eagerly():
+      return self
+    with tf.control_dependencies([op] if op is not None else []):
+      return self.read_value()
+
+  def assign(self, value, use_locking=None, name=None, read_value=True):
+    return self._write('AssignVariableOp', value, read_value, name)
 
   def assign_add(self, delta, use_locking=None, name=None, read_value=True):
-    if tracing_for_partition():
-      return _base('assign_add')(self, delta, use_locking, name, read_value)
-    now = read_global(self._tf_gspmd_holder, self.dtype)
-    return self.assign(now + tf.convert_to_tensor(delta, self.dtype), read_value=read_value)
+    return self._write('AssignAddVariableOp', delta, read_value, name)
 
   def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
-    if tracing_for_partition():
-      return _base('assign_sub')(self, delta, use_locking, name, read_value)
-    now = read_global(self._tf_gspmd_holder, self.dtype)
-    return self.assign(now - tf.convert_to_tensor(delta, self.dtype), read_value=read_value)
+    return self._write('AssignSubVariableOp', delta, read_value, name)
 
-  # --- checkpoints -----------------------------------------------------------------------
-  def _serialize_to_tensors(self):
+  def _scatter(self, method: str, sparse_delta, use_locking=None, name=None):
+    """A sparse write (`IndexedSlices`): TF's resource op in a partition trace, else the new
+    whole value computed and scattered to the shards."""
+    del use_locking
+    if not isinstance(sparse_delta, tf.IndexedSlices):
+      raise TypeError(f'{method}: sparse_delta is not IndexedSlices: {sparse_delta}')
+    resource_op, dense = _SCATTERS[method]
+    updates = tf.convert_to_tensor(sparse_delta.values, self.dtype)
     if tracing_for_partition():
-      return _base('_serialize_to_tensors')(self)
+      variable_accessed(self)
+      getattr(tf.raw_ops, resource_op)(
+        resource=self.handle, indices=sparse_delta.indices, updates=updates, name=name
+      )
+      return self if tf.executing_eagerly() else self.read_value()
+    indices = tf.expand_dims(sparse_delta.indices, -1)
+    whole = self.value()
+    if dense is None:  # multiply / divide: by a tensor of ones updated where indexed
+      ones = tf.ones_like(whole)
+      factor = tf.tensor_scatter_nd_update(ones, indices, updates)
+      new = whole * factor if method == 'scatter_mul' else whole / factor
+    else:
+      new = dense(whole, indices, updates)
+    return self._write('AssignVariableOp', new, True, name)
+
+  def _scatter_nd(self, method: str, indices, updates, name=None):
+    resource_op, dense = _SCATTERS_ND[method]
+    updates = tf.convert_to_tensor(updates, self.dtype)
+    if tracing_for_partition():
+      variable_accessed(self)
+      getattr(tf.raw_ops, resource_op)(ref=self.handle, indices=indices, updates=updates, name=name)
+      return self if tf.executing_eagerly() else self.read_value()
+    return self._write('AssignVariableOp', dense(self.value(), indices, updates), True, name)
+
+  def batch_scatter_update(self, sparse_delta, use_locking=None, name=None):
+    del use_locking
+    new = tf.compat.v1.batch_scatter_update  # TF's own composition works on any variable
+    return new(self, sparse_delta.indices, sparse_delta.values, name=name)
+
+  def _strided_slice_assign(self, begin, end, strides, value, name, *masks):
+    """`variable[...].assign(value)`: TF's op in a partition trace; else the whole value with
+    the slice replaced, computed on a temporary variable and scattered."""
+    names = ('begin_mask', 'end_mask', 'ellipsis_mask', 'new_axis_mask', 'shrink_axis_mask')
+    kwargs = dict(zip(names, masks))
+    if tracing_for_partition():
+      variable_accessed(self)
+      return tf.raw_ops.ResourceStridedSliceAssign(
+        ref=self.handle, begin=begin, end=end, strides=strides, value=value, name=name, **kwargs
+      )
+    whole = tf.Variable(self.value(), trainable=False)
+    whole._strided_slice_assign(begin, end, strides, value, name, *masks)  # noqa: SLF001
+    return self._write('AssignVariableOp', whole.read_value(), True)
+
+  # --- checkpoints and SavedModels -------------------------------------------------------
+  def _serialize_to_tensors(self):
+    if save_context.in_save_context():
+      return {}  # a SavedModel holds the shard variables (`saved_model_children`) instead
     with tf.device('/device:CPU:0'):
-      return {VARIABLE_VALUE_KEY: tf.identity(read_global(self._tf_gspmd_holder, self.dtype))}
+      return {VARIABLE_VALUE_KEY: tf.identity(read_global(self._holder, self.dtype))}
 
   def _restore_from_tensors(self, restored_tensors):
-    if tracing_for_partition():
-      return _base('_restore_from_tensors')(self, restored_tensors)
     value = tf.convert_to_tensor(restored_tensors[VARIABLE_VALUE_KEY], self.dtype)
     if not self.shape.is_compatible_with(value.shape):
       raise ValueError(
         f'Received incompatible tensor with shape {value.shape} when attempting to restore '
         f'variable with shape {self.shape} and name {self.name}.'
       )
-    return write_global(self._tf_gspmd_holder, value)
+    return write_global(self._holder, value)
+
+  def saved_model_children(self) -> Dict[str, tf.Variable]:
+    """The shard variables a traced read captures, by name: a SavedModel exports them with the
+    functions that read this variable (a checkpoint saves the whole value only)."""
+    shards = getattr(self._holder, 'shards', ())
+    return {f'shard_{p}': s for p, s in enumerate(shards) if isinstance(s, tf.Variable)}
+
+  def _trackable_children(self, save_type='checkpoint', **kwargs):
+    children = dict(super()._trackable_children(save_type, **kwargs))
+    if str(getattr(save_type, 'value', save_type)) == 'savedmodel':
+      children.update(self.saved_model_children())
+    return children
+
+  def _export_to_saved_model_graph(self, object_map, tensor_map, options, **kwargs):
+    resources = self._logical._export_to_saved_model_graph(  # noqa: SLF001
+      object_map, tensor_map, options, **kwargs
+    )
+    object_map[self] = object_map[self._logical]
+    return resources
+
+  def _write_object_proto(self, proto, options):
+    """A plain object in a SavedModel, its shard variables its children: a loaded variable
+    would have no children, and the shards (what the exported functions read) would be left
+    unrestored."""
+    del options
+    proto.user_object.identifier = '_generic_user_object'
+    proto.user_object.version.producer = 1
+    proto.user_object.version.min_consumer = 1
+
+  def _copy_trackable_to_cpu(self, object_map):
+    object_map[self] = tf.Variable(self.read_value(), name=self._handle_name.split(':')[0])
+
+  def to_proto(self, export_scope=None):
+    raise NotImplementedError('SplitVariable: TF1 VariableDef protos are not supported.')
 
 
-def _through_whole(method: str) -> Callable:
-  """A write method TF implements on the handle (`scatter_*`, slice assignment), run on a
-  temporary whole copy whose new value is then scattered (eagerly; in a graph: refused)."""
-
-  def run(self, *args, **kwargs):
-    if tracing_for_partition():
-      return _base(method)(self, *args, **kwargs)
-    if not tf.executing_eagerly():
-      raise NotImplementedError(
-        f'{method} on variable {self.name}, whose value lives as shards, runs eagerly or '
-        'inside a partitioned function; inside a plain tf.function, compute the new value '
-        'and assign() it.'
-      )
-    whole = tf.Variable(read_global(self._tf_gspmd_holder, self.dtype), trainable=False)
-    getattr(whole, method)(*args, **kwargs)
-    write_global(self._tf_gspmd_holder, whole.read_value())
-    return self
+def _scatter_method(method: str):
+  def run(self, sparse_delta, use_locking=None, name=None):
+    return self._scatter(method, sparse_delta, use_locking, name)  # noqa: SLF001
 
   run.__name__ = method
   return run
 
 
-_WHOLE_WRITES = (
-  'scatter_sub',
-  'scatter_add',
-  'scatter_max',
-  'scatter_min',
-  'scatter_mul',
-  'scatter_div',
-  'scatter_update',
-  'batch_scatter_update',
-  'scatter_nd_sub',
-  'scatter_nd_add',
-  'scatter_nd_update',
-  'scatter_nd_max',
-  'scatter_nd_min',
-  '_strided_slice_assign',
-)
-for _method in _WHOLE_WRITES:
-  setattr(_HeldView, _method, _through_whole(_method))
+def _scatter_nd_method(method: str):
+  def run(self, indices, updates, name=None):
+    return self._scatter_nd(method, indices, updates, name)  # noqa: SLF001
 
-# TF's variable methods, by name: a held variable's class carries them (it is no longer a
-# BaseResourceVariable, see tf_private), and its overrides call them inside partition traces.
-_TF_METHODS: Dict[str, Any] = {}
-for _cls in (BaseResourceVariable, ResourceVariable):
-  for _name, _value in vars(_cls).items():
-    if _name not in ('__dict__', '__weakref__', '__module__', '__init__', '__doc__'):
-      _TF_METHODS[_name] = _value
-_TF_METHODS.pop('_type_spec', None)  # not a CompositeTensor any more
-_TF_METHODS.pop('_shape_invariant_to_type_spec', None)
-_TENSOR_BASES = tuple(
-  c for c in BaseResourceVariable.__mro__ if c.__name__ == 'Tensor' and c is not tf.Tensor
-)
+  run.__name__ = method
+  return run
 
-# Python functions, properties and plain values: what a class body may hold.
-HeldVariable = type(
-  'HeldVariable',
-  (tf.Variable,) + _TENSOR_BASES,
-  {
-    **_TF_METHODS,
-    **{k: v for k, v in vars(_HeldView).items() if k not in ('__dict__', '__weakref__')},
-    '__module__': __name__,
-    '__doc__': 'A tf.Variable whose value lives as shards (tf_gspmd.program.held).',
-  },
-)
+
+for _method in _SCATTERS:
+  setattr(SplitVariable, _method, _scatter_method(_method))
+for _method in _SCATTERS_ND:
+  setattr(SplitVariable, _method, _scatter_nd_method(_method))
 
 
 def _convert(value, dtype=None, name=None, as_ref=False):
   return value._dense_var_to_tensor(dtype=dtype, name=name, as_ref=as_ref)  # noqa: SLF001
 
 
-tf.register_tensor_conversion_function(HeldVariable, _convert)
+tf.register_tensor_conversion_function(SplitVariable, _convert)
 
 
 def iter_holders() -> Iterator[tuple]:
-  """(variable, holder) for every live held variable."""
+  """(variable, holder) for every live SplitVariable."""
   for variable in held_variables():
     yield variable, holder_of(variable)

@@ -249,9 +249,9 @@ class ReplicaVariables:
   def get(self, original, sharding) -> ReplicaVariable:
     """`original`'s shard variable: made (from its value) on first use, the same after.
 
-    The shards become the variable's one state (`program/held.py`): `original` is a view of
-    them from then on, and its own buffer is released. A variable held by another backend
-    or strategy moves here (its value assembled on the host, split over the replicas).
+    A variable made as shards has them as its one state (`program/held.py`); a plain one
+    keeps its own value, copied in and out around each step (`scatter`, `sync`). A variable
+    held by another backend or strategy moves here (assembled on the host, split again).
     """
     holder = held.holder_of(original)
     if isinstance(holder, ReplicaVariable) and holder.strategy is self.strategy:
@@ -267,18 +267,18 @@ class ReplicaVariables:
         held.replace_holder(original, holder)
       else:
         held.hold(original, holder, annotation=variable_sharding(original))
-        held.release([original])
     self.sharded[id(original)] = holder
     self.originals[id(original)] = original
     return holder
 
   def sync(self, originals) -> None:
-    """Does nothing: a held variable's reads assemble the replicas' shards (kept for callers)."""
-    del originals
+    """Assemble the shards of the plain (adopted) variables among `originals` back into them;
+    a variable made as shards reads them itself."""
+    held.gather_adopted(originals)
 
   def scatter(self, originals) -> None:
-    """Does nothing: a write to a held variable reaches the replicas' shards at once."""
-    del originals
+    """Split the value of the plain (adopted) variables among `originals` into their shards."""
+    held.scatter_adopted(originals)
 
 
 def _check_options(
@@ -482,6 +482,7 @@ class TPUStrategyStep:
       self._per_replica(c, s, f'capture {i}')
       for i, (c, s) in enumerate(zip(self._compiled.capture_values, self.capture_shardings))
     ]
+    self.scatter_variables()  # a plain variable is its own state: copied in, and out after
     if self._tf_program is None:
       outputs = self._step(*inputs)
     else:
@@ -489,6 +490,7 @@ class TPUStrategyStep:
       # replica (see runtime.grappler.without_grappler); a TPU compiles it with XLA anyway.
       with without_grappler():
         outputs = self._step(*inputs)
+    self.variables.sync(self._compiled.written_variables())
     structure = self._compiled.program.structured_outputs
     if structure is None:
       return None
