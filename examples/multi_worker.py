@@ -11,8 +11,8 @@ workers and this client reach each other and nothing else does (Linux):
 
     python -m tf_gspmd.runtime.loopback -- python examples/multi_worker.py
 
-Two `tf.distribute.Server` processes (the job 'worker', tasks 0 and 1, on
-loopback ports) hold 4 CPU devices each. This process is the client: it
+Two `tf.distribute.Server` processes (the job 'worker', tasks 0 and 1, at
+loopback addresses) hold 4 CPU devices each. This process is the client: it
 connects to them (`tf.config.experimental_connect_to_cluster`), partitions the
 Keras training step with `devices=` naming the workers' devices, and runs it;
 TF ships each task its partitions, and the collectives between tasks go over
@@ -114,7 +114,9 @@ def main():
   try:
     workers = cluster.LocalCluster(TASKS, DEVICES_PER_TASK, expose_to_network=expose)
   except exposure.ExposureRefused as refused:
-    raise SystemExit(f'{refused}\n(here: --expose-to-network)') from None
+    raise SystemExit(
+      f'{refused}\nThis example takes the acknowledgment as --expose-to-network.'
+    ) from None
   with workers:
     # Connect before making any variable: connecting resets TF's eager context
     # (see docs/scaling_out.md).

@@ -165,3 +165,12 @@ def test_local_cluster_worker_prints_the_address_it_is_bound_to(capsys):
     assert bound(workers.processes[0].pid, port) == addresses and _port_of(addresses) == port
     assert what == '/job:worker/replica:0/task:0'
     assert scope.startswith('a private' if exposure.loopback_only() else 'all interfaces')
+
+
+@pytest.mark.skipif(CONFINED is not None, reason=f'no loopback-only namespace here: {CONFINED}')
+def test_loopback_runs_a_command_with_lo_alone_and_passes_on_its_exit_code():
+  # /proc/self/net/dev: two header lines, then one 'name:' line per interface.
+  only_lo = 'test "$(grep : /proc/self/net/dev | cut -d: -f1 | tr -d " ")" = lo && exit 3'
+  assert loopback.run(['sh', '-c', only_lo]) == 3
+  with pytest.raises(OSError, match='could not run the command: no-such-command'):
+    loopback.run(['no-such-command'])

@@ -23,8 +23,10 @@ connect to and stop tasks:
   partition, laid out so that the groups along `inside` each stay inside one
   task (their collectives never leave the process), the other axes spread over
   tasks.
-* `LocalCluster`: worker processes on loopback ports for examples and tests
+* `LocalCluster`: worker processes with loopback addresses for examples and tests
   (start, kill a task, restart it).
+* `raise_if_task_lost(devices, error, what)`: a `CollectiveError` naming the task a
+  TF error says is gone (its address and the partitions it ran).
 
 Every TF server listens on all interfaces, whatever address the spec gives it, and runs
 any graph a client sends (`exposure.py`): `serve`, `connect` and `LocalCluster` refuse
@@ -32,8 +34,6 @@ to start one unless `expose_to_network=True` acknowledges that, or the process r
 network namespace with loopback only (`python -m tf_gspmd.runtime.loopback -- COMMAND`:
 the client, and the LocalCluster workers it starts, then reach each other and nothing
 outside does). Each server prints the address it is bound to when it starts.
-* `raise_if_task_lost(devices, error, what)`: a `CollectiveError` naming the task a
-  TF error says is gone (its address and the partitions it ran).
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ import tensorflow as tf
 from tf_gspmd.runtime import exposure
 
 JOB = 'worker'
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLIENT_JOB = 'localhost'  # the job of the process that calls the partitioned function
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _client_address: Optional[str] = None  # this process's address in the cluster, once connected
 # How many times `connect` ran: shards made before the last connect live in a remote context
 # that is gone (runtime.ShardedVariable records the count it was made under).
@@ -204,9 +204,9 @@ def connect(
   The client serves too (the tasks call back into it), on all interfaces:
   `expose_to_network=True` acknowledges that (see the module's docstring). A ClusterSpec
   (not a resolver, whose empty master makes TF treat it as a local run and connect
-  nothing). Connecting again, after a task restarted,
-  replaces the remote context: handles to the old remote tensors and variables
-  are invalid afterwards, so partition again and restore from a checkpoint.
+  nothing). Connecting again, after a task restarted, replaces the remote context:
+  handles to the old remote tensors and variables are invalid afterwards, so partition
+  again and restore from a checkpoint.
   """
   exposure.require(expose_to_network, 'cluster.connect', 'expose_to_network=True')
   _connections[0] += 1
@@ -323,7 +323,7 @@ def _root_cause(message: str) -> str:
 
 # --- local worker processes ---------------------------------------------------------------
 class LocalCluster:
-  """`tasks` worker processes on loopback ports, each with `devices_per_task` CPU devices.
+  """`tasks` worker processes at loopback addresses, each with `devices_per_task` CPU devices.
 
   For examples and tests: `with LocalCluster(2, 4, expose_to_network=True) as cluster:`
   starts them (each a `serve`, each printing on this process's stderr the address it is

@@ -31,6 +31,7 @@ from typing import Callable, List, Optional, Sequence
 CLONE_NEWNET = 0x40000000
 CLONE_NEWUSER = 0x10000000
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+PR_SET_PDEATHSIG = 1
 IFREQ = '16sH22x'  # struct ifreq on 64-bit Linux: the name, then ifr_flags in a 24-byte union
 # Loaded before any fork: the child of a threaded process should do as little as it can.
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith('linux') else None
@@ -88,12 +89,22 @@ def _child(then: Callable[[], None], write_end: int) -> None:
   """In the forked child: confine, then `then` (exec or exit); a failure goes to the pipe."""
   stage = 'could not make a network namespace with loopback only'
   try:
+    _die_with_parent()
     confine()
     stage = 'could not run the command'
     then()
   except BaseException as error:  # noqa: BLE001  (whatever failed, the parent says it)
     os.write(write_end, f'{stage}: {error or type(error).__name__}'.encode())
   os._exit(127)  # noqa: SLF001
+
+
+def _die_with_parent() -> None:
+  """SIGTERM this process (kept across exec) when the waiting parent dies, killed or not."""
+  parent = os.getppid()
+  if _libc is not None:
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+  if os.getppid() != parent:  # it died before the prctl
+    os._exit(1)  # noqa: SLF001
 
 
 def _in_child(then: Callable[[], None]) -> int:
