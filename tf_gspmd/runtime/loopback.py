@@ -85,11 +85,11 @@ def confine() -> None:
   _loopback_up()
 
 
-def _child(then: Callable[[], None], write_end: int) -> None:
+def _child(then: Callable[[], None], write_end: int, parent: int) -> None:
   """In the forked child: confine, then `then` (exec or exit); a failure goes to the pipe."""
   stage = 'could not make a network namespace with loopback only'
   try:
-    _die_with_parent()
+    _die_with_parent(parent)
     confine()
     stage = 'could not run the command'
     then()
@@ -98,9 +98,8 @@ def _child(then: Callable[[], None], write_end: int) -> None:
   os._exit(127)  # noqa: SLF001
 
 
-def _die_with_parent() -> None:
-  """SIGTERM this process (kept across exec) when the waiting parent dies, killed or not."""
-  parent = os.getppid()
+def _die_with_parent(parent: int) -> None:
+  """SIGTERM this process (kept across exec) when `parent`, waiting, dies, killed or not."""
   if _libc is not None:
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
   if os.getppid() != parent:  # it died before the prctl
@@ -114,10 +113,11 @@ def _in_child(then: Callable[[], None]) -> int:
   the pipe (its end is close-on-exec) with nothing written.
   """
   read_end, write_end = os.pipe()
+  parent = os.getpid()
   pid = os.fork()
   if pid == 0:
     os.close(read_end)
-    _child(then, write_end)
+    _child(then, write_end, parent)
   os.close(write_end)
   with os.fdopen(read_end, 'rb') as pipe:
     error = pipe.read().decode()
