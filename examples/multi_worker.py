@@ -4,8 +4,15 @@
     python examples/multi_worker.py --fault    # ... and kill worker 1 mid-step before the last
     python examples/multi_worker.py --hang     # ... or stop it (SIGSTOP: hangs, never dies)
 
-Two `tf.distribute.Server` processes (the job 'worker', tasks 0 and 1, on
-loopback ports) hold 4 CPU devices each. This process is the client: it
+TF's servers listen on all interfaces, not loopback alone, and run any graph a client
+sends: the example refuses to start them without --expose-to-network, which
+acknowledges that, unless it runs in a network namespace with loopback only, where the
+workers and this client reach each other and nothing else does (Linux):
+
+    python -m tf_gspmd.runtime.loopback -- python examples/multi_worker.py
+
+Two `tf.distribute.Server` processes (the job 'worker', tasks 0 and 1, at
+loopback addresses) hold 4 CPU devices each. This process is the client: it
 connects to them (`tf.config.experimental_connect_to_cluster`), partitions the
 Keras training step with `devices=` naming the workers' devices, and runs it;
 TF ships each task its partitions, and the collectives between tasks go over
@@ -51,7 +58,7 @@ import float64_check  # noqa: E402  (examples/keras/float64_check.py: the weight
 import transformer  # noqa: E402  (examples/keras/transformer.py: the demo's model and layout)
 
 import tf_gspmd as tg  # noqa: E402
-from tf_gspmd.runtime import cluster  # noqa: E402
+from tf_gspmd.runtime import cluster, exposure  # noqa: E402
 from tf_gspmd.testing import check  # noqa: E402
 from tf_gspmd.testing.float64 import float64_policy, float64_twin  # noqa: E402
 
@@ -92,15 +99,28 @@ def main():
     action='store_true',
     help='as --fault, but stop worker 1 (SIGSTOP) instead of killing it',
   )
+  parser.add_argument(
+    '--expose-to-network',
+    action='store_true',
+    help="acknowledge that the servers' ports are reachable from the network (TF listens on "
+    'all interfaces and runs any graph a client sends, file reads and writes included)',
+  )
   args = parser.parse_args()
   fault = 'hang' if args.hang else 'kill' if args.fault else None
 
   mesh = tg.Mesh.create((2, 4), ('data', 'model'))
   start = time.time()
-  with cluster.LocalCluster(TASKS, DEVICES_PER_TASK) as workers:
+  expose = args.expose_to_network
+  try:
+    workers = cluster.LocalCluster(TASKS, DEVICES_PER_TASK, expose_to_network=expose)
+  except exposure.ExposureRefused as refused:
+    raise SystemExit(
+      f'{refused}\nThis example takes the acknowledgment as --expose-to-network.'
+    ) from None
+  with workers:
     # Connect before making any variable: connecting resets TF's eager context
     # (see docs/scaling_out.md).
-    names = cluster.connect(workers.spec, DEVICES_PER_TASK)
+    names = cluster.connect(workers.spec, DEVICES_PER_TASK, expose_to_network=expose)
     print(f'{TASKS} workers {workers.addresses} up and connected in {time.time() - start:.1f} s')
     model, optimizer = transformer.build(seed=0)
     ref_model, ref_optimizer = transformer.build(seed=0)
@@ -121,7 +141,7 @@ def main():
       tokens, labels = transformer.batch(seed=i)
       if fault and i == STEPS - 1:
         step = fail_and_recover(
-          workers, step, mesh, model, optimizer, checkpoints, tokens, labels, fault
+          workers, step, mesh, model, optimizer, checkpoints, tokens, labels, fault, expose
         )
       t = time.time()
       loss = step(tokens, labels)
@@ -152,7 +172,9 @@ def main():
   return 0 if ok and report.ok else 1
 
 
-def fail_and_recover(workers, step, mesh, model, optimizer, checkpoints, tokens, labels, fault):
+def fail_and_recover(
+  workers, step, mesh, model, optimizer, checkpoints, tokens, labels, fault, expose
+):
   """Kill (or stop) worker 1 while steps run, see the call in flight fail, restart the workers,
   continue from the checkpoint (the steps run meanwhile are discarded by the restore)."""
   killed_at = []
@@ -183,7 +205,7 @@ def fail_and_recover(workers, step, mesh, model, optimizer, checkpoints, tokens,
   # ("current incarnation doesn't match with one in the group").
   for task in range(TASKS):
     workers.restart(task)
-  names = cluster.connect(workers.spec, DEVICES_PER_TASK)
+  names = cluster.connect(workers.spec, DEVICES_PER_TASK, expose_to_network=expose)
   devices = cluster.mesh_devices(mesh, names, inside=('model',))
   step = partition_step(model, optimizer, mesh, devices)
   step.get_program(tokens, labels)  # makes the sharded variables on the new devices

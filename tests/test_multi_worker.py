@@ -18,7 +18,7 @@ import pytest
 import tensorflow as tf
 
 import tf_gspmd as tg
-from tf_gspmd.runtime import cluster, remote_watch
+from tf_gspmd.runtime import cluster, loopback, remote_watch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, 'examples', 'multi_worker.py')
@@ -159,6 +159,13 @@ def test_a_watched_call_returns_or_raises_what_the_call_does():
   assert time.time() - start < 3
 
 
+def _confined_or_exposed(command):
+  """`command` in a loopback-only network namespace, or else acknowledging the exposure."""
+  if loopback.available() is None:
+    return [sys.executable, '-m', 'tf_gspmd.runtime.loopback', '--'] + command
+  return command + ['--expose-to-network']
+
+
 @pytest.fixture(scope='module')
 def runs():
   """The example's output, plain, with --fault and with --hang (run concurrently)."""
@@ -170,7 +177,7 @@ def runs():
   )
   procs = {
     mode: subprocess.Popen(
-      [sys.executable, EXAMPLE] + flags,
+      _confined_or_exposed([sys.executable, EXAMPLE] + flags),
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
       text=True,

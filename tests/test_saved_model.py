@@ -277,10 +277,11 @@ def printed_result(stdout: str, key: str) -> np.ndarray:
 
 @contextlib.contextmanager
 def device_server(export_dir: str, wait: float = 120):
-  """`python -m tf_gspmd.export.serve --export DIR` (as the README says); yields its target."""
+  """`python -m tf_gspmd.export.serve --export DIR --expose-to-network` (as docs/export.md
+  says); yields its target."""
   env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL='2')
   server = subprocess.Popen(
-    [sys.executable, '-m', 'tf_gspmd.export.serve', '--export', export_dir],
+    [sys.executable, '-m', 'tf_gspmd.export.serve', '--export', export_dir, '--expose-to-network'],
     cwd=ROOT,
     env=env,
     stdout=subprocess.PIPE,

@@ -5,7 +5,7 @@ device, while an export of an N-partition program needs N devices. Pointed at
 this server with `--worker grpc://localhost:PORT`, the session runs on the
 server's devices instead:
 
-    python -m tf_gspmd.export.serve --export DIR --port 2222 &
+    python -m tf_gspmd.export.serve --export DIR --port 2222 --expose-to-network &
     saved_model_cli run --dir DIR --tag_set serve --signature_def serving_default \\
         --inputs 'x=x.npy' --worker grpc://localhost:2222
 
@@ -17,8 +17,14 @@ logical device configuration). A step's collectives need a collective executor,
 which the session grants because the export carries a collective key marker
 (`saved_model._add_session_collective_key`).
 
-The first line printed is `tf_gspmd device server: grpc://localhost:PORT, N CPU
-devices`; the server then runs until the process is stopped.
+TF's server listens on all interfaces, not only localhost, and runs any graph a
+client sends (runtime/exposure.py): the command refuses to start without
+`--expose-to-network`, which acknowledges that, unless it runs in a network
+namespace with loopback only (`python -m tf_gspmd.runtime.loopback -- sh -c '...'`
+with its client). Once serving it prints, on stderr, the address it is bound to
+and what that exposes; the first line on stdout is `tf_gspmd device server:
+grpc://localhost:PORT, N CPU devices`. The server then runs until the process is
+stopped.
 """
 
 from __future__ import annotations
@@ -30,7 +36,10 @@ from typing import Optional, Sequence
 
 import tensorflow as tf
 
+from tf_gspmd.runtime import exposure
+
 JOB = 'localhost'  # the job name in the devices of an export saved in a local process
+FLAG = '--expose-to-network'  # acknowledges that the server's port is reachable from the network
 
 
 def free_port() -> int:
@@ -40,14 +49,22 @@ def free_port() -> int:
     return probe.getsockname()[1]
 
 
-def start(devices: int, port: int = 0) -> tf.distribute.Server:
-  """A started in-process server on localhost:`port` (0: a free one) with `devices` CPU devices."""
+def start(devices: int, port: int = 0, *, expose_to_network: bool = False) -> tf.distribute.Server:
+  """A started in-process server on `port` (0: a free one) with `devices` CPU devices.
+
+  It listens on all interfaces (TF has no other choice): `expose_to_network=True`
+  acknowledges that, else it refuses (exposure.ExposureRefused) outside a loopback-only
+  network namespace. Prints the address it is bound to on stderr.
+  """
   if devices < 1:
     raise ValueError(f'tf_gspmd.export.serve: --devices must be at least 1, got {devices}.')
+  exposure.require(expose_to_network, 'tf_gspmd.export.serve', f'{FLAG} (expose_to_network=True)')
   port = port or free_port()
   cluster = tf.train.ClusterSpec({JOB: [f'localhost:{port}']})
   config = tf.compat.v1.ConfigProto(device_count={'CPU': devices})
-  return tf.distribute.Server(cluster, job_name=JOB, task_index=0, config=config, start=True)
+  server = tf.distribute.Server(cluster, job_name=JOB, task_index=0, config=config, start=True)
+  exposure.announce('tf_gspmd.export.serve', port)
+  return server
 
 
 def devices_of_export(export_dir: str) -> int:
@@ -74,10 +91,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   count.add_argument(
     '--export', help='a tf_gspmd SavedModel directory: as many devices as it needs'
   )
-  parser.add_argument('--port', type=int, default=0, help='port on localhost (default: a free one)')
+  parser.add_argument('--port', type=int, default=0, help='the port (default: a free one)')
+  parser.add_argument(
+    FLAG,
+    action='store_true',
+    help='acknowledge that the port is reachable from the network: TF listens on all '
+    'interfaces and runs any graph a client sends, file reads and writes included',
+  )
   args = parser.parse_args(argv)
   devices = args.devices if args.devices is not None else devices_of_export(args.export)
-  server = start(devices, args.port)
+  try:
+    server = start(devices, args.port, expose_to_network=args.expose_to_network)
+  except exposure.ExposureRefused as refused:
+    raise SystemExit(str(refused)) from None
   print(f'tf_gspmd device server: {server.target}, {devices} CPU devices', flush=True)
   server.join()
 

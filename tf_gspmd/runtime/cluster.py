@@ -13,18 +13,27 @@ different tasks meet over gRPC (their group leader is task 0 of the job, which
 This module only says *which* device runs which partition and how to start,
 connect to and stop tasks:
 
-* `serve(spec, task, devices_per_task)`: a worker's whole life (blocks).
+* `serve(spec, task, devices_per_task, expose_to_network=True)`: a worker's whole life
+  (blocks).
   Devices come from the server's `ConfigProto.device_count`: a server ignores
   the process's `tf.config.set_logical_device_configuration`.
-* `connect(spec)`: join the cluster as the client; returns each task's devices.
+* `connect(spec, devices_per_task, expose_to_network=True)`: join the cluster as the
+  client (which serves too); returns each task's devices.
 * `mesh_devices(mesh, task_devices, inside=('model',))`: the device of every
   partition, laid out so that the groups along `inside` each stay inside one
   task (their collectives never leave the process), the other axes spread over
   tasks.
-* `LocalCluster`: worker processes on loopback ports for examples and tests
+* `LocalCluster`: worker processes with loopback addresses for examples and tests
   (start, kill a task, restart it).
 * `raise_if_task_lost(devices, error, what)`: a `CollectiveError` naming the task a
   TF error says is gone (its address and the partitions it ran).
+
+Every TF server listens on all interfaces, whatever address the spec gives it, and runs
+any graph a client sends (`exposure.py`): `serve`, `connect` and `LocalCluster` refuse
+to start one unless `expose_to_network=True` acknowledges that, or the process runs in a
+network namespace with loopback only (`python -m tf_gspmd.runtime.loopback -- COMMAND`:
+the client, and the LocalCluster workers it starts, then reach each other and nothing
+outside does). Each server prints the address it is bound to when it starts.
 """
 
 from __future__ import annotations
@@ -42,8 +51,11 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from tf_gspmd.runtime import exposure
+
 JOB = 'worker'
 CLIENT_JOB = 'localhost'  # the job of the process that calls the partitioned function
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _client_address: Optional[str] = None  # this process's address in the cluster, once connected
 # How many times `connect` ran: shards made before the last connect live in a remote context
 # that is gone (runtime.ShardedVariable records the count it was made under).
@@ -154,26 +166,49 @@ def serve(
   devices_per_task: int,
   job: str = JOB,
   ready_file: Optional[str] = None,
+  *,
+  expose_to_network: bool = False,
 ) -> None:
-  """Run task `task` of `job` until the process is killed (writes `ready_file` once serving)."""
+  """Run task `task` of `job` until the process is killed.
+
+  The server listens on all interfaces: `expose_to_network=True` acknowledges that (see
+  the module's docstring). Prints the address it is bound to on stderr and, once serving,
+  writes that line to `ready_file`.
+  """
+  what = task_name(job, task)
+  exposure.require(expose_to_network, f'cluster.serve ({what})', 'expose_to_network=True')
   server = tf.distribute.Server(
     spec, job_name=job, task_index=task, config=server_config(devices_per_task, job), start=True
   )
+  line = exposure.announce(what, _port(spec.task_address(job, task)))
   if ready_file:
     with open(ready_file + '.tmp', 'w') as f:
-      f.write(server.target)
+      f.write(line)
     os.replace(ready_file + '.tmp', ready_file)
   server.join()
 
 
-def connect(spec: tf.train.ClusterSpec, devices_per_task: int, job: str = JOB) -> List[List[str]]:
+def _port(address: str) -> int:
+  return int(address.rpartition(':')[2])
+
+
+def connect(
+  spec: tf.train.ClusterSpec,
+  devices_per_task: int,
+  job: str = JOB,
+  *,
+  expose_to_network: bool = False,
+) -> List[List[str]]:
   """Join `spec` as its client and return each task's device names (checked to exist).
 
-  A ClusterSpec (not a resolver, whose empty master makes TF treat it as a
-  local run and connect nothing). Connecting again, after a task restarted,
-  replaces the remote context: handles to the old remote tensors and variables
-  are invalid afterwards, so partition again and restore from a checkpoint.
+  The client serves too (the tasks call back into it), on all interfaces:
+  `expose_to_network=True` acknowledges that (see the module's docstring). A ClusterSpec
+  (not a resolver, whose empty master makes TF treat it as a local run and connect
+  nothing). Connecting again, after a task restarted, replaces the remote context:
+  handles to the old remote tensors and variables are invalid afterwards, so partition
+  again and restore from a checkpoint.
   """
+  exposure.require(expose_to_network, 'cluster.connect', 'expose_to_network=True')
   _connections[0] += 1
   jobs = spec.as_dict()
   if CLIENT_JOB not in jobs:
@@ -183,9 +218,13 @@ def connect(spec: tf.train.ClusterSpec, devices_per_task: int, job: str = JOB) -
     global _client_address
     _client_address = _client_address or f'localhost:{free_ports(1)[0]}'
     jobs[CLIENT_JOB] = [_client_address]
-  tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(jobs), job_name=CLIENT_JOB)
+  with_client = tf.train.ClusterSpec(jobs)
+  tf.config.experimental_connect_to_cluster(with_client, job_name=CLIENT_JOB)
   names = task_devices(spec, devices_per_task, job)
+  # Listing the devices initializes the eager context, which starts the client's server.
   known = {tf.DeviceSpec.from_string(d.name).to_string() for d in tf.config.list_logical_devices()}
+  client = task_name(CLIENT_JOB, 0)
+  exposure.announce(f'the client {client}', _port(with_client.task_address(CLIENT_JOB, 0)))
   missing = [
     d for devices in names for d in devices if tf.DeviceSpec.from_string(d).to_string() not in known
   ]
@@ -284,11 +323,15 @@ def _root_cause(message: str) -> str:
 
 # --- local worker processes ---------------------------------------------------------------
 class LocalCluster:
-  """`tasks` worker processes on loopback ports, each with `devices_per_task` CPU devices.
+  """`tasks` worker processes at loopback addresses, each with `devices_per_task` CPU devices.
 
-  For examples and tests: `with LocalCluster(2, 4) as cluster:` starts them
-  (each a `serve`), `cluster.spec` is the ClusterSpec to `connect` to,
-  `kill(task)` sends SIGKILL, `restart(task)` starts it again on its port.
+  For examples and tests: `with LocalCluster(2, 4, expose_to_network=True) as cluster:`
+  starts them (each a `serve`, each printing on this process's stderr the address it is
+  bound to), `cluster.spec` is the ClusterSpec to `connect` to, `kill(task)` sends
+  SIGKILL, `restart(task)` starts it again on its port. The servers listen on all
+  interfaces, not loopback alone: without `expose_to_network=True` it refuses, unless
+  this process runs in a network namespace with loopback only
+  (`python -m tf_gspmd.runtime.loopback -- COMMAND`).
   """
 
   def __init__(
@@ -299,9 +342,11 @@ class LocalCluster:
     *,
     start_timeout: float = 60.0,
     workdir: Optional[str] = None,
+    expose_to_network: bool = False,
   ):
     import tempfile
 
+    exposure.require(expose_to_network, 'LocalCluster', 'expose_to_network=True')
     self.job = job
     self.devices_per_task = int(devices_per_task)
     self.start_timeout = start_timeout
@@ -325,6 +370,9 @@ class LocalCluster:
     if os.path.exists(ready):
       os.remove(ready)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get('TF_CPP_MIN_LOG_LEVEL', '2'))
+    # The worker runs this file as a script and imports tf_gspmd.runtime.exposure: from
+    # the package this one is, whatever the caller's sys.path.
+    env['PYTHONPATH'] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get('PYTHONPATH')]))
     log = open(os.path.join(self._workdir, f'task{task}.log'), 'ab')
     self.processes[task] = subprocess.Popen(
       [
@@ -363,6 +411,13 @@ class LocalCluster:
     for task in range(len(self.processes)):
       self._launch(task)
     self._wait_ready(range(len(self.processes)))
+    self._relay_notices(range(len(self.processes)))
+
+  def _relay_notices(self, tasks: Sequence[int]) -> None:
+    """Print each worker's line saying where it listens (its own output goes to its log)."""
+    for task in tasks:
+      with open(self._ready_file(task)) as f:
+        print(f.read(), file=sys.stderr, flush=True)
 
   def log(self, task: int) -> str:
     return os.path.join(self._workdir, f'task{task}.log')
@@ -385,6 +440,7 @@ class LocalCluster:
     self.kill(task)
     self._launch(task)
     self._wait_ready([task])
+    self._relay_notices([task])
 
   def close(self) -> None:
     for task in range(len(self.processes)):
@@ -408,4 +464,7 @@ def _exit_with_parent() -> None:
 if __name__ == '__main__':  # a LocalCluster worker: spec task devices_per_task job ready_file
   _spec, _task, _count, _job, _ready = sys.argv[1:6]
   _exit_with_parent()
-  serve(tf.train.ClusterSpec(json.loads(_spec)), int(_task), int(_count), _job, _ready)
+  # LocalCluster, which started this worker in its own network namespace, required the
+  # acknowledgment (or found that namespace confined to loopback).
+  spec_ = tf.train.ClusterSpec(json.loads(_spec))
+  serve(spec_, int(_task), int(_count), _job, _ready, expose_to_network=True)
