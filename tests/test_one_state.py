@@ -325,6 +325,23 @@ def test_shards_that_would_not_fit_a_device_are_refused_before_any_is_made(monke
     tg.Variable(np.zeros((64, 64), np.float32), tg.NamedSharding(mesh, tg.P(None, 'model')))
 
 
+def test_xla_backend_refuses_shards_that_would_not_fit_before_any_is_made(monkeypatch):
+  """backend='xla' checks too, with what a PJRT device reports (faked here for the CPUs)."""
+  from tf_gspmd.partitioned import xla_executor
+
+  monkeypatch.setattr(xla_executor, 'device_capacity', lambda device: 1024)
+  mesh = tg.Mesh.create(*MESH)
+  w1, w2 = (tf.Variable(v, name=n) for v, n in zip(_weights(), ('big_w1', 'big_w2')))
+  train, _ = _steps(w1, w2, mesh)
+  with pytest.raises(ValueError, match=r'(?s)need 1\.2 KiB on device .*which holds 1\.0 KiB'):
+    tg.partition(train, mesh, backend='xla')(*_data())
+  assert not held.is_held(w1) and not held.is_held(w2)
+  with pytest.raises(ValueError, match='tg.plan predicts'):
+    tg.Variable(
+      np.zeros((64, 64), np.float32), tg.NamedSharding(mesh, tg.P(None, 'model')), backend='xla'
+    )
+
+
 def test_functions_wanting_other_layouts_of_one_variable_share_its_one_state():
   """Two functions lay out one unannotated variable differently: on one mesh the second takes
   the held layout (and reshards its use); on another mesh the shards move there and back."""

@@ -39,6 +39,7 @@ from tf_gspmd.pictures import visualize
 from tf_gspmd.pipeline import bubble_fraction as pipeline_bubble_fraction
 from tf_gspmd.pipeline import pipeline
 from tf_gspmd.planning import PlanReport, abstract_variable, plan
+from tf_gspmd.program.held import SplitVariable
 from tf_gspmd.propagation.api import Plan, propagate
 from tf_gspmd.runtime import CollectiveError, ShardedValue, ShardedVariable
 from tf_gspmd.shard_map import (
@@ -60,6 +61,7 @@ __all__ = [
   'partition',
   'PartitionedFunction',
   'Variable',
+  'SplitVariable',
   'VariableStore',
   'sharded_variables',
   'LayoutMap',

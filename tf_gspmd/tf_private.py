@@ -44,6 +44,13 @@ from tensorflow.python.eager.polymorphic_function import function_type_utils
 from tensorflow.python.client import pywrap_tf_session
 from tensorflow.python.framework import c_api_util
 
+# The class of every tf.function (`tf.function` returns one; tf.types.experimental has only its
+# abstract base): graph/capture.py wraps its `__call__` so that a nested tf.function called
+# during a partition trace traces afresh, apart from the traces plain calls reuse.
+from tensorflow.python.eager.polymorphic_function.polymorphic_function import (
+  Function as TFFunction,
+)
+
 # The graph a tf.function body is traced into: rebuilt and captured bodies are built in one
 # (captures, handle data, control outputs); tf.Graph has none of that.
 from tensorflow.python.framework.func_graph import FuncGraph
@@ -137,6 +144,7 @@ def is_py_function_gradient(token: str) -> bool:
 
 __all__ = [
   'FuncGraph',
+  'TFFunction',
   'UninitializedVariable',
   'VARIABLE_VALUE_KEY',
   'atomic_function',

@@ -35,7 +35,7 @@ from tf_gspmd.graph.from_ops import as_str, graph_from_ops
 from tf_gspmd.graph.library import LibraryConverter
 from tf_gspmd.graph.prune import prune_dead
 from tf_gspmd.sharding import Sharding
-from tf_gspmd.tf_private import FuncGraph
+from tf_gspmd.tf_private import FuncGraph, TFFunction
 
 # Set while a function is traced to be partitioned: a variable whose value lives only as its
 # shards (program/held.py) then reads and writes its own handle, which the partitioner maps to
@@ -50,11 +50,16 @@ def tracing_for_partition() -> bool:
 
 @contextlib.contextmanager
 def partition_trace() -> Iterator[None]:
-  _PARTITION_TRACE.depth = getattr(_PARTITION_TRACE, 'depth', 0) + 1
+  depth = getattr(_PARTITION_TRACE, 'depth', 0)
+  if depth == 0:
+    _PARTITION_TRACE.copies = {}  # id(tf.function) -> (it, its copy for this capture)
+  _PARTITION_TRACE.depth = depth + 1
   try:
     yield
   finally:
     _PARTITION_TRACE.depth -= 1
+    if _PARTITION_TRACE.depth == 0:
+      _PARTITION_TRACE.copies = {}
 
 
 def capture(fn, *args, input_signature: Optional[Sequence[Any]] = None, **kwargs) -> ir.Program:
@@ -88,43 +93,43 @@ def concrete_function_of(fn, args=(), kwargs=None, input_signature=None):
 
 
 def _fresh(fn):
-  """A tf.function with `fn`'s options and none of its traces (a ConcreteFunction as it is),
-  whose body runs `_apart`: the tf.functions it calls trace for this capture alone.
+  """A tf.function with `fn`'s options and none of its traces (a ConcreteFunction as it is).
 
   `_clone` is the tf.function's own copy constructor (what binding it to an instance uses);
   no public API copies a tf.function's options (autograph, jit_compile, input signature).
   """
   clone = getattr(fn, '_clone', None)
-  if clone is None:
-    return fn
-  body = fn.python_function
-
-  @functools.wraps(body)  # the same signature (`__wrapped__`): the same FunctionType
-  def apart(*args, **kwargs):
-    with _apart():
-      return body(*args, **kwargs)
-
-  return clone(apart)
+  return clone(None) if clone is not None else fn
 
 
-def _keep_device(op) -> str:
-  """A device function that leaves every op where it was placed."""
-  return op.device
+def _call_traced_apart(original_call):
+  """`tf.function.__call__`, which inside a partition trace calls a fresh copy of the function.
 
-
-@contextlib.contextmanager
-def _apart() -> Iterator[None]:
-  """Keep the traces of nested tf.functions made during a partition trace apart from plain ones.
-
-  A nested tf.function's cache key holds the calling graph's device functions when one of
-  them is a callable (TF's `make_function_context`, so call-site placements are respected).
-  A callable that changes no placement, new for each capture, makes the key this capture's
-  own: a nested function traced here (reading variables' logical handles, for the
-  partitioner) is never what a plain call runs, nor a plain trace (reading the shards) what
-  the partitioner sees.
+  A nested tf.function called while `capture` traces for the partitioner must trace there,
+  reading variables as the partitioner needs (a SplitVariable's handle), and that trace must
+  never serve a plain call later (nor a plain trace, reading shards, the partitioner): TF's
+  cache key has nothing to tell the two apart. The copy's cache dies with this capture.
   """
-  with tf.compat.v1.get_default_graph().device(lambda op: _keep_device(op)):
-    yield
+
+  @functools.wraps(original_call)
+  def call(self, *args, **kwargs):
+    if tracing_for_partition() and not tf.executing_eagerly():
+      return original_call(_copy_for_this_capture(self), *args, **kwargs)
+    return original_call(self, *args, **kwargs)
+
+  return call
+
+
+def _copy_for_this_capture(fn):
+  """`fn`'s fresh copy, one per capture (a function called twice traces once there)."""
+  copies = _PARTITION_TRACE.copies
+  entry = copies.get(id(fn))
+  if entry is None or entry[0] is not fn:
+    entry = copies[id(fn)] = (fn, _fresh(fn))
+  return entry[1]
+
+
+TFFunction.__call__ = _call_traced_apart(TFFunction.__call__)
 
 
 def _as_tf_function(fn):

@@ -51,6 +51,15 @@ class XlaExecutor(executors.Executor):
 
     return devices_named(names)
 
+  def check_fits(self, layouts, mesh_size: int, devices: Optional[Sequence]) -> None:
+    """Refuse shards that would not fit a PJRT device whose memory it reports (a GPU's or
+    TPU's `bytes_limit`); a CPU device's memory is the host's and reports none."""
+    from tf_gspmd.partitioned.variables import check_fits
+
+    chosen = _devices_of_size(mesh_size, devices)
+    by_name = {str(d): d for d in chosen}
+    check_fits(layouts, [str(d) for d in chosen], lambda name: device_capacity(by_name[name]))
+
   def running_phase(self, mesh) -> str:
     return 'compiling with XLA and running the first step'
 
@@ -63,12 +72,23 @@ class XlaExecutor(executors.Executor):
     return run(compiled, compiled.prepared, flat_args, sharded_variables)
 
 
+def device_capacity(device) -> Optional[int]:
+  """Bytes a PJRT device holds, where it says (`memory_stats()['bytes_limit']`); None else."""
+  stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
+  limit = (stats or {}).get('bytes_limit')
+  return int(limit) if limit else None
+
+
 def devices_for(mesh: Mesh, devices: Optional[Sequence]) -> list:
   """The jax devices the program runs on: `devices` as given, or the first mesh.size."""
+  return _devices_of_size(mesh.size, devices)
+
+
+def _devices_of_size(size: int, devices: Optional[Sequence]) -> list:
   from tf_gspmd.xla_bridge.pjrt import jax_devices
 
   if devices is None:
-    return jax_devices(mesh.size)
+    return jax_devices(size)
   if any(isinstance(d, str) for d in devices):
     raise ValueError(
       "partition: with backend='xla', devices are jax devices (jax.devices()), "

@@ -163,7 +163,10 @@ def read_global(holder, dtype) -> tf.Tensor:
   """The whole value of `holder`'s shards (eagerly, or as ops in the graph being built)."""
   if tf.executing_eagerly() or getattr(holder, 'assembles_in_graph', True):
     return holder.assemble()
-  # Shards outside TF's runtime (PJRT buffers): fetched by a host call at run time.
+  mirror = getattr(holder, 'tf_mirror', None)
+  if mirror is not None:  # PJRT buffers, mirrored in a TF variable a graph (and export) reads
+    return tf.raw_ops.ReadVariableOp(resource=mirror().handle, dtype=dtype)
+  # Shards outside TF's runtime (a strategy's replicas): fetched by a host call at run time.
   value = tf.py_function(lambda: holder.assemble(), [], dtype, name='assemble_held')
   value.set_shape(holder.shape)
   return value
@@ -174,6 +177,18 @@ def write_global(holder, value: tf.Tensor):
   if tf.executing_eagerly() or getattr(holder, 'assembles_in_graph', True):
     holder.scatter(value)
     return None
+  mirror = getattr(holder, 'tf_mirror', None)
+  if mirror is not None:
+    # Written to the TF mirror first (ordered with the graph's reads of it), then to the
+    # buffers by a host call.
+    assign = tf.raw_ops.AssignVariableOp(resource=mirror().handle, value=value)
+    with tf.control_dependencies([assign]):
+      return tf.py_function(
+        lambda v: (holder.take_from_mirror(v), np.int32(0))[1],
+        [value],
+        tf.int32,
+        name='scatter_held',
+      )
 
   def scatter(v):
     holder.scatter(v)
@@ -513,7 +528,9 @@ class SplitVariable(tf.Variable):
     """The shard variables a traced read captures, by name: a SavedModel exports them with the
     functions that read this variable (a checkpoint saves the whole value only)."""
     shards = getattr(self._holder, 'shards', ())
-    return {f'shard_{p}': s for p, s in enumerate(shards) if isinstance(s, tf.Variable)}
+    found = {f'shard_{p}': s for p, s in enumerate(shards) if isinstance(s, tf.Variable)}
+    mirror = getattr(self._holder, 'mirror', None)  # PJRT buffers: the TF copy traces read
+    return dict(found, whole=mirror) if isinstance(mirror, tf.Variable) else found
 
   def _trackable_children(self, save_type='checkpoint', **kwargs):
     children = dict(super()._trackable_children(save_type, **kwargs))

@@ -29,6 +29,8 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from tf_gspmd.tf_private import UninitializedVariable
+
 from tf_gspmd.runtime import sharded as sharded_lib
 from tf_gspmd.sharding import Sharding
 from tf_gspmd.xla_bridge.export import Layout, XlaExport
@@ -214,8 +216,43 @@ class XlaShardedVariable:
     self.local_shape = tuple(int(d) for d in sharding.shard_shape(self.shape))
     self.devices = list(devices) if devices is not None else jax_devices(sharding.mesh.size)
     self.layout = Layout(name, 'variable', self.shape, self.dtype, sharding, self.local_shape)
+    self.mirror: Optional[tf.Variable] = None  # see tf_mirror
     self.shards = put_global(value, self.layout, self.devices)
     self._template = None
+
+  @property
+  def shards(self) -> list:
+    """The device buffers, partition p's at index p."""
+    return self._shards
+
+  @shards.setter
+  def shards(self, buffers) -> None:
+    self._shards = buffers
+    if self.mirror is not None:  # a traced function reads it: kept current with every write
+      self.mirror.assign(self.assemble())
+
+  def tf_mirror(self) -> tf.Variable:
+    """A TF variable holding the whole value, current from now on: what a plain traced
+    function reads (and a SavedModel exports), since a TF graph cannot read PJRT buffers. Made
+    at the first such read; every later write (a step, an assignment) refreshes it, a copy of
+    the value per write that only variables read that way pay."""
+    if self.mirror is None:
+      with tf.init_scope(), tf.device('/device:CPU:0'):
+        # Made directly, not through tf.Variable: a tf.function being traced a second time
+        # refuses variables made through its creator scope, and this one is the holder's.
+        mirror = UninitializedVariable(
+          shape=self.shape,
+          dtype=self.dtype,
+          trainable=False,
+          name=f'{self.label.replace("/", "_")}_whole',
+        )
+        mirror.assign(self.assemble())
+        self.mirror = mirror
+    return self.mirror
+
+  def take_from_mirror(self, value) -> None:
+    """The buffers := `value`, already written to the mirror (by a traced function)."""
+    self._shards = put_global(value, self.layout, self.devices)
 
   @property
   def template(self) -> tf.Variable:
