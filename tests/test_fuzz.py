@@ -1,13 +1,14 @@
 """Whole-program fuzzing (tf_gspmd/testing/fuzz.py): a fixed budget of random programs, and
 the generator and shrinker themselves.
 
-The budget's seed rotates with the date (TF_GSPMD_FUZZ_SEED overrides it); it is printed, and
-a failure prints its shrunk program as a pytest test, so any CI failure reproduces with
+CI runs a fixed seed and a fixed number of programs, so every run and every machine judges the
+same programs (a campaign picks another seed with TF_GSPMD_FUZZ_SEED and more programs with
+TF_GSPMD_FUZZ_PROGRAMS); the seed is printed, and a failure prints its shrunk program as a
+pytest test, so any failure reproduces with
 `python -m tf_gspmd.testing.fuzz --seed S --start I --programs 1`.
 """
 
 import dataclasses
-import datetime
 import os
 import time
 import warnings
@@ -18,14 +19,13 @@ from tf_gspmd.graph_rewrite import factors, handlers
 from tf_gspmd.propagation import registry
 from tf_gspmd.testing import fuzz
 
-BUDGET_SECONDS = 45
-BUDGET_PROGRAMS = 40
+SEED = 20261128
+PROGRAMS = 40  # about 1 s each
 SMALL = 8  # ops per program at most: many small programs find more in a minute than few big
 
 
-def _seed() -> int:
-  text = os.environ.get('TF_GSPMD_FUZZ_SEED')
-  return int(text) if text else int(datetime.date.today().strftime('%Y%m%d'))
+def _setting(name: str, default: int) -> int:
+  return int(os.environ.get(name) or default)
 
 
 @pytest.fixture(autouse=True)
@@ -36,13 +36,12 @@ def _quiet():
 
 
 def test_fixed_budget_of_random_programs(capsys):
-  seed = _seed()
+  seed = _setting('TF_GSPMD_FUZZ_SEED', SEED)
+  programs = _setting('TF_GSPMD_FUZZ_PROGRAMS', PROGRAMS)
   with capsys.disabled():
-    print(f'\nfuzz seed {seed} (TF_GSPMD_FUZZ_SEED={seed} reproduces)')
+    print(f'\nfuzz seed {seed}, {programs} programs (TF_GSPMD_FUZZ_SEED sets the seed)')
   start, lines, failures = time.time(), [], []
-  for index in range(BUDGET_PROGRAMS):
-    if time.time() - start > BUDGET_SECONDS:
-      break
+  for index in range(programs):
     program = fuzz.generate(seed, index, max_ops=SMALL)
     outcome = fuzz.run(program)
     lines.append(f'{program.label()}: {outcome.status} {outcome.message[:120]}')
@@ -51,7 +50,8 @@ def test_fixed_budget_of_random_programs(capsys):
       failures.append(fuzz.test_case(small, outcome))
   with capsys.disabled():
     print(f'{len(lines)} programs in {time.time() - start:.0f} s')
-  assert len(lines) >= 10, 'the budget ran fewer than 10 programs: the machine is too slow?'
+    for line in lines:
+      print(' ', line)
   assert not failures, '\n'.join(lines) + '\n\nshrunk cases:\n\n' + '\n\n'.join(failures)
 
 

@@ -35,7 +35,7 @@ import sys
 import time
 import traceback
 import warnings
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence
 
 import numpy as np
 
@@ -163,32 +163,45 @@ def compare(build, got, want, backend: str = 'tf') -> Optional[str]:
     return None
   except AssertionError as error:
     first = str(error)
-  exact = reference(build, np.float64)
-  why = _further_from_float64(got, want, exact)
-  if why:
-    # More float32 witnesses of the unpartitioned program, each as correct as `want`: XLA
-    # sums in other orders (and its training BatchNorm takes the variance as E[x^2] -
-    # E[x]^2), and the same program on inputs rounded to float32 another way (`_nudged`).
-    # Where the exact result is 0 or nearly (a gradient a later BatchNorm or softmax
-    # cancels: what float32 gives there is a few units of the rounding of the terms that
-    # cancel), one float32 run may land 1 such unit off and another 3: each tensor is
-    # measured against the witness furthest from float64. A wrong partitioned program (a
-    # partial sum counted twice, a block missing) is off by the size of the terms themselves.
-    witness = want
-    for more in [_xla_witness(build)] + [_nudged(build, k) for k in range(NUDGED_WITNESSES)]:
-      if more is not None:
-        witness = _further(witness, more, exact)
-    why = _further_from_float64(got, witness, exact)
+  why = by_witnesses(got, want, reference(build, np.float64), _witnesses(build))
   return '' if not why else f'{first}\n{why}'
 
 
 NUDGED_WITNESSES = 4
 
 
-def _nudged(build, seed: int):
+def _witnesses(build):
+  """More float32 runs of the unpartitioned program, each as correct as TF's, made one at a
+  time: XLA sums in other orders (and its training BatchNorm takes the variance as E[x^2] -
+  E[x]^2), and the same program on inputs rounded to float32 another way (`_nudged`)."""
+  yield _xla_witness(build)
+  for k in range(NUDGED_WITNESSES):
+    yield _nudged(build, k)
+
+
+def by_witnesses(got, want, exact, witnesses: Iterable) -> str:
+  """The float64 rule ('' when it passes, else why not), `got` measured tensor by tensor
+  against whichever float32 witness is furthest from `exact`: `want`, then as many of
+  `witnesses` (a lazy iterable of runs like `want`, None for one that could not run) as it
+  takes to pass. Where the exact result is 0 or nearly (a gradient a later BatchNorm or
+  softmax cancels: what float32 gives there is a few units of the rounding of the terms that
+  cancel), one float32 run may land 1 such unit off and another 3; every witness is a correct
+  run, so more of them only measure that rounding better. A wrong partitioned program (a
+  partial sum counted twice, a block missing) is off by the size of the terms themselves."""
+  why = _further_from_float64(got, want, exact)
+  for more in witnesses:
+    if not why:
+      break
+    if more is not None:
+      want = _further(want, more, exact)
+      why = _further_from_float64(got, want, exact)
+  return why
+
+
+def _nudged(build, k: int):
   """The unpartitioned program's outputs and variables, every floating input and variable
-  moved by at most one unit in the last place (up, down or not, at random by `seed`)."""
-  rng = np.random.RandomState(seed)
+  moved by at most one unit in the last place (up, down or not, at random by `k`)."""
+  rng = np.random.RandomState(k)
   _, make, args = build(np.float32)
   fn, variables = make()
   for v in variables:
