@@ -264,7 +264,7 @@ CASES = {
         tg.shard(tf.strings.as_string(x), MESH8, P('x', None)), MESH8, P(None, 'x')
       )
     ),
-    ValueError,
+    tg.Unsupported,  # a refusal, raised inside the partitioner's tf.function: still its type
     ['string', 'AsString', "P('x', None)", 'cannot be moved'],
   ),
   'variable_annotated_after_partitioning': (

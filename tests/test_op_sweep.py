@@ -335,18 +335,20 @@ def test_known_issue_excuses_only_its_error_signature():
   issue = next(k for k in op_sweep.KNOWN_ISSUES if k.name == 'slot-sharded-unlike-variable')
   program = issue.programs[0]
   signature = (
-    'ValueError: ResourceApplyAdagrad ResourceApplyAdagrad: slot variable accum:0 is '
+    'Unsupported: ResourceApplyAdagrad ResourceApplyAdagrad: slot variable accum:0 is '
     "sharded P('x', None) but its variable var:0 is sharded P(None, None); shard "
     'optimizer slots like their variables.'
   )
-  assert op_sweep.known_issue(*_result(program, 'error', 'ValueError', signature)) is issue
+  assert op_sweep.known_issue(*_result(program, 'error', 'Unsupported', signature)) is issue
   # A wrong value, another exception type, another message, another program: never excused.
   assert (
     op_sweep.known_issue(*_result(program, 'fail', '', 'call 1 output 0: max error 0.5')) is None
   )
-  assert op_sweep.known_issue(*_result(program, 'error', 'TypeError', signature)) is None
-  assert op_sweep.known_issue(*_result(program, 'error', 'ValueError', 'ValueError: other')) is None
-  assert op_sweep.known_issue(*_result('Abs', 'error', 'ValueError', signature)) is None
+  assert op_sweep.known_issue(*_result(program, 'error', 'ValueError', signature)) is None
+  assert (
+    op_sweep.known_issue(*_result(program, 'error', 'Unsupported', 'Unsupported: other')) is None
+  )
+  assert op_sweep.known_issue(*_result('Abs', 'error', 'Unsupported', signature)) is None
 
 
 def test_known_issue_examples_are_their_own_programs():

@@ -18,10 +18,11 @@ partitioned) and on the same model built plainly (same seed: the same starting w
 recording after every step the history, evaluation, predictions, weights, variables and
 optimizer state, and compares the records by the oracle; where float32 is ill-conditioned
 (BatchNorm in training, Adam's first steps) the float64 rule decides against the same workflow
-run plainly in float64 from the same values (`testing.float64`). A ValueError raised in
-tf_gspmd is a refusal, any other exception a crash, a failing plain run 'invalid' (a fuzzer
-bug). `shrink` cuts a failing case (workflow steps, layout entries, layers, the optimizer,
-device order) while it fails the same way and `test_case` prints it as a pytest test. CLI:
+run plainly in float64 from the same values (`testing.float64`). tf_gspmd's own refusal
+(`tf_gspmd.errors.Unsupported`) is a refusal, any other exception a crash, a failing plain run
+'invalid' (a fuzzer bug). `shrink` cuts a failing case (workflow steps, layout entries,
+layers, the optimizer, device order) while it fails the same way and `test_case` prints it as
+a pytest test. CLI:
 
   python -m tf_gspmd.testing.keras_fuzz --models N --seed S [--start I] [--out DIR]
 """
@@ -429,7 +430,7 @@ def campaign(
     if outcome.poisoned:
       echo(f'POISONED: a collective failed; resume with --start {index + 1}')
       break
-    if outcome.status in ('mismatch', 'crash', 'invalid'):
+    if outcome.status in fuzz.FAILURES:
       small = case
       if outcome.status != 'invalid' and shrink_budget:
         small = shrink(case, failing_like(outcome), shrink_budget, echo, shrink_seconds)
@@ -474,7 +475,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.shrink_seconds,
     echo=lambda s: print(s, flush=True),
   )
-  return 1 if tally.counts['mismatch'] or tally.counts['crash'] else 0
+  return 1 if any(tally.counts[s] for s in fuzz.FAILURES) else 0
 
 
 if __name__ == '__main__':
