@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tf_gspmd as tg
-from tf_gspmd import Mesh, NamedSharding, P, Sharding
+from tf_gspmd import Mesh, NamedSharding, P, Sharding, annotations
 from tf_gspmd.partitioned import partition
 from tf_gspmd.runtime import SpmdProgram
 
@@ -148,12 +148,12 @@ CASES = {
     ["'mean'", 'partial_sum'],
   ),
   'mesh_split_dim_out_of_range': (
-    lambda: tg.mesh_split_sharding(np.arange(8).reshape(2, 4), [0, 2]),
+    lambda: tg.xla_sharding.mesh_split_sharding(np.arange(8).reshape(2, 4), [0, 2]),
     ValueError,
     ['mesh dim 2', 'dims_mapping=[0, 2]'],
   ),
   'mesh_split_dim_twice': (
-    lambda: tg.mesh_split_sharding(np.arange(8).reshape(2, 4), [1, 1]),
+    lambda: tg.xla_sharding.mesh_split_sharding(np.arange(8).reshape(2, 4), [1, 1]),
     ValueError,
     ['[1]', 'twice'],
   ),
@@ -169,7 +169,7 @@ CASES = {
     ["'x:0'", "P('data', None, 'model')", 'rank 3', '(16, 4)'],
   ),
   'tile_rank_mismatch': (
-    lambda: _traced(lambda x: tg.tile(x, [[[0, 1]]])),
+    lambda: _traced(lambda x: tg.xla_sharding.tile(x, [[[0, 1]]])),
     ValueError,
     ["'x:0'", 'rank 3', 'tile dim'],
   ),
@@ -179,12 +179,12 @@ CASES = {
     ['float', '3.0', 'P()', 'tf.constant'],
   ),
   'sharding_of_the_wrong_type': (
-    lambda: _traced(lambda x: tg.annotate(x, P('data', None))),
+    lambda: _traced(lambda x: annotations.annotate(x, P('data', None))),
     TypeError,
     ["'x:0'", "P('data', None)", 'NamedSharding(mesh, spec)'],
   ),
   'split_dimension_out_of_range': (
-    lambda: _traced(lambda x: tg.split(x, 2, 8)),
+    lambda: _traced(lambda x: tg.xla_sharding.split(x, 2, 8)),
     ValueError,
     ["'x:0'", 'split_dimension 2'],
   ),
@@ -244,12 +244,12 @@ CASES = {
     ['in_shardings', "P('x', None)", '(16, 4, 1)', 'rank 3'],
   ),
   'maximal_device_out_of_range': (
-    lambda: _in_fn(lambda x: tg.assign_device(x, 9) * 2.0),
+    lambda: _in_fn(lambda x: tg.xla_sharding.assign_device(x, 9) * 2.0),
     ValueError,
     ['device 9', '{maximal device=9}', 'Mesh(x=8) of 8 devices', 'XlaSharding'],
   ),
   'tile_assignment_missing_devices': (
-    lambda: _in_fn(lambda x: tg.tile(x, [[0], [1], [2], [3]]) * 2.0),
+    lambda: _in_fn(lambda x: tg.xla_sharding.tile(x, [[0], [1], [2], [3]]) * 2.0),
     ValueError,
     ['4 devices [0, 1, 2, 3]', '{devices=[4,1]0,1,2,3}', 'Mesh(x=8) of 8 devices', 'XlaSharding'],
   ),
