@@ -37,6 +37,7 @@ def _quiet():
     yield
 
 
+@pytest.mark.slow  # 40 programs, about 40 s
 def test_fixed_budget_of_random_programs(capsys):
   seed = _setting('TF_GSPMD_FUZZ_SEED', SEED)
   programs = _setting('TF_GSPMD_FUZZ_PROGRAMS', PROGRAMS)

@@ -34,6 +34,7 @@ def _quiet():
   keras_fuzz.quiet()
 
 
+@pytest.mark.slow  # 4 Keras workflows run 3 ways or more: about 35 s
 def test_fixed_budget_of_random_keras_models(capsys):
   seed = _setting('TF_GSPMD_KERAS_FUZZ_SEED', SEED)
   models = _setting('TF_GSPMD_KERAS_FUZZ_MODELS', MODELS)

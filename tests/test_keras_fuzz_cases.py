@@ -56,6 +56,7 @@ def build_35_153():
   return model, distribution, data, workflow
 
 
+@pytest.mark.slow  # a Keras workflow partitioned, plain and in float64
 def test_keras_fuzz_35_153():
   keras_fuzz.check(build_35_153)
 
@@ -101,6 +102,7 @@ def build_20261128_3():
   return model, distribution, data, workflow
 
 
+@pytest.mark.slow  # Keras workflows partitioned, plain, in float64 and by XLA
 def test_keras_fuzz_20261128_3():
   keras_fuzz.check(build_20261128_3)
 

@@ -432,6 +432,7 @@ def _run_recorded(sweep, case):
   return problems, drift
 
 
+@pytest.mark.slow  # the brute force: every such program, partitioned and run, on two meshes
 @pytest.mark.parametrize('mesh_name', ['1d', '2d'])
 @pytest.mark.parametrize('name', [s.name for s in AGREEMENT_SPECS])
 def test_every_handler_uses_a_factor_assignment_of_its_rule(sweep, name, mesh_name):

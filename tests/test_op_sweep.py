@@ -312,6 +312,7 @@ def _failures(results):
   ]
 
 
+@pytest.mark.slow  # minutes: every op type's programs under several shardings
 @pytest.mark.parametrize('mesh', list(op_sweep.MESHES))
 def test_ci_sample(sweep, mesh, capsys):
   cases = [c for c in _sample(sweep) if c.mesh == mesh]
@@ -404,6 +405,7 @@ def test_rotating_slices_partition_the_sweep():
     op_sweep.parse_slice('10/10')
 
 
+@pytest.mark.slow  # about 400 cases: some 4 minutes on 2 cores
 def test_sweep_slice(sweep, capsys):
   index, count = _slice()
   cases = op_sweep.rotating_slice(op_sweep.full_cases(sweep), index, count)

@@ -5,7 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from helpers import ROOT
+
+# Each test starts pytest (and TensorFlow) in fresh interpreters: 10-20 s apiece.
+pytestmark = pytest.mark.slow
 
 PROBE = """
 import pytest
