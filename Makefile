@@ -57,17 +57,19 @@ lint: $(STAMP)
 
 # Two pytest workers (pytest-xdist), a test file each at a time: one process alone keeps about
 # one of the two cores busy (graph building is single-threaded Python). The slowest tests are
-# listed at the end, so the suite's time can be watched from the CI log.
+# listed at the end, so the suite's time can be watched from the CI log. `make test` installs
+# all the suite needs, so nothing may skip there (TF_GSPMD_NO_SKIPS=1 fails a skip, naming
+# why; tests/conftest.py); -rs reports the skips of other runs.
 PYTEST_WORKERS ?= 2
 test: $(STAMP) $(XLASTAMP) $(JAXSTAMP) lint
-	TF_GSPMD_JAX_PYTHON=$(JAXENV)/bin/python $(PY) -m pytest -q -n $(PYTEST_WORKERS) \
-	  --dist loadfile --durations=25 tests
-	TF_ENABLE_ONEDNN_OPTS=0 TF_GSPMD_JAX_PYTHON=$(JAXENV)/bin/python $(PY) -m pytest -q \
-	  -n $(PYTEST_WORKERS) --dist loadfile $(SECOND_PASS_TESTS)
+	TF_GSPMD_NO_SKIPS=1 TF_GSPMD_JAX_PYTHON=$(JAXENV)/bin/python $(PY) -m pytest -q -rs \
+	  -n $(PYTEST_WORKERS) --dist loadfile --durations=25 tests
+	TF_GSPMD_NO_SKIPS=1 TF_ENABLE_ONEDNN_OPTS=0 TF_GSPMD_JAX_PYTHON=$(JAXENV)/bin/python \
+	  $(PY) -m pytest -q -rs -n $(PYTEST_WORKERS) --dist loadfile $(SECOND_PASS_TESTS)
 
 # A quick loop for development: skips the tests marked slow (CI runs them all).
 test-fast: $(STAMP) $(XLASTAMP)
-	$(PY) -m pytest -q tests -m "not slow"
+	$(PY) -m pytest -q -rs tests -m "not slow"
 
 # The benchmarks (their latest output goes in the closing notes). The full op sweep
 # (18,932 cases) takes two to three hours on 2 cores: `nice $(PY) bench/op_sweep.py`;

@@ -86,6 +86,7 @@ sub-axes `name:(pre_size)size` - that span one group).
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import math
 import os
@@ -93,6 +94,7 @@ import re
 import subprocess
 import sys
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_DEVICES = 8
 JAX_PYTHON_ENV = 'TF_GSPMD_JAX_PYTHON'
 DEFAULT_JAX_PYTHON = '/work/jaxenv/bin/python'
@@ -123,25 +125,23 @@ import reshard_cases  # noqa: E402  (sibling module, pure Python)
 # HLO text parsing (pure Python; tests can run it without JAX)
 # ---------------------------------------------------------------------------
 
-DTYPE_BYTES = {
-  'pred': 1,
-  's8': 1,
-  'u8': 1,
-  'f8e4m3fn': 1,
-  'f8e5m2': 1,
-  's16': 2,
-  'u16': 2,
-  'f16': 2,
-  'bf16': 2,
-  's32': 4,
-  'u32': 4,
-  'f32': 4,
-  's64': 8,
-  'u64': 8,
-  'f64': 8,
-  'c64': 8,
-  'c128': 16,
-}
+
+def _dtype_bytes() -> dict:
+  """Bytes per HLO element type: tf_gspmd's one table (`_DTYPE_BYTES` of
+  tf_gspmd/xla_bridge/reference_partitioner.py), read from that file's source, since this runs
+  in the JAX venv, where tf_gspmd (TensorFlow) cannot be imported."""
+  path = os.path.join(ROOT, 'tf_gspmd', 'xla_bridge', 'reference_partitioner.py')
+  with open(path) as f:
+    tree = ast.parse(f.read())
+  for node in tree.body:
+    if isinstance(node, ast.Assign) and [getattr(t, 'id', '') for t in node.targets] == [
+      '_DTYPE_BYTES'
+    ]:
+      return ast.literal_eval(node.value)
+  raise LookupError(f'{path} defines no _DTYPE_BYTES')
+
+
+DTYPE_BYTES = _dtype_bytes()
 COLLECTIVES = ('all-gather', 'all-to-all', 'collective-permute', 'all-reduce', 'reduce-scatter')
 # Ops that move data between devices but that no bytes rule here covers: met in
 # a program, they would make the count wrong, so they are an error.

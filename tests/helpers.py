@@ -8,9 +8,11 @@ import os
 import pathlib
 import subprocess
 import sys
+import traceback
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tf_gspmd as tg
@@ -163,3 +165,24 @@ def loop_training(mesh, w1, w2, annotate):
     return loss
 
   return train
+
+
+# --- bad input: the error it must give (tests/test_bad_input.py, test_keras_bad_input.py) ------
+def assert_raises_clearly(name, call, error, words, raised_by='tf_gspmd'):
+  """`call()` raises an `error` whose message holds every one of `words`, raised by
+  `raised_by`'s own code (the innermost frame of its traceback is in that package): a check
+  of tf_gspmd's, not a failure deep in TF that happens to hold the words."""
+  with pytest.raises(Exception) as caught:
+    call()
+  assert isinstance(caught.value, error), (
+    f'{name}: raised {type(caught.value).__name__}: {caught.value}'
+  )
+  assert_holds(name, str(caught.value), words)
+  frames = traceback.extract_tb(caught.value.__traceback__)
+  where = frames[-1].filename if frames else ''
+  assert f'{os.sep}{raised_by}{os.sep}' in where, f'{name}: raised in {where}, not by {raised_by}'
+
+
+def assert_holds(name, message, words):
+  missing = [w for w in words if w not in message]
+  assert not missing, f'{name}: message lacks {missing}:\n{message}'

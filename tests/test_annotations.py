@@ -41,7 +41,7 @@ SAME_ANNOTATIONS = {
     lambda x: tfx.partial_tile(x, np.array([[[1, 0]], [[3, 2]]]), use_sharding_op=True),
     lambda x: tg.xla_sharding.partial_tile(x, [[[1, 0]], [[3, 2]]]),
   ),
-  'replicate': (lambda x: tfx.replicate(x, use_sharding_op=True), tg.replicate),
+  'replicate': (lambda x: tfx.replicate(x, use_sharding_op=True), tg.xla_sharding.replicate),
   'assign_device': (
     lambda x: tfx.assign_device(x, 3, use_sharding_op=True),
     lambda x: tg.xla_sharding.assign_device(x, 3),
@@ -190,7 +190,7 @@ def test_eager_annotation_returns_the_tensor_unchanged():
   x = tf.constant(np.arange(48, dtype=np.float32).reshape(8, 6))
   for annotate in [
     lambda t: tg.shard(t, MESH, P('data', None)),
-    tg.replicate,
+    tg.xla_sharding.replicate,
     lambda t: tg.xla_sharding.split(t, 0, 4),
     lambda t: tg.xla_sharding.mesh_split(t, DEVICE_MESH, [0, 1]),
     lambda t: tg.xla_sharding.tile(t, [[0, 1]]),

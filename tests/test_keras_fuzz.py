@@ -1,29 +1,32 @@
 """Keras-level fuzzing (tf_gspmd/testing/keras_fuzz.py): a budget of random Keras models under
 random keras.distribution layouts and workflows, and the generator, judge and shrinker themselves.
 
-The budget's seed rotates with the date (TF_GSPMD_KERAS_FUZZ_SEED overrides it); it is printed,
-and a failure prints its case as a pytest test, so any CI failure reproduces with
+CI runs a fixed seed and a fixed number of models, so every run and every machine judges the
+same models (a campaign picks another seed with TF_GSPMD_KERAS_FUZZ_SEED and more models with
+TF_GSPMD_KERAS_FUZZ_MODELS); the seed is printed, and a failure prints its case as a pytest
+test, so any failure reproduces with
 `python -m tf_gspmd.testing.keras_fuzz --seed S --start I --models 1`.
 """
 
 import dataclasses
-import datetime
 import os
 import time
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
+from tf_gspmd.errors import Unsupported
+from tf_gspmd.graph_rewrite import uneven
 from tf_gspmd.testing import keras_fuzz
 
-BUDGET_SECONDS = 45  # models started after this are not run (one model takes 5-30 s)
-MIN_MODELS = 2
+SEED = 20261128  # its model 3 is kept in test_keras_fuzz_cases.py (the judge's cancellation)
+MODELS = 4  # one model takes 5-30 s
 SMALL = 4  # layers per model at most: small models run fastest
 
 
-def _seed() -> int:
-  text = os.environ.get('TF_GSPMD_KERAS_FUZZ_SEED')
-  return int(text) if text else int(datetime.date.today().strftime('%Y%m%d'))
+def _setting(name: str, default: int) -> int:
+  return int(os.environ.get(name) or default)
 
 
 @pytest.fixture(autouse=True, scope='module')
@@ -31,24 +34,31 @@ def _quiet():
   keras_fuzz.quiet()
 
 
+@pytest.mark.slow  # 4 Keras workflows run 3 ways or more: about 35 s
 def test_fixed_budget_of_random_keras_models(capsys):
-  seed = _seed()
+  seed = _setting('TF_GSPMD_KERAS_FUZZ_SEED', SEED)
+  models = _setting('TF_GSPMD_KERAS_FUZZ_MODELS', MODELS)
   with capsys.disabled():
-    print(f'\nkeras fuzz seed {seed} (TF_GSPMD_KERAS_FUZZ_SEED={seed} reproduces)')
-  start, lines, failures = time.time(), [], []
-  index = 0
-  while index < MIN_MODELS or time.time() - start < BUDGET_SECONDS:
-    case = keras_fuzz.generate(seed, index, max_layers=SMALL)
-    outcome = keras_fuzz.run(case)
-    lines.append(f'{case.label()}: {outcome.status} {outcome.message[:200]}')
-    if outcome.status in ('mismatch', 'crash', 'invalid'):
-      failures.append(keras_fuzz.test_case(case, outcome))
-    index += 1
+    print(f'\nkeras fuzz seed {seed}, {models} models (TF_GSPMD_KERAS_FUZZ_SEED sets the seed)')
+  start = time.time()
+  lines, failures = _judged(keras_fuzz.generate(seed, i, max_layers=SMALL) for i in range(models))
   with capsys.disabled():
     print(f'{len(lines)} models in {time.time() - start:.0f} s')
     for line in lines:
       print(' ', line)
   assert not failures, '\n'.join(lines) + '\n\ncases:\n\n' + '\n\n'.join(failures)
+
+
+def _judged(cases):
+  """A line per case, and the printed case of each that fails by the fuzzer's own `FAILURES`
+  (a refusal, tf_gspmd's `Unsupported`, passes)."""
+  lines, failures = [], []
+  for case in cases:
+    outcome = keras_fuzz.run(case)
+    lines.append(f'{case.label()}: {outcome.status} {outcome.message[:200]}')
+    if outcome.status in keras_fuzz.fuzz.FAILURES:
+      failures.append(keras_fuzz.test_case(case, outcome))
+  return lines, failures
 
 
 def test_generator_is_deterministic_per_seed():
@@ -128,10 +138,15 @@ def _moved(value):
   return value
 
 
-def test_refusal_crash_and_mismatch_are_told_apart():
-  def refuse():
-    raise keras_fuzz.fuzz.classify.__globals__['ValueError']('refused')
+def _raise(error):
+  raise error
 
+
+def test_refusal_crash_and_mismatch_are_told_apart():
+  outcome = keras_fuzz.fuzz.outcome_of(lambda: 1, lambda: _raise(Unsupported('no')), None)
+  assert outcome.status == 'refusal'
+  outcome = keras_fuzz.fuzz.outcome_of(lambda: 1, lambda: _raise(ValueError('inner')), None)
+  assert outcome.status == 'crash' and outcome.error_type == 'ValueError'
   outcome = keras_fuzz.fuzz.outcome_of(lambda: 1, lambda: 1, lambda got, want: 'differs')
   assert outcome.status == 'mismatch'
   outcome = keras_fuzz.fuzz.outcome_of(lambda: 1, lambda: 1 / 0, lambda got, want: None)
@@ -140,6 +155,29 @@ def test_refusal_crash_and_mismatch_are_told_apart():
   assert outcome.status == 'invalid'
   outcome = keras_fuzz.fuzz.outcome_of(lambda: 1, lambda: 1, lambda got, want: '')
   assert outcome.status == 'pass' and outcome.float64
+
+
+def test_a_planted_internal_value_error_fails_the_budget(monkeypatch):
+  """The partitioned run raising a plain ValueError inside tf_gspmd (a handler asking for the
+  identity of a reduction that has none) is a crash, which fails the budget test."""
+  plain = keras_fuzz.execute
+
+  def execute(build, mode, initial=None):
+    if mode == 'partitioned':
+      uneven.identity_value('median', tf.float32)
+    return plain(build, mode, initial)
+
+  monkeypatch.setattr(keras_fuzz, 'execute', execute)
+  lines, failures = _judged([_tiny_case()])
+  assert ': crash ValueError' in lines[0] and len(failures) == 1, lines
+
+
+def test_every_failure_kind_fails_the_budget(monkeypatch):
+  statuses = iter(keras_fuzz.fuzz.FAILURES + ('refusal', 'pass'))
+  monkeypatch.setattr(keras_fuzz, 'run', lambda case: keras_fuzz.Outcome(next(statuses)))
+  lines, failures = _judged([_tiny_case()] * (len(keras_fuzz.fuzz.FAILURES) + 2))
+  assert 'nondeterministic' in keras_fuzz.fuzz.FAILURES
+  assert len(failures) == len(keras_fuzz.fuzz.FAILURES), lines
 
 
 def test_shrinker_keeps_the_failure_and_cuts_the_rest():

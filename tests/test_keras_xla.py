@@ -33,6 +33,9 @@ from tf_gspmd.xla_bridge import XlaLoweringError, stablehlo_collectives  # noqa:
 
 sys.path.insert(0, os.path.dirname(__file__))
 import test_keras_workflow as workflow  # noqa: E402
+
+# Each model is exported, compiled by XLA and run on 8 PJRT devices: tens of seconds apiece.
+pytestmark = pytest.mark.slow
 from test_keras_distribution import (  # noqa: E402
   check_model_parallel_example,
   guide_distribution,

@@ -127,6 +127,31 @@ def test_float64_rule():
   assert_close_to_float64(rounded * np.float32(1 + 2e-6), rounded, exact)
 
 
+# An attention key bias's momentum after two fits (keras fuzz seed 20261128, model 3): 0 in
+# exact arithmetic (softmax ignores a shift of a whole row of logits), so float64 gives ~1e-21
+# and each float32 run the rounding of the terms that cancel, in its own summation order.
+KEY_BIAS_FLOAT64 = np.array([[6.055e-22, -4.717e-22, -4.458e-22]])
+KEY_BIAS_PLAIN = np.float32([[1.3356e-13, 8.0045e-14, 1.1768e-13]])
+KEY_BIAS_PARTITIONED = np.float32([[4.5783e-13, 9.1731e-15, -2.2919e-13]])
+
+
+def test_float64_rule_judges_a_cancelled_tensor_by_the_rounding_of_its_terms():
+  exact, want, got = KEY_BIAS_FLOAT64, KEY_BIAS_PLAIN, KEY_BIAS_PARTITIONED
+  assert oracle.is_cancelled(want, exact) and not oracle.is_cancelled(exact, exact)
+  assert relative_error(got, exact) > 2 * relative_error(want, exact)  # more than the 2x rule
+  assert_close_to_float64(got, want, exact, 'momentum')
+  assert_close_to_float64(np.float32([0.0]), np.float32([1e-13]), np.zeros(1))  # exact 0
+  # Off by more than CANCELLED_FACTOR roundings (a real error would be the size of the terms,
+  # ~1e7 roundings): still a failure, which says which bound it used.
+  off = got + np.float32(oracle.CANCELLED_FACTOR * 3e-13)
+  with pytest.raises(AssertionError, match=r'momentum: .* 16 x .*cancelled'):
+    assert_close_to_float64(off, want, exact, 'momentum')
+  # A tensor float32 keeps digits of (1.0 vs 1.5) is judged by the 2x rule alone.
+  assert not oracle.is_cancelled(np.float32([1.5]), np.ones(1))
+  with pytest.raises(AssertionError, match=r'2 x 0\.5 \+ 1e-05'):
+    assert_close_to_float64(np.float32([2.2]), np.float32([1.5]), np.ones(1))
+
+
 def test_python_floats_are_float64_and_the_message_says_how_to_state_float32():
   history = [0.6931471824645996, 0.5]  # a float32 loss carried as Python floats
   other = [float(np.float32(0.6931471824645996) * np.float32(1 + 2e-7)), 0.5]

@@ -146,7 +146,18 @@ def _assert_all_decided(plan):
   assert kinds['forward'] > 20 and kinds['backward'] > 5
   for graph in plan.program.graphs():
     for t in graph.tensors():
-      assert plan.sharding(t.name, graph.name) is not None
+      _assert_fits(plan.sharding(t.name, graph.name), t, graph.name)
+
+
+def _assert_fits(sharding, tensor, graph):
+  """`sharding` is one `tensor` can hold: on MESH, a spec of its rank (a variable handle's:
+  its variable's; or P(), replicated), each mesh axis used once."""
+  spec = tuple(sharding.spec)
+  rank = len(tensor.handle_data[0][1]) if tensor.handle_data else tensor.rank
+  assert sharding.mesh == MESH, (graph, tensor.name, sharding)
+  assert rank is None or len(spec) in (0, rank), (graph, tensor.name, spec)
+  axes = [a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())]
+  assert len(axes) == len(set(axes)) and set(axes) <= {'data', 'model'}, (tensor.name, spec)
 
 
 def test_keras_mlp_step_megatron():

@@ -202,6 +202,27 @@ def test_analyze_hlo_counts_async_once_and_permute_receivers_only():
   assert result['dst_shard_bytes'] == 512
 
 
+FP8_HLO = """HloModule m, entry_computation_layout={(f8e4m3fn[4,8]{1,0})->f8e4m3fn[16,8]{1,0}}
+
+ENTRY %main (p: f8e4m3fn[4,8]) -> f8e4m3fn[16,8] {
+  %p = f8e4m3fn[4,8]{1,0} parameter(0)
+  ROOT %g = f8e4m3fn[16,8]{1,0} all-gather(%p), replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
+}
+"""
+
+
+def test_one_dtype_table_reads_fp8_on_both_sides():
+  """The bench reads tf_gspmd's table (it cannot import TensorFlow): one table, fp8 in it, and
+  an fp8 all-gather measured alike by both (3 of 4 blocks of 32 bytes)."""
+  from tf_gspmd.xla_bridge import reference_partitioner
+
+  assert xr.DTYPE_BYTES == reference_partitioner._DTYPE_BYTES
+  assert {'f8e4m3fn', 'f8e5m2'} <= set(xr.DTYPE_BYTES)
+  (bench,) = xr.analyze_hlo(FP8_HLO, 8)['xla_collectives']
+  (ours,) = reference_partitioner.partitioned_collectives(FP8_HLO, 8)
+  assert bench['bytes_received_per_device'] == ours['bytes'] == 96
+
+
 def test_unmeasured_communication_is_an_error():
   hlo = ASYNC_HLO.replace(
     '%cp = f32[16,8]{1,0} collective-permute(%agd), channel_id=2, '

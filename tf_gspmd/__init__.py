@@ -23,6 +23,7 @@ from tf_gspmd import (
 )
 from tf_gspmd.annotations import get_sharding, shard, shard_variable
 from tf_gspmd.dtensor_compat import from_dtensor_layout, from_dtensor_mesh
+from tf_gspmd.errors import Unsupported
 from tf_gspmd.export import saved_model  # tg.saved_model.save / load, save_xla / load_xla
 from tf_gspmd.export.checkpoint import restore_checkpoint, save_checkpoint
 from tf_gspmd.keras.fit import partition_model, unpartition_model
@@ -73,6 +74,7 @@ __all__ = [
   'PlanReport',
   'abstract_variable',
   'CollectiveError',
+  'Unsupported',
   'ShardedValue',
   'ShardedVariable',
   'Mesh',

@@ -6,6 +6,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from tf_gspmd.errors import Unsupported
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.sharding import MANUAL, REPLICATED, NamedSharding, Sharding, named
 
@@ -64,7 +65,7 @@ def _from_single_proto(proto) -> Sharding:
       raise ValueError(f'from_proto: MAXIMAL sharding must name one device, got {devices}.')
     return Sharding.maximal(devices[0])
   if proto.type != t.OTHER:
-    raise ValueError(f'from_proto: unsupported OpSharding type {t.Type.Name(proto.type)}.')
+    raise Unsupported(f'from_proto: unsupported OpSharding type {t.Type.Name(proto.type)}.')
   dims = tuple(proto.tile_assignment_dimensions)
   devices = _devices(proto)
   if int(np.prod(dims, dtype=np.int64)) != len(devices):

@@ -14,6 +14,7 @@ import functools
 import importlib
 import pkgutil
 
+from tf_gspmd.errors import Unsupported
 from tf_gspmd.graph import ir
 from tf_gspmd.graph_rewrite import factors, handlers
 from tf_gspmd.graph_rewrite.partitioner import Partitioner
@@ -54,7 +55,7 @@ def _check_runnable(p: Partitioner, node: ir.Node) -> None:
   runs = {'CPU', 'GPU', 'DEFAULT', '?'}  # a DEFAULT kernel runs on any device
   runs |= getattr(p.backend, 'kernel_device_types', frozenset())
   if not types & runs:
-    raise ValueError(
+    raise Unsupported(
       f"tf_gspmd: op {node.op} (node {node.name}) has no kernel on this machine's devices "
       f'(registered for {sorted(types) or "none"}) and tf_gspmd has no local computation '
       'for it, so the partitioned program could not run it. Write it with ops that run here '

@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
+from tf_gspmd.errors import Unsupported
 from tf_gspmd.graph import emit, ir
 from tf_gspmd.graph_rewrite.partitioner import Local, Partitioner, replicated
 
@@ -55,7 +56,7 @@ def local_params(node: ir.Node) -> Mapping[str, Any]:
 def global_shape(graph: ir.Graph, tensor: str) -> tuple:
   shape = graph.tensor(tensor).shape
   if shape is None or None in shape:
-    raise ValueError(
+    raise Unsupported(
       f'tensor {tensor} has no static shape ({shape}); tf_gspmd partitions static shapes only. '
       'Give the tf.function fully defined input shapes.'
     )
@@ -119,7 +120,7 @@ def static_handler(p, graph, node, operands):
   if any(v is None for v in values):
     if not node.inputs:  # a Const of a non-foldable dtype (float, string): emit it as it is
       return emit_outputs(p, graph, node, [], [replicated(p.mesh, t.rank) for t in node.outputs])
-    raise ValueError(f'{node.op} {node.name}: input shape is not static.')
+    raise Unsupported(f'{node.op} {node.name}: input shape is not static.')
   return [
     _finish_static(p, graph, static_local(p, graph, t.name, v), t.name)
     for t, v in zip(node.outputs, values)
@@ -292,7 +293,7 @@ def random_handler(p, graph, node, operands):
 def _shape_input(p, graph, node, index) -> np.ndarray:
   value = p.static_value(graph, node.inputs[index])
   if value is None:
-    raise ValueError(
+    raise Unsupported(
       f'{node.op} {node.name}: its shape input {node.inputs[index]} is not known before run '
       'time; tf_gspmd needs static shapes to partition it.'
     )

@@ -66,6 +66,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gspmd import collectives as collectives_lib
+from tf_gspmd.errors import Unsupported
 from tf_gspmd.graph_rewrite import reshard as rp
 from tf_gspmd.graph_rewrite.partitioner import Local
 from tf_gspmd.sharding import NamedSharding
@@ -139,7 +140,7 @@ def apply_plan(p, value: Local, plan: rp.ReshardPlan, why: str = '') -> Local:
 def _check_value(p, value: Local, target: NamedSharding, why: str = '') -> None:
   src, shape = value.sharding, tuple(int(s) for s in value.shape)
   if value.dtype in _NOT_MOVABLE:
-    raise ValueError(
+    raise Unsupported(
       f'reshard {src} -> {target}'
       + (f' of {why}' if why else '')
       + f': a {value.dtype.name} value cannot be moved between partitions; keep '

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tf_gspmd.errors import Unsupported
 from tf_gspmd.graph import emit
 from tf_gspmd.graph_rewrite.handlers import computes, emit_outputs, global_shape, local_params
 from tf_gspmd.graph_rewrite.partitioner import Local, replicated
@@ -37,7 +38,7 @@ def apply_handler(p, graph, node, operands):
   for name, value in zip(node.inputs, operands):
     if value.dtype == tf.resource:
       if not value.sharding.is_equivalent_to(var.sharding):  # a handle cannot be resharded
-        raise ValueError(
+        raise Unsupported(
           f'{node.op} {node.name}: slot variable {name} is sharded {value.sharding} but its '
           f'variable {node.inputs[0]} is sharded {var.sharding}; shard optimizer slots like '
           'their variables (shard_variable the slot, or leave it to propagation).'
@@ -61,7 +62,7 @@ def resource_gather_handler(p, graph, node, operands):
   params = Local(table, var.sharding, var.shape)
   batch_dims = node.attrs['batch_dims'].i if 'batch_dims' in node.attrs else 0
   if batch_dims:
-    raise ValueError(f'ResourceGather {node.name}: batch_dims={batch_dims} is not supported.')
+    raise Unsupported(f'ResourceGather {node.name}: batch_dims={batch_dims} is not supported.')
   out = gather.partitioned_gather(
     p,
     params,

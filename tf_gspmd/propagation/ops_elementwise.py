@@ -9,7 +9,7 @@ at the last propagation level.
 
 from __future__ import annotations
 
-from tf_gspmd.propagation.registry import attr, declare, register
+from tf_gspmd.propagation.registry import RuleError, attr, declare, register
 from tf_gspmd.propagation.rule_builders import Namer, make_rule
 
 UNARY = [
@@ -143,7 +143,7 @@ def broadcasting_rule(node, ctx, data_operands=None):
   data = range(len(node.inputs)) if data_operands is None else data_operands
   out_shape = ctx.out_shape(node)
   if out_shape is None:
-    raise ValueError(f'{node.op} {node.name}: result rank is unknown.')
+    raise RuleError(f'{node.op} {node.name}: result rank is unknown.')
   namer = Namer()
   res_dims = tuple(namer.take(len(out_shape)))
   operands, shapes, bcast = [], [], []

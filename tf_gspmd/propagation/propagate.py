@@ -33,6 +33,7 @@ import warnings
 from typing import Dict, List, Optional, Tuple
 
 from tf_gspmd import op_sharding
+from tf_gspmd.errors import Unsupported
 from tf_gspmd.graph import ir
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.propagation import manual, registry
@@ -253,7 +254,7 @@ class Propagator:
     rank = self._rank(key)
     if rank is None:
       if not sharding.is_replicated:
-        raise ValueError(
+        raise Unsupported(
           f'Annotation {sharding} on {qualified(self.program, key)}: the tensor has unknown '
           'rank, so a tiled sharding cannot be checked against it.'
         )
@@ -267,7 +268,7 @@ class Propagator:
     except ValueError:
       named = None
     if named is None:
-      raise ValueError(
+      raise Unsupported(
         f'Annotation {sharding} on {qualified(self.program, key)} (rank {rank}) cannot be '
         f'written as a P(...) on mesh {self.mesh} in any device order: its devices are not '
         f"the mesh's, or no grouping of the mesh axes gives its tile dims "

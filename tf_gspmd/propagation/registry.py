@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import numpy as np
 
+from tf_gspmd.errors import Unsupported
 from tf_gspmd.graph import ir
 from tf_gspmd.propagation.rule import OpRule
 
@@ -44,8 +45,8 @@ def family_modules() -> List[str]:
   return sorted(m.name for m in pkgutil.iter_modules(package.__path__) if m.name.startswith('ops_'))
 
 
-class RuleError(ValueError):
-  """A rule could not be built for a node (unknown constant input, bad attrs)."""
+class RuleError(Unsupported):
+  """A rule could not be built for a node (unknown constant input, bad attrs): a refusal."""
 
 
 # How a resource-typed first operand relates to the variable whose shape it stands for.

@@ -41,7 +41,7 @@ class Sharding:
 
   Build one with `Sharding.replicated()`, `Sharding.maximal(device)`,
   `Sharding.manual()`, `Sharding.tiled(tile_assignment, subgroups=...)`,
-  `NamedSharding(mesh, P(...))` or `tf_gspmd.from_proto(op_sharding)`.
+  `NamedSharding(mesh, P(...))` or `tf_gspmd.op_sharding.from_proto(op_sharding)`.
 
   >>> s = Sharding.tiled([[0, 1], [2, 3]])
   >>> s.shard_shape((10, 5))

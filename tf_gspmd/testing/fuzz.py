@@ -14,8 +14,8 @@ A program is data: `render` prints it as Python (a `build(dtype)` function), and
 is what runs (`run`), so a printed case reproduces exactly. `run` calls the program twice
 partitioned and twice unpartitioned and compares every output and variable with the oracle;
 where float32 itself is ill-conditioned the float64 rule decides (`assert_close_to_float64`,
-the same program built in float64). A ValueError raised in tf_gspmd is a refusal (it names
-what it refuses), unless it says "This is a bug"; any other exception is a crash.
+the same program built in float64). tf_gspmd's own refusal (`tf_gspmd.errors.Unsupported`,
+naming what it refuses) is a refusal; any other exception is a crash.
 
 `shrink` reduces a failing program (delete ops, bypass ops, drop annotations, the gradient,
 the assign, the mesh's device order, shrink input dims) while it fails the same way, and
@@ -33,9 +33,8 @@ import math
 import os
 import sys
 import time
-import traceback
 import warnings
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence
 
 import numpy as np
 
@@ -70,6 +69,7 @@ __all__ = [
   'render',
   'run',
   'shrink',
+  'shrunk',
   'test_case',
 ]
 
@@ -85,7 +85,7 @@ REBUILD_EVERY = 10
 
 @dataclasses.dataclass
 class Outcome:
-  """status: 'pass', 'mismatch', 'crash', 'refusal' (a ValueError of tf_gspmd naming what it
+  """status: 'pass', 'mismatch', 'crash', 'refusal' (tf_gspmd's `Unsupported`, naming what it
   refuses), 'invalid' (the unpartitioned program failed: a fuzzer bug)."""
 
   status: str  # also 'nondeterministic': one partitioned program gave two different bit patterns
@@ -163,32 +163,45 @@ def compare(build, got, want, backend: str = 'tf') -> Optional[str]:
     return None
   except AssertionError as error:
     first = str(error)
-  exact = reference(build, np.float64)
-  why = _further_from_float64(got, want, exact)
-  if why:
-    # More float32 witnesses of the unpartitioned program, each as correct as `want`: XLA
-    # sums in other orders (and its training BatchNorm takes the variance as E[x^2] -
-    # E[x]^2), and the same program on inputs rounded to float32 another way (`_nudged`).
-    # Where the exact result is 0 or nearly (a gradient a later BatchNorm or softmax
-    # cancels: what float32 gives there is a few units of the rounding of the terms that
-    # cancel), one float32 run may land 1 such unit off and another 3: each tensor is
-    # measured against the witness furthest from float64. A wrong partitioned program (a
-    # partial sum counted twice, a block missing) is off by the size of the terms themselves.
-    witness = want
-    for more in [_xla_witness(build)] + [_nudged(build, k) for k in range(NUDGED_WITNESSES)]:
-      if more is not None:
-        witness = _further(witness, more, exact)
-    why = _further_from_float64(got, witness, exact)
+  why = by_witnesses(got, want, reference(build, np.float64), _witnesses(build))
   return '' if not why else f'{first}\n{why}'
 
 
 NUDGED_WITNESSES = 4
 
 
-def _nudged(build, seed: int):
+def _witnesses(build):
+  """More float32 runs of the unpartitioned program, each as correct as TF's, made one at a
+  time: XLA sums in other orders (and its training BatchNorm takes the variance as E[x^2] -
+  E[x]^2), and the same program on inputs rounded to float32 another way (`_nudged`)."""
+  yield _xla_witness(build)
+  for k in range(NUDGED_WITNESSES):
+    yield _nudged(build, k)
+
+
+def by_witnesses(got, want, exact, witnesses: Iterable) -> str:
+  """The float64 rule ('' when it passes, else why not), `got` measured tensor by tensor
+  against whichever float32 witness is furthest from `exact`: `want`, then as many of
+  `witnesses` (a lazy iterable of runs like `want`, None for one that could not run) as it
+  takes to pass. Where the exact result is 0 or nearly (a gradient a later BatchNorm or
+  softmax cancels: what float32 gives there is a few units of the rounding of the terms that
+  cancel), one float32 run may land 1 such unit off and another 3; every witness is a correct
+  run, so more of them only measure that rounding better. A wrong partitioned program (a
+  partial sum counted twice, a block missing) is off by the size of the terms themselves."""
+  why = _further_from_float64(got, want, exact)
+  for more in witnesses:
+    if not why:
+      break
+    if more is not None:
+      want = _further(want, more, exact)
+      why = _further_from_float64(got, want, exact)
+  return why
+
+
+def _nudged(build, k: int):
   """The unpartitioned program's outputs and variables, every floating input and variable
-  moved by at most one unit in the last place (up, down or not, at random by `seed`)."""
-  rng = np.random.RandomState(seed)
+  moved by at most one unit in the last place (up, down or not, at random by `k`)."""
+  rng = np.random.RandomState(k)
   _, make, args = build(np.float32)
   fn, variables = make()
   for v in variables:
@@ -295,16 +308,14 @@ def check(build, backend: str = 'tf') -> None:
 
 
 def classify(error: BaseException) -> str:
-  """'refusal' for a ValueError tf_gspmd raised itself (not a 'This is a bug', nor XLA failing
-  to compile ops the partitioner emitted), else 'crash'."""
-  if 'This is a bug' in str(error) or not isinstance(error, ValueError):
-    return 'crash'
-  if type(error).__name__ == 'XlaLoweringError' and 'could not compile' in str(error):
-    return 'crash'  # tf2xla failed on the partitioned program (ops the partitioner emitted)
-  frames = traceback.extract_tb(error.__traceback__)
-  last = frames[-1].filename if frames else ''
-  in_tf_gspmd = f'{os.sep}tf_gspmd{os.sep}' in last and f'{os.sep}testing{os.sep}' not in last
-  return 'refusal' if in_tf_gspmd else 'crash'
+  """'refusal' for tf_gspmd's own refusal (`tf_gspmd.errors.Unsupported`, naming what it
+  cannot partition), else 'crash': any other error, a plain ValueError from inside tf_gspmd
+  too (a broken invariant reads as one), or XLA failing to compile the partitioned program."""
+  from tf_gspmd.errors import Unsupported
+
+  if isinstance(error, Unsupported) and 'This is a bug' not in str(error):
+    return 'refusal'
+  return 'crash'
 
 
 def _error_text(error: BaseException, limit: int = 600) -> str:
@@ -504,14 +515,24 @@ def _record(tally, program, backend, outcome, echo):
   echo(f'{program.label()} {backend}: {outcome.status}{note} {outcome.seconds:.2f}s{detail}')
 
 
+def shrunk(
+  program: Program,
+  outcome: Outcome,
+  backend: str = 'tf',
+  budget: int = 150,
+  seconds: float = math.inf,
+  log: Callable[[str], None] = lambda _: None,
+) -> Program:
+  """`program` shrunk while it fails as `outcome` says; as drawn where the reference itself
+  failed (a fuzzer bug) or bits differ from run to run (which a shrinker cannot chase)."""
+  if outcome.status in ('invalid', 'nondeterministic'):
+    return program
+  return shrink(program, failing_like(outcome, backend), budget, log, seconds)
+
+
 def _shrink_and_write(program, outcome, backend, out, limits, echo):
   """`limits`: (candidates, seconds) the shrinker may spend."""
-  if outcome.status in ('invalid', 'nondeterministic'):
-    # The reference itself failed (a fuzzer bug), or bits that differ from run to run (which
-    # a shrinker cannot chase): shown as drawn.
-    small = program
-  else:
-    small = shrink(program, failing_like(outcome, backend), limits[0], echo, limits[1])
+  small = shrunk(program, outcome, backend, limits[0], limits[1], echo)
   name = f'test_fuzz_case_{program.seed}_{program.index}_{backend}.py'
   write_case(test_case(small, outcome, backend), out, name, echo)
 
@@ -566,7 +587,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     echo=lambda s: print(s, flush=True),
     shrink_seconds=args.shrink_seconds,
   )
-  return 1 if any(tally.counts[s] for s in ('mismatch', 'crash', 'nondeterministic')) else 0
+  return 1 if any(tally.counts[s] for s in FAILURES) else 0
 
 
 if __name__ == '__main__':

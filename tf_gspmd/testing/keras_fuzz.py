@@ -18,10 +18,11 @@ partitioned) and on the same model built plainly (same seed: the same starting w
 recording after every step the history, evaluation, predictions, weights, variables and
 optimizer state, and compares the records by the oracle; where float32 is ill-conditioned
 (BatchNorm in training, Adam's first steps) the float64 rule decides against the same workflow
-run plainly in float64 from the same values (`testing.float64`). A ValueError raised in
-tf_gspmd is a refusal, any other exception a crash, a failing plain run 'invalid' (a fuzzer
-bug). `shrink` cuts a failing case (workflow steps, layout entries, layers, the optimizer,
-device order) while it fails the same way and `test_case` prints it as a pytest test. CLI:
+run plainly in float64 from the same values (`testing.float64`). tf_gspmd's own refusal
+(`tf_gspmd.errors.Unsupported`) is a refusal, any other exception a crash, a failing plain run
+'invalid' (a fuzzer bug). `shrink` cuts a failing case (workflow steps, layout entries,
+layers, the optimizer, device order) while it fails the same way and `test_case` prints it as
+a pytest test. CLI:
 
   python -m tf_gspmd.testing.keras_fuzz --models N --seed S [--start I] [--out DIR]
 """
@@ -41,7 +42,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from tf_gspmd.testing import fuzz
-from tf_gspmd.testing.fuzz import Outcome, _error_text, _further, _further_from_float64, _record
+from tf_gspmd.testing.fuzz import Outcome, _error_text, _nudge, _record
 from tf_gspmd.testing.keras_fuzz_model import (
   BATCH,
   HEADER,
@@ -178,8 +179,8 @@ class _Run:
 
 def execute(build, mode: str, initial: Optional[List[np.ndarray]] = None):
   """The workflow's records run `mode`: 'partitioned' (under the case's distribution),
-  'plain', 'jit' (plain, compiled by XLA on one device) or 'float64' (plain, in float64,
-  from `initial`: the plain build's variables)."""
+  'plain', 'jit' (plain, compiled by XLA on one device) or 'float64' (plain, in float64);
+  a plain run starts from `initial` (values for the plain build's variables) when given."""
   import keras
 
   from tf_gspmd import keras as tg_keras
@@ -201,12 +202,16 @@ def execute(build, mode: str, initial: Optional[List[np.ndarray]] = None):
         keras.distribution.set_distribution(None)
         tg_keras.disable()
     if mode in ('plain', 'jit'):
-      return _steps(model_fn(jit_compile=mode == 'jit'), data, workflow, directory, floating)
-    with float64_policy():
-      model = model_fn()
-      for variable, value in zip(model.variables, initial):
-        variable.assign(np.asarray(value, variable.dtype))
+      model = _assigned(model_fn(jit_compile=mode == 'jit'), initial)
       return _steps(model, data, workflow, directory, floating)
+    with float64_policy():
+      return _steps(_assigned(model_fn(), initial), data, workflow, directory, floating)
+
+
+def _assigned(model, initial: Optional[List[np.ndarray]]):
+  for variable, value in zip(model.variables, initial or ()):
+    variable.assign(np.asarray(value, variable.dtype))
+  return model
 
 
 def _check_layouts(model, distribution, held) -> None:
@@ -252,20 +257,23 @@ def compare(build, got, want) -> Optional[str]:
   except AssertionError as error:
     first = str(error)
   exact = _records_tree(execute(build, 'float64', _initial(build)))
-  why = _further_from_float64(got, want, exact)
-  if why:
-    # A second float32 witness, as the program fuzzer takes (fuzz.compare): the plain model
-    # compiled by XLA sums in other orders. Where the exact value is all cancellation (a
-    # LayerNorm's offset before a BatchNorm: its gradient is 0), the two float32 runs are
-    # rounding noise of one size, and each tensor is measured against the plain run further
-    # from float64.
-    try:
-      witness = _records_tree(execute(build, 'jit'))
-    except Exception:  # noqa: BLE001  (an op XLA cannot compile: no witness)
-      witness = None
-    if witness is not None:
-      why = _further_from_float64(got, _further(want, witness, exact), exact)
+  why = fuzz.by_witnesses(got, want, exact, _witnesses(build))
   return '' if not why else f'{first}\n{why}'
+
+
+def _witnesses(build):
+  """More float32 runs of the plain model, as the program fuzzer takes (fuzz.compare), made
+  one at a time: compiled by XLA (other summation orders), then from starting weights
+  rounded to float32 another way (`fuzz._nudge`: one unit in the last place)."""
+  try:
+    yield _records_tree(execute(build, 'jit'))
+  except Exception:  # noqa: BLE001  (an op XLA cannot compile: no witness)
+    yield None
+  initial = _initial(build)
+  for k in range(fuzz.NUDGED_WITNESSES):
+    rng = np.random.RandomState(k)
+    nudged = [_nudge(v, rng) if v.dtype.kind == 'f' else v for v in initial]
+    yield _records_tree(execute(build, 'plain', nudged))
 
 
 def judge(build) -> Outcome:
@@ -422,7 +430,7 @@ def campaign(
     if outcome.poisoned:
       echo(f'POISONED: a collective failed; resume with --start {index + 1}')
       break
-    if outcome.status in ('mismatch', 'crash', 'invalid'):
+    if outcome.status in fuzz.FAILURES:
       small = case
       if outcome.status != 'invalid' and shrink_budget:
         small = shrink(case, failing_like(outcome), shrink_budget, echo, shrink_seconds)
@@ -467,7 +475,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.shrink_seconds,
     echo=lambda s: print(s, flush=True),
   )
-  return 1 if tally.counts['mismatch'] or tally.counts['crash'] else 0
+  return 1 if any(tally.counts[s] for s in fuzz.FAILURES) else 0
 
 
 if __name__ == '__main__':

@@ -146,11 +146,6 @@ UNARY_SHAPE = (7, 10, 3)
 BINARY_SHAPE = (10, 3)
 
 
-# Shapes: 7, 10 and 3 over 2, 4 and 8 shards give even, uneven and empty shards.
-UNARY_SHAPE = (7, 10, 3)
-BINARY_SHAPE = (10, 3)
-
-
 # --- program kinds ---------------------------------------------------------------------
 Program = Callable[[List[registry.Entry]], List[OpSpec]]
 PROGRAMS: Dict[str, Program] = {}

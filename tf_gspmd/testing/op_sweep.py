@@ -490,7 +490,7 @@ KNOWN_ISSUES.extend(
       'a slot variable sharded unlike its variable is refused with a clear error naming '
       'both layouts (variables cannot be resharded in place). Listed so the sweep does not '
       'count the refusal as a wrong result.',
-      raises='ValueError',
+      raises='Unsupported',
       match=r'slot variable \S+ is sharded .* but its variable \S+ is sharded',
       example=Case('ResourceApplyAdagrad', '1d', (_WHOLE, P('x', None), _WHOLE)),
     ),

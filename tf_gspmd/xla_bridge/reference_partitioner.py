@@ -320,10 +320,21 @@ def compiled_memory(executable) -> dict:
 
 
 # --- reading collectives from HLO text ---------------------------------------------------------
+# Bytes per element of each HLO element type: the one table (bench/xla_reference.py, which
+# runs where TensorFlow cannot be imported, reads it from this file's source). Every 8-bit
+# float XLA names is here: an fp8 program's HLO must not stop the byte count.
 _DTYPE_BYTES = {
   'pred': 1,
   's8': 1,
   'u8': 1,
+  'f8e5m2': 1,
+  'f8e4m3fn': 1,
+  'f8e4m3': 1,
+  'f8e3m4': 1,
+  'f8e4m3b11fnuz': 1,
+  'f8e4m3fnuz': 1,
+  'f8e5m2fnuz': 1,
+  'f8e8m0fnu': 1,
   's16': 2,
   'u16': 2,
   'f16': 2,

@@ -1,0 +1,54 @@
+"""The suite's own rules (tests/conftest.py, pyproject.toml): under `make test` nothing may
+skip, the full op sweep is deselected rather than skipped, and a marker must be registered."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT
+
+# Each test starts pytest (and TensorFlow) in fresh interpreters: 10-20 s apiece.
+pytestmark = pytest.mark.slow
+
+PROBE = """
+import pytest
+
+def test_needs_a_missing_module():
+  pytest.importorskip('no_such_module_anywhere')
+
+@pytest.mark.sweep
+def test_the_full_sweep():
+  pass
+"""
+
+
+def _pytest(tmp_path, probe=PROBE, **env):
+  """pytest on `probe` with the suite's conftest and pyproject: its summary line, its output."""
+  (tmp_path / 'test_probe.py').write_text(probe)
+  result = subprocess.run(
+    [sys.executable, '-m', 'pytest', '-q', '-rs', '-p', 'conftest', '-p', 'no:cacheprovider']
+    + ['-c', str(ROOT / 'pyproject.toml'), '--rootdir', str(tmp_path), str(tmp_path)],
+    capture_output=True,
+    text=True,
+    env=dict(os.environ, PYTHONPATH=f'{ROOT / "tests"}{os.pathsep}{ROOT}', **env),
+    cwd=tmp_path,
+    timeout=240,
+    check=False,
+  )
+  return result.stdout.strip().splitlines()[-1], result.stdout
+
+
+def test_a_skip_fails_under_make_test_and_the_sweep_is_deselected(tmp_path):
+  summary, out = _pytest(tmp_path, TF_GSPMD_NO_SKIPS='1')
+  assert '1 failed' in summary and '1 deselected' in summary, out
+  assert 'nothing may skip' in out and 'no_such_module_anywhere' in out, out
+  summary, out = _pytest(tmp_path)  # elsewhere a skip is a skip, and -rs says why
+  assert '1 skipped' in summary and '1 deselected' in summary, out
+  assert 'SKIPPED' in out and 'no_such_module_anywhere' in out, out
+
+
+def test_an_unregistered_marker_is_an_error(tmp_path):
+  _, out = _pytest(tmp_path, PROBE.replace('mark.sweep', 'mark.sweeep'))
+  assert "'sweeep' not found in `markers`" in out, out
