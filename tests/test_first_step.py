@@ -14,6 +14,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tf_gspmd as tg
@@ -208,10 +209,14 @@ def test_keras_step_is_traced_once_and_trains_like_keras():
   assert_close(model.get_weights(), reference.get_weights(), 'weights')
 
 
-def test_keras_steps_copy_no_weights(monkeypatch):
+@pytest.mark.parametrize('made', ['as_shards', 'plain'])
+def test_keras_steps_copy_weights_only_of_variables_made_plain(monkeypatch, made):
   """After each train_on_batch the model's own variables read the trained values (here
-  straight from a layer, not through get_weights), and a step assembles nothing: nothing is
-  copied between the shards and the variables (they are views of the shards)."""
+  straight from a layer, not through get_weights). Variables made as shards (under a
+  keras.distribution) are never assembled by a step; plain ones (a model made before
+  partition_model) are their own state, written back from the shards after each step."""
+  import contextlib
+
   import keras
 
   from tf_gspmd.runtime import sharded
@@ -230,31 +235,53 @@ def test_keras_steps_copy_no_weights(monkeypatch):
     return model
 
   x, y = randn(3, 16, 6), randn(4, 16, 3)
-  reference, model = build(), build()
-  tg.partition_model(model, tg.Mesh.create((8,), ('data',)))
-  model.train_on_batch(x, y)
-  reference.train_on_batch(x, y)
-  eager = []
-  assemble = sharded.ShardedVariable.assemble
+  reference = build()
+  if made == 'as_shards':
+    tg.keras.enable()
+    distributed = keras.distribution.DataParallel().scope
+  else:
+    distributed = contextlib.nullcontext
+  try:
+    with distributed():
+      model = build()
+    if made == 'plain':
+      tg.partition_model(model, tg.Mesh.create((8,), ('data',)))
 
-  def counting(self):
-    if tf.executing_eagerly():
-      eager.append(self.label)
-    return assemble(self)
+    def train():
+      with distributed():
+        model.train_on_batch(x, y)
+      reference.train_on_batch(x, y)
 
-  monkeypatch.setattr(sharded.ShardedVariable, 'assemble', counting)
-  for _ in range(3):
-    model.train_on_batch(x, y)
-    reference.train_on_batch(x, y)
-    assert eager == [], f'assembled by a step: {eager}'
-    assert_close(model.layers[0].kernel.numpy(), reference.layers[0].kernel.numpy(), 'kernel')
-    assert_close(
-      model.layers[1].moving_variance.numpy(),
-      reference.layers[1].moving_variance.numpy(),
-      'moving variance',
-    )
-    assert eager, 'the reads above assemble the shards'
-    eager.clear()
+    train()
+    eager = []
+    assemble = sharded.ShardedVariable.assemble
+
+    def counting(self):
+      if tf.executing_eagerly():
+        eager.append(self.label)
+      return assemble(self)
+
+    monkeypatch.setattr(sharded.ShardedVariable, 'assemble', counting)
+    for _ in range(3):
+      train()
+      if made == 'as_shards':  # (the optimizer's step counter is made from a value: plain)
+        weights = {v.path for v in model.weights + model.optimizer.variables[2:]}
+        assert not weights & set(eager), f'assembled by a step: {eager}'
+      else:
+        assert len(eager) >= len(model.trainable_variables), 'written back after the step'
+      eager.clear()
+      assert_close(model.layers[0].kernel.numpy(), reference.layers[0].kernel.numpy(), 'kernel')
+      assert_close(
+        model.layers[1].moving_variance.numpy(),
+        reference.layers[1].moving_variance.numpy(),
+        'moving variance',
+      )
+      if made == 'as_shards':
+        assert eager, 'the reads above assemble the shards'
+      eager.clear()
+  finally:
+    if made == 'as_shards':
+      tg.keras.disable()
 
 
 def test_a_replicated_variable_is_assembled_from_one_shard():

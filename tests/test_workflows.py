@@ -188,7 +188,7 @@ def test_programs_and_explanations_change_no_state():
   x = np.ones((8, 4), np.float32)
   step.get_program(x)
   step.export_xla(x)
-  tg.plan(f, mesh, x)
+  tg.plan(f, x, mesh=mesh)
   assert float(f_plain()) == 120.0
   w.assign(w * 2)
   assert_close(step(x), f(x), 'after a write')

@@ -252,6 +252,11 @@ class _Planner(partitioned.PartitionedFunction):
 
   build_started = 0.0
 
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    # Its own abstract shards, never a variable's real ones (a plan changes no state).
+    self._sharded_variables = {}
+
   def _shard_variable(self, var, sharding, *unused):
     key = id(var)
     if key not in self._sharded_variables:

@@ -29,10 +29,9 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd.tf_private import UninitializedVariable
-
 from tf_gspmd.runtime import sharded as sharded_lib
 from tf_gspmd.sharding import Sharding
+from tf_gspmd.tf_private import UninitializedVariable
 from tf_gspmd.xla_bridge.export import Layout, XlaExport
 from tf_gspmd.xla_bridge.hlo import hlo_collectives
 
