@@ -45,7 +45,7 @@ $(XLASTAMP): $(STAMP) requirements-xla.lock
 # kernels (oneDNN off): sums land in another order there, and every test must hold on both.
 SECOND_PASS_TESTS := tests/test_keras_distribution.py tests/test_keras_fit.py \
 	tests/test_keras_workflow.py tests/test_architectures.py tests/test_xla_backend.py \
-	tests/test_one_device.py tests/test_keras_xla.py
+	tests/test_one_device.py tests/test_keras_xla.py tests/test_workflows.py
 
 # Lint and import order (ruff), the format check (ruff format) and types on the pure
 # modules (mypy, files listed in pyproject.toml). Configured in pyproject.toml.

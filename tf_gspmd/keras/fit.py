@@ -30,6 +30,7 @@ import keras
 import tensorflow as tf
 
 from tf_gspmd.annotations import shard, shard_variable, variable_sharding
+from tf_gspmd.errors import Unsupported
 from tf_gspmd.keras.hooks import backing
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.partitioned import PartitionedFunction, VariableStore
@@ -291,7 +292,7 @@ def _check_attention_heads(model) -> None:
         continue
       size = sharding.mesh.axis_size(axes)
       if layer.num_heads % size:
-        raise ValueError(
+        raise Unsupported(
           f'{model.name}: MultiHeadAttention layer {layer.path!r} has {layer.num_heads} heads, '
           f'but the layout {sharding.spec} of {weight.path} splits them over {axes!r} of '
           f'{size} devices; {layer.num_heads} is not divisible by {size}. Use a head count '

@@ -43,17 +43,19 @@ class Compiled:
   # The shards of each variable the program was built for: a call finds them moved (another
   # program needed another layout) when the variable's holder is another object now.
   holders: List[Any] = dataclasses.field(default_factory=list)
+  _written: Optional[List[Any]] = None  # written_variables(), once computed
 
   def written_variables(self) -> List[Any]:
     """The variables a call may write: every one whose handle reaches an op other than a read
     (an assignment, an optimizer's apply, a function or loop taking the handle)."""
-    graph = self.program.main
-    by_placeholder = {name: var for name, var in self.program.variables.items()}
-    return [
-      var
-      for name, var in by_placeholder.items()
-      if any(graph.node(node).op not in _READS for node, _ in graph.consumers(name))
-    ]
+    if self._written is None:
+      graph = self.program.main
+      self._written = [
+        var
+        for name, var in self.program.variables.items()
+        if any(graph.node(node).op not in _READS for node, _ in graph.consumers(name))
+      ]
+    return self._written
 
 
 # Ops that only read the variable whose handle they take.
