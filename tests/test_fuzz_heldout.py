@@ -176,12 +176,12 @@ def build_777123_92(dtype=np.float32):
   return mesh, make, [x1]
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason='the offset gradient of the first of two batch norms over a channel split: '
-  'partitioned 2-4x further from float64 than any unpartitioned float32 witness (cause open)',
-)
 def test_fuzz_777123_92():
+  """The offset gradient of the first of two batch norms over a channel split was 2-4x further
+  from float64 than every unpartitioned witness: it is zero in exact arithmetic (the second
+  batch norm is invariant to a per-channel shift of its input), so every float32 value is
+  rounding alone, and the judge's cancellation rule (oracle.assert_close_to_float64) bounds it
+  by the rounding of its terms, as for every such tensor."""
   fuzz.check(build_777123_92, backend='tf')
 
 

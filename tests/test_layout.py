@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / 'tf_gspmd'
 
 # Bottom to top: a unit may import units listed before it (and itself), never after.
 LAYERS = (
-  ('_tf_version',),  # checks TensorFlow is installed, before importing it
+  ('_tf_version', 'errors'),  # checks TensorFlow is installed; the refusal error type
   ('tf_private', 'device_names'),  # TF's private API (the one module), TF device names
   ('mesh', 'sharding'),  # value types
   ('op_sharding',),  # OpSharding conversion, the one place

@@ -24,6 +24,11 @@ def test_the_full_sweep():
 """
 
 
+def _without_no_skips() -> dict:
+  """This process's environment without make test's TF_GSPMD_NO_SKIPS (the probe sets it)."""
+  return {k: v for k, v in os.environ.items() if k != 'TF_GSPMD_NO_SKIPS'}
+
+
 def _pytest(tmp_path, probe=PROBE, **env):
   """pytest on `probe` with the suite's conftest and pyproject: its summary line, its output."""
   (tmp_path / 'test_probe.py').write_text(probe)
@@ -32,7 +37,7 @@ def _pytest(tmp_path, probe=PROBE, **env):
     + ['-c', str(ROOT / 'pyproject.toml'), '--rootdir', str(tmp_path), str(tmp_path)],
     capture_output=True,
     text=True,
-    env=dict(os.environ, PYTHONPATH=f'{ROOT / "tests"}{os.pathsep}{ROOT}', **env),
+    env=dict(_without_no_skips(), PYTHONPATH=f'{ROOT / "tests"}{os.pathsep}{ROOT}', **env),
     cwd=tmp_path,
     timeout=240,
     check=False,

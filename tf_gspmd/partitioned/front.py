@@ -7,6 +7,7 @@ name in `executors`); the rest is reading what was compiled.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Dict, List, Optional, Sequence
 
 import tensorflow as tf
@@ -101,10 +102,47 @@ class PartitionedFunction:
     flat_args = [a for a in tf.nest.flatten(args) if is_tensor_like(a)]
     what = f'partition({name_of(self.fn)!r})'
     self._prepared(compiled)
-    held.scatter_adopted(compiled.variables)  # a plain variable is its own state: copy it in
+    # A plain variable is its own state: copied into its shards, and what the call wrote back.
+    self._copy(held.scatter_adopted, compiled.variables, what)
     outputs = self.executor.run(compiled, flat_args, self._sharded_variables, what)
-    held.gather_adopted(compiled.written_variables())  # ... and what the call wrote back out
+    self._copy(held.gather_adopted, compiled.written_variables(), what)
     return outputs
+
+  def _copy(self, copy, variables, what: str) -> None:
+    """`copy(variables)` (adopted variables to or from their shards). With shards on other
+    tasks' devices, within the call's timeout: a task that died or stopped fails it with a
+    CollectiveError, as the step's own collectives would, instead of an RPC error or a wait
+    without end."""
+    adopted = [v for v in variables if held.is_held(v) and not held.is_split(v)]
+    remote = [v for v in adopted if _on_other_tasks(held.holder_of(v))]
+    if not remote:
+      copy(adopted)
+      return
+    from tf_gspmd.runtime.errors import CollectiveError
+
+    done, failed = threading.Event(), []
+
+    def run():
+      try:
+        copy(adopted)
+      except Exception as error:  # noqa: BLE001 (handed to the caller's thread)
+        failed.append(error)
+      done.set()
+
+    threading.Thread(target=run, daemon=True, name='tf_gspmd_copy').start()
+    timeout = self.timeout if self.timeout is not None else 60.0
+    if not done.wait(timeout):
+      raise CollectiveError(
+        f'{what}: copying {len(adopted)} plain variables to or from their shards on other '
+        f'tasks did not complete within {timeout:g} s (a task stopped?).'
+      )
+    if failed and isinstance(failed[0], tf.errors.OpError):
+      raise CollectiveError(
+        f'{what}: copying plain variables to or from their shards on other tasks failed: '
+        f'{failed[0].message}'
+      ) from failed[0]
+    if failed:
+      raise failed[0]
 
   def _own_layouts(self, compiled: Compiled) -> None:
     """Move back the shards another program moved to its own layout (one state per variable)."""
@@ -298,6 +336,12 @@ class PartitionedFunction:
     """Give `var` its shards in the store (subclasses hold them elsewhere)."""
     devices = self.executor.devices(self.mesh, self.devices)
     self.store.add(var, sharding, sharded_cls, devices, self.backend)
+
+
+def _on_other_tasks(holder) -> bool:
+  """Whether any of `holder`'s shards lives on a device of another task (a cluster's worker)."""
+  devices = getattr(holder, 'devices', None) or ()
+  return any('/job:' in str(d) and '/job:localhost' not in str(d) for d in devices)
 
 
 def partition(

@@ -550,8 +550,7 @@ def write_case(text: str, out: str, name: str, echo) -> None:
 
 def _freeze_imports() -> None:
   """Put what the imports made (~350k objects of TF and tf_gspmd, alive for the whole run) out
-  of the garbage collector's reach: every full collection walked them again, and so did each
-  program's scan for functions that captured a variable (`program.held.release`)."""
+  of the garbage collector's reach: every full collection walked them again."""
   import gc
 
   import tf_gspmd.partitioned  # noqa: F401  (imported here so that it is frozen too)
