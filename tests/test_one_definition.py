@@ -56,13 +56,26 @@ def recording_layouts():
 
     def recording(p, graph, node, operands):
       used = {id(v): (i, v.sharding) for i, v in enumerate(operands)}
+      handles = {_name(v.tensor): i for i, v in enumerate(operands) if v.dtype == tf.resource}
       results = {}
       reshard, finish = p.reshard, p.finish
 
+      def operand_index(value):
+        """The operand `value` is, or was read from (a variable read, then resharded)."""
+        if id(value) in used:
+          return used[id(value)][0]
+        op = getattr(value.tensor, 'op', None)
+        if op is None or op.type != 'ReadVariableOp':
+          return None
+        # A handle captured from outside the trace (an eager one) is read through a placeholder:
+        # then the one variable operand is the one read.
+        only = list(handles.values()) if len(handles) == 1 else []
+        return handles.get(_name(op.inputs[0]), only[0] if only else None)
+
       def reshard_spy(value, target, why=''):
         out = reshard(value, target, why)
-        if id(value) in used:
-          i = used[id(value)][0]
+        i = operand_index(value)
+        if i is not None:
           used[id(value)] = (i, target)
           used[id(out)] = (i, target)
         return out
@@ -94,6 +107,14 @@ def recording_layouts():
 
 def _axes(sharding):
   return tuple(sharding.spec.axes_of(d) for d in range(len(sharding.spec)))
+
+
+def _name(tensor):
+  """A graph tensor's name (an eager tensor has none)."""
+  try:
+    return tensor.name
+  except AttributeError:
+    return None
 
 
 def disagreements(p, graph, node, operand_layouts, result_layouts):

@@ -67,15 +67,18 @@ def candidates(
   out = []
   for order in orders:
     rank = {t: k for k, t in enumerate(order)}
-    chosen = {}
+    chosen, source = {}, {}
     for f, props in proposals.items():
       if props:
-        chosen[f] = min(props, key=lambda prop: rank[prop[1]])[0]
-    assignment = rule.resolve_axes(chosen)
-    if not windowed:
-      assignment = _drop_windowed(rule, assignment)
-    if assignment not in out:
-      out.append(assignment)
+        chosen[f], source[f] = min(props, key=lambda prop: rank[prop[1]])
+    # Two factors proposed one axis: rule order settles it, and so does this order's
+    # preference (the result's layout kept, or an operand's), so the cheaper is costed too.
+    preferred = sorted(chosen, key=lambda f: rank[source[f]])
+    for assignment in (rule.resolve_axes(chosen), rule.resolve_axes(chosen, first=preferred)):
+      if not windowed:
+        assignment = _drop_windowed(rule, assignment)
+      if assignment not in out:
+        out.append(assignment)
   return out
 
 

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from tf_gspmd.errors import Unsupported
 from tf_gspmd.graph import emit
-from tf_gspmd.graph_rewrite.handlers import computes, emit_outputs, global_shape, local_params
+from tf_gspmd.graph_rewrite.handlers import computes, emit_outputs, local_params
 from tf_gspmd.graph_rewrite.partitioner import Local, replicated
 
 
@@ -54,7 +54,9 @@ def apply_handler(p, graph, node, operands):
 
 @computes('resource_gather')
 def resource_gather_handler(p, graph, node, operands):
-  """Embedding lookup from a variable: read the local shard, then gather like GatherV2."""
+  """Embedding lookup from a variable: read the local shard, then gather like GatherV2 (in the
+  layouts of the rule priced by bytes: the table all-gathered when that moves less than the
+  indices or the result would)."""
   from tf_gspmd.graph_rewrite import gather
 
   var, indices = operands
@@ -63,16 +65,7 @@ def resource_gather_handler(p, graph, node, operands):
   batch_dims = node.attrs['batch_dims'].i if 'batch_dims' in node.attrs else 0
   if batch_dims:
     raise Unsupported(f'ResourceGather {node.name}: batch_dims={batch_dims} is not supported.')
-  out = gather.partitioned_gather(
-    p,
-    params,
-    indices,
-    axis=0,
-    target=p.target(graph, node.outputs[0].name),
-    out_shape=global_shape(graph, node.outputs[0].name),
-    name=node.name,
-  )
-  return [p.finish(graph, out, node.outputs[0].name)]
+  return gather.rule_gather(p, graph, node, [params, indices], axis=0)
 
 
 @computes('var_is_initialized')
