@@ -140,3 +140,18 @@ def test_fsdp_table_lookup_on_xla():
   x = ids(1, 512, 128)
   assert_close(step(x), f(x), 'sum of squared rows')
   assert moved(step) <= TABLE_BYTES, step.collectives()
+
+
+def sparse_update(table, grad):
+  table.scatter_sub(tf.IndexedSlices(0.5 * grad.values, grad.indices))  # ResourceScatterSub
+
+
+def test_fsdp_embedding_training_with_row_updates_sums_them_where_they_are():
+  """A sparse update (Keras' optimizers update an embedding so) into the FSDP-split table.
+  Before: 278,528 bytes (the ids gathered for the lookup, and all 65,536 ids again for the
+  update). Now: each partition sums its rows' updates, reduce-scattered onto the table."""
+  step = train_and_compare(sparse_update)
+  by_kind = {(r['kind'], r['op_type']) for r in step.collectives()}
+  assert ('reduce_scatter', 'ResourceScatterSub') in by_kind
+  assert not [r for r in step.collectives() if r['dtype'] == 'int32'], 'ids moved'
+  assert moved(step) <= 100_356, step.collectives()
