@@ -146,6 +146,10 @@ def choose_layouts(
     return f not in whole and (combinable or rule.kind(f) != REDUCTION)
 
   options = [{f: (a if keep(f) else ()) for f, a in c.items()} for c in options]
+  if any(dims is not None and not _static(op.shape) for dims, op in zip(rule.operands, operands)):
+    # A value of run-time shape is replicated and cannot be resharded (the planner needs every
+    # dim): the assignment splitting nothing keeps it as it is.
+    options.append({f: () for f in rule.factors()})
   layouts = [layouts_of(p, rule, c, operands, shapes, reduction) for c in options]
   return min(layouts, key=lambda lay: _cost(p, lay, operands, shapes, targets))
 
@@ -185,10 +189,17 @@ def _known_shape(graph, tensor: str):
   return None if shape is None or None in shape else tuple(int(d) for d in shape)
 
 
+def _static(shape) -> bool:
+  return shape is not None and None not in tuple(shape)
+
+
 def _cost(p, layouts: FactorLayouts, operands, result_shapes, targets):
   moved = peak = 0
   for need, op in zip(layouts.operands, operands):
-    if need is not None:
+    if need is not None and not _static(op.shape):
+      if not op.sharding.is_equivalent_to(need):
+        return math.inf, math.inf  # a value of run-time shape stays as it is
+    elif need is not None:
       m, k = p.reshard_cost(op.sharding, need, op.shape, op.dtype.size)
       moved, peak = moved + m, max(peak, k)
   for have, shape, target in zip(layouts.results, result_shapes, targets):
