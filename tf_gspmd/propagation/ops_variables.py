@@ -248,7 +248,7 @@ declare(
   resource='assigns',
 )
 declare(list(APPLY_OPS), local='apply_update')
-declare('ResourceGather', local='resource_gather')
+declare('ResourceGather', local='resource_gather', settles_by_bytes=True)
 for _op, _update in (
   ('ResourceScatterAdd', 'add'),
   ('ResourceScatterSub', 'sub'),
@@ -258,7 +258,7 @@ for _op, _update in (
   ('ResourceScatterMul', 'mul'),
   ('ResourceScatterDiv', 'div'),
 ):
-  declare(_op, local='resource_scatter', local_params={'update': _update})
+  declare(_op, local='resource_scatter', local_params={'update': _update}, settles_by_bytes=True)
 declare('VariableShape', local='variable_shape')
 declare(['ReadVariableOp', 'VarIsInitializedOp', 'VariableShape'], reads_variable_only=True)
 declare('VarIsInitializedOp', local='var_is_initialized')

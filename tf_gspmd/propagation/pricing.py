@@ -96,13 +96,22 @@ def _pending_axes(rule: OpRule, resolved) -> Axes:
 
 
 def gather_bytes(have: Spec, want: Spec, shape, size: int, mesh: Mesh) -> int:
-  """Bytes one device receives to gather the axes of `have` that `want` lacks (an axis that
-  moves to another dim is priced as a gather: an upper bound on the all-to-all)."""
+  """Bytes one device receives to take `have` to `want`: the axes `want` lacks all-gathered
+  (g-1 blocks), then the axes it holds on another dim moved by an all-to-all (g-1 pieces of
+  a block split g ways); axes `want` adds are local slices."""
   lost = [a for d, axes in enumerate(have) for a in axes if a not in _dim(want, d)]
   if not lost:
     return 0
-  group = math.prod(mesh.axis_size(a) for a in lost)
-  return (group - 1) * block_elems(have, shape, mesh) * size
+  wanted = {a for axes in want for a in axes}
+  moved = _group(mesh, [a for a in lost if a in wanted])
+  gathered = _group(mesh, [a for a in lost if a not in wanted])
+  block = block_elems(have, shape, mesh)
+  exchanged = (moved - 1) * -(-block * gathered // moved)
+  return ((gathered - 1) * block + exchanged) * size
+
+
+def _group(mesh: Mesh, axes) -> int:
+  return math.prod(mesh.axis_size(a) for a in axes)
 
 
 def all_reduce_bytes(spec: Spec, axes: Axes, shape, size: int, mesh: Mesh) -> int:

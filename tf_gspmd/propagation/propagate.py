@@ -18,10 +18,11 @@ sharding from the pass-through path.
 
 Through one op, the tensors' shardings are projected on the op's factors
 (`OpRule`); where they disagree, the proposal over more devices wins, then the
-earlier operand; where two factors are proposed one axis, it goes where that
-moves fewer bytes (`pricing`), else to the earlier factor. While/If/Case/call
-ops tie caller and callee tensors into groups that merge like identities, with
-the callee swept in between.
+earlier operand; where two factors are proposed one axis, it goes to the
+earlier factor, or, for gathers and scatters (`Entry.settles_by_bytes`), where
+that moves fewer bytes (`pricing`). While/If/Case/call ops tie caller and
+callee tensors into groups that merge like identities, with the callee swept
+in between.
 
 Results: per graph and tensor a complete `NamedSharding` on the mesh (open
 dims left without axes are replicated; scalars and unknown-rank tensors are
@@ -84,6 +85,7 @@ class _NodeInfo:
   ties: Optional[List[List[Key]]] = None
   shapes: Optional[List] = None  # operand shapes then result shapes (value shapes for resources)
   sizes: Optional[List[int]] = None  # bytes per element, the same order (a conflict's price)
+  by_bytes: bool = False  # conflicts between its factors settled by bytes (`pricing`)
   error: Optional[str] = None
 
 
@@ -169,6 +171,7 @@ class Propagator:
           )
           continue
         info.rule = rule
+        info.by_bytes = entry.settles_by_bytes
         info.shapes = [ctx.shape(t) for t in node.inputs] + [
           ctx.shape(o.name) for o in node.outputs
         ]
@@ -401,7 +404,10 @@ class Propagator:
     candidates = rule.factor_candidates(specs, self.mesh)
     picked = {f: pick_candidate(c, self.mesh) for f, c in candidates.items() if c}
     chosen = {f: p[0] for f, p in picked.items()}
-    resolved = pricing.settle(rule, chosen, specs, info.shapes, info.sizes, self.mesh)
+    if info.by_bytes:
+      resolved = pricing.settle(rule, chosen, specs, info.shapes, info.sizes, self.mesh)
+    else:
+      resolved = rule.resolve_axes(chosen)
     changed = False
     for t in targets:
       key = keys[t]
