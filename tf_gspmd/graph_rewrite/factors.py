@@ -34,6 +34,13 @@ def rule_for(p: Partitioner, node, graph):
   return registry.rule_for(node, p.rule_context(graph))
 
 
+def _settles_by_bytes(node) -> bool:
+  from tf_gspmd.propagation import registry
+
+  entry = registry.lookup(node.op)
+  return entry is not None and entry.settles_by_bytes
+
+
 def has_rule(node, graph) -> bool:
   from tf_gspmd.propagation import registry
 
@@ -47,11 +54,14 @@ def candidates(
   operands: Sequence[Local],
   targets: Sequence[NamedSharding],
   windowed: bool = False,
+  by_bytes: bool = False,
 ) -> List[Assignment]:
   """Factor assignments worth costing: results first, then each operand first.
 
   Each takes every factor's axes from the first tensor in its preference
-  order that shards it, so operands can be used as they are.
+  order that shards it, so operands can be used as they are. Two factors
+  proposed one axis keep rule order; with `by_bytes` (gathers, scatters:
+  `Entry.settles_by_bytes`) each order's own preference is costed too.
   """
   specs = [
     None if dims is None else _axes(op.sharding) for dims, op in zip(rule.operands, operands)
@@ -73,8 +83,10 @@ def candidates(
         chosen[f], source[f] = min(props, key=lambda prop: rank[prop[1]])
     # Two factors proposed one axis: rule order settles it, and so does this order's
     # preference (the result's layout kept, or an operand's), so the cheaper is costed too.
-    preferred = sorted(chosen, key=lambda f: rank[source[f]])
-    for assignment in (rule.resolve_axes(chosen), rule.resolve_axes(chosen, first=preferred)):
+    settled = [rule.resolve_axes(chosen)]
+    if by_bytes:
+      settled.append(rule.resolve_axes(chosen, first=sorted(chosen, key=lambda f: rank[source[f]])))
+    for assignment in settled:
       if not windowed:
         assignment = _drop_windowed(rule, assignment)
       if assignment not in out:
@@ -140,7 +152,7 @@ def choose_layouts(
   rule = rule if rule is not None else rule_for(p, node, graph)
   targets = [p.target(graph, t.name) for t in node.outputs]
   shapes = [_known_shape(graph, t.name) for t in node.outputs]
-  options = candidates(p, rule, operands, targets, windowed)
+  options = candidates(p, rule, operands, targets, windowed, _settles_by_bytes(node))
 
   def keep(f):
     return f not in whole and (combinable or rule.kind(f) != REDUCTION)
