@@ -304,13 +304,5 @@ def build_3535_3081(dtype=np.float32):
   return mesh, make, [x2, x20, x23, i25]
 
 
-@pytest.mark.xfail(
-  strict=True,
-  raises=TypeError,
-  reason='open bug (campaign seed 3535, program 3081): the gradient of a gather sums its slices '
-  'with an UnsortedSegmentSum whose data has dims TF left unknown; the segment handler prices '
-  'resharding it in bytes (factors._cost -> plan_reshard), which needs every dim: a TypeError '
-  'instead of a result or a refusal naming the op',
-)
 def test_fuzz_3535_3081_segment_sum_of_a_gather_gradient_with_unknown_dims():
   fuzz.check(build_3535_3081, backend='tf')

@@ -23,6 +23,7 @@ import tensorflow as tf
 import tf_gspmd as tg
 from tf_gspmd.graph_rewrite import dispatch, handlers
 from tf_gspmd.propagation import registry
+from tf_gspmd.propagation.rule import REDUCTION
 from tf_gspmd.testing import assert_close, assert_close_to_float64
 
 MESH = tg.Mesh.create((2, 4), ('a', 'b'))
@@ -56,13 +57,26 @@ def recording_layouts():
 
     def recording(p, graph, node, operands):
       used = {id(v): (i, v.sharding) for i, v in enumerate(operands)}
+      handles = {_name(v.tensor): i for i, v in enumerate(operands) if v.dtype == tf.resource}
       results = {}
       reshard, finish = p.reshard, p.finish
 
+      def operand_index(value):
+        """The operand `value` is, or was read from (a variable read, then resharded)."""
+        if id(value) in used:
+          return used[id(value)][0]
+        op = getattr(value.tensor, 'op', None)
+        if op is None or op.type != 'ReadVariableOp':
+          return None
+        # A handle captured from outside the trace (an eager one) is read through a placeholder:
+        # then the one variable operand is the one read.
+        only = list(handles.values()) if len(handles) == 1 else []
+        return handles.get(_name(op.inputs[0]), only[0] if only else None)
+
       def reshard_spy(value, target, why=''):
         out = reshard(value, target, why)
-        if id(value) in used:
-          i = used[id(value)][0]
+        i = operand_index(value)
+        if i is not None:
           used[id(value)] = (i, target)
           used[id(out)] = (i, target)
         return out
@@ -96,6 +110,23 @@ def _axes(sharding):
   return tuple(sharding.spec.axes_of(d) for d in range(len(sharding.spec)))
 
 
+def _name(tensor):
+  """A graph tensor's name (an eager tensor has none)."""
+  try:
+    return tensor.name
+  except AttributeError:
+    return None
+
+
+def _summed_into(rule, node, graph):
+  """Variables an op adds partial sums into in place (ResourceScatterAdd with its index dims
+  split): the sums are reduce-scattered onto the variable's own layout, so that layout is
+  where the reduction lands (a result's target), not one the handler chose for the op."""
+  if node.outputs or not any(rule.kind(f) == REDUCTION for f in rule.factors()):
+    return []
+  return [i for i, t in enumerate(node.inputs) if registry.is_resource(graph.tensor(t).dtype)]
+
+
 def disagreements(p, graph, node, operand_layouts, result_layouts):
   """How the handler's layouts differ from one factor assignment of the node's rule."""
   rule = registry.rule_for(node, p.rule_context(graph))
@@ -103,6 +134,8 @@ def disagreements(p, graph, node, operand_layouts, result_layouts):
   shapes = [None if d is None else ctx.shape(t) for d, t in zip(rule.operands, node.inputs)]
   shapes += [None if o.shape is None or None in o.shape else tuple(o.shape) for o in node.outputs]
   layouts = list(operand_layouts) + list(result_layouts)
+  for i in _summed_into(rule, node, graph):
+    layouts[i] = None  # the destination of sums, not a layout the handler chose
   specs = [
     None if dims is None or shape is None or lay is None else _axes(lay)
     for dims, shape, lay in zip(rule.tensor_dims(), shapes, layouts)
@@ -261,6 +294,33 @@ def test_hand_written_handlers_use_the_layouts_of_the_rule(name, fn, args, specs
   assert checked, f'{name}: no hand-written handler of a rule-carrying op ran'
   problems = [msg for s in checked for msg in disagreements(*s)]
   assert not problems, problems
+
+
+@pytest.mark.parametrize('op', ['scatter_add', 'scatter_sub'])
+def test_row_sums_scattered_where_the_updates_are_use_the_layouts_of_the_rule(op):
+  """A variable split on its trailing dim over the axis the updates' rows are split on: each
+  partition sums its own updates into rows, reduce-scattered onto the variable's layout."""
+
+  def program(var):
+    @tf.function(autograph=False)
+    def f(i, u):
+      i, u = tg.shard(i, MESH, tg.P('a')), tg.shard(u, MESH, tg.P('a', None))
+      getattr(var, op)(tf.IndexedSlices(u, i))
+      return var.read_value()
+
+    return f
+
+  rows = _R.randn(10, 6).astype(np.float32)
+  var, ref = tf.Variable(rows), tf.Variable(rows)
+  tg.shard_variable(var, MESH, tg.P(None, 'a'))
+  i, u = _R.randint(0, 10, 33).astype(np.int32), _R.randn(33, 6).astype(np.float32)
+  with recording_layouts() as seen:
+    pf = tg.partition(program(var), MESH)
+    assert_close(pf(i, u), program(ref)(i, u), op)
+  ((scatter),) = [s for s in seen if s[2].op.startswith('ResourceScatter')]
+  assert scatter[3][2].spec == tg.P('a', None), 'the updates stay where they are'
+  assert not disagreements(*scatter)
+  assert [r['kind'] for r in pf.collectives()] == ['reduce_scatter']
 
 
 def test_the_agreement_check_catches_a_handler_that_drifts():

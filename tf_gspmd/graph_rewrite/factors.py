@@ -34,6 +34,13 @@ def rule_for(p: Partitioner, node, graph):
   return registry.rule_for(node, p.rule_context(graph))
 
 
+def _settles_by_bytes(node) -> bool:
+  from tf_gspmd.propagation import registry
+
+  entry = registry.lookup(node.op)
+  return entry is not None and entry.settles_by_bytes
+
+
 def has_rule(node, graph) -> bool:
   from tf_gspmd.propagation import registry
 
@@ -47,11 +54,14 @@ def candidates(
   operands: Sequence[Local],
   targets: Sequence[NamedSharding],
   windowed: bool = False,
+  by_bytes: bool = False,
 ) -> List[Assignment]:
   """Factor assignments worth costing: results first, then each operand first.
 
   Each takes every factor's axes from the first tensor in its preference
-  order that shards it, so operands can be used as they are.
+  order that shards it, so operands can be used as they are. Two factors
+  proposed one axis keep rule order; with `by_bytes` (gathers, scatters:
+  `Entry.settles_by_bytes`) each order's own preference is costed too.
   """
   specs = [
     None if dims is None else _axes(op.sharding) for dims, op in zip(rule.operands, operands)
@@ -67,15 +77,20 @@ def candidates(
   out = []
   for order in orders:
     rank = {t: k for k, t in enumerate(order)}
-    chosen = {}
+    chosen, source = {}, {}
     for f, props in proposals.items():
       if props:
-        chosen[f] = min(props, key=lambda prop: rank[prop[1]])[0]
-    assignment = rule.resolve_axes(chosen)
-    if not windowed:
-      assignment = _drop_windowed(rule, assignment)
-    if assignment not in out:
-      out.append(assignment)
+        chosen[f], source[f] = min(props, key=lambda prop: rank[prop[1]])
+    # Two factors proposed one axis: rule order settles it, and so does this order's
+    # preference (the result's layout kept, or an operand's), so the cheaper is costed too.
+    settled = [rule.resolve_axes(chosen)]
+    if by_bytes:
+      settled.append(rule.resolve_axes(chosen, first=sorted(chosen, key=lambda f: rank[source[f]])))
+    for assignment in settled:
+      if not windowed:
+        assignment = _drop_windowed(rule, assignment)
+      if assignment not in out:
+        out.append(assignment)
   return out
 
 
@@ -137,12 +152,16 @@ def choose_layouts(
   rule = rule if rule is not None else rule_for(p, node, graph)
   targets = [p.target(graph, t.name) for t in node.outputs]
   shapes = [_known_shape(graph, t.name) for t in node.outputs]
-  options = candidates(p, rule, operands, targets, windowed)
+  options = candidates(p, rule, operands, targets, windowed, _settles_by_bytes(node))
 
   def keep(f):
     return f not in whole and (combinable or rule.kind(f) != REDUCTION)
 
   options = [{f: (a if keep(f) else ()) for f, a in c.items()} for c in options]
+  if any(dims is not None and not _static(op.shape) for dims, op in zip(rule.operands, operands)):
+    # A value of run-time shape is replicated and cannot be resharded (the planner needs every
+    # dim): the assignment splitting nothing keeps it as it is.
+    options.append({f: () for f in rule.factors()})
   layouts = [layouts_of(p, rule, c, operands, shapes, reduction) for c in options]
   return min(layouts, key=lambda lay: _cost(p, lay, operands, shapes, targets))
 
@@ -182,10 +201,17 @@ def _known_shape(graph, tensor: str):
   return None if shape is None or None in shape else tuple(int(d) for d in shape)
 
 
+def _static(shape) -> bool:
+  return shape is not None and None not in tuple(shape)
+
+
 def _cost(p, layouts: FactorLayouts, operands, result_shapes, targets):
   moved = peak = 0
   for need, op in zip(layouts.operands, operands):
-    if need is not None:
+    if need is not None and not _static(op.shape):
+      if not op.sharding.is_equivalent_to(need):
+        return math.inf, math.inf  # a value of run-time shape stays as it is
+    elif need is not None:
       m, k = p.reshard_cost(op.sharding, need, op.shape, op.dtype.size)
       moved, peak = moved + m, max(peak, k)
   for have, shape, target in zip(layouts.results, result_shapes, targets):

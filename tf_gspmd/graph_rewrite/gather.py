@@ -16,7 +16,6 @@ import tensorflow as tf
 from tf_gspmd.graph_rewrite import uneven
 from tf_gspmd.graph_rewrite.handlers import check_local_shape, computes, global_shape
 from tf_gspmd.graph_rewrite.partitioner import Local
-from tf_gspmd.sharding import NamedSharding, P
 
 
 def local_gather(
@@ -43,27 +42,6 @@ def local_gather(
   lead = list(hit.shape[:batch_dims]) + [1] * (axis - batch_dims)
   mask_shape = lead + list(hit.shape[batch_dims:]) + [1] * (len(params.shape) - axis - 1)
   return tf.where(tf.reshape(hit, mask_shape), picked, tf.zeros_like(picked), name=name)
-
-
-def partitioned_gather(
-  p, params: Local, indices: Local, axis: int, target: NamedSharding, out_shape, name: str
-) -> Local:
-  """A gather from a table whose layout is fixed (a variable's shard): the indices follow
-  the target on their dims, minus axes the table already uses."""
-  params_spec = list(params.sharding.spec)
-  taken = set(params.sharding.spec.used_axes())
-  idx_spec = []
-  for d in range(len(indices.shape)):
-    axes = tuple(a for a in target.spec.axes_of(axis + d) if a not in taken)
-    idx_spec.append(axes or None)
-  indices = p.reshard(indices, NamedSharding(p.mesh, P(*idx_spec)), 'gather indices')
-  local = local_gather(p, params, indices, axis, 0, name)
-  spec = params_spec[:axis] + idx_spec + params_spec[axis + 1 :]
-  return Local(
-    local,
-    NamedSharding(p.mesh, P(*spec), partial=params.sharding.spec.axes_of(axis)),
-    tuple(out_shape),
-  )
 
 
 def rule_gather(p, graph, node, operands, axis: int, batch_dims: int = 0) -> List[Local]:

@@ -8,12 +8,16 @@ layout between steps.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 import tensorflow as tf
 
 from tf_gspmd.errors import Unsupported
 from tf_gspmd.graph import emit
-from tf_gspmd.graph_rewrite.handlers import computes, emit_outputs, global_shape, local_params
+from tf_gspmd.graph_rewrite.handlers import computes, emit_outputs, local_params
 from tf_gspmd.graph_rewrite.partitioner import Local, replicated
+from tf_gspmd.sharding import NamedSharding, P
 
 
 @computes('read_variable')
@@ -54,7 +58,9 @@ def apply_handler(p, graph, node, operands):
 
 @computes('resource_gather')
 def resource_gather_handler(p, graph, node, operands):
-  """Embedding lookup from a variable: read the local shard, then gather like GatherV2."""
+  """Embedding lookup from a variable: read the local shard, then gather like GatherV2 (in the
+  layouts of the rule priced by bytes: the table all-gathered when that moves less than the
+  indices or the result would)."""
   from tf_gspmd.graph_rewrite import gather
 
   var, indices = operands
@@ -63,16 +69,7 @@ def resource_gather_handler(p, graph, node, operands):
   batch_dims = node.attrs['batch_dims'].i if 'batch_dims' in node.attrs else 0
   if batch_dims:
     raise Unsupported(f'ResourceGather {node.name}: batch_dims={batch_dims} is not supported.')
-  out = gather.partitioned_gather(
-    p,
-    params,
-    indices,
-    axis=0,
-    target=p.target(graph, node.outputs[0].name),
-    out_shape=global_shape(graph, node.outputs[0].name),
-    name=node.name,
-  )
-  return [p.finish(graph, out, node.outputs[0].name)]
+  return gather.rule_gather(p, graph, node, [params, indices], axis=0)
 
 
 @computes('var_is_initialized')
@@ -102,9 +99,12 @@ def resource_scatter_handler(p, graph, node, operands):
   neutral update), so no partition writes a row it does not hold.
   """
   from tf_gspmd.graph_rewrite import uneven
-  from tf_gspmd.sharding import NamedSharding, P
 
   var, indices, updates = operands
+  update = local_params(node)['update']
+  summed = _summed_layouts(p, var, indices, updates) if update in _SUMMED else None
+  if summed is not None and summed.cost < _rows_cost(p, var, indices, updates):
+    return _scatter_summed(p, node, var, indices, updates, summed)
   spec = var.sharding.spec
   indices = p.replicate(indices, 'scatter indices')
   idx_rank = len(indices.shape)
@@ -112,7 +112,6 @@ def resource_scatter_handler(p, graph, node, operands):
     updates, NamedSharding(p.mesh, P(*([None] * idx_rank), *spec[1:])), 'scatter updates'
   )
   dtype = tf.as_dtype(node.attrs['dtype'].type)
-  update = local_params(node)['update']
   if update in ('mul', 'div'):
     # Padding of unevenly split trailing dims would multiply or divide by zero.
     updates = Local(
@@ -145,4 +144,82 @@ def resource_scatter_handler(p, graph, node, operands):
   shape = list(mine.shape) + [1] * (len(updates.shape) - idx_rank)
   masked = tf.where(tf.reshape(mine, shape), updates.tensor, neutral)
   emit.emit_node(node, [var.tensor, tf.where(mine, local, 0), masked])
+  return []
+
+
+# --- linear row updates summed where the updates are --------------------------------------------
+# Add and Sub: each partition may sum its own updates into rows, the sums reduce-scattered onto
+# the variable's layout, in place of every partition seeing every index and update.
+_SUMMED = {'add': tf.raw_ops.AssignAddVariableOp, 'sub': tf.raw_ops.AssignSubVariableOp}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Summed:
+  """Layouts of a scatter summed where the updates are, and the bytes it moves."""
+
+  indices: NamedSharding
+  updates: NamedSharding
+  rows: NamedSharding  # the local sums: the variable's rows whole, partial over the index axes
+  cost: int
+
+
+def _rows_cost(p, var, indices, updates) -> int:
+  """Bytes of the row-update path: indices replicated, updates in the variable's layout."""
+  idx_rank = len(indices.shape)
+  need = NamedSharding(p.mesh, P(*([None] * idx_rank), *var.sharding.spec[1:]))
+  whole = NamedSharding(p.mesh, P(*([None] * idx_rank)))
+  return _cost(p, indices, whole) + _cost(p, updates, need)
+
+
+def _summed_layouts(p, var, indices, updates) -> Optional[_Summed]:
+  """The summed path keeping the updates' index-dim axes (None if they have none)."""
+  idx_rank = len(indices.shape)
+  if len(updates.shape) != idx_rank + len(var.shape) - 1:
+    return None  # a scalar update broadcast to every row: nothing split to keep
+  idx_axes = [updates.sharding.spec.axes_of(d) for d in range(idx_rank)]
+  taken = {a for axes in idx_axes for a in axes}
+  if not taken:
+    return None
+  trailing = [
+    _prefix_without(var.sharding.spec.axes_of(d), taken) for d in range(1, len(var.shape))
+  ]
+  idx_spec = NamedSharding(p.mesh, P(*(a or None for a in idx_axes)))
+  upd_spec = NamedSharding(p.mesh, P(*(a or None for a in idx_axes + trailing)))
+  rows = NamedSharding(p.mesh, P(None, *(a or None for a in trailing)), partial=tuple(taken))
+  moved = p.reshard_cost(rows, var.sharding, var.shape, updates.dtype.size)[0]
+  cost = _cost(p, indices, idx_spec) + _cost(p, updates, upd_spec) + moved
+  return _Summed(idx_spec, upd_spec, rows, cost)
+
+
+def _prefix_without(axes, taken) -> tuple:
+  out = []
+  for a in axes:
+    if a in taken:
+      break  # a dim's axes are major to minor: keep a prefix
+    out.append(a)
+  return tuple(out)
+
+
+def _cost(p, value: Local, target: NamedSharding) -> int:
+  return p.reshard_cost(value.sharding, target, value.shape, value.dtype.size)[0]
+
+
+def _scatter_summed(p, node, var, indices, updates, summed: _Summed):
+  """Each partition sums its updates into the variable's rows (ids in index padding dropped as
+  -1), the sums are reduce-scattered onto the variable's layout and added in place."""
+  from tf_gspmd.graph_rewrite import uneven
+
+  indices = p.reshard(indices, summed.indices, 'scatter indices')
+  updates = p.reshard(updates, summed.updates, 'scatter updates')
+  ids = uneven.mask_padding(
+    tf.cast(indices.tensor, tf.int32),
+    indices.sharding,
+    indices.shape,
+    range(len(indices.shape)),
+    -1,
+    p.backend.partition_id,
+  )
+  sums = tf.math.unsorted_segment_sum(updates.tensor, ids, var.shape[0])
+  sums = p.reshard(Local(sums, summed.rows, var.shape), var.sharding, f'{node.op} row sums')
+  _SUMMED[local_params(node)['update']](resource=var.tensor, value=sums.tensor, name=node.name)
   return []

@@ -467,6 +467,14 @@ declare('UnsortedSegmentMax', local='unsorted_segment', reduction='max')
 declare('UnsortedSegmentMin', local='unsorted_segment', reduction='min')
 declare('UnsortedSegmentProd', local='unsorted_segment', reduction='prod')
 declare('OneHot', local='one_hot')
+# A table against its ids, segment rows against their sums: which split to keep is by bytes.
+_SEGMENTS = [
+  'UnsortedSegmentSum',
+  'UnsortedSegmentMax',
+  'UnsortedSegmentMin',
+  'UnsortedSegmentProd',
+]
+declare(['GatherV2', 'Gather', 'GatherNd'] + _SEGMENTS, settles_by_bytes=True)
 declare(['Shape', 'ShapeN', 'Size', 'Rank'], local='static')
 
 # --- sweep programs (testing/programs/shape.py) -----------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from tf_gspmd.propagation.ops_indexing import gather_rule
 from tf_gspmd.propagation.registry import RuleError, attr, declare, register
-from tf_gspmd.propagation.rule import NEED_REPLICATION
+from tf_gspmd.propagation.rule import NEED_REPLICATION, REDUCTION
 from tf_gspmd.propagation.rule_builders import Namer, make_rule, replicated_results
 
 # Dense optimizer updates: op type -> positions of the inputs shaped like the variable.
@@ -84,8 +84,9 @@ def resource_gather(node, ctx):
   return gather_rule(node, ctx, shape, batch_dims, batch_dims, 0, 1)
 
 
-def resource_scatter(node, ctx):
-  """ResourceScatter{Add,Sub,Update,...}(resource, indices, updates): masked local updates."""
+def resource_scatter(node, ctx, idx_kind=NEED_REPLICATION):
+  """ResourceScatter{Update,Mul,Div,Max,Min}(resource, indices, updates): masked local
+  updates, every index seen by every partition."""
   shape = ctx.shape(node.inputs[0])
   i_shape, u_shape = ctx.shape(node.inputs[1]), ctx.shape(node.inputs[2])
   if shape is None:
@@ -99,8 +100,14 @@ def resource_scatter(node, ctx):
     [None] * len(node.outputs),
     [shape, i_shape, u_shape],
     [None] * len(node.outputs),
-    kinds={f: NEED_REPLICATION for f in idx},
+    kinds={f: idx_kind for f in idx},
   )
+
+
+def resource_scatter_add(node, ctx):
+  """ResourceScatter{Add,Sub}: the index dims may be split, a reduction (each partition sums
+  its updates into rows, the sums reduce-scattered onto the variable's layout)."""
+  return resource_scatter(node, ctx, idx_kind=REDUCTION)
 
 
 def var_handle(node, ctx):
@@ -210,9 +217,13 @@ for _op in APPLY_OPS:
   register(_op, 'variables', apply_update, _apply_example(_op))
 register('ResourceGather', 'variables', resource_gather, _resource_gather_example)
 register(
+  ['ResourceScatterAdd', 'ResourceScatterSub'],
+  'variables',
+  resource_scatter_add,
+  _scatter_example('ResourceScatterAdd'),
+)
+register(
   [
-    'ResourceScatterAdd',
-    'ResourceScatterSub',
     'ResourceScatterUpdate',
     'ResourceScatterMax',
     'ResourceScatterMin',
@@ -221,7 +232,7 @@ register(
   ],
   'variables',
   resource_scatter,
-  _scatter_example('ResourceScatterAdd'),
+  _scatter_example('ResourceScatterUpdate'),
 )
 register('VarHandleOp', 'variables', var_handle, _var_handle_example)
 register('VariableShape', 'variables', variable_shape, _variable_shape_example)
@@ -237,7 +248,7 @@ declare(
   resource='assigns',
 )
 declare(list(APPLY_OPS), local='apply_update')
-declare('ResourceGather', local='resource_gather')
+declare('ResourceGather', local='resource_gather', settles_by_bytes=True)
 for _op, _update in (
   ('ResourceScatterAdd', 'add'),
   ('ResourceScatterSub', 'sub'),
@@ -247,7 +258,7 @@ for _op, _update in (
   ('ResourceScatterMul', 'mul'),
   ('ResourceScatterDiv', 'div'),
 ):
-  declare(_op, local='resource_scatter', local_params={'update': _update})
+  declare(_op, local='resource_scatter', local_params={'update': _update}, settles_by_bytes=True)
 declare('VariableShape', local='variable_shape')
 declare(['ReadVariableOp', 'VarIsInitializedOp', 'VariableShape'], reads_variable_only=True)
 declare('VarIsInitializedOp', local='var_is_initialized')

@@ -18,8 +18,11 @@ sharding from the pass-through path.
 
 Through one op, the tensors' shardings are projected on the op's factors
 (`OpRule`); where they disagree, the proposal over more devices wins, then the
-earlier operand. While/If/Case/call ops tie caller and callee tensors into
-groups that merge like identities, with the callee swept in between.
+earlier operand; where two factors are proposed one axis, it goes to the
+earlier factor, or, for gathers and scatters (`Entry.settles_by_bytes`), where
+that moves fewer bytes (`pricing`). While/If/Case/call ops tie caller and
+callee tensors into groups that merge like identities, with the callee swept
+in between.
 
 Results: per graph and tensor a complete `NamedSharding` on the mesh (open
 dims left without axes are replicated; scalars and unknown-rank tensors are
@@ -36,7 +39,7 @@ from tf_gspmd import op_sharding
 from tf_gspmd.errors import Unsupported
 from tf_gspmd.graph import ir
 from tf_gspmd.mesh import Mesh
-from tf_gspmd.propagation import manual, registry
+from tf_gspmd.propagation import manual, pricing, registry
 from tf_gspmd.propagation.provenance import (
   ANNOTATION,
   AUXILIARY,
@@ -81,6 +84,8 @@ class _NodeInfo:
   handler: Optional[object] = None
   ties: Optional[List[List[Key]]] = None
   shapes: Optional[List] = None  # operand shapes then result shapes (value shapes for resources)
+  sizes: Optional[List[int]] = None  # bytes per element, the same order (a conflict's price)
+  by_bytes: bool = False  # conflicts between its factors settled by bytes (`pricing`)
   error: Optional[str] = None
 
 
@@ -166,8 +171,12 @@ class Propagator:
           )
           continue
         info.rule = rule
+        info.by_bytes = entry.settles_by_bytes
         info.shapes = [ctx.shape(t) for t in node.inputs] + [
           ctx.shape(o.name) for o in node.outputs
+        ]
+        info.sizes = [_element_bytes(graph.tensor(t)) for t in node.inputs] + [
+          _element_bytes(o) for o in node.outputs
         ]
 
   @staticmethod
@@ -394,7 +403,11 @@ class Propagator:
       return False
     candidates = rule.factor_candidates(specs, self.mesh)
     picked = {f: pick_candidate(c, self.mesh) for f, c in candidates.items() if c}
-    resolved = rule.resolve_axes({f: p[0] for f, p in picked.items()})
+    chosen = {f: p[0] for f, p in picked.items()}
+    if info.by_bytes:
+      resolved = pricing.settle(rule, chosen, specs, info.shapes, info.sizes, self.mesh)
+    else:
+      resolved = rule.resolve_axes(chosen)
     changed = False
     for t in targets:
       key = keys[t]
@@ -627,6 +640,12 @@ def _dedupe(spec) -> tuple:
     used.update(keep)
     out.append(tuple(keep))
   return tuple(out)
+
+
+def _element_bytes(tensor: ir.Tensor) -> int:
+  """Bytes per element of a tensor (of the variable behind a handle); 4 where TF says none."""
+  dtype = tensor.value_dtype if is_resource(tensor.dtype) else tensor.dtype
+  return int(getattr(dtype, 'size', 0) or 4)
 
 
 def _devices(mesh: Mesh, axes) -> int:

@@ -94,6 +94,9 @@ class Entry:
   - `resource`: what its resource-typed first operand says about the variable's
     shape (`RESOURCE_KINDS`); `reads_variable_only`: it only reads the variable its
     handle operands stand for (any other use of a handle may write it);
+  - `settles_by_bytes`: where two of its factors are proposed one mesh axis, propagation
+    gives it to the one whose keeping moves fewer bytes (`pricing`), not to the earlier
+    factor (gathers and scatters: a small table against many ids);
   - `unshaped_results_ok`: its local computation partitions it although some
     result has no static shape;
   - `sweep`: how the op sweep produces it (`testing/op_builders.py` reads it):
@@ -115,6 +118,7 @@ class Entry:
   aliasing: bool = False
   resource: Optional[str] = None
   reads_variable_only: bool = False
+  settles_by_bytes: bool = False
   unshaped_results_ok: bool = False
   sweep: Optional[str] = None
   sweep_params: Mapping[str, Any] = dataclasses.field(default_factory=dict)

@@ -252,15 +252,17 @@ class OpRule:
             candidates[f].append((fax, t))
     return candidates
 
-  def resolve_axes(self, chosen: Mapping[str, Axes]) -> Dict[str, Axes]:
+  def resolve_axes(self, chosen: Mapping[str, Axes], first: Sequence[str] = ()) -> Dict[str, Axes]:
     """Drop need-replication factors, and axes an earlier factor of the same tensor claimed.
 
     A mesh axis may split two factors only when no tensor holds both (the
-    independent inputs of IdentityN may use the same axes).
+    independent inputs of IdentityN may use the same axes). Factors claim in
+    rule order, those in `first` before the others (a conflict settled by bytes).
     """
     together = self._cooccurring()
     out: Dict[str, Axes] = {}
-    for f in self.factors():
+    order = [f for f in first if f in together] + [f for f in self.factors() if f not in first]
+    for f in order:
       axes = () if self.kind(f) == NEED_REPLICATION else tuple(chosen.get(f, ()))
       used = {a for g in together[f] if g in out for a in out[g]}
       keep = []
