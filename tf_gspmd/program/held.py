@@ -383,7 +383,8 @@ class SplitVariable(tf.Variable):
       raise NotImplementedError('numpy() is only available when eager execution is enabled.')
     return self.read_value().numpy()
 
-  def __array__(self, dtype=None):
+  def __array__(self, dtype=None, copy=None):
+    del copy  # numpy() is always a fresh array
     value = self.numpy()
     return value if dtype is None else value.astype(dtype)
 
