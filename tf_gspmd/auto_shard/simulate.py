@@ -33,7 +33,7 @@ from tf_gspmd.graph import ir, static_values
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.propagation import registry
 from tf_gspmd.propagation.rule import REDUCTION, pick_candidate
-from tf_gspmd.sharding import NamedSharding, P
+from tf_gspmd.sharding import NamedSharding, P, named_for_rank
 
 Axes = Tuple[str, ...]
 Spec = Tuple[Axes, ...]  # mesh axes per dim
@@ -49,7 +49,8 @@ class _Op:
 
   index: int
   node: ir.Node
-  how: str  # 'argument', 'static', 'rule', 'whole' (no rule: operands replicated), 'skip'
+  # 'argument', 'static', 'scalar', 'rule', 'whole' (no rule: operands replicated), 'skip'
+  how: str
   rule: object = None
   entry: object = None
   shapes: list = dataclasses.field(default_factory=list)  # operand, then result shapes
@@ -57,6 +58,11 @@ class _Op:
   handles: Tuple[int, ...] = ()  # operands that are variable handles
   annotations: Dict[int, Spec] = dataclasses.field(default_factory=dict)  # result -> spec
   counted: Tuple[bool, ...] = ()  # per result: its bytes count in the activation peak
+  names: Tuple[str, ...] = ()  # its results' tensor names
+  sizes: Tuple[int, ...] = ()  # operand, then result dtype sizes
+  inputs: Tuple[str, ...] = ()  # its operands' tensor names
+  targeted: bool = False  # some result has a target (`Simulator._targets`)
+  dtypes: Tuple[str, ...] = ()  # and dtypes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,15 +81,28 @@ class Simulator:
   def __init__(self, program: ir.Program, mesh: Mesh, constants: Constants):
     self.program, self.mesh, self.constants = program, mesh, constants
     self.graph = program.main
+    self.index = {node.name: i for i, node in enumerate(self.graph.nodes)}
+    # Arguments, variables' handles and captured values: what the step is given.
+    self.sources = set(program.arg_inputs) | set(program.variables) | set(program.captures)
     self.static = static_values.fold(self.graph)
     self.resource_shapes = _resource_shapes(program)
     self.context = registry.RuleContext(self.graph, self.resource_shapes, self.static)
+    self.tensor_shapes = {t.name: self.shape(t.name) for t in self.graph.tensors()}
+    self.dtype_sizes = {t.name: _dtype_size(t.dtype) for t in self.graph.tensors()}
     self.ops = [self._op(i, node) for i, node in enumerate(self.graph.nodes)]
+    for op in self.ops:
+      op.names = tuple(t.name for t in op.node.outputs)
+      op.inputs = tuple(op.node.inputs)
+      op.sizes = tuple(self.dtype_sizes[t] for t in op.inputs + op.names)
+      op.dtypes = tuple(t.dtype.name for t in op.node.outputs)
+    self._mark_scalars()
+    self.walked = [op for op in self.ops if op.how in ('rule', 'whole')]
+    self.targets = self._targets()
+    for op in self.ops:
+      op.targeted = any(name in self.targets for name in op.names)
     self.deferrable, self.after = _update_nodes(self.graph)
     self.outputs = frozenset(self.graph.outputs)
     self.readers = collections.Counter(t for node in self.graph.nodes for t in node.inputs)
-    self.tensor_shapes = {t.name: self.shape(t.name) for t in self.graph.tensors()}
-    self.dtype_sizes = {t.name: _dtype_size(t.dtype) for t in self.graph.tensors()}
     self._shardings: Dict[tuple, NamedSharding] = {}
     self._cores: Dict[tuple, _Core] = {}
     self._moves: Dict[tuple, tuple] = {}
@@ -93,17 +112,17 @@ class Simulator:
   # --- once per program ----------------------------------------------------------------
   def _op(self, index: int, node: ir.Node) -> _Op:
     outs = [t for t in node.outputs if t.dtype not in _UNMOVABLE]
-    if node.op == 'Placeholder':
+    if any(t.name in self.sources for t in node.outputs):
       return _Op(index, node, 'argument')
     if outs and all(t.name in self.static for t in outs):
       return _Op(index, node, 'static')
     entry = registry.entry_of(node.op)
     counted = tuple(t.dtype not in _UNMOVABLE and not entry.aliasing for t in node.outputs)
-    annotations = {
-      i: _spec_of(s.spec, self.shape(node.outputs[i].name))
-      for i, s in node.annotations.items()
-      if isinstance(s, NamedSharding) and self.shape(node.outputs[i].name) is not None
-    }
+    annotations = {}
+    for i, sharding in node.annotations.items():
+      named = self._named(sharding, self.shape(node.outputs[i].name))
+      if named is not None:
+        annotations[i] = _spec_of(named.spec, self.shape(node.outputs[i].name))
     rule = None if node.called_functions() else self._rule(node, entry)
     if rule is None:
       how = 'whole' if outs or node.inputs else 'skip'
@@ -113,6 +132,63 @@ class Simulator:
     sizes = _factor_sizes(rule, shapes)
     spaces = [(sizes, space) for space in _independent_spaces(rule, sizes)] if sizes else []
     return _Op(index, node, 'rule', rule, entry, shapes, spaces, handles, annotations, counted)
+
+  def _mark_scalars(self) -> None:
+    """Ops on single elements from constants, arguments and other such ops (an optimizer's
+    step counter, its learning-rate schedule: a third of a training step's ops) lay nothing
+    out, move nothing and hold nothing: a walk skips them."""
+    scalar = set()
+    for op in self.ops:
+      tensors = [t.name for t in op.node.outputs] + [
+        t for t in op.node.inputs if t not in self.program.variables
+      ]
+      if op.how in ('static', 'argument'):
+        continue
+      shapes = [self.shape(t) for t in tensors]
+      small = all(shape is not None and _elems(shape) <= 1 for shape in shapes)
+      made_by = [ir.split_tensor_name(t)[0] for t in op.node.inputs]
+      if small and all(self._is_source(n) or n in scalar for n in made_by):
+        scalar.add(op.node.name)
+        op.how = 'scalar'
+
+  def _is_source(self, node: str) -> bool:
+    """A constant, an argument or a variable's handle: nothing a walk lays out."""
+    return self.ops[self.index[node]].how in ('static', 'argument')
+
+  def _targets(self) -> Dict[str, tuple]:
+    """tensor -> where propagation would lay it out, as far as a walk can tell before it
+    starts: ('annotation', spec) for an annotated tensor, ('variable', handle) for a value
+    an update writes into a variable, each carried back through ops that keep the shape
+    (the optimizer's math, a residual add before `tg.shard`). An op producing a tensor with
+    a target weighs making it that way (`_core`); a pending sum meeting another layout there
+    is resolved where it is made (a reduce-scatter, never bucketed)."""
+    out: Dict[str, tuple] = {}
+    variables = self.program.variables
+    for op in reversed(self.ops):
+      inputs = op.node.inputs
+      for i, spec in op.annotations.items():
+        out[op.node.outputs[i].name] = ('annotation', spec)
+      for handle in [inputs[i] for i in op.handles]:
+        shape = self.resource_shapes.get(handle)
+        for t in inputs:
+          if t not in variables and self.shape(t) == shape:
+            out.setdefault(t, ('variable', handle))
+      for o in op.node.outputs:
+        if o.name in out:
+          for t in inputs:
+            if t not in variables and self.shape(t) == self.shape(o.name):
+              out.setdefault(t, out[o.name])
+    return out
+
+  def _named(self, sharding, shape) -> Optional[NamedSharding]:
+    """An annotation as a NamedSharding on this mesh (TF's own `xla_sharding` is a tile
+    assignment), None when it names no spec of it (or the shape is unknown)."""
+    if shape is None or sharding.is_manual:
+      return None
+    try:
+      return named_for_rank(sharding, self.mesh, len(shape))
+    except ValueError:
+      return None
 
   def _rule(self, node, entry):
     if entry.rule is None:
@@ -145,19 +221,48 @@ class Simulator:
     return size
 
   # --- memoized answers ------------------------------------------------------------------
-  def core(self, op: _Op, operands: Tuple[Layout, ...]) -> _Core:
-    key = (op.index, operands)
+  def core(self, op: _Op, operands: Tuple[Layout, ...], targets: tuple = ()) -> _Core:
+    key = (op.index, operands, targets)
     found = self._cores.get(key)
     if found is None:
-      found = self._cores[key] = self._core(op, operands)
+      found = self._cores[key] = self._core(op, operands, targets)
     return found
 
-  def _core(self, op: _Op, operands: Tuple[Layout, ...]) -> _Core:
+  def _core(self, op: _Op, operands: Tuple[Layout, ...], targets: tuple) -> _Core:
+    """The cheaper of two factor assignments (as `graph_rewrite.factors.choose_layouts`
+    weighs its candidates, by the bytes they move): the operands' merge (the most devices
+    win), and the results' targets first. Not each operand first, as the partitioner also
+    tries: with targets known for few tensors, the assignment moving the least here often
+    leaves a result that costs more downstream, where propagation's target forbids it."""
     rule, n = op.rule, len(op.rule.operands)
-    data = [lay for dims, lay in zip(rule.operands, operands) if dims is not None]
-    if data and all(lay is None for lay in data):  # free operands: free results
-      return _Core((None,) * n, (None,) * len(op.node.outputs), *self._work(op, {}))
-    effective = rule.representable(self._factor_axes(op, operands), self.mesh, op.shapes)
+    data = [i for i, dims in enumerate(rule.operands) if dims is not None]
+    if data and all(operands[i] is None for i in data):  # free operands: free results
+      points = self._work(op, {})[0] / self.mesh.size  # laid out by their users: split
+      return _Core((None,) * n, (None,) * len(op.node.outputs), points, 0.0)
+    firsts = [None] + ([n] if any(t is not None for t in targets) else [])
+    options = []
+    for first in firsts:
+      core = self._assigned(op, self._factor_axes(op, operands, targets, first))
+      if core not in options:
+        options.append(core)
+    return min(options, key=lambda core: self._moved(op, core, operands, targets))
+
+  def _moved(self, op: _Op, core: _Core, operands, targets) -> int:
+    """Bytes the collectives of `core` move: operands to what it needs, results to their
+    targets."""
+    pairs = list(zip(operands, core.needs, op.shapes, op.sizes)) + list(
+      zip(core.results, targets, op.shapes[len(operands) :], op.sizes[len(operands) :])
+    )
+    total = 0
+    for have, want, shape, size in pairs:
+      if have is None or want is None or shape is None or (have[0] == want and not have[1]):
+        continue
+      total += sum(r[2] for r in self.move_cost(have, want, shape, size)[0])
+    return total
+
+  def _assigned(self, op: _Op, factor_axes: dict) -> _Core:
+    rule, n = op.rule, len(op.rule.operands)
+    effective = rule.representable(factor_axes, self.mesh, op.shapes)
     needs = rule.operand_specs(effective, self.mesh, op.shapes[:n])
     partial = tuple(
       a for f in rule.factors() if rule.kind(f) == REDUCTION for a in effective.get(f, ())
@@ -170,18 +275,21 @@ class Simulator:
       *self._work(op, effective),
     )
 
-  def _factor_axes(self, op: _Op, operands: Tuple[Layout, ...]) -> dict:
-    """The partitioner's merge (`OpRule.factor_axes`), a variable's own layout winning."""
-    rule = op.rule
+  def _factor_axes(self, op: _Op, operands: Tuple[Layout, ...], targets: tuple, first) -> dict:
+    """Each factor's axes from the proposals of its tensors: a variable's own layout wins,
+    then tensor `first` (`n`: the results' targets), then the one over the most devices
+    (`OpRule.factor_axes`' merge)."""
+    rule, n = op.rule, len(op.rule.operands)
     specs = [
       None if dims is None or i >= len(operands) or operands[i] is None else operands[i][0]
       for i, dims in enumerate(rule.operands)
-    ] + [None] * len(rule.results)
+    ] + (list(targets) if targets and first == n else [None] * len(rule.results))
     chosen = {}
     for f, props in rule.factor_candidates(specs, self.mesh).items():
       own = [p for p in props if p[1] in op.handles]
+      preferred = [p for p in props if p[1] == first or (first == n and p[1] >= n)]
       if props:
-        chosen[f] = (own or [pick_candidate(props, self.mesh)])[0][0]
+        chosen[f] = (own or preferred or [pick_candidate(props, self.mesh)])[0][0]
     if not op.entry.combinable:
       chosen = {f: a for f, a in chosen.items() if rule.kind(f) != REDUCTION}
     chosen = {f: a for f, a in chosen.items() if f not in rule.windows}  # halos: kept whole
@@ -259,10 +367,9 @@ class _Walk:
     sum waits (with what follows it) until every pending sum is resolved in buckets."""
     waiting: List[_Op] = []
     later: set = set()
-    for op in self.sim.ops:
-      if self.sim.after[op.index] & later or (
-        op.index in self.sim.deferrable and self.would_resolve(op)
-      ):
+    after, deferrable = self.sim.after, self.sim.deferrable
+    for op in self.sim.walked:
+      if (later and after[op.index] & later) or (op.index in deferrable and self.would_resolve(op)):
         waiting.append(op)
         later.add(op.index)
         continue
@@ -274,8 +381,9 @@ class _Walk:
 
   def visit(self, op: _Op) -> None:
     self.step += 1
-    for t in op.node.inputs:
-      self.last[t] = self.step
+    last, step = self.last, self.step
+    for t in op.inputs:
+      last[t] = step
     if op.how == 'rule':
       self.ruled(op)
     elif op.how == 'whole':
@@ -296,17 +404,20 @@ class _Walk:
     return self.layouts.get(tensor)
 
   def ruled(self, op: _Op) -> None:
-    node = op.node
-    operands = [self.operand(t) for t in node.inputs]
-    if op.entry.linear and self.linear(op, operands):
-      return
-    operands = [self.resolved(t, lay) for t, lay in zip(node.inputs, operands)]
-    core = self.sim.core(op, tuple(operands))
+    inputs, variables, layouts = op.inputs, self.variables, self.layouts
+    operands = [variables[t] if t in variables else layouts.get(t) for t in inputs]
+    if self.pending and any(t in self.pending for t in inputs):
+      if op.entry.linear and self.linear(op, operands):
+        return
+      operands = [self.resolved(t, lay) for t, lay in zip(inputs, operands)]
+    targets = tuple(self.target(name) for name in op.names) if op.targeted else ()
+    core = self.sim.core(op, tuple(operands), targets)
     for i, (need, lay) in enumerate(zip(core.needs, operands)):
-      if need is not None:
-        self.move(node.inputs[i], lay, need, op.shapes[i])
-    for t, layout in zip(node.outputs, core.results):
-      self.produce(op, t, layout)
+      if need is None or (lay is not None and lay[0] == need and not lay[1]):
+        continue
+      self.move(inputs[i], lay, need, op.shapes[i])
+    for i, layout in enumerate(core.results):
+      self.produce(op, i, layout)
     self.points += core.points
     self.repeated += core.repeated
 
@@ -322,7 +433,7 @@ class _Walk:
       return False
     for i in pending:  # the sum moves on into the result
       self.pending.pop(node.inputs[i], None)
-    self.produce(op, node.outputs[0], result)
+    self.produce(op, 0, result)
     core = self.sim.core(op, _unpended(operands))  # the work on the pending blocks
     self.points += core.points
     self.repeated += core.repeated
@@ -331,25 +442,47 @@ class _Walk:
   def whole(self, op: _Op) -> None:
     """An op with no rule (or a called function): operands and results replicated."""
     for t in op.node.inputs:
-      shape = self.sim.shape(t)
-      if shape is None or self.sim.graph.tensor(t).dtype in _UNMOVABLE:
+      shape = self.sim.tensor_shapes.get(t)
+      if shape is None or not self.sim.dtype_sizes[t]:
         continue
       self.move(t, self.resolved(t, self.layouts.get(t)), ((),) * len(shape), shape)
-    for t in op.node.outputs:
-      shape = self.sim.shape(t.name)
-      self.produce(op, t, None if shape is None else (((),) * len(shape), ()))
+    for i, name in enumerate(op.names):
+      shape = self.sim.tensor_shapes[name]
+      self.produce(op, i, None if shape is None else (((),) * len(shape), ()))
 
   # --- values ------------------------------------------------------------------------------
-  def produce(self, op: _Op, t: ir.Tensor, layout: Layout) -> None:
-    want = op.annotations.get(t.index)
+  def produce(self, op: _Op, index: int, layout: Layout) -> None:
+    """Result `index` of `op` made with `layout` (moved to its annotation, if it has one)."""
+    name = op.names[index]
+    want = op.annotations.get(index)
     if want is not None and layout is not None and (want != layout[0] or layout[1]):
-      self.move(t.name, layout, want, self.sim.shape(t.name))
+      self.move(name, layout, want, self.sim.tensor_shapes[name])
       layout = (want, ())
-    self.layouts[t.name] = layout
     if layout is not None and layout[1]:
-      self.pending[t.name] = (layout[1], t.dtype.name)
-    if op.counted[t.index]:
-      self.hold(t.name)
+      layout = self.toward_target(name, layout)
+    self.layouts[name] = layout
+    if layout is not None and layout[1]:
+      self.pending[name] = (layout[1], op.dtypes[index])
+    if op.counted[index]:
+      self.hold(name)
+
+  def target(self, tensor: str) -> Optional[Spec]:
+    """Where `tensor` is bound (`Simulator._targets`), as this layout has it, or None."""
+    found = self.sim.targets.get(tensor)
+    if found is None:
+      return None
+    if found[0] == 'annotation':
+      return found[1]
+    variable = self.variables[found[1]]
+    return None if variable is None else variable[0]
+
+  def toward_target(self, tensor: str, layout: Tuple[Spec, Axes]) -> Layout:
+    """A pending sum bound for another layout: resolved into it at once."""
+    target = self.target(tensor)
+    if target is None or target == layout[0]:
+      return layout
+    self.move(tensor, layout, target, self.sim.tensor_shapes[tensor])
+    return (target, ())
 
   def resolved(self, tensor: str, layout: Layout) -> Layout:
     """`layout` with its pending sum resolved (with every other one of its bucket)."""
@@ -390,8 +523,10 @@ class _Walk:
     if shape is None:
       return 0
     layout = self.layouts.get(tensor)
-    spec = None if layout is None else layout[0]
-    return self.sim.local_bytes(spec, shape, self.sim.dtype_sizes[tensor])
+    size = self.sim.dtype_sizes[tensor]
+    if layout is None:  # free: its users lay it out, as split as they are (at best, all)
+      return size * -(-_elems(shape) // self.sim.mesh.size)
+    return self.sim.local_bytes(layout[0], shape, size)
 
   def hold(self, tensor: str) -> None:
     held = self.nbytes(tensor)
@@ -485,10 +620,11 @@ def _spec_of(spec: P, shape) -> Spec:
 
 
 def _layout_of(spec, shape) -> Layout:
-  if spec is None or shape is None:
-    return None
+  """A P or NamedSharding as a layout (None: left free, as is a sharding of no named spec)."""
   if isinstance(spec, NamedSharding):
     spec = spec.spec
+  if not isinstance(spec, P) or shape is None:
+    return None
   return (_spec_of(spec, shape), ())
 
 
