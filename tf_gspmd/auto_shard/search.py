@@ -79,13 +79,19 @@ class Search:
   def verify(self, choice: tuple) -> Evaluation:
     """`choice` planned with `tg.plan` (the partitioner's own collectives and bytes)."""
     if choice not in self.planned:
+      held = [v.variable for g in self.groups for v in g.members + [f for f, _ in g.followers]]
+      saved = [(v, annotations.variable_sharding(v)) for v in held]
       self._annotate(choice)
-      report = plan(
-        self.traced or self.fn,
-        *self.arg_specs,
-        mesh=self.mesh,
-        in_shardings=self.input_shardings(choice[-1]),
-      )
+      try:
+        report = plan(
+          self.traced or self.fn,
+          *self.arg_specs,
+          mesh=self.mesh,
+          in_shardings=self.input_shardings(choice[-1]),
+        )
+      finally:  # the variables keep the annotations they had
+        for variable, sharding in saved:
+          set_layout(variable, self.mesh, AUTO if sharding is None else sharding)
       report.name = name_of(self.fn)
       self.planned[choice] = estimate(report, self.constants, choice)
     return self.planned[choice]
