@@ -137,7 +137,7 @@ def _summary(e: Evaluation, budget: int) -> str:
   r = e.report
   fits = 'fits' if e.memory <= budget else 'over budget'
   if r is None:  # priced by the fast model alone: no breakdown
-    return f'predicted {_ms(e.cost)} per step; {e.memory:,} bytes per device ({fits})'
+    return f'predicted {_ms(e.cost)} per step; {e.memory:,} bytes per device ({fits}; not planned)'
   return (
     f'predicted {_ms(e.cost)} per step; {e.memory:,} bytes per device ({fits}: '
     f'parameters {r.parameter_bytes:,} + optimizer {r.optimizer_bytes:,} + activations '
