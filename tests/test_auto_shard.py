@@ -240,6 +240,19 @@ def test_fixed_layouts_and_annotations_are_kept():
   assert tuple(keras_map['w1'].axes) == ('model', None)
 
 
+def test_a_step_the_fast_model_cannot_walk_is_planned_instead(monkeypatch):
+  step, _, specs = _mlp(batch=64, d_model=32, hidden=128)
+
+  def cannot(*args, **kwargs):
+    raise NotImplementedError('no walk')
+
+  monkeypatch.setattr(auto.Simulator, 'evaluate', cannot)
+  result = tg.auto_shard(step, *specs, mesh=MESH, memory_budget=10**9, fixed={'w1': P(None, None)})
+  assert result.planned == result.evaluations  # every layout it priced was planned
+  assert result.layout_of('w1') == P(None, None)
+  assert result.best.report is not None and result.best.memory <= 10**9
+
+
 def _small_transformer(seed=0):
   model, optimizer = transformer.build(seed=seed, layers=1)
   step = transformer.train_step(model, optimizer)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import re
 import time
 from typing import Any, Callable, Dict, List, Optional
@@ -33,6 +34,8 @@ from tf_gspmd.mesh import Mesh
 from tf_gspmd.partitioned.signature import name_of
 from tf_gspmd.planning import plan
 from tf_gspmd.sharding import NamedSharding, P, Sharding
+
+log = logging.getLogger('tf_gspmd')
 
 TIE = 1e-3  # relative cost difference below which the descent does not move
 SWEEP_GAIN = 0.01  # a sweep (within the budget) gaining less than this is the last one
@@ -98,7 +101,11 @@ class Search:
 
   def _simulate(self, choice: tuple) -> Evaluation:
     arguments = [s.spec for s in self.input_shardings(choice[-1])]
-    return self.simulator.evaluate(self.variable_specs(choice), arguments, choice)
+    try:
+      return self.simulator.evaluate(self.variable_specs(choice), arguments, choice)
+    except Exception as e:  # noqa: BLE001 (a step the fast model cannot walk: planned)
+      log.warning('auto_shard: the fast model cannot price %s (%s); planned instead.', choice, e)
+      return self.verify(choice)
 
   def variable_specs(self, choice: tuple) -> Dict[str, Any]:
     """Placeholder -> spec of every variable `choice` lays out (the rest: as annotated)."""
@@ -127,7 +134,20 @@ class Search:
       self.seen[priced.choice] = self.verify(priced.choice)
       if len(self.planned) >= MAX_PLANNED:
         break
-    return min(self.planned.values(), key=lambda e: e.key(self.budget))
+    best = min(self.planned.values(), key=lambda e: e.key(self.budget))
+    if best.memory > self.budget and any(e.memory <= self.budget for e in self.seen.values()):
+      return self.planning(run)  # layouts priced within the budget, none planned within it
+    return best
+
+  def planning(self, run: Callable[[], Evaluation]) -> Evaluation:
+    """`run()` again with every layout planned (the fast model misjudged the step): what
+    is planned already is kept."""
+    log.warning(
+      'auto_shard: the layouts the fast model prices within the budget are planned over '
+      'it; searching again with every layout planned (slower).'
+    )
+    self.simulator, self.seen = None, dict(self.planned)
+    return run()
 
   def better(self, a: Evaluation, b: Evaluation) -> bool:
     return a.key(self.budget) < b.key(self.budget)
@@ -315,7 +335,7 @@ def auto_shard(
   _give_candidates(groups, mesh, min_group_fraction)
   inputs = input_candidates(arg_specs, mesh)
   constants = constants or load_constants()
-  simulator = Simulator(program, mesh, constants)
+  simulator = _simulator(program, mesh, constants)
   searcher = Search(
     fn, arg_specs, mesh, int(memory_budget), groups, inputs, constants, simulator, traced
   )
@@ -341,6 +361,15 @@ def auto_shard(
   return AutoShardResult(
     mesh, searcher.budget, best, searcher, variables, search, time.perf_counter() - started
   )
+
+
+def _simulator(program, mesh: Mesh, constants: Constants) -> Optional[Simulator]:
+  """The fast model of `program`, or None (every layout planned) when it cannot read it."""
+  try:
+    return Simulator(program, mesh, constants)
+  except Exception as e:  # noqa: BLE001 (a program the fast model cannot read: planned)
+    log.warning('auto_shard: no fast model of this step (%s); every layout is planned.', e)
+    return None
 
 
 def _fixed_layouts(variables: List[Var], saved: dict, fixed: Optional[dict]) -> Dict[int, Any]:
