@@ -409,7 +409,10 @@ class _Walk:
     if self.pending and any(t in self.pending for t in inputs):
       if op.entry.linear and self.linear(op, operands):
         return
-      operands = [self.resolved(t, lay) for t, lay in zip(inputs, operands)]
+      for t in inputs:  # resolving one resolves its bucket: the others' too
+        if t in self.pending:
+          self.resolve_bucket(self.pending[t])
+      operands = [variables[t] if t in variables else layouts.get(t) for t in inputs]
     targets = tuple(self.target(name) for name in op.names) if op.targeted else ()
     core = self.sim.core(op, tuple(operands), targets)
     for i, (need, lay) in enumerate(zip(core.needs, operands)):
