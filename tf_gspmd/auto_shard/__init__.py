@@ -1,10 +1,15 @@
 """`tg.auto_shard`: every variable's layout and the inputs' batch split, under a memory budget.
 
-`auto_shard(fn, *arg_specs, mesh=..., memory_budget=...)` searches layouts
-with `tg.plan`: each candidate is planned (exact per-device bytes and the
-step's collectives, from the same partitioner `tg.partition` runs), and the
-cheapest one whose per-device bytes (parameters + optimizer state +
-activation peak, as `PlanReport` counts them) fit `memory_budget` wins.
+`auto_shard(fn, *arg_specs, mesh=..., memory_budget=...)` searches layouts:
+the cheapest one whose per-device bytes (parameters + optimizer state +
+activation peak, as `PlanReport` counts them) fit `memory_budget` wins. The
+step is traced and captured once; the search prices each candidate on that
+program with the fast model (`simulate`: the partitioner's rules and reshard
+plans walked op by op, milliseconds a layout), and the layout it ends on is
+planned with `tg.plan` (exact bytes and collectives, from the same
+partitioner `tg.partition` runs). The plan's price replaces the fast
+model's and the search runs again, until it ends on a planned layout (at
+most `MAX_PLANNED` plans): the choice and its report come from a plan.
 
 What is searched. Variables are grouped: an optimizer slot follows the
 variable it is named after (Keras' `adam/<path>_momentum`, `<name>_m`), or
@@ -25,20 +30,20 @@ and so are scalars. Annotations the user wrote (`fixed`, `shard_variable`,
 How. Coordinate descent over the groups (largest first, then the inputs):
 each group tries all its candidates with the others held, and keeps the
 best; sweeps repeat until one changes nothing or, within the budget, gains
-less than 1% (a move gaining less than 0.1% is no move). After the first
-sweep a group tries only the `SHORTLIST` options that were best in its last
-try (the others lost by a wide margin there; this keeps the plans per sweep
-near the group count).
+less than 1% (a move gaining less than 0.1% is no move). Every sweep tries
+every option (when every candidate is planned instead, as `Search` does
+without a simulator, a group tries after the first sweep only the `SHORTLIST`
+options that were best in its last try).
 Best, while over the budget: a layout that fits (the cheapest), else the one
 paying the least cost per byte saved (the one saving the most bytes at any
 price strands the walk far from the cheap layouts); once within it, the
 cheapest that stays within. Candidates whose variables alone exceed what
-they must beat are not planned. Two starts, the better end wins: data
+they must beat are not priced. Two starts, the better end wins: data
 parallelism, and the batch on the first mesh axis alone (from data
 parallelism one move cannot take the batch off the model axes and split
 weights over them); small searches also start from the batch unsplit.
-`search='exhaustive'` plans the product of all candidates instead (small
-cases: it confirms the descent's optimum). Every plan is memoized.
+`search='exhaustive'` prices the product of all candidates instead (small
+cases: it confirms the descent's optimum). Every price and plan is memoized.
 
 The cost model (seconds per step, one device's view)::
 
@@ -63,8 +68,9 @@ the package was written. Permutes use all-to-all's constants.
 >>> result.layout_map.apply(model)                                        # doctest: +SKIP
 
 The modules: `groups` (variables grouped, each group's candidates), `constants` (the
-measured constants, `calibrate`), `cost` (a plan priced: `estimate`), `search` (the
-descent and the entry point, `auto_shard`), `result` (`AutoShardResult`).
+measured constants, `calibrate`), `cost` (a plan priced: `estimate`), `simulate` (a
+layout priced without a plan: `Simulator`), `search` (the descent and the entry point,
+`auto_shard`), `result` (`AutoShardResult`).
 """
 
 import sys
@@ -88,7 +94,15 @@ from tf_gspmd.auto_shard.groups import (
   spec_candidates,
 )
 from tf_gspmd.auto_shard.result import AutoShardResult
-from tf_gspmd.auto_shard.search import SHORTLIST, SMALL_SEARCH, SWEEP_GAIN, TIE, auto_shard
+from tf_gspmd.auto_shard.search import (
+  MAX_PLANNED,
+  SHORTLIST,
+  SMALL_SEARCH,
+  SWEEP_GAIN,
+  TIE,
+  auto_shard,
+)
+from tf_gspmd.auto_shard.simulate import Simulator
 
 
 class _CallablePackage(types.ModuleType):
@@ -111,9 +125,11 @@ __all__ = [
   'Group',
   'INPUTS',
   'KINDS',
+  'MAX_PLANNED',
   'SHORTLIST',
   'SMALL_SEARCH',
   'SWEEP_GAIN',
+  'Simulator',
   'TIE',
   'auto_shard',
   'axis_groups',

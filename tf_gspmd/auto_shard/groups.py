@@ -63,7 +63,11 @@ INPUTS = '<inputs: batch dim>'
 
 
 def variables_of(fn, arg_specs) -> List[Var]:
-  program = capture(fn, *arg_specs)
+  return variables_in(capture(fn, *arg_specs))
+
+
+def variables_in(program) -> List[Var]:
+  """The variables a captured program touches."""
   out = []
   for var in program.variables.values():
     name = getattr(var, 'path', None) or var.name.split(':')[0]

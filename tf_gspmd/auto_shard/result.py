@@ -48,8 +48,13 @@ class AutoShardResult:
 
   @property
   def evaluations(self) -> int:
-    """Layouts planned."""
+    """Layouts priced (by the fast model; `planned` of them planned with tg.plan too)."""
     return len(self._searcher.seen)
+
+  @property
+  def planned(self) -> int:
+    """Layouts planned with tg.plan."""
+    return len(self._searcher.planned)
 
   @property
   def model_shardings(self) -> Dict[str, NamedSharding]:
@@ -101,8 +106,8 @@ def _format_report(result: AutoShardResult) -> str:
   axes = ' x '.join(f'{a}={s}' for a, s in mesh.shape.items())
   lines = [
     f'auto_shard {best.report.name}: {mesh.size} devices ({axes}), budget '
-    f'{budget:,} bytes per device; {result.evaluations} layouts planned in '
-    f'{result.seconds:.1f} s ({result.search})',
+    f'{budget:,} bytes per device; {result.evaluations} layouts priced, {result.planned} '
+    f'planned with tg.plan, in {result.seconds:.1f} s ({result.search})',
     f'chosen: {_summary(best, budget)}',
     f'  {_terms(best)}',
   ]
@@ -131,6 +136,8 @@ def _format_report(result: AutoShardResult) -> str:
 def _summary(e: Evaluation, budget: int) -> str:
   r = e.report
   fits = 'fits' if e.memory <= budget else 'over budget'
+  if r is None:  # priced by the fast model alone: no breakdown
+    return f'predicted {_ms(e.cost)} per step; {e.memory:,} bytes per device ({fits}; not planned)'
   return (
     f'predicted {_ms(e.cost)} per step; {e.memory:,} bytes per device ({fits}: '
     f'parameters {r.parameter_bytes:,} + optimizer {r.optimizer_bytes:,} + activations '

@@ -1,12 +1,16 @@
 """`auto_shard`: the search over the groups' candidates (coordinate descent, or exhaustive),
-every candidate planned with `tg.plan` and memoized."""
+every candidate priced by the fast model (`simulate.Simulator`, on the step captured once)
+and memoized; the best few it ranks are planned with `tg.plan`, and the cheapest planned
+layout within the budget wins."""
 
 from __future__ import annotations
 
+import functools
 import itertools
+import logging
 import re
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -21,21 +25,31 @@ from tf_gspmd.auto_shard.groups import (
   group_variables,
   input_candidates,
   spec_candidates,
-  variables_of,
+  variables_in,
 )
 from tf_gspmd.auto_shard.result import AutoShardResult
+from tf_gspmd.auto_shard.simulate import Simulator
+from tf_gspmd.graph import capture
 from tf_gspmd.mesh import Mesh
+from tf_gspmd.partitioned.signature import name_of
 from tf_gspmd.planning import plan
 from tf_gspmd.sharding import NamedSharding, P, Sharding
+
+log = logging.getLogger('tf_gspmd')
 
 TIE = 1e-3  # relative cost difference below which the descent does not move
 SWEEP_GAIN = 0.01  # a sweep (within the budget) gaining less than this is the last one
 SHORTLIST = 4  # after the first sweep a group tries only its best options of the last one
 SMALL_SEARCH = 32  # candidates a sweep up to which a third start (batch unsplit) is cheap
+MAX_PLANNED = 4  # layouts a search plans with tg.plan at most to confirm its end
 
 
 class Search:
-  """Plans layouts of `fn` (memoized) and walks the candidates."""
+  """Prices layouts of `fn` (memoized) and walks the candidates.
+
+  With a `simulator` (the step captured once), `evaluate` prices a layout with the fast
+  model and `verify` plans it with `tg.plan`; without one, `evaluate` plans every layout.
+  """
 
   def __init__(
     self,
@@ -46,10 +60,15 @@ class Search:
     groups: List[Group],
     inputs: list,
     constants: Constants,
+    simulator: Optional[Simulator] = None,
+    traced=None,
   ):
     self.fn, self.arg_specs, self.mesh, self.budget = fn, list(arg_specs), mesh, budget
     self.groups, self.inputs, self.constants = groups, inputs, constants
-    self.seen: Dict[tuple, Evaluation] = {}
+    self.simulator = simulator
+    self.traced = traced  # fn's ConcreteFunction: plans capture it without tracing again
+    self.seen: Dict[tuple, Evaluation] = {}  # priced (by the fast model, if there is one)
+    self.planned: Dict[tuple, Evaluation] = {}  # planned with tg.plan
 
   @property
   def spaces(self) -> List[list]:
@@ -57,12 +76,78 @@ class Search:
 
   def evaluate(self, choice: tuple) -> Evaluation:
     if choice not in self.seen:
-      self._annotate(choice)
-      report = plan(
-        self.fn, *self.arg_specs, mesh=self.mesh, in_shardings=self.input_shardings(choice[-1])
-      )
-      self.seen[choice] = estimate(report, self.constants, choice)
+      self.seen[choice] = self.verify(choice) if self.simulator is None else self._simulate(choice)
     return self.seen[choice]
+
+  def verify(self, choice: tuple) -> Evaluation:
+    """`choice` planned with `tg.plan` (the partitioner's own collectives and bytes)."""
+    if choice not in self.planned:
+      held = [v.variable for g in self.groups for v in g.members + [f for f, _ in g.followers]]
+      saved = [(v, annotations.variable_sharding(v)) for v in held]
+      self._annotate(choice)
+      try:
+        report = plan(
+          self.traced or self.fn,
+          *self.arg_specs,
+          mesh=self.mesh,
+          in_shardings=self.input_shardings(choice[-1]),
+        )
+      finally:  # the variables keep the annotations they had
+        for variable, sharding in saved:
+          set_layout(variable, self.mesh, AUTO if sharding is None else sharding)
+      report.name = name_of(self.fn)
+      self.planned[choice] = estimate(report, self.constants, choice)
+    return self.planned[choice]
+
+  def _simulate(self, choice: tuple) -> Evaluation:
+    arguments = [s.spec for s in self.input_shardings(choice[-1])]
+    try:
+      return self.simulator.evaluate(self.variable_specs(choice), arguments, choice)
+    except Exception as e:  # noqa: BLE001 (a step the fast model cannot walk: planned)
+      log.warning('auto_shard: the fast model cannot price %s (%s); planned instead.', choice, e)
+      return self.verify(choice)
+
+  def variable_specs(self, choice: tuple) -> Dict[str, Any]:
+    """Placeholder -> spec of every variable `choice` lays out (the rest: as annotated)."""
+    placeholders = {id(v): n for n, v in self.simulator.program.variables.items()}
+    out = {n: s for n, s in self.simulator.program.variable_shardings.items()}
+    for group, spec in zip(self.groups, choice):
+      spec = group.fixed if group.fixed is not None else spec
+      for var in group.members:
+        out[placeholders[id(var.variable)]] = None if spec is AUTO else spec
+      for var, rank in group.followers:
+        kept = spec if rank is None or spec is AUTO else _trailing(spec, len(group.shape), rank)
+        out[placeholders[id(var.variable)]] = None if kept is AUTO else kept
+    return out
+
+  def confirmed(self, run: Callable[[], Evaluation]) -> Evaluation:
+    """`run()` (a search) with the fast model, its best layout planned with `tg.plan`; the
+    plan's price replaces the fast model's and the search runs again (memoized: it prices
+    only layouts it had not reached), until it ends on a planned layout: one its plan
+    confirms, at most MAX_PLANNED plans (then the best planned one)."""
+    if self.simulator is None:
+      return run()
+    for _ in range(MAX_PLANNED + 1):
+      priced = run()
+      if priced.choice in self.planned:
+        return priced
+      self.seen[priced.choice] = self.verify(priced.choice)
+      if len(self.planned) >= MAX_PLANNED:
+        break
+    best = min(self.planned.values(), key=lambda e: e.key(self.budget))
+    if best.memory > self.budget and any(e.memory <= self.budget for e in self.seen.values()):
+      return self.planning(run)  # layouts priced within the budget, none planned within it
+    return best
+
+  def planning(self, run: Callable[[], Evaluation]) -> Evaluation:
+    """`run()` again with every layout planned (the fast model misjudged the step): what
+    is planned already is kept."""
+    log.warning(
+      'auto_shard: the layouts the fast model prices within the budget are planned over '
+      'it; searching again with every layout planned (slower).'
+    )
+    self.simulator, self.seen = None, dict(self.planned)
+    return run()
 
   def better(self, a: Evaluation, b: Evaluation) -> bool:
     return a.key(self.budget) < b.key(self.budget)
@@ -111,7 +196,8 @@ class Search:
         trials = [
           self.evaluate(c) for c in choices if c != best.choice and not self.cannot_beat(c, best)
         ]
-        shortlist[i] = self._shortlist(best, i, trials)
+        if self.simulator is None:  # a priced layout costs milliseconds: every option, always
+          shortlist[i] = self._shortlist(best, i, trials)
         best = self._pick(best, trials)
       settled = before.memory <= self.budget and best.cost > before.cost * (1 - SWEEP_GAIN)
       if best is before or settled:
@@ -175,8 +261,12 @@ class Search:
     return best
 
   def runner_up(self, best: Evaluation) -> Optional[Evaluation]:
-    others = [e for e in self.seen.values() if e.choice != best.choice]
-    return min(others, key=lambda e: e.key(self.budget), default=None)
+    """The best other planned layout (else the best other priced one)."""
+    for pool in (self.planned, self.seen):
+      others = [e for e in pool.values() if e.choice != best.choice]
+      if others:
+        return min(others, key=lambda e: e.key(self.budget))
+    return None
 
   def group_runner_up(self, best: Evaluation, i: int) -> Optional[Evaluation]:
     """The best planned layout that differs from `best` in group `i` only."""
@@ -237,17 +327,23 @@ def auto_shard(
   if search not in ('descent', 'exhaustive'):
     raise ValueError(f"auto_shard: search must be 'descent' or 'exhaustive', got {search!r}.")
   started = time.perf_counter()
-  variables = variables_of(fn, arg_specs)
+  traced = capture.trace(fn, *arg_specs)  # once: every layout is priced or planned on it
+  program = capture.capture(traced)
+  variables = variables_in(program)
   saved = {id(v.variable): annotations.variable_sharding(v.variable) for v in variables}
   groups = group_variables(variables, _fixed_layouts(variables, saved, fixed))
   _give_candidates(groups, mesh, min_group_fraction)
   inputs = input_candidates(arg_specs, mesh)
+  constants = constants or load_constants()
+  simulator = _simulator(program, mesh, constants)
   searcher = Search(
-    fn, arg_specs, mesh, int(memory_budget), groups, inputs, constants or load_constants()
+    fn, arg_specs, mesh, int(memory_budget), groups, inputs, constants, simulator, traced
   )
   try:
-    best = (
-      searcher.exhaustive() if search == 'exhaustive' else searcher.descend(_starts(groups, inputs))
+    best = searcher.confirmed(
+      searcher.exhaustive
+      if search == 'exhaustive'
+      else functools.partial(searcher.descend, _starts(groups, inputs))
     )
   finally:
     for var in variables:
@@ -265,6 +361,15 @@ def auto_shard(
   return AutoShardResult(
     mesh, searcher.budget, best, searcher, variables, search, time.perf_counter() - started
   )
+
+
+def _simulator(program, mesh: Mesh, constants: Constants) -> Optional[Simulator]:
+  """The fast model of `program`, or None (every layout planned) when it cannot read it."""
+  try:
+    return Simulator(program, mesh, constants)
+  except Exception as e:  # noqa: BLE001 (a program the fast model cannot read: planned)
+    log.warning('auto_shard: no fast model of this step (%s); every layout is planned.', e)
+    return None
 
 
 def _fixed_layouts(variables: List[Var], saved: dict, fixed: Optional[dict]) -> Dict[int, Any]:

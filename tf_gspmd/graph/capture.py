@@ -75,11 +75,20 @@ def capture(fn, *args, input_signature: Optional[Sequence[Any]] = None, **kwargs
   shards), and the partition trace must not become one of them.
   """
   fn = _as_tf_function(fn)
-  with partition_trace():
-    concrete = concrete_function_of(_fresh(fn), args, kwargs, input_signature)
+  concrete = trace(fn, *args, input_signature=input_signature, **kwargs)
   # A tf.function knows its Python defaults; a ConcreteFunction does not.
   defaults = getattr(fn, '_default_values', None) if concrete is not fn else None
   return capture_concrete(concrete, default_values=defaults)
+
+
+def trace(fn, *args, input_signature: Optional[Sequence[Any]] = None, **kwargs):
+  """The ConcreteFunction `capture` captures: `fn` traced afresh inside `partition_trace` (a
+  ConcreteFunction as it is). Tracing is the slow part of a capture; `capture(concrete)`
+  of its result captures again without tracing (the variables' annotations read anew), as
+  `tg.auto_shard` does for every layout it plans."""
+  fn = _as_tf_function(fn)
+  with partition_trace():
+    return concrete_function_of(_fresh(fn), args, kwargs, input_signature)
 
 
 def concrete_function_of(fn, args=(), kwargs=None, input_signature=None):
