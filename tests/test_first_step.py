@@ -267,8 +267,7 @@ def test_keras_steps_copy_weights_only_of_variables_made_plain(monkeypatch, made
       if made == 'as_shards':  # (the optimizer's step counter is made from a value: plain)
         weights = {v.path for v in model.weights + model.optimizer.variables[2:]}
         assert not weights & set(eager), f'assembled by a step: {eager}'
-      else:
-        assert len(eager) >= len(model.trainable_variables), 'written back after the step'
+      # (plain: written back by one traced copy per step; the values below show it)
       eager.clear()
       assert_close(model.layers[0].kernel.numpy(), reference.layers[0].kernel.numpy(), 'kernel')
       assert_close(

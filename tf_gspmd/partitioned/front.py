@@ -76,6 +76,8 @@ class PartitionedFunction:
     self.progress = build_progress.enabled_by_default() if progress is None else bool(progress)
     self.last_build: Optional[build_progress.BuildProgress] = None  # its .phases: (phase, s)
     self._building: Optional[build_progress.BuildProgress] = None
+    # (copy, the adopted variables and their holders) -> held.adopted_copier's function.
+    self._copiers: Dict[tuple, Any] = {}
 
   # --- calling ------------------------------------------------------------------
   def __call__(self, *args):
@@ -114,22 +116,29 @@ class PartitionedFunction:
     CollectiveError, as the step's own collectives would, instead of an RPC error or a wait
     without end."""
     adopted = [v for v in variables if held.is_held(v) and not held.is_split(v)]
-    remote = [v for v in adopted if _on_other_tasks(held.holder_of(v))]
-    if not remote:
-      copy(adopted)
+    if not adopted:
+      return
+    key = (copy.__name__, tuple((id(v), id(held.holder_of(v))) for v in adopted))
+    run = self._copiers.get(key)
+    if run is None:
+      if len(self._copiers) > 64:  # holders that moved: their copiers are of no more use
+        self._copiers.clear()
+      run = self._copiers[key] = held.adopted_copier(adopted, copy)
+    if not any(_on_other_tasks(held.holder_of(v)) for v in adopted):
+      run()
       return
     from tf_gspmd.runtime.errors import CollectiveError
 
     done, failed = threading.Event(), []
 
-    def run():
+    def in_thread():
       try:
-        copy(adopted)
+        run()
       except Exception as error:  # noqa: BLE001 (handed to the caller's thread)
         failed.append(error)
       done.set()
 
-    threading.Thread(target=run, daemon=True, name='tf_gspmd_copy').start()
+    threading.Thread(target=in_thread, daemon=True, name='tf_gspmd_copy').start()
     timeout = self.timeout if self.timeout is not None else 60.0
     if not done.wait(timeout):
       raise CollectiveError(

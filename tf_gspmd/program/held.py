@@ -37,7 +37,7 @@ moves the shards to its own (`replace_holder`).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, Iterable, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -156,7 +156,25 @@ def gather_adopted(variables: Iterable) -> None:
     holder = None if isinstance(variable, SplitVariable) else holder_of(variable)
     if holder is not None:
       with tf.device(variable.device):
-        variable.assign(holder.assemble())
+        variable.assign(holder.assemble(), read_value=False)
+
+
+def adopted_copier(variables: Iterable, copy: Callable) -> Callable[[], None]:
+  """`copy` (`scatter_adopted` or `gather_adopted`) of the adopted `variables`, made once: the
+  copies of holders TF can read in a graph run as one traced function (one call instead of a
+  few eager ops per variable and device, which dominated a small model's step), the others
+  (PJRT buffers, a strategy's replicas) eagerly. Valid while the variables keep their holders."""
+  adopted = [v for v in variables if not isinstance(v, SplitVariable) and is_held(v)]
+  in_graph = [v for v in adopted if getattr(holder_of(v), 'assembles_in_graph', True)]
+  eager = [v for v in adopted if not getattr(holder_of(v), 'assembles_in_graph', True)]
+  traced = tf.function(lambda: copy(in_graph), autograph=False) if in_graph else None
+
+  def run() -> None:
+    if traced is not None:
+      traced()
+    copy(eager)
+
+  return run
 
 
 def read_global(holder, dtype) -> tf.Tensor:
