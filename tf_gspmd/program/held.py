@@ -143,11 +143,27 @@ def unhold(variable) -> None:
 
 
 def scatter_adopted(variables: Iterable) -> None:
-  """Split the current value of each adopted variable among `variables` into its shards."""
+  """Split the current value of each adopted variable among `variables` into its shards.
+
+  In a traced copy (`adopted_copier`), only where the value differs from what the shards hold
+  (a write since the last call): a replicated variable's check reads one shard, where its
+  copy would write every device's.
+  """
   for variable in variables:
     holder = None if isinstance(variable, SplitVariable) else holder_of(variable)
-    if holder is not None:
-      holder.scatter(variable.read_value())
+    if holder is None:
+      continue
+    value = variable.read_value()
+    if not tf.inside_function():
+      holder.scatter(value)
+      continue
+    same = tf.reduce_all(tf.equal(value, holder.assemble()))
+    tf.cond(same, lambda: tf.constant(0), lambda h=holder, v=value: _scattered(h, v))
+
+
+def _scattered(holder, value) -> tf.Tensor:
+  holder.scatter(value)
+  return tf.constant(0)
 
 
 def gather_adopted(variables: Iterable) -> None:
