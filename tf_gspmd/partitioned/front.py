@@ -127,6 +127,8 @@ class PartitionedFunction:
     if not any(_on_other_tasks(held.holder_of(v)) for v in adopted):
       run()
       return
+    run = lambda: copy(adopted)  # noqa: E731  other tasks: eager ops, each a call it can abandon
+    from tf_gspmd.runtime import cluster
     from tf_gspmd.runtime.errors import CollectiveError
 
     done, failed = threading.Event(), []
@@ -140,12 +142,12 @@ class PartitionedFunction:
 
     threading.Thread(target=in_thread, daemon=True, name='tf_gspmd_copy').start()
     timeout = self.timeout if self.timeout is not None else 60.0
+    holder = held.holder_of(adopted[0])
+    devices = [str(d) for d in holder.devices]
     if not done.wait(timeout):
-      raise CollectiveError(
-        f'{what}: copying {len(adopted)} plain variables to or from their shards on other '
-        f'tasks did not complete within {timeout:g} s (a task stopped?).'
-      )
+      raise CollectiveError(_silent_tasks(holder, devices, timeout, what))
     if failed and isinstance(failed[0], tf.errors.OpError):
+      cluster.raise_if_task_lost(devices, failed[0], what)
       raise CollectiveError(
         f'{what}: copying plain variables to or from their shards on other tasks failed: '
         f'{failed[0].message}'
@@ -345,6 +347,46 @@ class PartitionedFunction:
     """Give `var` its shards in the store (subclasses hold them elsewhere)."""
     devices = self.executor.devices(self.mesh, self.devices)
     self.store.add(var, sharding, sharded_cls, devices, self.backend)
+
+
+def _silent_tasks(holder, devices: List[str], timeout: float, what: str) -> str:
+  """Which tasks stopped answering, asked by reading one shard on each within 5 s: what a
+  copy that did not complete within `timeout` waits for."""
+  from tf_gspmd.runtime import cluster
+
+  by_task: Dict[str, List[int]] = {}
+  for p, device in enumerate(devices):
+    by_task.setdefault(cluster.task_of(device), []).append(p)
+  answered: Dict[str, bool] = {}
+
+  def ask(task: str, p: int) -> None:
+    try:
+      holder.shards[p].read_value()
+      answered[task] = True
+    except Exception:  # noqa: BLE001 (an unreadable task counts as silent)
+      pass
+
+  askers = [
+    threading.Thread(target=ask, args=(task, ps[0]), daemon=True) for task, ps in by_task.items()
+  ]
+  for asker in askers:
+    asker.start()
+  for asker in askers:
+    asker.join(5.0)
+  addresses = cluster.task_addresses()
+  lines = [
+    f'{what}: task {task} ({addresses.get(task, "address unknown")}), which runs partitions '
+    f'{ps}, stopped responding (partition {ps[0]}: the copy of plain variables to or from '
+    f'their shards did not complete within {timeout:g} s).'
+    for task, ps in sorted(by_task.items())
+    if not answered.get(task)
+  ]
+  lines.append(
+    'Kill and restart every task (the hung one first), connect again '
+    '(tf_gspmd.runtime.cluster.connect), partition again and restore the last checkpoint '
+    '(tg.restore_checkpoint).'
+  )
+  return '\n'.join(lines)
 
 
 def _on_other_tasks(holder) -> bool:
