@@ -37,7 +37,7 @@ moves the shards to its own (`replace_holder`).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -309,11 +309,6 @@ _SCATTERS_ND = {
   'scatter_nd_update': ('ResourceScatterNdUpdate', tf.tensor_scatter_nd_update),
   'scatter_nd_max': ('ResourceScatterNdMax', tf.tensor_scatter_nd_max),
   'scatter_nd_min': ('ResourceScatterNdMin', tf.tensor_scatter_nd_min),
-}
-_ASSIGNS = {
-  'assign': 'AssignVariableOp',
-  'assign_add': 'AssignAddVariableOp',
-  'assign_sub': 'AssignSubVariableOp',
 }
 
 
@@ -623,9 +618,3 @@ def _convert(value, dtype=None, name=None, as_ref=False):
 
 
 tf.register_tensor_conversion_function(SplitVariable, _convert)
-
-
-def iter_holders() -> Iterator[tuple]:
-  """(variable, holder) for every live SplitVariable."""
-  for variable in held_variables():
-    yield variable, holder_of(variable)
