@@ -145,24 +145,32 @@ def unhold(variable) -> None:
 def scatter_adopted(variables: Iterable) -> None:
   """Split the current value of each adopted variable among `variables` into its shards.
 
-  In a traced copy (`adopted_copier`), only where the value differs from what the shards hold
+  In a traced copy (`adopted_copier`), only when some value differs from what its shards hold
   (a write since the last call): a replicated variable's check reads one shard, where its
-  copy would write every device's.
+  copy would write every device's. One condition for all of them: a branch per variable made
+  the copier's first call (TF instantiating each branch) take seconds on a model of a hundred
+  variables, and a write between calls is the rare case.
   """
+  pairs = []
   for variable in variables:
     holder = None if isinstance(variable, SplitVariable) else holder_of(variable)
-    if holder is None:
-      continue
-    value = variable.read_value()
-    if not tf.inside_function():
+    if holder is not None:
+      pairs.append((holder, variable.read_value()))
+  if not tf.inside_function():
+    for holder, value in pairs:
       holder.scatter(value)
-      continue
-    same = tf.reduce_all(tf.equal(value, holder.assemble()))
-    tf.cond(same, lambda: tf.constant(0), lambda h=holder, v=value: _scattered(h, v))
+    return
+  if not pairs:
+    return
+  same = tf.reduce_all(
+    tf.stack([tf.reduce_all(tf.equal(value, holder.assemble())) for holder, value in pairs])
+  )
+  tf.cond(same, lambda: tf.constant(0), lambda: _scattered(pairs))
 
 
-def _scattered(holder, value) -> tf.Tensor:
-  holder.scatter(value)
+def _scattered(pairs) -> tf.Tensor:
+  for holder, value in pairs:
+    holder.scatter(value)
   return tf.constant(0)
 
 
