@@ -2,8 +2,10 @@
 
 The cluster tests run the example as a subprocess: connecting to a cluster
 changes this process's TF context for good, and the pytest process holds
-8 local logical devices for the other tests. The plain and the fault run go
-concurrently (each starts its own two worker processes).
+8 local logical devices for the other tests. The kill and the hang run go
+concurrently (each starts its own two worker processes); each checks every step's loss and
+the final weights against the unpartitioned run, so no uninterrupted run is needed beside
+them.
 """
 
 import os
@@ -168,7 +170,7 @@ def _confined_or_exposed(command):
 
 @pytest.fixture(scope='module')
 def runs():
-  """The example's output, plain, with --fault and with --hang (run concurrently)."""
+  """The example's output with --fault and with --hang (run concurrently)."""
   env = dict(
     os.environ,
     TF_CPP_MIN_LOG_LEVEL='2',
@@ -184,7 +186,7 @@ def runs():
       env=env,
       cwd=ROOT,
     )
-    for mode, flags in (('plain', []), ('fault', ['--fault']), ('hang', ['--hang']))
+    for mode, flags in (('fault', ['--fault']), ('hang', ['--hang']))
   }
   out = {}
   for mode, proc in procs.items():
@@ -213,7 +215,7 @@ def _losses(output: str):
 
 @pytest.mark.slow
 def test_example_trains_across_two_workers(runs):
-  out = runs['plain']
+  out = runs['fault']  # before and after its fault: the same placement and collectives
   assert '/job:worker/replica:0/task:0' in out and '/job:worker/replica:0/task:1' in out
   assert _final_error(out) <= 1e-5
   assert len(_losses(out)) == 3
@@ -241,8 +243,9 @@ def _interrupted_and_resumed(out: str, how: str) -> tuple:
 def test_killed_worker_raises_then_restore_continues(runs):
   seconds, _ = _interrupted_and_resumed(runs['fault'], 'killed task 1 (SIGKILL)')
   assert seconds < TIMEOUT
-  # The interrupted run, resumed from the checkpoint, gives the uninterrupted run's losses.
-  assert _losses(runs['fault']) == _losses(runs['plain'])
+  # Resumed from the checkpoint, each step's loss is the unpartitioned run's (the example
+  # checks every one by the oracle) and the two interrupted runs agree bitwise.
+  assert _losses(runs['fault']) == _losses(runs['hang'])
 
 
 @pytest.mark.slow
@@ -251,4 +254,4 @@ def test_hung_worker_raises_within_the_timeout_then_restore_continues(runs):
   seconds, error = _interrupted_and_resumed(runs['hang'], 'stopped task 1 (SIGSTOP)')
   assert TIMEOUT - 1 <= seconds < TIMEOUT + 10  # the timeout, then a probe of at most 5 s
   assert 'stopped responding' in error
-  assert _losses(runs['hang']) == _losses(runs['plain'])
+  assert 'MISMATCH' not in runs['hang']
