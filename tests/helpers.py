@@ -186,3 +186,29 @@ def assert_raises_clearly(name, call, error, words, raised_by='tf_gspmd'):
 def assert_holds(name, message, words):
   missing = [w for w in words if w not in message]
   assert not missing, f'{name}: message lacks {missing}:\n{message}'
+
+
+# --- op types whose hand-written handler the brute force of test_one_definition checks ---------
+# Handlers that make no layout decision of their own: values known statically.
+NO_LAYOUT_DECISION = ('static_handler', 'no_op_handler')
+
+
+def agreement_specs():
+  """The op sweep's programs of every op type with a rule and a hand-written handler that
+  decides layouts: tests/test_one_definition.py partitions and runs every one of them (values
+  and the handler's layouts against the rule), so the op sweep's CI sample leaves them out."""
+  from tf_gspmd.graph_rewrite import dispatch, handlers
+  from tf_gspmd.propagation import registry
+  from tf_gspmd.testing.op_builders import op_specs
+
+  dispatch._load_families()  # noqa: SLF001
+  hand_written = handlers.hand_written()
+  out = []
+  for spec in op_specs():
+    handler = hand_written.get(spec.op_type)
+    entry = registry.lookup(spec.op_type)
+    if handler is None or entry is None or entry.rule is None:
+      continue
+    if handler.__name__ not in NO_LAYOUT_DECISION:
+      out.append(spec)
+  return out

@@ -26,6 +26,8 @@ from tf_gspmd.propagation import registry
 from tf_gspmd.propagation.rule import REDUCTION
 from tf_gspmd.testing import assert_close, assert_close_to_float64
 
+from helpers import NO_LAYOUT_DECISION, agreement_specs  # noqa: E402
+
 MESH = tg.Mesh.create((2, 4), ('a', 'b'))
 
 
@@ -393,30 +395,11 @@ def test_depthwise_with_multiplier_and_its_gradients(specs_in, filter_spec, out_
 
 
 # --- brute force: every op type with a rule and a hand-written handler --------------------
-# Handlers that make no layout decision of their own: values known statically.
-_NO_LAYOUT_DECISION = ('static_handler', 'no_op_handler')
 # Sharding combinations per program and mesh: the most uneven split first, then a seeded pick
-# (operands or outputs) from the op sweep's enumeration.
+# (operands or outputs) from the op sweep's enumeration. The op sweep's CI sample leaves these
+# op types to this brute force (tests/helpers.py `agreement_specs`).
 CASES_PER_MESH = 2
-
-
-def _agreement_specs():
-  from tf_gspmd.testing.op_builders import op_specs
-
-  dispatch._load_families()  # noqa: SLF001
-  out = []
-  hand_written = handlers.hand_written()
-  for spec in op_specs():
-    handler = hand_written.get(spec.op_type)
-    entry = registry.lookup(spec.op_type)
-    if handler is None or entry is None or entry.rule is None:
-      continue
-    if handler.__name__ not in _NO_LAYOUT_DECISION:
-      out.append(spec)
-  return out
-
-
-AGREEMENT_SPECS = _agreement_specs()
+AGREEMENT_SPECS = agreement_specs()
 
 
 @pytest.fixture(scope='module')
@@ -466,7 +449,7 @@ def test_the_brute_force_covers_every_op_type_with_a_rule_and_a_handler():
   missing = sorted(
     op
     for op, fn in handlers.hand_written().items()
-    if fn.__name__ not in _NO_LAYOUT_DECISION
+    if fn.__name__ not in NO_LAYOUT_DECISION
     and registry.lookup(op) is not None
     and registry.lookup(op).rule is not None
     and op not in covered
