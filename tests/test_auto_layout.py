@@ -210,18 +210,46 @@ def assert_one_variable_per_key(layout_map, model):
     assert layout_map[variable.path] is not None
 
 
+def llama_style_map(mesh):
+  """Keras Hub's Llama/Gemma `get_layout_map` shape on the Mistral-shaped model ('batch' the
+  data axis): projections split over both axes, the model dim on 'batch' (FSDP-like)."""
+  shipped = keras.distribution.LayoutMap(mesh)
+  shipped['token_embedding/embeddings'] = ('model', 'batch')
+  shipped['layer_.*attention/(query|key|value)/kernel'] = ('model', 'batch', None)
+  shipped['layer_.*attention/attention_output/kernel'] = ('model', None, 'batch')
+  shipped['layer_.*ffw_(gate|intermediate)/kernel'] = ('batch', 'model')
+  shipped['layer_.*ffw_output/kernel'] = ('model', 'batch')
+  shipped['lm_head/kernel'] = ('batch', 'model')
+  return keras.distribution.ModelParallel(layout_map=shipped, batch_dim_name='batch')
+
+
+SEARCHED = {}  # model name -> (model, auto_layout's result): one search serves two tests
+
+
+def searched(name):
+  """The compiled model and auto_layout's choice for it (the Mistral-shaped one priced beside
+  the Llama-style map), under a budget below data parallelism's: the parameters and Adam's
+  two slots whole on every device do not fit, so the search must split weights."""
+  if name not in SEARCHED:
+    model = compiled(name)
+    x, y = data(name)
+    budget = 2 * parameter_bytes(model) + 120_000
+    mesh = device_mesh()
+    baseline = llama_style_map(mesh) if name == 'mistral' else None
+    chosen = tg.keras.auto_layout(
+      model, mesh, memory_budget=budget, x=x, y=y, batch_size=BATCH, baseline=baseline
+    )
+    SEARCHED[name] = model, chosen
+  return SEARCHED[name]
+
+
 @pytest.mark.parametrize('name', list(MODELS))
 def test_auto_layout_map_runs_fit_under_model_parallel_unchanged(name):
-  model, reference = compiled(name), compiled(name)
+  model, chosen = searched(name)
+  reference = compiled(name)
   x, y = data(name)
-  # A budget below data parallelism's (parameters and Adam's two slots whole on every device)
-  # makes the search split weights.
-  budget = 2 * parameter_bytes(model) + 120_000
-  chosen = tg.keras.auto_layout(
-    model, device_mesh(), memory_budget=budget, x=x, y=y, batch_size=BATCH
-  )
   print(chosen.report())
-  assert chosen.memory <= budget and chosen.cost > 0
+  assert chosen.memory <= chosen.result.budget and chosen.cost > 0
   assert chosen.batch_dim_name in ('batch', 'model')
   split = {p: s for p, s in chosen.specs.items() if any(e is not None for e in s)}
   assert split, 'the budget leaves no room for replicated weights: something must be split'
@@ -237,5 +265,16 @@ def test_auto_layout_map_runs_fit_under_model_parallel_unchanged(name):
   held = tg.keras.shard_layouts(model)
   for path, spec in chosen.specs.items():
     assert held[path][0] == spec, path
-  slot = f'adam/{next(iter(split)).replace("/", "_")}_momentum'  # Adam's slot follows it
-  assert held[slot][0] == split[next(iter(split))]
+  first = next(iter(split))  # Adam's slots follow their variable
+  assert held[f'{model.optimizer.name}/{first.replace("/", "_")}_momentum'][0] == split[first]
+
+
+def test_the_search_is_no_worse_than_a_llama_style_shipped_map():
+  _, chosen = searched('mistral')
+  searched_end, shipped = chosen.result.best, chosen.baseline.best
+  print(chosen.report())
+  assert shipped.memory <= chosen.result.budget  # the shipped map fits the same budget
+  assert not chosen.kept_baseline
+  assert searched_end.cost <= shipped.cost, (searched_end.cost, shipped.cost)
+  assert 'the search is no worse' in chosen.report()
+  assert chosen.baseline.best.report is not None  # both planned with tg.plan, not only priced
