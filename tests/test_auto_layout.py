@@ -259,7 +259,16 @@ def test_auto_layout_map_runs_fit_under_model_parallel_unchanged(name):
     history = model.fit(x, y, **FIT).history
   want = reference.fit(x, y, **FIT).history
   assert_close(as_float32(history), as_float32(want), 'history')
-  assert_close(model.weights, reference.weights, 'weights')
+  # Softmax ignores key/bias (a bias on every key shifts each query's scores alike): its
+  # gradient is rounding noise, which Adam scales to +-lr steps in both runs alike, so its
+  # value compares no programs (tests/test_models.py holds it to float64's cancellation rule).
+  compared = [
+    (got, want)
+    for got, want in zip(model.weights, reference.weights)
+    if not got.path.endswith('key/bias')
+  ]
+  assert len(compared) >= len(model.weights) - 1  # one attention layer: one key/bias at most
+  assert_close([g for g, _ in compared], [w for _, w in compared], 'weights')
 
   assert_one_variable_per_key(chosen.layout_map, model)
   held = tg.keras.shard_layouts(model)
@@ -278,3 +287,37 @@ def test_the_search_is_no_worse_than_a_llama_style_shipped_map():
   assert searched_end.cost <= shipped.cost, (searched_end.cost, shipped.cost)
   assert 'the search is no worse' in chosen.report()
   assert chosen.baseline.best.report is not None  # both planned with tg.plan, not only priced
+
+
+class TwinProjections(layers.Layer):
+  """Two sub-layers given one name: their variables share a path, so no key can tell them."""
+
+  def build(self, shape):
+    self.a, self.b = layers.Dense(4, name='proj'), layers.Dense(4, name='proj')
+    self.a.build(shape)
+    self.b.build(shape)
+
+  def call(self, x):
+    return self.a(x) + self.b(x)
+
+
+def test_a_key_matching_two_variables_is_refused_before_searching():
+  inputs = keras.Input((8,))
+  model = keras.Model(inputs, TwinProjections(name='twins')(inputs), name='twins')
+  model.compile(optimizer='adam', loss='mse')
+  assert [v.path for v in model.variables].count('twins/proj/kernel') == 2
+  x, y = np.zeros((16, 8), np.float32), np.zeros((16, 4), np.float32)
+  with pytest.raises(
+    ValueError,
+    match=r"key '\^twins/proj/kernel\$' matches \['twins/proj/kernel', 'twins/proj/kernel'\]",
+  ):
+    tg.keras.auto_layout(model, device_mesh(), memory_budget=10**6, x=x, y=y)
+
+
+def test_a_tf_gspmd_mesh_serves_as_a_device_mesh():
+  mesh = tg.Mesh.create((2, 4), ('batch', 'model'))
+  device_mesh, same = auto_layout_module._meshes(mesh)  # noqa: SLF001
+  assert same is mesh and list(device_mesh.axis_names) == ['batch', 'model']
+  assert np.ravel(device_mesh.devices).tolist() == [f'cpu:{i}' for i in range(8)]
+  with pytest.raises(TypeError, match='DeviceMesh or a tf_gspmd.Mesh'):
+    auto_layout_module._meshes((2, 4))  # noqa: SLF001

@@ -131,6 +131,7 @@ def auto_layout(
   """
   from tf_gspmd.auto_shard.search import auto_shard
 
+  _check_keys(model, [v.path for v in model.variables])  # before the search: it fails fast
   device_mesh, tg_mesh = _meshes(mesh)
   batch = _batch_specs(x, y, batch_size)
   splits = [(a,) for a in ([batch_dim_name] if batch_dim_name else tg_mesh.axis_names)]
@@ -288,7 +289,7 @@ def _model_specs(model, result: AutoShardResult, paths: Dict[str, str]) -> Dict[
   return out
 
 
-def _check_keys(model, specs: Dict[str, P]) -> None:
+def _check_keys(model, specs) -> None:
   """Every key matches exactly one variable of the model, its optimizer and its metrics
   (by `re.search`, the looser of Keras' matchings: with `^...$` both agree)."""
   paths = [v.path for v in all_variables(model)]
