@@ -15,6 +15,7 @@ import re
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from keras import layers, ops
 
 import tf_gspmd as tg
@@ -321,3 +322,30 @@ def test_a_tf_gspmd_mesh_serves_as_a_device_mesh():
   assert np.ravel(device_mesh.devices).tolist() == [f'cpu:{i}' for i in range(8)]
   with pytest.raises(TypeError, match='DeviceMesh or a tf_gspmd.Mesh'):
     auto_layout_module._meshes((2, 4))  # noqa: SLF001
+
+
+def test_a_model_it_cannot_search_is_refused_saying_why():
+  x, y = np.zeros((16, 8), np.float32), np.zeros((16, 4), np.float32)
+  inputs = keras.Input((8,))
+  model = keras.Model(inputs, layers.Dense(4, name='d')(inputs), name='small')
+  with pytest.raises(ValueError, match=r'compile small first'):
+    tg.keras.auto_layout(model, device_mesh(), memory_budget=10**6, x=x, y=y)
+  model.compile(optimizer='adam', loss='mse')
+  with keras.distribution.DataParallel().scope():
+    with pytest.raises(ValueError, match='outside any distribution scope'):
+      tg.keras.auto_layout(model, device_mesh(), memory_budget=10**6, x=x, y=y)
+
+
+def test_the_search_offers_only_layouts_keras_can_say():
+  """auto_shard's two options auto_layout sets: one mesh axis a dim (a TensorLayout names one),
+  and the batch over one axis that divides it, never unsplit (ModelParallel always splits it)."""
+  groups = importlib.import_module('tf_gspmd.auto_shard.groups')
+  mesh = tg.Mesh.create((2, 4), ('batch', 'model'))
+  every = groups.spec_candidates((32, 4, 8), mesh)
+  single = groups.spec_candidates((32, 4, 8), mesh, axes_per_dim=1)
+  assert any(isinstance(e, tuple) for spec in every for e in spec)
+  assert not any(isinstance(e, tuple) for spec in single for e in spec)
+  assert set(single) == {s for s in every if not any(isinstance(e, tuple) for e in s)}
+  batch_of_6 = [tf.TensorSpec((6, 3))]
+  assert groups.input_candidates(batch_of_6, mesh) == [None, ('batch',)]
+  assert groups.input_candidates(batch_of_6, mesh, [('batch',), ('model',)]) == [('batch',)]

@@ -222,6 +222,12 @@ class _traced_optimizer:
         f'auto_layout: compile {model.name} first (model.compile(optimizer=..., loss=...)): '
         "the search prices Keras' own train step, its loss and optimizer."
       )
+    if keras.distribution.distribution() is not None:
+      raise ValueError(
+        f'auto_layout: a keras.distribution is set ({keras.distribution.distribution()}); '
+        'call auto_layout outside any distribution scope, on a model built outside one (its '
+        "variables' layouts would constrain the search), then fit under the result's."
+      )
     if not model.built:
       raise ValueError(
         f'auto_layout: {model.name} is not built; build it (model.build(shape), or call it '
@@ -242,12 +248,18 @@ class _traced_optimizer:
     self.model.optimizer = self.own
 
 
+def _step_name(variable) -> str:
+  """auto_shard's name of a Keras variable: its tf.Variable's (as `groups.variables_in` reads
+  the captured step's variables)."""
+  held = backing(variable)
+  return getattr(held, 'path', None) or held.name.split(':')[0]
+
+
 def _step_paths(model) -> Dict[str, str]:
   """auto_shard's name of each model variable (its tf.Variable's) -> the variable's path."""
-  out = {}
+  out: Dict[str, str] = {}
   for variable in model.variables:
-    held = backing(variable)
-    name = getattr(held, 'path', None) or held.name.split(':')[0]
+    name = _step_name(variable)
     if name in out and out[name] != variable.path:
       raise ValueError(
         f'auto_layout: variables {out[name]} and {variable.path} of {model.name} share the '
@@ -265,10 +277,8 @@ def _baseline_layouts(baseline, model, mesh: Mesh) -> Tuple[Dict[str, P], str]:
     baseline = keras.distribution.ModelParallel(layout_map=baseline)
   fixed = {}
   for variable in model.variables:
-    held = backing(variable)
-    name = getattr(held, 'path', None) or held.name.split(':')[0]
     layout = baseline.get_variable_layout(variable)
-    fixed[re.escape(name)] = translate.variable_spec(baseline, variable, layout)
+    fixed[re.escape(_step_name(variable))] = translate.variable_spec(baseline, variable, layout)
   return fixed, baseline.batch_dim_name or mesh.axis_names[0]
 
 
