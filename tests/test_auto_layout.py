@@ -349,3 +349,23 @@ def test_the_search_offers_only_layouts_keras_can_say():
   batch_of_6 = [tf.TensorSpec((6, 3))]
   assert groups.input_candidates(batch_of_6, mesh) == [None, ('batch',)]
   assert groups.input_candidates(batch_of_6, mesh, [('batch',), ('model',)]) == [('batch',)]
+
+
+def test_the_batch_is_shaped_as_fit_batches_it():
+  batch_specs = auto_layout_module._batch_specs  # noqa: SLF001
+  x, y = data('bert')
+  got = batch_specs(x, y, 16)
+  assert got == (
+    {
+      'segment_ids': tf.TensorSpec((16, SEQ), tf.int32),
+      'token_ids': tf.TensorSpec((16, SEQ), tf.int32),
+    },
+    tf.TensorSpec((16,), tf.int32),
+  )
+  floats = batch_specs(np.zeros((8, 3)), np.zeros((8,), np.int64), 32)  # float64 -> floatx
+  assert floats == (tf.TensorSpec((8, 3), tf.float32), tf.TensorSpec((8,), tf.int64))
+  dataset = tf.data.Dataset.from_tensor_slices((x['token_ids'], y)).batch(16)
+  assert batch_specs(dataset, None, 32) == (
+    tf.TensorSpec((16, SEQ), tf.int32),
+    tf.TensorSpec((16,), tf.int32),
+  )

@@ -124,8 +124,9 @@ def auto_layout(
   `mesh`: a `keras.distribution.DeviceMesh` or a `tf_gspmd.Mesh`.
   `memory_budget`: bytes one device may hold (parameters + optimizer state +
   activation peak). `x`, `y`: training data as `fit` takes it (arrays, or dicts
-  / lists of arrays; only shapes and dtypes are read), batched by `batch_size`
-  rows as `fit` would. `batch_dim_name`: the batch's axis (default: searched).
+  / lists of arrays, or a batched `tf.data.Dataset` of (x, y) as `x`; only shapes
+  and dtypes are read), batched by `batch_size` rows as `fit` would.
+  `batch_dim_name`: the batch's axis (default: searched).
   `baseline`: a LayoutMap or ModelParallel to price beside the choice (kept when
   cheaper). Raises ValueError when no layout fits the budget.
   """
@@ -194,7 +195,11 @@ def _meshes(mesh) -> Tuple[object, Mesh]:
 
 def _batch_specs(x, y, batch_size: int):
   """(x, y) as TensorSpecs of one batch of `fit`: `batch_size` rows (all, when fewer);
-  floating arrays as Keras' floatx (Keras' data adapters cast them)."""
+  floating arrays as Keras' floatx (Keras' data adapters cast them). A batched
+  `tf.data.Dataset` `x` gives its first element's shapes (fit ignores `batch_size` then)."""
+  if isinstance(x, tf.data.Dataset):
+    first = next(iter(x.take(1)))
+    return tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), first)
   data = (x,) if y is None else (x, y)
   flat = tf.nest.flatten(data)
   if not flat:
