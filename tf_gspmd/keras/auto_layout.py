@@ -52,6 +52,9 @@ if TYPE_CHECKING:  # auto_shard imports the Keras layer (its LayoutMap): importe
   from tf_gspmd.auto_shard import AutoShardResult
 
 
+_NO_LIMIT = 2**62  # bytes: the budget a baseline is priced under
+
+
 class AutoLayout:
   """What `auto_layout` chose for a Keras model: the LayoutMap, the batch axis, why."""
 
@@ -141,22 +144,28 @@ def auto_layout(
     paths = _step_paths(model)
     # Every group searched (none left to propagation): a propagated layout could split a
     # dim over two axes, which a TensorLayout cannot say.
-    options = dict(mesh=tg_mesh, memory_budget=memory_budget, axes_per_dim=1)
     result = auto_shard(
       step,
       *tf.nest.flatten(batch),
-      **options,
+      mesh=tg_mesh,
+      memory_budget=memory_budget,
       search=search,
       min_group_fraction=0.0,
+      axes_per_dim=1,
       batch_splits=splits,
     )
     priced = None
-    if baseline is not None:
+    if baseline is not None:  # every variable fixed: one layout, planned
       layouts, axis = _baseline_layouts(baseline, model, tg_mesh)
       priced = auto_shard(
-        step, *tf.nest.flatten(batch), **options, fixed=layouts, batch_splits=[(axis,)]
+        step,
+        *tf.nest.flatten(batch),
+        mesh=tg_mesh,
+        memory_budget=_NO_LIMIT,  # priced, not refused: a baseline over the budget is reported
+        fixed=layouts,
+        batch_splits=[(axis,)],
       )
-  kept = priced is not None and priced.best.key(priced.budget) < result.best.key(result.budget)
+  kept = priced is not None and priced.best.key(memory_budget) < result.best.key(memory_budget)
   chosen = priced if kept else result
   specs = _model_specs(model, chosen, paths)
   _check_keys(model, specs)
