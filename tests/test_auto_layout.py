@@ -244,6 +244,7 @@ def searched(name):
   return SEARCHED[name]
 
 
+@pytest.mark.slow  # model-level: a search and a partitioned fit each, 15-40 s on 2 shared cores
 @pytest.mark.parametrize('name', list(MODELS))
 def test_auto_layout_map_runs_fit_under_model_parallel_unchanged(name):
   model, chosen = searched(name)
@@ -279,6 +280,7 @@ def test_auto_layout_map_runs_fit_under_model_parallel_unchanged(name):
   assert held[f'{model.optimizer.name}/{first.replace("/", "_")}_momentum'][0] == split[first]
 
 
+@pytest.mark.slow  # the Mistral-shaped search, when the fit test has not run it
 def test_the_search_is_no_worse_than_a_llama_style_shipped_map():
   _, chosen = searched('mistral')
   searched_end, shipped = chosen.result.best, chosen.baseline.best
