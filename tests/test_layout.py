@@ -34,6 +34,7 @@ LAYERS = (
   ('keras',),  # Keras on top of partition(): partition_model, LayoutMap, keras.distribution
   ('export',),  # save/restore/export/serve a partitioned program or Keras model
   ('auto_shard',),  # layouts chosen by planning candidates (tg.plan, LayoutMap)
+  ('keras_api',),  # tf_gspmd.keras's API and auto_layout: Keras' LayoutMap chosen by auto_shard
   ('testing',),  # the op sweep harness
   ('__init__',),  # the public API
 )
@@ -80,7 +81,14 @@ def imports_of(name: str):
 GRAPH = {name: imports_of(name) for name in MODULES}
 
 
+# Modules ranked apart from their package: tf_gspmd.keras's API offers auto_layout, which runs
+# auto_shard (above the Keras layer auto_shard's own LayoutMap stands on).
+OWN_UNITS = {'tf_gspmd.keras': 'keras_api', 'tf_gspmd.keras.auto_layout': 'keras_api'}
+
+
 def unit_of(module: str) -> str:
+  if module in OWN_UNITS:
+    return OWN_UNITS[module]
   parts = module.split('.')
   return '__init__' if len(parts) == 1 else parts[1]
 

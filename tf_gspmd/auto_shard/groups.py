@@ -181,9 +181,11 @@ def axis_groups(mesh: Mesh) -> List[Tuple[str, ...]]:
   return [tuple(c) for k in range(1, len(names) + 1) for c in itertools.combinations(names, k)]
 
 
-def spec_candidates(shape: tuple, mesh: Mesh) -> List[P]:
-  """Every spec splitting dims of `shape` over disjoint axis groups that divide them."""
-  options = [[None] + [g for g in axis_groups(mesh) if _divides(mesh, g, d)] for d in shape]
+def spec_candidates(shape: tuple, mesh: Mesh, axes_per_dim: Optional[int] = None) -> List[P]:
+  """Every spec splitting dims of `shape` over disjoint axis groups that divide them (of at
+  most `axes_per_dim` axes each: Keras' TensorLayout names one axis a dim)."""
+  groups = [g for g in axis_groups(mesh) if axes_per_dim is None or len(g) <= axes_per_dim]
+  options = [[None] + [g for g in groups if _divides(mesh, g, d)] for d in shape]
   out = []
   for choice in itertools.product(*options):
     used = [a for g in choice if g for a in g]
@@ -197,6 +199,11 @@ def _divides(mesh: Mesh, axes: Tuple[str, ...], size: int) -> bool:
   return size >= n and size % n == 0
 
 
-def input_candidates(arg_specs, mesh: Mesh) -> List[Optional[Tuple[str, ...]]]:
+def input_candidates(
+  arg_specs, mesh: Mesh, splits: Optional[List[Tuple[str, ...]]] = None
+) -> List[Optional[Tuple[str, ...]]]:
+  """The batch dim unsplit or split over an axis group dividing it; or `splits` (those that
+  divide it) alone: Keras' ModelParallel splits the batch over one axis, always."""
   batches = [int(s.shape[0]) for s in arg_specs if len(s.shape)]
-  return [None] + [g for g in axis_groups(mesh) if all(_divides(mesh, g, b) for b in batches)]
+  options = [None] + axis_groups(mesh) if splits is None else list(splits)
+  return [g for g in options if g is None or all(_divides(mesh, g, b) for b in batches)]

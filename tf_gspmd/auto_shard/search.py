@@ -310,6 +310,8 @@ def auto_shard(
   search: str = 'descent',
   constants: Optional[Constants] = None,
   min_group_fraction: float = 0.01,
+  axes_per_dim: Optional[int] = None,
+  batch_splits: Optional[List[tuple]] = None,
 ) -> 'AutoShardResult':
   """Choose a layout for every variable of `fn` and the inputs' batch dim (see the module doc).
 
@@ -319,7 +321,10 @@ def auto_shard(
   Sharding} the search must keep (as are `shard_variable` annotations already
   on the variables and `tg.shard` inside `fn`). `search`: 'descent'
   (coordinate descent, scales with distinct layers) or 'exhaustive' (every
-  combination: small cases). The variables' own annotations are restored
+  combination: small cases). `axes_per_dim`: at most this many mesh axes split one
+  dim of a searched layout; `batch_splits`: the inputs' batch splits searched (axis-name
+  tuples; default: unsplit or any axis group dividing it) -- `tf_gspmd.keras.auto_layout`
+  searches what Keras' ModelParallel can express. The variables' own annotations are restored
   afterwards; apply the result with `.layout_map` or `.shardings`.
   Raises a ValueError naming the smallest per-device bytes found when no
   layout fits.
@@ -332,8 +337,10 @@ def auto_shard(
   variables = variables_in(program)
   saved = {id(v.variable): annotations.variable_sharding(v.variable) for v in variables}
   groups = group_variables(variables, _fixed_layouts(variables, saved, fixed))
-  _give_candidates(groups, mesh, min_group_fraction)
-  inputs = input_candidates(arg_specs, mesh)
+  _give_candidates(groups, mesh, min_group_fraction, axes_per_dim)
+  inputs = input_candidates(arg_specs, mesh, batch_splits)
+  if not inputs:
+    raise ValueError(f'auto_shard: no batch split of {batch_splits} divides the batch.')
   constants = constants or load_constants()
   simulator = _simulator(program, mesh, constants)
   searcher = Search(
@@ -395,14 +402,16 @@ def _starts(groups: List[Group], inputs: list) -> List[tuple]:
   split the weights over them in one move. A small search (at most SMALL_SEARCH
   candidates a sweep) also starts from the batch unsplit."""
   replicated = tuple(g.candidates[0] for g in groups)
-  split = inputs[1:] or [None]
+  split = [axes for axes in inputs if axes is not None] or [None]
   most = max(split, key=lambda axes: len(axes or ()))
   small = sum(len(g.candidates) for g in groups) + len(inputs) <= SMALL_SEARCH
-  batches = [most, split[0]] + ([None] if small else [])
+  batches = [most, split[0]] + ([None] if small and None in inputs else [])
   return [replicated + (axes,) for axes in dict.fromkeys(batches)]
 
 
-def _give_candidates(groups: List[Group], mesh: Mesh, min_fraction: float) -> None:
+def _give_candidates(
+  groups: List[Group], mesh: Mesh, min_fraction: float, axes_per_dim: Optional[int] = None
+) -> None:
   """Searched specs per group (replicated first); small groups are left to propagation."""
   total = sum(g.nbytes for g in groups)
   for group in groups:
@@ -411,4 +420,4 @@ def _give_candidates(groups: List[Group], mesh: Mesh, min_fraction: float) -> No
     elif group.nbytes < min_fraction * total:
       group.candidates = [AUTO]
     else:
-      group.candidates = spec_candidates(group.shape, mesh)
+      group.candidates = spec_candidates(group.shape, mesh, axes_per_dim)

@@ -29,6 +29,10 @@ runs only on JAX; on TF its backend module is a prototype. After
 ...     keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name='data'))
 >>> model = make_model(); model.compile(...); model.fit(x, y)         # doctest: +SKIP
 
+`auto_layout(model, mesh, memory_budget=..., x=..., y=...)` chooses the
+LayoutMap and batch axis itself: `tg.auto_shard`'s search on the model's own
+train step (tf_gspmd/keras/auto_layout.py).
+
 Importing tf_gspmd changes nothing in Keras; `enable()` does, `disable()`
 undoes it.
 """
@@ -36,10 +40,13 @@ undoes it.
 from __future__ import annotations
 
 from tf_gspmd.keras import distribution_lib
+from tf_gspmd.keras.auto_layout import AutoLayout, auto_layout
 from tf_gspmd.keras.hooks import backing
 from tf_gspmd.keras.translate import mesh_and_devices, to_mesh, to_sharding, to_spec
 
 __all__ = [
+  'AutoLayout',
+  'auto_layout',
   'enable',
   'disable',
   'is_enabled',
