@@ -430,3 +430,21 @@ def test_compiled_collectives_carry_hand_written_groups(collective_run):
   assert {c.replica_groups for c in found if c.kind == 'all-to-all'} == want
   pairs = {c.source_target_pairs for c in found if c.kind == 'collective-permute'}
   assert tuple(sorted(PAIRS)) in {tuple(sorted(p)) for p in pairs}
+
+
+def test_a_boolean_constant_lowers_and_runs():
+  """A non-splat boolean constant (an attention's causal mask): TF's MLIR prints it packed
+  eight to a byte, jaxlib's parser reads a byte each (xla_bridge/export.py `_bool_per_byte`);
+  it failed to parse before. The mask is uneven along rows, so a wrong unpacking is seen."""
+  mesh = tg.Mesh.create((2, 4), ('data', 'model'))
+  mask = np.tril(np.ones((16, 16), bool))[None, None]
+  mask[0, 0, 0, 5] = True
+
+  @tf.function
+  def masked_softmax(scores):
+    scores = tg.shard(scores, mesh, tg.P('data', 'model', None, None))
+    return tf.nn.softmax(tf.where(tf.constant(mask), scores, -1e9), axis=-1)
+
+  scores = tf.constant(np.random.RandomState(0).randn(2, 4, 16, 16).astype(np.float32))
+  got = tg.partition(masked_softmax, mesh, backend='xla')(scores)
+  assert_close(got, masked_softmax(scores), 'masked softmax')

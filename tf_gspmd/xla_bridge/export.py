@@ -24,6 +24,7 @@ import dataclasses
 import re
 from typing import List, Optional, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from tf_gspmd.mesh import Mesh
@@ -227,9 +228,29 @@ def _input_output_aliases(text: str) -> List[tuple]:
   ]
 
 
+_PACKED_BOOLS = re.compile(r'dense<"0x(?P<hex>[0-9A-Fa-f]*)">(?P<type> : tensor<(?P<dims>[0-9x]*?)x?i1>)')
+
+
+def _bool_per_byte(match: 're.Match') -> str:
+  """A boolean constant's hex data, one byte per element. TF 2.21's MLIR prints an i1 tensor
+  packed eight elements to a byte (least significant bit first); the StableHLO parser of
+  jaxlib 0.10.2 reads one byte per element and refuses the packed form ('elements hex data
+  size is invalid'): every program with a non-splat boolean constant (an attention's causal
+  mask) failed on backend='xla'."""
+  data = bytes.fromhex(match.group('hex'))
+  dims = [int(d) for d in match.group('dims').split('x') if d]
+  count = int(np.prod(dims)) if dims else 1
+  if len(data) == count or len(data) != (count + 7) // 8:
+    return match.group(0)  # already one byte per element (or a form this does not know)
+  bits = np.unpackbits(np.frombuffer(data, np.uint8), bitorder='little')[:count]
+  return f'dense<"0x{bits.astype(np.uint8).tobytes().hex().upper()}">{match.group("type")}'
+
+
 def _clean_module(text: str, name: str, keep_aliases: bool = False) -> str:
   """The module named `name`, without tf2xla's aliasing unless `keep_aliases` (an exported
-  module's runner, TF's XlaCallModule or a TPU, does not donate its arguments)."""
+  module's runner, TF's XlaCallModule or a TPU, does not donate its arguments), its boolean
+  constants one byte per element (`_bool_per_byte`)."""
+  text = _PACKED_BOOLS.sub(_bool_per_byte, text)
   lines = text.splitlines()
   for i, line in enumerate(lines):
     if line.startswith('module @'):

@@ -1,0 +1,284 @@
+"""A Keras-Hub-style decoder under Keras Hub's own kind of layout map: tf_gspmd beside Keras on JAX.
+
+The model (issue #41): a Llama-shaped causal decoder written with Keras 3 layers and
+`keras.ops` only (no keras_hub dependency), so the same code runs on both backends: token
+embedding, per layer an RMS norm, grouped-query attention (EinsumDense query/key/value with
+4 query and 2 key-value heads, a causal softmax, EinsumDense output), an RMS norm and a gated
+MLP (SiLU gate x up, down), a final norm and a vocabulary head. Vocabulary 256, 2 layers,
+hidden 64, intermediate 128; Adam; batch 8 x 16 tokens; sparse cross-entropy.
+
+Layouts on a 2x4 ('batch', 'model') mesh, as Keras Hub's `LlamaBackbone.get_layout_map`
+writes them (the data axis also splits hidden dims, FSDP-style):
+
+  token embedding            ('model', 'batch')
+  query / key / value kernel ('model', 'batch', None)
+  attention output kernel    ('model', None, 'batch')
+  gate / up kernel           ('batch', 'model')
+  down kernel                ('model', 'batch')
+
+Sides (each in its own process, the machine otherwise idle):
+
+  jax_none / jax_dp / jax_mp   Keras 3 on JAX: no distribution, DataParallel, ModelParallel
+  tf_none                      plain Keras on TF, one device
+  tg_dp / tg_mp                tf_gspmd (tf_gspmd.keras.enable()), TF backend
+  tgx_mp                       tf_gspmd, backend='xla'
+
+Per side: the first `train_on_batch` (build + compile + run) in seconds, then the median of
+--steps more steps in ms, and the first loss (every side starts from the same weights, saved by
+the first TF side, so the losses agree to rounding: checked by the oracle against tf_none).
+
+  python bench/keras_decoder.py [--steps 10] [--sides jax_mp tg_mp ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JAX_PYTHON = os.environ.get('TF_GSPMD_JAX_PYTHON', os.path.join(ROOT, '.jaxenv', 'bin', 'python'))
+SIDES = ('tf_none', 'tg_dp', 'tg_mp', 'tgx_mp', 'jax_none', 'jax_dp', 'jax_mp')
+RESULT = 'KERAS_DECODER_RESULT '
+VOCAB, LAYERS, HIDDEN, HEADS, KV_HEADS, INTERMEDIATE = 256, 2, 64, 4, 2, 128
+BATCH, TOKENS, DEVICES = 8, 16, 8
+HEAD_DIM = HIDDEN // HEADS
+
+# Keras Hub's Llama map, keyed by this model's variable paths ('batch' is the data axis).
+LAYOUT = {
+  r'token_embedding/embeddings$': ('model', 'batch'),
+  r'_attention/(query|key|value)/kernel$': ('model', 'batch', None),
+  r'_attention/attention_output/kernel$': ('model', None, 'batch'),
+  r'_mlp/(gate|up)/kernel$': ('batch', 'model'),
+  r'_mlp/down/kernel$': ('model', 'batch'),
+}
+
+
+def _cpu_model() -> str:
+  try:
+    with open('/proc/cpuinfo') as info:
+      for line in info:
+        if line.startswith('model name'):
+          return line.split(':', 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or 'unknown'
+
+
+# --- the model (keras.ops only: runs on either backend) -----------------------------------------
+def _layers():
+  import keras
+  from keras import ops
+
+  class RMSNorm(keras.layers.Layer):
+    def build(self, shape):
+      self.scale = self.add_weight(name='scale', shape=(shape[-1],), initializer='ones')
+
+    def call(self, x):
+      return x * ops.rsqrt(ops.mean(ops.square(x), axis=-1, keepdims=True) + 1e-6) * self.scale
+
+  class Attention(keras.layers.Layer):
+    def __init__(self, **kw):
+      super().__init__(**kw)
+      dense = keras.layers.EinsumDense
+      self.query = dense('btm,mnh->btnh', (None, HEADS, HEAD_DIM), name='query')
+      self.key = dense('btm,mnh->btnh', (None, KV_HEADS, HEAD_DIM), name='key')
+      self.value = dense('btm,mnh->btnh', (None, KV_HEADS, HEAD_DIM), name='value')
+      self.attention_output = dense('btnh,nhm->btm', (None, HIDDEN), name='attention_output')
+
+    def build(self, shape):
+      for layer in (self.query, self.key, self.value):
+        layer.build(shape)
+      self.attention_output.build(tuple(shape[:2]) + (HEADS, HEAD_DIM))
+
+    def call(self, x):
+      q, k, v = self.query(x), self.key(x), self.value(x)
+      k = ops.repeat(k, HEADS // KV_HEADS, axis=2)  # grouped-query: each kv head serves two
+      v = ops.repeat(v, HEADS // KV_HEADS, axis=2)
+      scores = ops.einsum('bqnh,bknh->bnqk', q, k) / float(HEAD_DIM) ** 0.5
+      causal = ops.tril(ops.ones((TOKENS, TOKENS), dtype='bool'))
+      scores = ops.where(causal[None, None], scores, ops.full_like(scores, -1e9))
+      weights = ops.softmax(scores, axis=-1)
+      return self.attention_output(ops.einsum('bnqk,bknh->bqnh', weights, v))
+
+  class MLP(keras.layers.Layer):
+    def __init__(self, **kw):
+      super().__init__(**kw)
+      self.gate = keras.layers.Dense(INTERMEDIATE, use_bias=False, name='gate')
+      self.up = keras.layers.Dense(INTERMEDIATE, use_bias=False, name='up')
+      self.down = keras.layers.Dense(HIDDEN, use_bias=False, name='down')
+
+    def build(self, shape):
+      self.gate.build(shape)
+      self.up.build(shape)
+      self.down.build(tuple(shape[:-1]) + (INTERMEDIATE,))
+
+    def call(self, x):
+      return self.down(ops.silu(self.gate(x)) * self.up(x))
+
+  return RMSNorm, Attention, MLP
+
+
+def build_model(seed: int = 0):
+  import keras
+
+  RMSNorm, Attention, MLP = _layers()
+  keras.utils.set_random_seed(seed)
+  tokens = keras.Input((TOKENS,), dtype='int32')
+  x = keras.layers.Embedding(VOCAB, HIDDEN, name='token_embedding')(tokens)
+  for i in range(LAYERS):
+    x = x + Attention(name=f'layer_{i}_attention')(RMSNorm(name=f'layer_{i}_attention_norm')(x))
+    x = x + MLP(name=f'layer_{i}_mlp')(RMSNorm(name=f'layer_{i}_mlp_norm')(x))
+  x = RMSNorm(name='final_norm')(x)
+  logits = keras.layers.Dense(VOCAB, use_bias=False, name='head')(x)
+  model = keras.Model(tokens, logits, name='decoder')
+  model.compile(
+    optimizer=keras.optimizers.Adam(1e-3),
+    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+  )
+  return model
+
+
+def batch():
+  import numpy as np
+
+  rng = np.random.RandomState(0)
+  x = rng.randint(0, VOCAB, (BATCH, TOKENS)).astype(np.int32)
+  return x, np.roll(x, -1, axis=1)
+
+
+def distribution(keras, kind: str):
+  """None, DataParallel or ModelParallel with the Keras-Hub-style map, on 8 devices."""
+  if kind == 'none':
+    return None
+  devices = keras.distribution.list_devices()[:DEVICES]
+  if kind == 'dp':
+    return keras.distribution.DataParallel(devices=devices)
+  mesh = keras.distribution.DeviceMesh((2, 4), ['batch', 'model'], devices)
+  layout_map = keras.distribution.LayoutMap(mesh)
+  for pattern, axes in LAYOUT.items():
+    layout_map[pattern] = axes
+  return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name='batch')
+
+
+# --- one side, in its own process ---------------------------------------------------------------
+def run_side(side: str, steps: int, weights_path: str) -> dict:
+  if not side.startswith('jax'):
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices('CPU')[0]
+    tf.config.set_logical_device_configuration(
+      cpu, [tf.config.LogicalDeviceConfiguration()] * DEVICES
+    )
+  import keras
+  import numpy as np
+
+  if side.startswith('tg'):
+    import tf_gspmd
+
+    tf_gspmd.keras.enable('xla' if side.startswith('tgx') else 'tf')
+  kind = side.split('_')[1]
+  chosen = distribution(keras, kind)
+  if chosen is not None:
+    keras.distribution.set_distribution(chosen)
+  model = build_model()
+  if os.path.exists(weights_path):
+    saved = np.load(weights_path)
+    model.set_weights([saved[f'w{i}'] for i in range(len(saved.files))])
+  else:
+    np.savez(weights_path, **{f'w{i}': w for i, w in enumerate(model.get_weights())})
+  x, y = batch()
+  start = time.perf_counter()
+  first_loss = float(model.train_on_batch(x, y))
+  first = time.perf_counter() - start
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    model.train_on_batch(x, y)
+    times.append(time.perf_counter() - start)
+  return {
+    'side': side,
+    'first_s': first,
+    'step_ms': 1e3 * sorted(times)[len(times) // 2],
+    'first_loss': first_loss,
+  }
+
+
+def _child(side: str, steps: int, weights_path: str) -> dict:
+  jax = side.startswith('jax')
+  python = JAX_PYTHON if jax else sys.executable
+  if jax and not os.path.exists(python):
+    return {'side': side, 'error': f'{python} does not exist'}
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', PYTHONPATH=ROOT, TF_GSPMD_PROGRESS='0')
+  env['KERAS_BACKEND'] = 'jax' if jax else 'tensorflow'
+  if jax:
+    env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={DEVICES}'
+  cmd = [python, __file__, '--child', side, '--steps', str(steps), '--weights', weights_path]
+  done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+  for line in done.stdout.splitlines():
+    if line.startswith(RESULT):
+      return json.loads(line[len(RESULT) :])
+  tail = [t for t in done.stderr.strip().splitlines() if t.strip()][-1:] or ['no output']
+  return {'side': side, 'error': f'exit {done.returncode}: {tail[0][:160]}'}
+
+
+def _loss_check(runs: dict) -> str:
+  """Every side's first loss against plain Keras on TF's, by the oracle (normwise, f32)."""
+  want = runs.get('tf_none', {}).get('first_loss')
+  if want is None:
+    return 'first losses: no tf_none run to compare with'
+  worst = max(abs(r['first_loss'] - want) / abs(want) for r in runs.values() if 'first_loss' in r)
+  losses = ', '.join(
+    f'{side} {r["first_loss"]:.7f}' for side, r in runs.items() if 'first_loss' in r
+  )
+  verdict = 'ok' if worst <= 1e-5 else 'MISMATCH'
+  return f'first losses ({losses}): worst relative error vs tf_none {worst:.2e} ({verdict})'
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--steps', type=int, default=10)
+  parser.add_argument('--sides', nargs='+', default=list(SIDES), choices=SIDES)
+  parser.add_argument('--child', choices=SIDES)
+  parser.add_argument('--weights', default='')
+  args = parser.parse_args(argv)
+  if args.child:
+    print(RESULT + json.dumps(run_side(args.child, args.steps, args.weights)), flush=True)
+    return 0
+  print(f'cpu: {_cpu_model()}, {os.cpu_count()} cores; {DEVICES} logical devices')
+  print(
+    f'model: Llama-shaped decoder, vocab {VOCAB}, {LAYERS} layers, hidden {HIDDEN}, '
+    f'{HEADS}/{KV_HEADS} heads, intermediate {INTERMEDIATE}; Adam; batch {BATCH} x {TOKENS}'
+  )
+  runs = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    weights_path = os.path.join(tmp, 'weights.npz')
+    # A TF side first: it saves the weights every other side starts from.
+    order = sorted(args.sides, key=lambda s: s.startswith('jax'))
+    for side in order:
+      runs[side] = _child(side, args.steps, weights_path)
+  print(f'  {"side":10s} {"step":>10s} {"first step":>11s}')
+  for side in args.sides:
+    r = runs[side]
+    if 'error' in r:
+      print(f'  {side:10s} {r["error"]}')
+      continue
+    print(f'  {side:10s} {r["step_ms"]:8.1f} ms {r["first_s"]:9.2f} s')
+  for ours, peer in (('tg_mp', 'jax_mp'), ('tgx_mp', 'jax_mp'), ('tg_dp', 'jax_dp')):
+    if 'step_ms' in runs.get(ours, {}) and 'step_ms' in runs.get(peer, {}):
+      a, b = runs[ours], runs[peer]
+      print(
+        f'  {ours} / {peer}: step {a["step_ms"] / b["step_ms"]:.2f}x, '
+        f'first step {a["first_s"] / b["first_s"]:.2f}x'
+      )
+  print(_loss_check(runs))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
