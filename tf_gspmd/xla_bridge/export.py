@@ -228,7 +228,9 @@ def _input_output_aliases(text: str) -> List[tuple]:
   ]
 
 
-_PACKED_BOOLS = re.compile(r'dense<"0x(?P<hex>[0-9A-Fa-f]*)">(?P<type> : tensor<(?P<dims>[0-9x]*?)x?i1>)')
+_PACKED_BOOLS = re.compile(
+  r'dense<"0x(?P<hex>[0-9A-Fa-f]*)">(?P<type> : tensor<(?P<dims>[0-9x]*?)x?i1>)'
+)
 
 
 def _bool_per_byte(match: 're.Match') -> str:
