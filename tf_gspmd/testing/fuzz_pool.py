@@ -2,23 +2,26 @@
 
 A campaign's programs are independent (each draws its own inputs and builds its own
 functions and variables), and judging one is Python and TF work on one core at a time. So
-`Workers(jobs, work, args, setup)` starts `jobs` persistent processes (spawned once each: TF
-imported, devices configured, the imports frozen out of the garbage collector's walks once,
-not once per program) and `results(indices)` yields `(index, work(index, *args))` in index
-order, whatever order the workers finish in: a campaign's printed lines and tally are the
-ones a single process gives.
+`Workers(jobs, work, args, setup)` judges in this process and in `jobs` - 1 persistent
+worker processes (spawned once each: TF imported, devices configured, the imports frozen out
+of the garbage collector's walks once, not once per program), and `results(indices)` yields
+`(index, work(index, *args))` in index order, whatever order they finish in: a campaign's
+printed lines and tally are the ones a single process gives.
 
 `work` returns `(result, replace)`: `replace` asks for a fresh worker after this one (a
-failed collective aborts every later collective in its process). A worker that dies (TF
-aborting the process) is replaced too, and its program's result is `died(index, exitcode)`.
+failed collective aborts every later collective in its process; this process then judges no
+more). A worker that dies (TF aborting the process) is replaced too, and its program's result
+is `died(index, exitcode)`.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import multiprocessing
 import os
+import threading
 import time
 from multiprocessing import connection
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
@@ -52,11 +55,12 @@ class _Worker:
 
 
 class Workers:
-  """`jobs` worker processes running `work(index, *args)` (see the module docstring).
+  """`jobs` processes running `work(index, *args)`: this one (in the thread that reads
+  `results`) and `jobs` - 1 spawned workers, served by a thread of this process.
 
-  `setup()` runs once in each worker before its first program; `died(index, exitcode)`
-  is the result of a program whose worker died judging it. A context manager: leaving it
-  stops the workers."""
+  `setup()` runs once in each spawned worker before its first program (this process is set
+  up by its caller); `died(index, exitcode)` is the result of a program whose worker died
+  judging it. A context manager: leaving it stops the workers."""
 
   def __init__(
     self,
@@ -74,9 +78,14 @@ class Workers:
     self.context = multiprocessing.get_context('spawn')  # TF's threads do not survive a fork
     self.workers: List[_Worker] = []
     self.replaced = 0
+    self._changed = threading.Condition()  # guards what follows; notified when it changes
+    self._waiting: collections.deque = collections.deque()
+    self._done: Dict[int, Any] = {}
+    self._here = True  # whether this process still judges (not once its collectives failed)
+    self._closing = False
 
   def __enter__(self) -> 'Workers':
-    self.workers = [self._start() for _ in range(self.jobs)]
+    self.workers = [self._start() for _ in range(self.jobs - 1)]
     return self
 
   def __exit__(self, *exc) -> None:
@@ -99,38 +108,68 @@ class Workers:
   def results(self, indices: Iterable[int]) -> Iterator[Tuple[int, Any]]:
     """`(index, result)` for each of `indices`, in their order."""
     order = list(indices)
-    waiting = list(reversed(order))
-    done: Dict[int, Any] = {}
-    for index in order:
-      while index not in done:
-        self._hand_out(waiting)
-        self._gather(done)
-      yield index, done.pop(index)
+    with self._changed:
+      self._waiting.extend(order)
+    server = threading.Thread(target=self._serve_workers, daemon=True)
+    server.start()
+    try:
+      for index in order:
+        yield index, self._result(index)
+    finally:
+      with self._changed:
+        self._closing = True
+        self._changed.notify_all()
+      server.join()
 
-  def _hand_out(self, waiting: List[int]) -> None:
-    for worker in self.workers:
-      if worker.index is None and waiting:
-        worker.index = waiting.pop()
-        worker.conn.send(worker.index)
+  def _result(self, index: int) -> Any:
+    """`index`'s result: judging the next waiting program here while it is not in."""
+    while True:
+      with self._changed:
+        if index in self._done:
+          return self._done.pop(index)
+        if not (self._here and self._waiting):
+          self._changed.wait()
+          continue
+        mine = self._waiting.popleft()
+      result, replace = self.work(mine, *self.args)
+      with self._changed:
+        self._done[mine] = result
+        self._here = self._here and not replace
+        self._changed.notify_all()
 
-  def _gather(self, done: Dict[int, Any]) -> None:
-    """Wait for a busy worker to answer (or die) and take what it gave."""
-    busy = [w for w in self.workers if w.index is not None]
-    ready = connection.wait([w.conn for w in busy] + [w.process.sentinel for w in busy])
-    for worker in busy:
-      if worker.conn not in ready and worker.process.sentinel not in ready:
-        continue
-      index, worker.index = worker.index, None
-      try:
-        result, replace = worker.conn.recv()
-      except (EOFError, OSError):  # it died before answering
-        worker.process.join(5)
-        done[index] = self.died(index, worker.process.exitcode)
-        self._replace(worker)
-        continue
-      done[index] = result
-      if replace:
-        self._replace(worker)
+  def _serve_workers(self) -> None:
+    """The spawned workers' side of `results`: hand out waiting programs, take results."""
+    while True:
+      with self._changed:
+        if self._closing:
+          return
+        for worker in self.workers:
+          if worker.index is None and self._waiting:
+            worker.index = self._waiting.popleft()
+            worker.conn.send(worker.index)
+        busy = [w for w in self.workers if w.index is not None]
+        if not busy:
+          self._changed.wait()
+          continue
+      ready = connection.wait([w.conn for w in busy] + [w.process.sentinel for w in busy], 1.0)
+      for worker in busy:
+        if worker.conn in ready or worker.process.sentinel in ready:
+          self._take(worker)
+
+  def _take(self, worker: _Worker) -> None:
+    """What `worker` answered (or, when it died, `died`); a fresh worker in its place when
+    it asked for one or died."""
+    index, worker.index = worker.index, None
+    try:
+      result, replace = worker.conn.recv()
+    except (EOFError, OSError):  # it died before answering
+      worker.process.join(5)
+      result, replace = self.died(index, worker.process.exitcode), True
+    if replace:
+      self._replace(worker)
+    with self._changed:
+      self._done[index] = result
+      self._changed.notify_all()
 
   def close(self) -> None:
     for worker in self.workers:

@@ -490,8 +490,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument('--max-layers', type=int, default=7)
   parser.add_argument('--jobs', type=int, default=1, help='worker processes (one per core)')
   args = parser.parse_args(argv)
-  if args.jobs == 1:
-    _prepare()
+  _prepare()  # this process judges too (with --jobs J, J - 1 workers are spawned)
   tally = campaign(
     args.seed,
     args.models,
