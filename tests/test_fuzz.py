@@ -194,6 +194,7 @@ def _mark_worker():
   os.environ['FUZZ_POOL_TEST_WORKER'] = '1'
 
 
+@pytest.mark.slow  # a worker process starts: about 10 s
 def test_workers_answer_in_order_and_replace_a_dead_or_poisoned_worker():
   from tf_gspmd.testing import fuzz_pool
 
@@ -215,11 +216,11 @@ def test_workers_answer_in_order_and_replace_a_dead_or_poisoned_worker():
 def test_a_campaign_on_two_processes_prints_what_one_process_does():
   def verdicts(jobs):
     echoed = []
-    tally = fuzz.campaign(SEED, 4, start=6, max_ops=SMALL, echo=echoed.append, jobs=jobs)
+    tally = fuzz.campaign(SEED, 3, start=6, max_ops=SMALL, echo=echoed.append, jobs=jobs)
     lines = [re.sub(r' \d+\.\d+s', '', line) for line in echoed if line.startswith('[')]
     return lines, tally
 
   one, tally_one = verdicts(1)
   two, tally_two = verdicts(2)
-  assert len(one) == 4 and one == two
-  assert tally_one.counts == tally_two.counts and tally_two.programs == 4
+  assert len(one) == 3 and one == two
+  assert tally_one.counts == tally_two.counts and tally_two.programs == 3
