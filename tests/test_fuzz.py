@@ -224,3 +224,13 @@ def test_a_campaign_on_two_processes_prints_what_one_process_does():
   two, tally_two = verdicts(2)
   assert len(one) == 3 and one == two
   assert tally_one.counts == tally_two.counts and tally_two.programs == 3
+
+
+def test_a_worker_that_died_is_a_crash_of_its_program():
+  tally = fuzz.Tally()
+  echoed = []
+  died = fuzz._died(lambda index: f'[{SEED}:{index}] (a label)')  # noqa: SLF001
+  for event in died(5, -6):  # what the pool gives for a program whose worker died
+    fuzz.replay(event, tally, '', echoed.append)
+  assert tally.counts['crash'] == 1 and 'crash' in fuzz.FAILURES
+  assert 'died (exit code -6)' in echoed[0] and tally.failures
