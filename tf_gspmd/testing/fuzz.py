@@ -412,7 +412,7 @@ def campaign(
   jobs: int = 1,
 ) -> Tally:
   """Run programs start..start+programs-1 of `seed`; shrink and write each failure (with
-  `jobs` > 1 on that many worker processes: see `judge_all`)."""
+  `jobs` > 1 on this process and `jobs` - 1 workers: see `judge_all`)."""
   tally = Tally()
   began = time.time()
   args = (seed, max_ops, xla_every, (shrink_budget, shrink_seconds))
@@ -430,8 +430,9 @@ def campaign(
 
 def judge_all(indices, judge, args, jobs, prepare, label_of, tally, out, echo) -> bool:
   """`judge(index, *args, emit)` for each index, its events (`replay`) counted in `tally`
-  and echoed, in index order. With `jobs` > 1 on that many worker processes (`fuzz_pool`,
-  each `prepare`d once), printing and counting the same lines in the same order; a worker
+  and echoed, in index order. With `jobs` > 1 on this process and `jobs` - 1 workers
+  (`fuzz_pool`, each `prepare`d once), printing and counting the same lines in the same
+  order; a worker
   whose collectives failed is replaced, and one that died is a crash of its program, where
   a single process stops at a failed collective (its later ones would fail too) and says
   where to resume: True then."""

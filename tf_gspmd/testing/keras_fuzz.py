@@ -422,7 +422,7 @@ def campaign(
   jobs: int = 1,
 ) -> Tally:
   """Run models start..start+models-1 of `seed`; shrink and write each failure (with `jobs`
-  > 1 on that many worker processes: `fuzz.judge_all`)."""
+  > 1 on this process and `jobs` - 1 workers: `fuzz.judge_all`)."""
   tally = Tally()
   began = time.time()
   args = (seed, max_layers, (shrink_budget, shrink_seconds))
