@@ -395,7 +395,9 @@ class Tally:
     ]
     rows += [(f'  x{n}: {reason[:100]}', '') for reason, n in self.refusals.most_common()]
     rows += [(status, c[status]) for status in FAILURES]
-    rows += [(f'{what}/s ({jobs} process{"es" * (jobs > 1)})', f'{self.programs / seconds:.3f}')]
+    rows += [
+      (f'{what}/s ({jobs} process{"es" * (jobs > 1)})', f'{self.programs / max(seconds, 1e-9):.3f}')
+    ]
     return fuzz_pool.summary_table(rows)
 
 
@@ -436,6 +438,7 @@ def judge_all(indices, judge, args, jobs, prepare, label_of, tally, out, echo) -
   whose collectives failed is replaced, and one that died is a crash of its program, where
   a single process stops at a failed collective (its later ones would fail too) and says
   where to resume: True then."""
+  jobs = min(jobs, len(indices))  # no worker without a program
   if jobs > 1:
     with fuzz_pool.Workers(jobs, judged_in_worker, (judge,) + args, prepare, _died(label_of)) as w:
       for _, events in w.results(indices):
