@@ -22,7 +22,6 @@ import gc
 import multiprocessing
 import os
 import threading
-import time
 from multiprocessing import connection
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
@@ -201,18 +200,7 @@ def _serve(work: Callable, args: tuple, setup: Optional[Callable], conn) -> None
     conn.send(work(index, *args))
 
 
-def rate_line(programs: int, seconds: float, jobs: int, what: str = 'programs') -> str:
-  return (
-    f'{programs} {what} in {seconds:.1f} s on {jobs} process{"es" * (jobs > 1)}: '
-    f'{programs / max(seconds, 1e-9):.3f} {what}/s'
-  )
-
-
 def summary_table(rows: List[Tuple[str, Any]]) -> str:
   """`rows` of (what, count) as an aligned two-column table."""
   width = max(len(what) for what, _ in rows)
   return '\n'.join(f'  {what.ljust(width)}  {count}' for what, count in rows)
-
-
-def elapsed(began: float) -> float:
-  return time.time() - began
