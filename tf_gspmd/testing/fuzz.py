@@ -386,9 +386,9 @@ class Tally:
   def table(self, seconds: float, jobs: int = 1, what: str = 'programs') -> str:
     """The summary of a campaign (or of one chunk of it, `--start`/`--programs`)."""
     c = self.counts
-    rows = [
-      (what, self.programs),
-      ('runs on backend xla', self.xla_runs),
+    rows = [(what, self.programs)]
+    rows += [('runs on backend xla', self.xla_runs)] if what == 'programs' else []
+    rows += [
       ('passed', c['pass']),
       ('  of them by the float64 rule', c['float64']),
       ('refusals', c['refusal']),
