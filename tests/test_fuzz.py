@@ -10,6 +10,7 @@ pytest test, so any failure reproduces with
 
 import dataclasses
 import os
+import re
 import time
 import warnings
 
@@ -179,3 +180,57 @@ def _load_case(tmp_path, text):
   namespace = {}
   exec(compile(text, str(path), 'exec'), namespace)
   return next(v for k, v in namespace.items() if k.startswith('test_fuzz_'))
+
+
+def _square_or_fail(index: int, scale: int):
+  """A worker's work for the pool test: its process dies at index 3, asks to be replaced
+  at index 1 (as after a failed collective)."""
+  if index == 3 and os.environ.get('FUZZ_POOL_TEST_WORKER'):
+    os._exit(7)
+  return (index * index * scale, os.getpid()), index == 1
+
+
+def _mark_worker():
+  os.environ['FUZZ_POOL_TEST_WORKER'] = '1'
+
+
+@pytest.mark.slow  # a worker process starts: about 10 s
+def test_workers_answer_in_order_and_replace_a_dead_or_poisoned_worker():
+  from tf_gspmd.testing import fuzz_pool
+
+  died = lambda index, code: ('died', code)  # noqa: E731
+  with fuzz_pool.Workers(2, _square_or_fail, (10,), _mark_worker, died) as workers:
+    got = list(workers.results(range(8)))
+  assert [index for index, _ in got] == list(range(8))
+  here = [index for index, result in got if result[1] == os.getpid()]
+  for index, result in got:
+    if index == 3 and 3 not in here:  # judged by a worker, which died: replaced
+      assert result == ('died', 7)
+    else:
+      assert result[0] == index * index * 10
+  if 1 in here:  # this process's collectives "failed": it judged nothing after
+    assert max(here) == 1
+
+
+@pytest.mark.slow  # a worker process starts TF: about 20 s
+def test_a_campaign_on_two_processes_prints_what_one_process_does():
+  def verdicts(jobs):
+    echoed = []
+    tally = fuzz.campaign(SEED, 3, start=6, max_ops=SMALL, echo=echoed.append, jobs=jobs)
+    lines = [re.sub(r' \d+\.\d+s', '', line) for line in echoed if line.startswith('[')]
+    return lines, tally
+
+  one, tally_one = verdicts(1)
+  two, tally_two = verdicts(2)
+  assert len(one) == 3 and one == two
+  assert tally_one.counts == tally_two.counts and tally_two.programs == 3
+
+
+def test_a_worker_that_died_is_a_crash_of_its_program():
+  tally = fuzz.Tally()
+  echoed = []
+  died = fuzz._died(lambda index: f'[{SEED}:{index}] (a label)')  # noqa: SLF001
+  for event in died(5, -6):  # what the pool gives for a program whose worker died
+    fuzz.replay(event, tally, '', echoed.append)
+  assert tally.counts['crash'] == 1 and 'crash' in fuzz.FAILURES
+  assert 'died (exit code -6)' in echoed[0] and tally.failures

@@ -21,7 +21,8 @@ naming what it refuses) is a refusal; any other exception is a crash.
 the assign, the mesh's device order, shrink input dims) while it fails the same way, and
 `test_case` prints it as a pytest test. CLI:
 
-  python -m tf_gspmd.testing.fuzz --programs N --seed S [--xla-every K] [--out DIR]
+  python -m tf_gspmd.testing.fuzz --programs N --seed S [--start I] [--xla-every K] [--out DIR]
+      [--jobs J]
 """
 
 from __future__ import annotations
@@ -38,20 +39,20 @@ from typing import Callable, Iterable, List, Optional, Sequence
 
 import numpy as np
 
-from tf_gspmd.testing.fuzz_ops import FAMILIES, Op
+from tf_gspmd.testing import fuzz_pool
+from tf_gspmd.testing.fuzz_ops import FAMILIES
 from tf_gspmd.testing.fuzz_program import (
   HEADER,
   MESHES,
-  Input,
   Program,
   fused_batch_norm,
   generate,
   is_valid,
   load,
   render,
-  tidy,
   xla_lowers,
 )
+from tf_gspmd.testing.fuzz_shrink import candidates, shrink
 
 # What tests and printed cases use (`fuzz.fused_batch_norm` is in every rendered program
 # with a batch norm): the program's own API is in `fuzz_program`.
@@ -60,6 +61,7 @@ __all__ = [
   'MESHES',
   'Outcome',
   'Program',
+  'candidates',
   'check',
   'classify',
   'failing_like',
@@ -335,93 +337,6 @@ def _is_poison(error: BaseException) -> bool:
 
 
 # --- shrinking -------------------------------------------------------------------------------
-def shrink(
-  program: Program,
-  fails: Callable[[Program], bool],
-  budget: int = 150,
-  log: Callable[[str], None] = lambda _: None,
-  seconds: float = math.inf,
-  smaller: Optional[Callable] = None,
-  valid: Optional[Callable] = None,
-) -> Program:
-  """The smallest program found (greedily) that still `fails`: each accepted change restarts
-  the candidate list; at most `budget` candidates are run, for at most `seconds`.
-  `smaller` and `valid` replace `candidates` and `is_valid` (the Keras fuzzer's cases)."""
-  smaller, valid = smaller or candidates, valid or is_valid
-  best, tried = program, 0
-  deadline = time.time() + seconds
-  progress = True
-  while progress and tried < budget:
-    progress = False
-    for candidate in smaller(best):
-      if tried >= budget or time.time() > deadline:
-        break
-      if candidate == best or not valid(candidate):
-        continue
-      tried += 1
-      if fails(candidate):
-        best, progress = candidate, True
-        log(f'  shrunk to {best.label()}')
-        break
-  return best
-
-
-def candidates(p: Program):
-  """Smaller programs, the biggest cuts first."""
-  for op in reversed(p.ops):
-    yield tidy(_without(p, op.name))
-  for op in reversed(p.ops):
-    for source in op.inputs:
-      yield tidy(_bypass(p, op, source))
-  if p.grad:
-    yield dataclasses.replace(p, grad=False)
-  if p.assign:
-    yield dataclasses.replace(p, assign='')
-  for k, op in enumerate(p.ops):
-    if op.spec is not None:
-      yield _replace_op(p, k, dataclasses.replace(op, spec=None))
-  for k, i in enumerate(p.inputs):
-    if i.spec is not None:
-      yield _replace_input(p, k, dataclasses.replace(i, spec=None))
-  if p.devices != tuple(range(8)):
-    yield dataclasses.replace(p, devices=tuple(range(8)))
-  for k, i in enumerate(p.inputs):
-    for d, size in enumerate(i.shape):
-      for smaller in sorted({1, size // 2, size - 1} - {0, size}):
-        shape = i.shape[:d] + (smaller,) + i.shape[d + 1 :]
-        yield _replace_input(p, k, dataclasses.replace(i, shape=shape))
-
-
-def _without(p: Program, name: str) -> Program:
-  """`name`'s op and every op reading it, directly or not."""
-  gone = {name}
-  ops = []
-  for op in p.ops:
-    if op.name in gone or gone.intersection(op.inputs):
-      gone.add(op.name)
-    else:
-      ops.append(op)
-  return dataclasses.replace(p, ops=tuple(ops))
-
-
-def _bypass(p: Program, op: Op, source: str) -> Program:
-  """`op` removed, its readers reading `source` instead (valid when the shapes agree)."""
-  ops = tuple(
-    dataclasses.replace(o, inputs=tuple(source if n == op.name else n for n in o.inputs))
-    for o in p.ops
-    if o is not op
-  )
-  return dataclasses.replace(p, ops=ops)
-
-
-def _replace_op(p: Program, k: int, op: Op) -> Program:
-  return dataclasses.replace(p, ops=p.ops[:k] + (op,) + p.ops[k + 1 :])
-
-
-def _replace_input(p: Program, k: int, i: Input) -> Program:
-  return dataclasses.replace(p, inputs=p.inputs[:k] + (i,) + p.inputs[k + 1 :])
-
-
 def failing_like(outcome: Outcome, backend: str, timeout: float = 60.0):
   """The shrinker's test: a candidate fails as `outcome` did (status and exception type)."""
 
@@ -468,6 +383,23 @@ class Tally:
       f'({rate:.2f} programs/s)'
     )
 
+  def table(self, seconds: float, jobs: int = 1, what: str = 'programs') -> str:
+    """The summary of a campaign (or of one chunk of it, `--start`/`--programs`)."""
+    c = self.counts
+    rows = [(what, self.programs)]
+    rows += [('runs on backend xla', self.xla_runs)] if what == 'programs' else []
+    rows += [
+      ('passed', c['pass']),
+      ('  of them by the float64 rule', c['float64']),
+      ('refusals', c['refusal']),
+    ]
+    rows += [(f'  x{n}: {reason[:100]}', '') for reason, n in self.refusals.most_common()]
+    rows += [(status, c[status]) for status in FAILURES]
+    rows += [
+      (f'{what}/s ({jobs} process{"es" * (jobs > 1)})', f'{self.programs / max(seconds, 1e-9):.3f}')
+    ]
+    return fuzz_pool.summary_table(rows)
+
 
 def campaign(
   seed: int,
@@ -479,40 +411,113 @@ def campaign(
   shrink_budget: int = 150,
   echo=print,
   shrink_seconds: float = 300,
+  jobs: int = 1,
 ) -> Tally:
-  """Run programs start..start+programs-1 of `seed`; shrink and write each failure."""
+  """Run programs start..start+programs-1 of `seed`; shrink and write each failure (with
+  `jobs` > 1 on this process and `jobs` - 1 workers: see `judge_all`)."""
   tally = Tally()
   began = time.time()
-  for index in range(start, start + programs):
-    program = generate(seed, index, max_ops)
-    sampled = xla_every and index % xla_every == 0 and xla_lowers(program)
-    backends = ['tf'] + (['xla'] if sampled else [])
-    for i, backend in enumerate(backends):
-      outcome = run(program, backend, rebuild=index % REBUILD_EVERY == 0)
-      tally.xla_runs += i > 0  # the sampled second run is XLA's
-      _record(tally, program, backend, outcome, echo)
-      if outcome.poisoned:
-        echo(f'POISONED: a collective failed; resume with --start {index + 1}')
-        return tally
-      if outcome.status in FAILURES and shrink_budget:
-        _shrink_and_write(program, outcome, backend, out, (shrink_budget, shrink_seconds), echo)
-    tally.programs += 1
-  echo(tally.line(time.time() - began))
+  args = (seed, max_ops, xla_every, (shrink_budget, shrink_seconds))
+  label_of = lambda index: generate(seed, index, max_ops).label()  # noqa: E731
+  indices = range(start, start + programs)
+  if judge_all(indices, judge_program, args, jobs, _prepare, label_of, tally, out, echo):
+    return tally
+  seconds = time.time() - began
+  echo(tally.line(seconds))
   for reason, n in tally.refusals.most_common():
     echo(f'  refusal x{n}: {reason}')
+  echo(tally.table(seconds, jobs))
   return tally
 
 
-def _record(tally, program, backend, outcome, echo):
+def judge_all(indices, judge, args, jobs, prepare, label_of, tally, out, echo) -> bool:
+  """`judge(index, *args, emit)` for each index, its events (`replay`) counted in `tally`
+  and echoed, in index order. With `jobs` > 1 on this process and `jobs` - 1 workers
+  (`fuzz_pool`, each `prepare`d once), printing and counting the same lines in the same
+  order; a worker
+  whose collectives failed is replaced, and one that died is a crash of its program, where
+  a single process stops at a failed collective (its later ones would fail too) and says
+  where to resume: True then."""
+  jobs = min(jobs, len(indices))  # no worker without a program
+  if jobs > 1:
+    with fuzz_pool.Workers(jobs, judged_in_worker, (judge,) + args, prepare, _died(label_of)) as w:
+      for _, events in w.results(indices):
+        for event in events:
+          replay(event, tally, out, echo)
+        tally.programs += 1
+    return False
+  for index in indices:
+    poisoned = judge(index, *args, lambda event: replay(event, tally, out, echo))
+    tally.programs += 1
+    if poisoned:
+      echo(f'POISONED: a collective failed; resume with --start {index + 1}')
+      return True
+    fuzz_pool.collect()
+  return False
+
+
+def judge_program(index, seed, max_ops, xla_every, limits, emit) -> bool:
+  """Run program `index` of `seed` (and on backend='xla' where sampled), shrinking each
+  failure within `limits` (candidates, seconds); what happens goes to `emit` as events
+  (`replay` reads them). True when a collective failed (the process is poisoned)."""
+  program = generate(seed, index, max_ops)
+  sampled = xla_every and index % xla_every == 0 and xla_lowers(program)
+  backends = ['tf'] + (['xla'] if sampled else [])
+  for i, backend in enumerate(backends):
+    outcome = run(program, backend, rebuild=index % REBUILD_EVERY == 0)
+    emit(('record', program.label(), backend, outcome, i > 0))  # the sampled 2nd run is XLA's
+    if outcome.poisoned:
+      return True
+    if outcome.status in FAILURES and limits[0]:
+      small = shrunk(program, outcome, backend, limits[0], limits[1], lambda s: emit(('log', s)))
+      name = f'test_fuzz_case_{program.seed}_{program.index}_{backend}.py'
+      emit(('case', name, test_case(small, outcome, backend)))
+  return False
+
+
+def replay(event, tally, out, echo) -> None:
+  """What a campaign does with an event of `judge_program` (or of the Keras fuzzer's):
+  ('record', label, backend, Outcome, whether an XLA run), ('log', line) or ('case', file
+  name, test module)."""
+  if event[0] == 'record':
+    _, label, backend, outcome, xla = event
+    tally.xla_runs += xla
+    _record(tally, label, backend, outcome, echo)
+  elif event[0] == 'log':
+    echo(event[1])
+  else:
+    write_case(event[2], out, event[1], echo)
+
+
+def judged_in_worker(index, judge, *args):
+  """`judge(index, *args, emit)` in a worker process: (its events, whether the worker must be
+  replaced)."""
+  events: list = []
+  poisoned = judge(index, *args, events.append)
+  fuzz_pool.collect()
+  return events, poisoned
+
+
+def _died(label_of: Callable[[int], str]):
+  """The result of a program whose worker process died judging it: a crash."""
+
+  def died(index: int, code: int):
+    why = f'WorkerDied: the process judging it died (exit code {code})'
+    return [('record', label_of(index), 'tf', Outcome('crash', why, 'WorkerDied'), False)]
+
+  return died
+
+
+def _record(tally, label: str, backend, outcome, echo):
   tally.counts[outcome.status] += 1
   tally.counts['float64'] += outcome.float64
   if outcome.status == 'refusal':
     tally.refusals[outcome.message[:160]] += 1
   if outcome.status in FAILURES:
-    tally.failures.append(f'{program.label()} {backend}: {outcome.message[:300]}')
+    tally.failures.append(f'{label} {backend}: {outcome.message[:300]}')
   note = ' (float64 rule)' if outcome.float64 else ''
   detail = '' if outcome.status == 'pass' else ' ' + ' '.join(outcome.message.split())[:200]
-  echo(f'{program.label()} {backend}: {outcome.status}{note} {outcome.seconds:.2f}s{detail}')
+  echo(f'{label} {backend}: {outcome.status}{note} {outcome.seconds:.2f}s{detail}')
 
 
 def shrunk(
@@ -530,13 +535,6 @@ def shrunk(
   return shrink(program, failing_like(outcome, backend), budget, log, seconds)
 
 
-def _shrink_and_write(program, outcome, backend, out, limits, echo):
-  """`limits`: (candidates, seconds) the shrinker may spend."""
-  small = shrunk(program, outcome, backend, limits[0], limits[1], echo)
-  name = f'test_fuzz_case_{program.seed}_{program.index}_{backend}.py'
-  write_case(test_case(small, outcome, backend), out, name, echo)
-
-
 def write_case(text: str, out: str, name: str, echo) -> None:
   """Echo a shrunk case's test module, and write it to `out`/`name` when `out` is given."""
   echo(text)
@@ -548,15 +546,16 @@ def write_case(text: str, out: str, name: str, echo) -> None:
     echo(f'wrote {path}')
 
 
-def _freeze_imports() -> None:
-  """Put what the imports made (~350k objects of TF and tf_gspmd, alive for the whole run) out
-  of the garbage collector's reach: every full collection walked them again."""
-  import gc
+def _prepare() -> None:
+  """A campaign's process, before its first program: 8 devices, the warning every program
+  would print off, the imports frozen out of the garbage collector's walks."""
+  warnings.filterwarnings('ignore', message='tf_gspmd propagation: no sharding rule')
+  from tf_gspmd.testing.op_sweep import configure_devices
 
-  import tf_gspmd.partitioned  # noqa: F401  (imported here so that it is frozen too)
+  configure_devices(8)
+  import tf_gspmd.partitioned  # noqa: F401  (imported before the freeze, so that it is frozen too)
 
-  gc.collect()
-  gc.freeze()
+  fuzz_pool.quiet_collector()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -569,12 +568,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument('--max-ops', type=int, default=30)
   parser.add_argument('--shrink-budget', type=int, default=150, help='candidates per failure')
   parser.add_argument('--shrink-seconds', type=float, default=300, help='time per failure')
+  parser.add_argument('--jobs', type=int, default=1, help='worker processes (one per core)')
   args = parser.parse_args(argv)
-  warnings.filterwarnings('ignore', message='tf_gspmd propagation: no sharding rule')
-  from tf_gspmd.testing.op_sweep import configure_devices
-
-  configure_devices(8)
-  _freeze_imports()
+  _prepare()  # this process judges too (with --jobs J, J - 1 workers are spawned)
   tally = campaign(
     args.seed,
     args.programs,
@@ -585,10 +581,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.shrink_budget,
     echo=lambda s: print(s, flush=True),
     shrink_seconds=args.shrink_seconds,
+    jobs=args.jobs,
   )
   return 1 if any(tally.counts[s] for s in FAILURES) else 0
 
 
 if __name__ == '__main__':
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  sys.exit(main())
+  # The module's own copy (not __main__'s): what worker processes unpickle is its functions.
+  from tf_gspmd.testing import fuzz
+
+  sys.exit(fuzz.main())

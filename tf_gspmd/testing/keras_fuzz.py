@@ -24,7 +24,7 @@ run plainly in float64 from the same values (`testing.float64`). tf_gspmd's own 
 layers, the optimizer, device order) while it fails the same way and `test_case` prints it as
 a pytest test. CLI:
 
-  python -m tf_gspmd.testing.keras_fuzz --models N --seed S [--start I] [--out DIR]
+  python -m tf_gspmd.testing.keras_fuzz --models N --seed S [--start I] [--out DIR] [--jobs J]
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from tf_gspmd.testing import fuzz
-from tf_gspmd.testing.fuzz import Outcome, _error_text, _nudge, _record
+from tf_gspmd.testing import fuzz, fuzz_pool
+from tf_gspmd.testing.fuzz import Outcome, _error_text, _nudge
 from tf_gspmd.testing.keras_fuzz_model import (
   BATCH,
   HEADER,
@@ -418,28 +418,55 @@ def campaign(
   shrink_budget: int = 40,
   shrink_seconds: float = 600,
   echo=print,
+  max_layers: int = 7,
+  jobs: int = 1,
 ) -> Tally:
-  """Run models start..start+models-1 of `seed`; shrink and write each failure."""
+  """Run models start..start+models-1 of `seed`; shrink and write each failure (with `jobs`
+  > 1 on this process and `jobs` - 1 workers: `fuzz.judge_all`)."""
   tally = Tally()
   began = time.time()
-  for index in range(start, start + models):
-    case = generate(seed, index)
-    outcome = run(case)
-    _record(tally, case, 'tf', outcome, echo)  # the program fuzzer's counts and line
-    tally.programs += 1
-    if outcome.poisoned:
-      echo(f'POISONED: a collective failed; resume with --start {index + 1}')
-      break
-    if outcome.status in fuzz.FAILURES:
-      small = case
-      if outcome.status != 'invalid' and shrink_budget:
-        small = shrink(case, failing_like(outcome), shrink_budget, echo, shrink_seconds)
-      name = f'test_keras_fuzz_case_{case.seed}_{case.index}.py'
-      fuzz.write_case(test_case(small, outcome), out, name, echo)
-  echo(tally.line(time.time() - began))
+  args = (seed, max_layers, (shrink_budget, shrink_seconds))
+  label_of = lambda index: generate(seed, index, max_layers).label()  # noqa: E731
+  indices = range(start, start + models)
+  fuzz.judge_all(indices, judge_model, args, jobs, _prepare, label_of, tally, out, echo)
+  seconds = time.time() - began
+  echo(tally.line(seconds))
   for reason, n in tally.refusals.most_common():
     echo(f'  refusal x{n}: {reason}')
+  echo(tally.table(seconds, jobs, 'models'))
   return tally
+
+
+def judge_model(index, seed, max_layers, limits, emit) -> bool:
+  """Run model `index` of `seed`, shrinking a failure within `limits` (candidates, seconds);
+  events go to `emit` (as the program fuzzer's `judge_program`). True when a collective
+  failed."""
+  case = generate(seed, index, max_layers)
+  outcome = run(case)
+  emit(('record', case.label(), 'tf', outcome, False))  # the program fuzzer's counts and line
+  if outcome.poisoned:
+    return True
+  if outcome.status in fuzz.FAILURES:
+    small = case
+    if outcome.status != 'invalid' and limits[0]:
+      log = lambda s: emit(('log', s))  # noqa: E731
+      small = shrink(case, failing_like(outcome), limits[0], log, limits[1])
+    emit(('case', f'test_keras_fuzz_case_{case.seed}_{case.index}.py', test_case(small, outcome)))
+  return False
+
+
+def _prepare() -> None:
+  """A campaign's process, before its first model (see `fuzz._prepare`)."""
+  os.environ.setdefault('KERAS_BACKEND', 'tensorflow')
+  from tf_gspmd.testing.op_sweep import configure_devices
+
+  configure_devices(8)
+  quiet()
+  import keras  # noqa: F401  (imported before the freeze, so that it is frozen too)
+
+  import tf_gspmd.keras  # noqa: F401
+
+  fuzz_pool.quiet_collector()
 
 
 def quiet() -> None:
@@ -460,12 +487,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument('--out', default='', help='directory for shrunk test cases')
   parser.add_argument('--shrink-budget', type=int, default=40, help='candidates per failure')
   parser.add_argument('--shrink-seconds', type=float, default=600, help='time per failure')
+  parser.add_argument('--max-layers', type=int, default=7)
+  parser.add_argument('--jobs', type=int, default=1, help='worker processes (one per core)')
   args = parser.parse_args(argv)
-  os.environ.setdefault('KERAS_BACKEND', 'tensorflow')
-  from tf_gspmd.testing.op_sweep import configure_devices
-
-  configure_devices(8)
-  quiet()
+  _prepare()  # this process judges too (with --jobs J, J - 1 workers are spawned)
   tally = campaign(
     args.seed,
     args.models,
@@ -474,10 +499,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.shrink_budget,
     args.shrink_seconds,
     echo=lambda s: print(s, flush=True),
+    max_layers=args.max_layers,
+    jobs=args.jobs,
   )
   return 1 if any(tally.counts[s] for s in fuzz.FAILURES) else 0
 
 
 if __name__ == '__main__':
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  sys.exit(main())
+  # The module's own copy (not __main__'s): what worker processes unpickle is its functions.
+  from tf_gspmd.testing import keras_fuzz
+
+  sys.exit(keras_fuzz.main())
