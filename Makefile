@@ -44,7 +44,8 @@ $(XLASTAMP): $(STAMP) requirements-xla.lock
 # The second pass runs the Keras, architecture and workflow tests again on TF's other CPU
 # kernels (oneDNN off): sums land in another order there, and every test must hold on both.
 # The XLA-backend files are not in it: their partitioned programs run XLA's own CPU kernels,
-# which TF_ENABLE_ONEDNN_OPTS does not change.
+# which TF_ENABLE_ONEDNN_OPTS does not change. Its tests are spread one by one (worksteal):
+# by file, the architecture file alone set the pass's time (its module fixtures are cheap).
 SECOND_PASS_TESTS := tests/test_keras_distribution.py tests/test_keras_fit.py \
 	tests/test_keras_workflow.py tests/test_architectures.py \
 	tests/test_one_device.py tests/test_workflows.py
@@ -67,7 +68,7 @@ test: $(STAMP) $(XLASTAMP) $(JAXSTAMP) lint
 	TF_GSPMD_NO_SKIPS=1 TF_GSPMD_JAX_PYTHON=$(JAXENV)/bin/python $(PY) -m pytest -q -rs \
 	  -n $(PYTEST_WORKERS) --dist loadfile --durations=25 tests
 	TF_GSPMD_NO_SKIPS=1 TF_ENABLE_ONEDNN_OPTS=0 TF_GSPMD_JAX_PYTHON=$(JAXENV)/bin/python \
-	  $(PY) -m pytest -q -rs -n $(PYTEST_WORKERS) --dist loadfile $(SECOND_PASS_TESTS)
+	  $(PY) -m pytest -q -rs -n $(PYTEST_WORKERS) --dist worksteal $(SECOND_PASS_TESTS)
 
 # A quick loop for development: skips the tests marked slow (CI runs them all).
 test-fast: $(STAMP) $(XLASTAMP)
