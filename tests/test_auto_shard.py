@@ -338,6 +338,7 @@ def test_dense_transformer_at_2048_chooses_a_layout_as_cheap_as_the_papers():
 
 # --- the bench -----------------------------------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.sweep  # the bench's smoke run (about a minute): runs with the full sweep
 def test_rank_bench_quick_prints_every_line():
   proc = subprocess.run(
     [sys.executable, os.path.join(ROOT, 'bench', 'auto_shard_rank.py'), '--quick'],

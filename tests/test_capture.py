@@ -7,11 +7,9 @@ from tensorflow.compiler.xla import xla_data_pb2
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.compiler.xla.experimental import xla_sharding
 
-import tf_gspmd as tg
 from tf_gspmd import op_sharding
 from tf_gspmd.graph import capture, ir
 from tf_gspmd.sharding import Sharding
-from tf_gspmd.testing import assert_close
 
 
 def _while_cond_function(v):
@@ -340,15 +338,7 @@ def test_keras_training_step_is_captured_whole():
     assert any(v.value is w for w in captured), v.path
   assert len(captured) == len(every_variable)
   # Every op is captured but the ones nothing needs (dead, stateless: TF would not run them).
-  # (An IdentityN is kept as one Identity per operand, named after it: graph/split_identity_n.)
-  nodes = {n.name for n in program.main.nodes}
-  split = {
-    op.name
-    for op in concrete.graph.get_operations()
-    if op.type == 'IdentityN' and f'{op.name}/0' in nodes
-  }
-  assert split  # Keras' optimizer passes the gradients through one: the split is checked
-  kept = {n for n in nodes if n.rsplit('/', 1)[0] not in split} | split
+  kept = {n.name for n in program.main.nodes}
   dropped = [op for op in concrete.graph.get_operations() if op.name not in kept]
   assert len(kept) + len(dropped) == len(concrete.graph.get_operations())
   for op in dropped:
@@ -396,26 +386,3 @@ def test_capture_of_a_plain_python_function_and_errors():
   assert program.arg_inputs == ['x:0']
   with pytest.raises(TypeError, match='expected a tf.function or a callable'):
     capture.capture(42)
-
-
-def test_identity_n_is_captured_as_one_identity_per_operand_after_its_operand():
-  """graph/split_identity_n.py: an IdentityN waits for all its operands; captured, each
-  result is an Identity right after what it forwards, and the function's values are the same."""
-  mesh = tg.Mesh.create((2, 4), ('data', 'model'))
-
-  @tf.function
-  def f(a, b):
-    first = tf.square(a)
-    second = tf.exp(b) @ tf.transpose(b)
-    x, y = tf.identity_n([first, second])
-    return x + 1.0, y * 2.0
-
-  args = (tf.ones([8, 4]), tf.fill([8, 4], 0.5))
-  program = capture.capture(f.get_concrete_function(*args))
-  order = [n.name for n in program.main.nodes]
-  assert 'IdentityN' not in {n.op for n in program.main.nodes}
-  identities = [n for n in program.main.nodes if n.name.startswith('IdentityN/')]
-  assert [program.main.producer(n.inputs[0]).op for n in identities] == ['Square', 'MatMul']
-  for n in identities:  # right after its operand's producer, not after both
-    assert order.index(n.name) == order.index(program.main.producer(n.inputs[0]).name) + 1
-  assert_close(tg.partition(f, mesh)(*args), f(*args), 'results')

@@ -195,6 +195,7 @@ def _mark_worker():
 
 
 @pytest.mark.slow  # a worker process starts: about 10 s
+@pytest.mark.sweep  # campaign tooling (--jobs): with the full sweep, not in make test's budget
 def test_workers_answer_in_order_and_replace_a_dead_or_poisoned_worker():
   from tf_gspmd.testing import fuzz_pool
 
@@ -213,6 +214,7 @@ def test_workers_answer_in_order_and_replace_a_dead_or_poisoned_worker():
 
 
 @pytest.mark.slow  # a worker process starts TF: about 20 s
+@pytest.mark.sweep  # campaign tooling (--jobs): with the full sweep, not in make test's budget
 def test_a_campaign_on_two_processes_prints_what_one_process_does():
   def verdicts(jobs):
     echoed = []

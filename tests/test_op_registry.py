@@ -43,14 +43,6 @@ ALLOWED = {
     f'constant folding of shape queries and literals: {_GRAPH_LAYER}',
   ),
   'rebuild.py': ({'Placeholder'}, f"a function's argument nodes: {_GRAPH_LAYER}"),
-  'split_identity_n.py': (
-    {'IdentityN'},
-    f'capture rewrites each IdentityN into Identities (a barrier otherwise): {_GRAPH_LAYER}',
-  ),
-  'op_sweep.py': (
-    {'IdentityN'},
-    'the sweep checks an op type capture rewrites as what it became (CAPTURED_AS)',
-  ),
   'annotations.py': (
     {'XlaSharding', 'Identity', 'ReadVariableOp'},
     'reads back the annotation chain tf_gspmd itself writes (Identity -> XlaSharding, a '

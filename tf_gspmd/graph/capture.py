@@ -34,7 +34,6 @@ from tf_gspmd.graph import ir
 from tf_gspmd.graph.from_ops import as_str, graph_from_ops
 from tf_gspmd.graph.library import LibraryConverter
 from tf_gspmd.graph.prune import prune_dead
-from tf_gspmd.graph.split_identity_n import split_identity_n
 from tf_gspmd.sharding import Sharding
 from tf_gspmd.tf_private import FuncGraph, TFFunction
 
@@ -170,7 +169,6 @@ def capture_concrete(concrete, default_values: Optional[Dict[str, Any]] = None) 
   functions = {name: converter.ir_graph(name) for name in converter.converted_names()}
   for g in [main] + list(functions.values()):
     prune_dead(g)  # what TF would not run must not be partitioned either
-    split_identity_n(g)  # each result moves where it is made (see the module)
   program = ir.Program(
     main=main,
     functions=functions,

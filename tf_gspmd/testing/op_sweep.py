@@ -94,11 +94,6 @@ def restore_optimizer(previous: dict) -> None:
   )
 
 
-# Op types capture rewrites before partitioning: their programs are checked as what they
-# became (graph/split_identity_n.py: an IdentityN is captured as one Identity per operand).
-CAPTURED_AS = {'IdentityN': 'Identity'}
-
-
 @dataclasses.dataclass(frozen=True)
 class KnownIssue:
   """A failure the sweep found in code outside the sweep, reported to its owner.
@@ -325,12 +320,11 @@ class Sweep:
 
   def _check(self, result, case, spec, pf, args, calls, ref, variables):
     records = pf.op_records()
-    op_type = CAPTURED_AS.get(spec.op_type, spec.op_type)
-    hows = sorted({r.how for r in records if r.op == op_type})
+    hows = sorted({r.how for r in records if r.op == spec.op_type})
     program = pf.get_program(*args).program
-    nodes = [(g, n) for g in program.graphs() for n in g.nodes if n.op == op_type]
+    nodes = [(g, n) for g in program.graphs() for n in g.nodes if n.op == spec.op_type]
     if not nodes:
-      raise AssertionError(f'the program holds no {op_type} op: fix its builder')
+      raise AssertionError(f'the program holds no {spec.op_type} op: fix its builder')
     result.how = ','.join(hows) if hows else 'not partitioned'
     result.collectives = dict(collections.Counter(c['kind'] for c in pf.collectives()))
     errors = []
