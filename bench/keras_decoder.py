@@ -35,13 +35,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, 'bench'))
+from limit import cpu_model  # noqa: E402  (sibling: stdlib only at import)
+
 JAX_PYTHON = os.environ.get('TF_GSPMD_JAX_PYTHON', os.path.join(ROOT, '.jaxenv', 'bin', 'python'))
 SIDES = ('tf_none', 'tg_dp', 'tg_mp', 'tgx_mp', 'jax_none', 'jax_dp', 'jax_mp')
 RESULT = 'KERAS_DECODER_RESULT '
@@ -57,17 +59,6 @@ LAYOUT = {
   r'_mlp/(gate|up)/kernel$': ('batch', 'model'),
   r'_mlp/down/kernel$': ('model', 'batch'),
 }
-
-
-def _cpu_model() -> str:
-  try:
-    with open('/proc/cpuinfo') as info:
-      for line in info:
-        if line.startswith('model name'):
-          return line.split(':', 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or 'unknown'
 
 
 # --- the model (keras.ops only: runs on either backend) -----------------------------------------
@@ -250,7 +241,7 @@ def main(argv=None) -> int:
   if args.child:
     print(RESULT + json.dumps(run_side(args.child, args.steps, args.weights)), flush=True)
     return 0
-  print(f'cpu: {_cpu_model()}, {os.cpu_count()} cores; {DEVICES} logical devices')
+  print(f'cpu: {cpu_model()}, {os.cpu_count()} cores; {DEVICES} logical devices')
   print(
     f'model: Llama-shaped decoder, vocab {VOCAB}, {LAYERS} layers, hidden {HIDDEN}, '
     f'{HEADS}/{KV_HEADS} heads, intermediate {INTERMEDIATE}; Adam; batch {BATCH} x {TOKENS}'

@@ -27,12 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, 'bench'))
+from limit import cpu_model  # noqa: E402  (sibling: stdlib only at import)
+
 JAX_PYTHON = os.environ.get('TF_GSPMD_JAX_PYTHON', os.path.join(ROOT, '.jaxenv', 'bin', 'python'))
 SIDES = ('tf', 'jax', 'tg_keras', 'tg_step', 'tg_xla')
 LAYERS, BATCH, DEVICES = 8, 8, 8
@@ -66,17 +68,6 @@ def _rss_mib() -> float:
 
 def _hwm_mib() -> float:
   return _status_mib('VmHWM')
-
-
-def _cpu_model() -> str:
-  try:
-    with open('/proc/cpuinfo') as info:
-      for line in info:
-        if line.startswith('model name'):
-          return line.split(':', 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or 'unknown'
 
 
 # --- one side, in its own process -------------------------------------------------------------
@@ -214,7 +205,7 @@ def main() -> int:
   if args.child:
     print(json.dumps(run_side(args.child, args.sizes[0], args.steps)))
     return 0
-  print(f'cpu: {_cpu_model()}, {os.cpu_count()} cores; {DEVICES} logical devices')
+  print(f'cpu: {cpu_model()}, {os.cpu_count()} cores; {DEVICES} logical devices')
   print(f'model: {LAYERS} x Dense(H) no bias, SGD, batch {BATCH}; kernels split by columns')
   for hidden in args.sizes:
     results = {side: _child(side, hidden, args.steps) for side in args.sides}

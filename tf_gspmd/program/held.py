@@ -156,11 +156,8 @@ def scatter_adopted(variables: Iterable) -> None:
     holder = None if isinstance(variable, SplitVariable) else holder_of(variable)
     if holder is not None:
       pairs.append((holder, variable.read_value()))
-  if not tf.inside_function():
-    for holder, value in pairs:
-      holder.scatter(value)
-    return
-  if not pairs:
+  if not tf.inside_function() or not pairs:
+    _scattered(pairs)
     return
   same = tf.reduce_all(
     tf.stack([tf.reduce_all(tf.equal(value, holder.assemble())) for holder, value in pairs])
