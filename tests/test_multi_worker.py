@@ -196,7 +196,8 @@ def runs():
       for p in procs.values():
         p.kill()
       raise
-    assert proc.returncode == 0, (out[mode] + err)[-3000:]
+    # Both tails: the example's verdict is on stdout, TF's warnings fill stderr.
+    assert proc.returncode == 0, out[mode][-3000:] + '\n--- stderr ---\n' + err[-2000:]
   return out
 
 
