@@ -65,3 +65,16 @@ def test_operands_kept_as_they_are_when_that_is_cheapest():
   # are both usable as they are, so the dot itself moves nothing.
   kinds, pf = run('bmk,bkn->bmn', [(4, 6, 8), (4, 8, 10)], [('x', None, None), (None, None, 'y')])
   assert not kinds
+
+
+def test_a_contracting_and_a_free_dim_on_one_axis_move_the_smaller_operand():
+  """x's features and w's columns both want 'model': splitting the contraction would
+  all-to-all the weight (64x64) and reduce-scatter the product; splitting the columns
+  all-gathers the 4x64 activation instead. Bytes decide, not the rule's factor order."""
+  mesh = tg.Mesh.create((8,), ('model',))
+  kinds, pf = run('mk,kn->mn', [(4, 64), (64, 64)], [(None, 'model'), (None, 'model')], mesh)
+  operands = [c for r in pf.op_records() for c in r.collectives if c['why'].startswith('operand')]
+  assert [(c['kind'], c['why'], c['shape']) for c in operands] == [
+    ('all_gather', 'operand 0 of Einsum', (4, 8))  # the activation's shard, not the weight
+  ]
+  assert kinds == {'all_gather': 2}, kinds  # and the result's, as the function returns it whole

@@ -7,8 +7,8 @@ partial results (a pending reduction over its axes) that the result's reshard
 resolves by all-reduce or reduce-scatter; a need-replication factor is never
 sharded. Candidate assignments come from the propagated result sharding and
 from each operand's current sharding (so operands are used as they are when
-that is cheapest); the one moving the fewest bytes wins, then the one with
-the smallest peak buffer.
+that is cheapest); the one moving the fewest bytes wins, then the one running
+the fewest collectives, then the one with the smallest peak buffer.
 """
 
 from __future__ import annotations
@@ -34,13 +34,6 @@ def rule_for(p: Partitioner, node, graph):
   return registry.rule_for(node, p.rule_context(graph))
 
 
-def _settles_by_bytes(node) -> bool:
-  from tf_gspmd.propagation import registry
-
-  entry = registry.lookup(node.op)
-  return entry is not None and entry.settles_by_bytes
-
-
 def has_rule(node, graph) -> bool:
   from tf_gspmd.propagation import registry
 
@@ -54,14 +47,14 @@ def candidates(
   operands: Sequence[Local],
   targets: Sequence[NamedSharding],
   windowed: bool = False,
-  by_bytes: bool = False,
 ) -> List[Assignment]:
   """Factor assignments worth costing: results first, then each operand first.
 
   Each takes every factor's axes from the first tensor in its preference
-  order that shards it, so operands can be used as they are. Two factors
-  proposed one axis keep rule order; with `by_bytes` (gathers, scatters:
-  `Entry.settles_by_bytes`) each order's own preference is costed too.
+  order that shards it, so operands can be used as they are. Where two
+  factors are proposed one axis, both settlements are costed: rule order's,
+  and this order's own preference (a dot whose contraction and free dim both
+  want an axis: the weight moved, or the activation).
   """
   specs = [
     None if dims is None else _axes(op.sharding) for dims, op in zip(rule.operands, operands)
@@ -83,9 +76,10 @@ def candidates(
         chosen[f], source[f] = min(props, key=lambda prop: rank[prop[1]])
     # Two factors proposed one axis: rule order settles it, and so does this order's
     # preference (the result's layout kept, or an operand's), so the cheaper is costed too.
-    settled = [rule.resolve_axes(chosen)]
-    if by_bytes:
-      settled.append(rule.resolve_axes(chosen, first=sorted(chosen, key=lambda f: rank[source[f]])))
+    settled = [
+      rule.resolve_axes(chosen),
+      rule.resolve_axes(chosen, first=sorted(chosen, key=lambda f: rank[source[f]])),
+    ]
     for assignment in settled:
       if not windowed:
         assignment = _drop_windowed(rule, assignment)
@@ -142,8 +136,9 @@ def choose_layouts(
 
   Candidates come from the propagated result shardings and from each
   operand's current sharding (`candidates`); the one moving the fewest bytes
-  wins, then the one with the smallest peak buffer. Windowed factors (conv
-  and pool spatial dims) stay whole unless the caller computes halos
+  wins, then the one running the fewest collectives, then the smallest peak
+  buffer. Windowed factors (conv and pool spatial dims) stay whole unless the
+  caller computes halos
   (`windowed=True`); reduction factors stay whole when partial results
   cannot be combined (`combinable=False`), and so do the factors in `whole`.
   Every hand-written handler of an op with a rule takes its layouts from
@@ -152,7 +147,7 @@ def choose_layouts(
   rule = rule if rule is not None else rule_for(p, node, graph)
   targets = [p.target(graph, t.name) for t in node.outputs]
   shapes = [_known_shape(graph, t.name) for t in node.outputs]
-  options = candidates(p, rule, operands, targets, windowed, _settles_by_bytes(node))
+  options = candidates(p, rule, operands, targets, windowed)
 
   def keep(f):
     return f not in whole and (combinable or rule.kind(f) != REDUCTION)
@@ -206,20 +201,22 @@ def _static(shape) -> bool:
 
 
 def _cost(p, layouts: FactorLayouts, operands, result_shapes, targets):
-  moved = peak = 0
+  """(bytes moved, collectives, peak buffer) per device: bytes first; at equal bytes the
+  assignment running fewer collectives (each has a fixed latency), then the smaller peak."""
+  moved = count = peak = 0
   for need, op in zip(layouts.operands, operands):
     if need is not None and not _static(op.shape):
       if not op.sharding.is_equivalent_to(need):
-        return math.inf, math.inf  # a value of run-time shape stays as it is
+        return math.inf, math.inf, math.inf  # a value of run-time shape stays as it is
     elif need is not None:
-      m, k = p.reshard_cost(op.sharding, need, op.shape, op.dtype.size)
-      moved, peak = moved + m, max(peak, k)
+      m, c, k = p.reshard_price(op.sharding, need, op.shape, op.dtype.size)
+      moved, count, peak = moved + m, count + c, max(peak, k)
   for have, shape, target in zip(layouts.results, result_shapes, targets):
     if shape is None:
       continue
-    m, k = p.reshard_cost(have, target, shape, 4)
-    moved, peak = moved + m, max(peak, k)
-  return moved, peak
+    m, c, k = p.reshard_price(have, target, shape, 4)
+    moved, count, peak = moved + m, count + c, max(peak, k)
+  return moved, count, peak
 
 
 def factor_handler(p: Partitioner, graph, node, operands: List[Local]) -> List[Local]:

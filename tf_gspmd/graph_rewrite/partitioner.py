@@ -122,12 +122,18 @@ class Partitioner:
 
   def reshard_cost(self, src: NamedSharding, dst: NamedSharding, shape, dtype_size: int):
     """(bytes moved per device, peak per-device bytes) of resharding src -> dst."""
+    moved, _, peak = self.reshard_price(src, dst, shape, dtype_size)
+    return moved, peak
+
+  def reshard_price(self, src: NamedSharding, dst: NamedSharding, shape, dtype_size: int):
+    """(bytes moved per device, collectives run, peak per-device bytes) of src -> dst."""
     if src.is_equivalent_to(dst) and not src.partial_axes:
-      return 0, 0
+      return 0, 0, 0
     from tf_gspmd.graph_rewrite import reshard
+    from tf_gspmd.graph_rewrite.reshard.plan import collective_count
 
     plan = reshard.plan_reshard(src, dst, tuple(shape), dtype_size)
-    return plan.bytes_moved, plan.peak_bytes
+    return plan.bytes_moved, collective_count(plan), plan.peak_bytes
 
   def reshard(self, value: Local, target: NamedSharding, why: str = '') -> Local:
     if value.sharding.is_equivalent_to(target) and not value.sharding.partial_axes:
