@@ -19,6 +19,9 @@ Models (bench/step_time.py's sizes; --quick for the small ones):
   cnn          Conv/BatchNorm/MaxPool + Adam, image height split over h=4 (halos), batch
                over data=2.
   moe          examples/moe.py, GShard top-1 MoE, groups and experts on 'model' (2x4).
+  transformer_fsdp  the transformer with FSDP-style layouts: every kernel's and the
+               embedding's hidden dim over the batch axis 'data' (`fsdp_layout`).
+  transformer_hub   the transformer under Keras Hub's kind of layout map (`hub_layout`).
 
 Printed per model, for ours and XLA's:
   collectives   collective instructions of the compiled (optimized) HLO, per step; XLA's
@@ -100,7 +103,44 @@ import step_time  # noqa: E402  (sibling: model sizes and builders)
 import tensorflow as tf  # noqa: E402
 
 NUM_DEVICES = 8
-MODELS = ('mlp', 'transformer', 'cnn', 'moe')
+MODELS = ('mlp', 'transformer', 'cnn', 'moe', 'transformer_fsdp', 'transformer_hub')
+
+
+def fsdp_layout(mesh):
+  """FSDP-style: every weight's hidden (d_model) dim split over the batch axis 'data', the
+  Megatron dims over 'model' (the embedding and the head split by hidden too)."""
+  from tf_gspmd import P
+  from tf_gspmd.keras.layout import LayoutMap
+
+  rules = LayoutMap(mesh)
+  rules[r'.*embed/embeddings'] = P(None, 'data')
+  rules[r'.*attn_\d+/(query|key|value)/kernel'] = P('data', 'model', None)
+  rules[r'.*attn_\d+/attention_output/kernel'] = P('model', None, 'data')
+  rules[r'.*ffn_in_\d+/kernel'] = P('data', 'model')
+  rules[r'.*ffn_out_\d+/kernel'] = P('model', 'data')
+  rules[r'.*head/kernel'] = P('data', None)
+  return rules
+
+
+def hub_layout(mesh):
+  """Keras Hub's kind of map (LlamaBackbone.get_layout_map, its 'batch' axis named 'data'):
+  embedding (vocab, hidden) on ('model', 'data'), query/key/value kernels on ('model', 'data',
+  None) (hidden over 'model', heads over the batch axis), the attention output on ('model',
+  None, 'data'), the MLP's in and out kernels on ('data', 'model') and ('model', 'data')."""
+  from tf_gspmd import P
+  from tf_gspmd.keras.layout import LayoutMap
+
+  rules = LayoutMap(mesh)
+  rules[r'.*embed/embeddings'] = P('model', 'data')
+  rules[r'.*attn_\d+/(query|key|value)/kernel'] = P('model', 'data', None)
+  rules[r'.*attn_\d+/attention_output/kernel'] = P('model', None, 'data')
+  rules[r'.*ffn_in_\d+/kernel'] = P('data', 'model')
+  rules[r'.*ffn_out_\d+/kernel'] = P('model', 'data')
+  return rules
+
+
+# The transformer under other layouts than its Megatron one (same model, step and mesh).
+LAYOUT_VARIANTS = {'transformer_fsdp': fsdp_layout, 'transformer_hub': hub_layout}
 MOE_MESH = ((2, 4), ('data', 'model'))
 
 
@@ -124,7 +164,10 @@ class Case:
       self.batch = moe.batch(1)
       self.exact = None  # float32 constants in its step; SGD: float32 is well conditioned
       return
-    spec = step_time.ModelSpec(name, step_time.CONFIGS['quick' if quick else 'full'][name])
+    base = 'transformer' if name in LAYOUT_VARIANTS else name
+    spec = step_time.ModelSpec(base, step_time.CONFIGS['quick' if quick else 'full'][base])
+    if name in LAYOUT_VARIANTS:
+      spec.layout = LAYOUT_VARIANTS[name]
     self.mesh = spec.tg_mesh()
     model, optimizer = spec.keras()
     ref_model, ref_optimizer = spec.keras()

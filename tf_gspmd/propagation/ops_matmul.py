@@ -140,6 +140,9 @@ register(
   _batch_matmul_example('BatchMatMulV2'),
 )
 register('Einsum', 'matmul', einsum, _einsum_example)
+# A contraction dim and a free dim proposed one axis (the activation's features and the
+# weight's columns, both over 'model'): keeping the cheaper one is decided by bytes.
+declare(op_types_of('matmul'), settles_by_bytes=True)
 
 # --- sweep programs (testing/programs/nn.py) -----------------------------------
 declare(op_types_of('matmul'), sweep='matmul')

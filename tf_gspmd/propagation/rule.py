@@ -115,7 +115,8 @@ class OpRule:
 
   @property
   def is_pass_through(self) -> bool:
-    """True for ops XLA calls pass-through: every data tensor holds the same plain factors."""
+    """True for ops XLA calls pass-through: every data tensor holds the same plain factors
+    as every other it shares one with."""
     cached = self.__dict__.get('_is_pass_through')  # a rule is frozen: computed once
     if cached is None:
       cached = self.__dict__['_is_pass_through'] = self._pass_through()
@@ -133,7 +134,8 @@ class OpRule:
       if any(not isinstance(e, str) for e in dims):
         return False
       sets.append(frozenset(dims))
-    return len(set(sets)) <= 1
+    # Equal or disjoint: one identity, or independent ones side by side (IdentityN's pairs).
+    return all(a == b or not (a & b) for a in sets for b in sets)
 
   # --- text form ---------------------------------------------------------------
   def text(self) -> str:
