@@ -163,8 +163,6 @@ def test_readme_planning_at_scale_example_runs_verbatim(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.splitlines()
   assert lines[0] == '4294967296 2097152 2097152' and lines[0] in section
-  assert lines[1] == (
-    "[('all_reduce', ('X',)), ('all_reduce', ('Y',)), ('all_to_all', ('X',))]"
-  )
+  assert lines[1] == ("[('all_reduce', ('X',)), ('all_reduce', ('Y',)), ('all_to_all', ('X',))]")
   # Chosen by bytes: moving x (42 MB a device) instead of all-gathering the weight (136 MB).
   assert lines[2] == '41943044' and '42 MB' in section
