@@ -19,10 +19,11 @@ sharding from the pass-through path.
 Through one op, the tensors' shardings are projected on the op's factors
 (`OpRule`); where they disagree, the proposal over more devices wins, then the
 earlier operand; where two factors are proposed one axis, it goes to the
-earlier factor, or, for gathers and scatters (`Entry.settles_by_bytes`), where
-that moves fewer bytes (`pricing`). While/If/Case/call ops tie caller and
-callee tensors into groups that merge like identities, with the callee swept
-in between.
+earlier factor, or, for gathers, scatters and dots (`Entry.settles_by_bytes`),
+where that moves fewer bytes (`pricing`; an activation losing its split to a weight's
+is charged the sum its results will need, `Propagator._settle`). While/If/Case/call
+ops tie caller and callee tensors into groups that merge like identities, with the
+callee swept in between.
 
 Results: per graph and tensor a complete `NamedSharding` on the mesh (open
 dims left without axes are replicated; scalars and unknown-rank tensors are
@@ -109,6 +110,7 @@ class Propagator:
     self._active = []
     # (graph, tensor) -> the mesh axes it is manual over (inside a manual region): never given.
     self.manual: Dict[Key, Tuple[str, ...]] = {}
+    self._weight_origins: Optional[set] = None  # origins of variables' layouts (`_from_weight`)
 
   # --- setup -------------------------------------------------------------------------
   def _rank(self, key: Key) -> Optional[int]:
@@ -404,10 +406,9 @@ class Propagator:
     candidates = rule.factor_candidates(specs, self.mesh)
     picked = {f: pick_candidate(c, self.mesh) for f, c in candidates.items() if c}
     chosen = {f: p[0] for f, p in picked.items()}
-    if info.by_bytes:
-      resolved = pricing.settle(rule, chosen, specs, info.shapes, info.sizes, self.mesh)
-    else:
-      resolved = rule.resolve_axes(chosen)
+    resolved = rule.resolve_axes(chosen)
+    if info.by_bytes and resolved != chosen:
+      resolved = self._settle(rule, chosen, picked, keys, specs, info)
     changed = False
     for t in targets:
       key = keys[t]
@@ -420,6 +421,48 @@ class Propagator:
       kind = FORWARD if t >= n_in else BACKWARD
       changed |= self._update(key, proposed, self._derived(source, kind, info))
     return changed
+
+  def _settle(self, rule, chosen, picked, keys, specs, info: _NodeInfo):
+    """Two factors proposed one axis: the settlement moving fewer bytes (`pricing`). Where
+    one proposal comes from the activations (its origin is not a variable's layout) and the
+    other from a weight, a settlement that takes the axis from the activation is also
+    charged one all-reduce of its results over that axis: the activation then carries the
+    weight's split to the next op contracting over it, which leaves partial sums of
+    activation size (FSDP's layouts: the weight is gathered where it is used instead)."""
+    from_weight = {f: self._from_weight(keys[picked[f][1]]) for f in chosen if chosen[f]}
+    if len(set(from_weight.values())) < 2:
+      return pricing.settle(rule, chosen, specs, info.shapes, info.sizes, self.mesh)
+    activation = [f for f, w in from_weight.items() if not w]
+    options = [
+      rule.resolve_axes(chosen, first=activation),
+      rule.resolve_axes(chosen, first=[f for f, w in from_weight.items() if w]),
+    ]
+    costs = [self._settlement_cost(rule, o, chosen, activation, specs, info) for o in options]
+    if None in costs:
+      return options[0]
+    return options[costs.index(min(costs))]
+
+  def _settlement_cost(self, rule, resolved, chosen, activation, specs, info) -> Optional[int]:
+    cost = pricing.price(rule, resolved, specs, info.shapes, info.sizes, self.mesh)
+    lost = tuple(a for f in activation for a in chosen[f] if a not in tuple(resolved.get(f, ())))
+    if cost is None or not lost:
+      return cost
+    n_in = len(rule.operands)
+    for dims, shape, size in zip(rule.results, info.shapes[n_in:], info.sizes[n_in:]):
+      if dims is None or shape is None or None in shape:
+        return None
+      spec = rule.tensor_spec(dims, resolved, self.mesh, shape)
+      cost += pricing.all_reduce_bytes(spec, lost, shape, size, self.mesh)
+    return cost
+
+  def _from_weight(self, key: Key) -> bool:
+    """Whether `key`'s sharding started at a variable's layout."""
+    if self._weight_origins is None:
+      main = self.program.main.name
+      self._weight_origins = {qualified(self.program, (main, t)) for t in self.program.variables}
+      self._weight_origins |= {getattr(v, 'name', t) for t, v in self.program.variables.items()}
+    state = self.states.get(key)
+    return state is not None and state.prov.origin in self._weight_origins
 
   def _source_of(self, rule, dims, resolved, picked, proposed, key, keys) -> Optional[Key]:
     """The tensor whose sharding gave `key` its first new axes (None if nothing is new)."""

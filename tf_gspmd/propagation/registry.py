@@ -96,7 +96,8 @@ class Entry:
     handle operands stand for (any other use of a handle may write it);
   - `settles_by_bytes`: where two of its factors are proposed one mesh axis, propagation
     gives it to the one whose keeping moves fewer bytes (`pricing`), not to the earlier
-    factor (gathers and scatters: a small table against many ids);
+    factor (gathers and scatters: a small table against many ids; dots: a weight against
+    the activation it multiplies);
   - `unshaped_results_ok`: its local computation partitions it although some
     result has no static shape;
   - `sweep`: how the op sweep produces it (`testing/op_builders.py` reads it):
