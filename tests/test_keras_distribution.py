@@ -256,3 +256,43 @@ def test_readme_keras_distribution_section_runs(tmp_path):
   # The page prints the oracle's measure (tf_gspmd.testing.relative_error), worst weight.
   error = re.search(r'^max relative error to plain Keras: (\S+)$', out, re.M)
   assert error and float(error.group(1)) <= bound(np.float32), out
+
+
+def test_column_split_kernels_take_their_layout_into_the_optimizer_without_all_to_alls():
+  """Dense kernels all split by columns (bench/memory.py's model): each layer's input is
+  all-gathered (a small activation), and every weight gradient is made in its kernel's layout.
+  Before, Keras' optimizer IdentityN was not a pass-through op, the weight-gradient dots chose
+  a row split first, and half the gradients were all-to-all'd at the IdentityN (a weight-sized
+  exchange, and those gradients kept alive to the end of the step)."""
+  devices = keras.distribution.list_devices()
+  mesh = keras.distribution.DeviceMesh((1, 8), ['batch', 'model'], devices)
+  layout_map = keras.distribution.LayoutMap(mesh)
+  layout_map[r'.*/d\d+/kernel'] = (None, 'model')
+  distribution = keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name='batch')
+
+  def model():
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((256,))]
+    layers += [keras.layers.Dense(256, use_bias=False, name=f'd{i}') for i in range(4)]
+    m = keras.Sequential(layers, name='columns')
+    m.compile(optimizer=keras.optimizers.SGD(0.1), loss='mse')
+    return m
+
+  reference = model()
+  keras.distribution.set_distribution(distribution)
+  try:
+    split = model()
+    x, y = helpers.randn(0, 8, 256), helpers.randn(1, 8, 256)
+    got = [float(split.train_on_batch(x, y)) for _ in range(2)]
+  finally:
+    keras.distribution.set_distribution(None)
+  want = [float(reference.train_on_batch(x, y)) for _ in range(2)]
+  assert_close(as_float32(got), as_float32(want), 'losses')
+  assert_close(
+    [np.asarray(w) for w in split.weights], [np.asarray(w) for w in reference.weights], 'kernels'
+  )
+  (train,) = step_programs(split.train_function)
+  kinds = {c['kind'] for c in train.collectives()}
+  assert 'all_to_all' not in kinds, [(c['kind'], c['shape'], c['op']) for c in train.collectives()]
+  moved = sum(c['bytes'] for c in train.collectives())
+  assert moved <= 40_000, moved  # 30,724; before: 174,084 (forward kernels and gradients exchanged)
