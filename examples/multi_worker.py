@@ -55,6 +55,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, '..'))
 sys.path.insert(0, os.path.join(HERE, 'keras'))
 import float64_check  # noqa: E402  (examples/keras/float64_check.py: the weights' check)
+import numpy as np  # noqa: E402
 import transformer  # noqa: E402  (examples/keras/transformer.py: the demo's model and layout)
 
 import tf_gspmd as tg  # noqa: E402
@@ -168,8 +169,19 @@ def main():
     f'{report.worst}; bound 1e-05)'
   )
   print('\n'.join(report.lines))
+  if not report.ok:  # which state went wrong: the optimizer's slots, or the weights alone
+    print_optimizer_differences(optimizer, ref_optimizer)
   print(f'max relative error vs unpartitioned: {max(errors + [report.error]):.3e}')
   return 0 if ok and report.ok else 1
+
+
+def print_optimizer_differences(optimizer, ref_optimizer):
+  """Each optimizer variable (iterations, slots) further than the bound from the reference's."""
+  for got, want in zip(optimizer.variables, ref_optimizer.variables):
+    a, b = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    error = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+    if error > 1e-5:
+      print(f'  optimizer state {got.path}: normwise error {error:.3g} (zero: {not a.any()})')
 
 
 def fail_and_recover(
