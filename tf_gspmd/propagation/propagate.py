@@ -443,6 +443,8 @@ class Propagator:
     return options[costs.index(min(costs))]
 
   def _settlement_cost(self, rule, resolved, chosen, activation, specs, info) -> Optional[int]:
+    """Bytes `resolved` moves at the op (`pricing.price`), plus, for the axes it takes from
+    the `activation` factors, one all-reduce of the results over them. None: a shape unknown."""
     cost = pricing.price(rule, resolved, specs, info.shapes, info.sizes, self.mesh)
     lost = tuple(a for f in activation for a in chosen[f] if a not in tuple(resolved.get(f, ())))
     if cost is None or not lost:
