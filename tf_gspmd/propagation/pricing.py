@@ -78,16 +78,26 @@ def price(rule, resolved, specs, shapes, sizes, mesh) -> Optional[int]:
     need = rule.tensor_spec(dims, resolved, mesh, shape)
     have, want = (spec, need) if t < n_in else (need, spec)
     total += gather_bytes(have, want, shape, sizes[t], mesh)
-  pending = _pending_axes(rule, resolved)
-  if not pending:
-    return total
+  summed = results_all_reduce_bytes(
+    rule, resolved, _pending_axes(rule, resolved), shapes, sizes, mesh
+  )
+  return None if summed is None else total + summed
+
+
+def results_all_reduce_bytes(rule, resolved, axes: Axes, shapes, sizes, mesh) -> Optional[int]:
+  """Bytes the busiest device receives to all-reduce the op's results (laid out as
+  `resolved` makes them) over `axes`. None when a result's shape is unknown."""
+  if not axes:
+    return 0
+  n_in = len(rule.operands)
+  total = 0
   for dims, shape, size in zip(rule.results, shapes[n_in:], sizes[n_in:]):
     if dims is None:
       continue
     if shape is None or None in shape:
       return None
     need = rule.tensor_spec(dims, resolved, mesh, shape)
-    total += all_reduce_bytes(need, pending, shape, size, mesh)
+    total += all_reduce_bytes(need, axes, shape, size, mesh)
   return total
 
 

@@ -110,7 +110,10 @@ class Propagator:
     self._active = []
     # (graph, tensor) -> the mesh axes it is manual over (inside a manual region): never given.
     self.manual: Dict[Key, Tuple[str, ...]] = {}
-    self._weight_origins: Optional[set] = None  # origins of variables' layouts (`_from_weight`)
+    # The origins a variable's layout has in provenance (`_from_weight`): its key and its name.
+    main = program.main.name
+    self._weight_origins = {qualified(program, (main, t)) for t in program.variables}
+    self._weight_origins |= {getattr(v, 'name', t) for t, v in program.variables.items()}
 
   # --- setup -------------------------------------------------------------------------
   def _rank(self, key: Key) -> Optional[int]:
@@ -447,22 +450,13 @@ class Propagator:
     the `activation` factors, one all-reduce of the results over them. None: a shape unknown."""
     cost = pricing.price(rule, resolved, specs, info.shapes, info.sizes, self.mesh)
     lost = tuple(a for f in activation for a in chosen[f] if a not in tuple(resolved.get(f, ())))
-    if cost is None or not lost:
-      return cost
-    n_in = len(rule.operands)
-    for dims, shape, size in zip(rule.results, info.shapes[n_in:], info.sizes[n_in:]):
-      if dims is None or shape is None or None in shape:
-        return None
-      spec = rule.tensor_spec(dims, resolved, self.mesh, shape)
-      cost += pricing.all_reduce_bytes(spec, lost, shape, size, self.mesh)
-    return cost
+    summed = pricing.results_all_reduce_bytes(
+      rule, resolved, lost, info.shapes, info.sizes, self.mesh
+    )
+    return None if cost is None or summed is None else cost + summed
 
   def _from_weight(self, key: Key) -> bool:
     """Whether `key`'s sharding started at a variable's layout."""
-    if self._weight_origins is None:
-      main = self.program.main.name
-      self._weight_origins = {qualified(self.program, (main, t)) for t in self.program.variables}
-      self._weight_origins |= {getattr(v, 'name', t) for t, v in self.program.variables.items()}
     state = self.states.get(key)
     return state is not None and state.prov.origin in self._weight_origins
 
