@@ -543,8 +543,12 @@ def restore_checkpoint(path: str, target) -> CheckpointRecord:
   entries = _entries(target, 'restore_checkpoint')
   _check(entries, tf.train.load_checkpoint(prefix), prefix)
   by_reader, whole = _restore_pieces(entries)
+  held.forget_in_sync(_adopted(entries))  # their shards are written now, then copied back
   for key, pieces in list(by_reader.items()) + list(whole.items()):
     _read_device(prefix, key, pieces)
+  # Another task's device runs its reads and writes asynchronously: all done before the copy
+  # back and the next step read the shards.
+  context.async_wait()
   held.gather_adopted(_adopted(entries))  # the restored shards are their variables' value
   return _record(
     prefix, entries, by_reader, sum(p.nbytes for pieces in whole.values() for p in pieces)

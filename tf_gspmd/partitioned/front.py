@@ -25,6 +25,7 @@ from tf_gspmd.partitioned.variables import VariableStore
 from tf_gspmd.program import held
 from tf_gspmd.runtime import grappler
 from tf_gspmd.sharding import NamedSharding
+from tf_gspmd.tf_private import context  # async_wait: the other tasks' copies done
 
 BACKENDS = executors.NAMES  # the executor registry's names
 
@@ -107,18 +108,28 @@ class PartitionedFunction:
     self._prepared(compiled)
     # A plain variable is its own state: copied into its shards, and what the call wrote back.
     self._copy(held.scatter_adopted, compiled.variables, what)
+    written = compiled.written_variables()
+    held.forget_in_sync(written)  # their shards change now: equal again once copied back
     outputs = self.executor.run(compiled, flat_args, self._sharded_variables, what)
-    self._copy(held.gather_adopted, compiled.written_variables(), what)
+    self._copy(held.gather_adopted, written, what)
     return outputs
 
   def _copy(self, copy, variables, what: str) -> None:
-    """`copy(variables)` (adopted variables to or from their shards). With shards on other
-    tasks' devices, within the call's timeout: a task that died or stopped fails it with a
-    CollectiveError, as the step's own collectives would, instead of an RPC error or a wait
-    without end."""
+    """`copy` (scatter_adopted or gather_adopted) of the adopted variables among `variables`:
+    into their shards only those written since their last copy (a step after a step copies
+    nothing in), back all the call wrote."""
     adopted = [v for v in variables if held.is_held(v) and not held.is_split(v)]
+    if copy is held.scatter_adopted:  # a variable nothing wrote since the last copy is its shards
+      adopted = held.out_of_sync(adopted)
     if not adopted:
       return
+    self._copy_now(copy, adopted, what)
+    held.note_in_sync(adopted)
+
+  def _copy_now(self, copy, adopted, what: str) -> None:
+    """`copy(adopted)`. With shards on other tasks' devices, within the call's timeout: a task
+    that died or stopped fails it with a CollectiveError, as the step's own collectives would,
+    instead of an RPC error or a wait without end."""
     if not any(_on_other_tasks(held.holder_of(v)) for v in adopted):
       key = (copy.__name__, tuple((id(v), id(held.holder_of(v))) for v in adopted))
       run = self._copiers.get(key)
@@ -140,6 +151,9 @@ class PartitionedFunction:
     def in_thread():
       try:
         copy(adopted)
+        # Another task runs the writes (and reads) asynchronously: wait for them, so that they
+        # are done before the step that follows and a failure is this copy's.
+        context.async_wait()
       except Exception as error:  # noqa: BLE001 (handed to the caller's thread)
         failed.append(error)
       done.set()

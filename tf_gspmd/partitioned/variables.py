@@ -153,6 +153,10 @@ class VariableStore:
     if holder is not None and fits(holder, sharding, sharded_cls, devices):
       return
     devices = devices() if callable(devices) else devices
+    if holder is not None and _lost(holder) and not held.is_split(var):
+      # An adopted plain variable kept its own value: its new shards are made from it.
+      held.replace_holder(var, _shards_of(var, sharding, sharded_cls, devices))
+      return
     if holder is not None and _lost(holder):
       warnings.warn(
         f'partition: the shards of variable {var.name} lived on a cluster connection that is '
@@ -166,14 +170,9 @@ class VariableStore:
     if holder is not None:
       move_shards(var, sharding, sharded_cls, devices)
       return
-    made = sharded_cls(
-      var.read_value(),
-      sharding,
-      devices=devices,
-      name=var.name.split(':')[0],
-      trainable=getattr(var, 'trainable', True),
+    held.hold(
+      var, _shards_of(var, sharding, sharded_cls, devices), annotation=variable_sharding(var)
     )
-    held.hold(var, made, annotation=variable_sharding(var))
 
   def byte_counts(self) -> Dict[str, Dict[str, int]]:
     """Per variable name: its total bytes and the bytes one device holds.
@@ -200,6 +199,17 @@ def _deprecated(name: str) -> None:
     'once, as its shards; reads assemble them and writes scatter to them.',
     DeprecationWarning,
     stacklevel=3,
+  )
+
+
+def _shards_of(var, sharding: NamedSharding, sharded_cls, devices):
+  """Shards of `sharding` (a `sharded_cls`) on `devices`, made from `var`'s current value."""
+  return sharded_cls(
+    var.read_value(),
+    sharding,
+    devices=devices,
+    name=var.name.split(':')[0],
+    trainable=getattr(var, 'trainable', True),
   )
 
 

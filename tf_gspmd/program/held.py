@@ -116,6 +116,7 @@ def hold(variable, holder, annotation=None) -> tf.Variable:
     return variable
   key = id(variable)
   _ADOPTED[key] = (weakref.ref(variable, lambda _: _ADOPTED.pop(key, None)), holder, annotation)
+  _IN_SYNC.pop(key, None)  # new shards: not known to hold its value until copied
   return variable
 
 
@@ -140,6 +141,64 @@ def unhold(variable) -> None:
   entry = _ADOPTED.get(id(variable))
   if entry is not None and entry[0]() is variable:
     _ADOPTED.pop(id(variable), None)
+    _IN_SYNC.pop(id(variable), None)
+
+
+# --- which adopted variables equal their shards -----------------------------------------------
+# id(adopted variable) -> (weak references to it and its holder, the variable's value read when it
+# and its shards last agreed, a numpy view of that value). Holding the read keeps the buffer the
+# variable shares with it, and TF copies a buffer another tensor still holds before writing
+# into it (copy on write): so the variable reads back that same buffer exactly as long as
+# nothing wrote it. The view is kept so that its address cannot be reused by another buffer
+# while the entry lives. (A variable read sparsely is in TF's copy-on-read mode: every read is
+# a fresh buffer, so it is always copied, never skipped wrongly.)
+_IN_SYNC: Dict[int, tuple] = {}
+
+
+def note_in_sync(variables: Iterable) -> None:
+  """Record that each adopted variable among `variables` equals its shards now (right after
+  a copy between them)."""
+  for variable in variables:
+    holder = holder_of(variable)
+    if holder is None or isinstance(variable, SplitVariable) or not _on_local_host(variable):
+      continue
+    value = tf.raw_ops.ReadVariableOp(resource=variable.handle, dtype=variable.dtype)
+    key = id(variable)
+    gone = lambda _, key=key: _IN_SYNC.pop(key, None)  # noqa: E731 (its buffer is let go)
+    _IN_SYNC[key] = (weakref.ref(variable, gone), weakref.ref(holder), value, _host_view(value))
+
+
+def forget_in_sync(variables: Iterable) -> None:
+  """Drop the records of `variables`: their shards are about to be written (a call, a
+  restore), so until the next copy nothing says they equal the variable."""
+  for variable in variables:
+    _IN_SYNC.pop(id(variable), None)
+
+
+def out_of_sync(variables: Iterable) -> list:
+  """The adopted variables among `variables` that may differ from their shards: written since
+  the last copy, given new shards, or never copied."""
+  return [v for v in variables if not _in_sync(v)]
+
+
+def _in_sync(variable) -> bool:
+  entry = _IN_SYNC.get(id(variable))
+  if entry is None or entry[0]() is not variable or entry[1]() is not holder_of(variable):
+    return False
+  now = tf.raw_ops.ReadVariableOp(resource=variable.handle, dtype=variable.dtype)
+  return _host_view(now).__array_interface__['data'][0] == entry[3].__array_interface__['data'][0]
+
+
+def _host_view(value: tf.Tensor) -> np.ndarray:
+  """`value` as a numpy array sharing its buffer (TF hands a CPU tensor's memory to numpy)."""
+  return np.asarray(value)
+
+
+def _on_local_host(variable) -> bool:
+  """Whether `variable` lives in this process's CPU memory (elsewhere a read copies it here,
+  and the check would cost the copy it saves)."""
+  spec = tf.DeviceSpec.from_string(variable.device or '/device:CPU:0')
+  return spec.job in (None, 'localhost') and (spec.device_type or 'CPU') == 'CPU'
 
 
 def scatter_adopted(variables: Iterable) -> None:
