@@ -16,8 +16,9 @@ checkpoints and evaluation) and `scatter(global_value)`.
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from typing import List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -66,6 +67,54 @@ def _tile_members(sharding: Sharding, num_partitions: int, what: str) -> np.ndar
   return members
 
 
+@dataclasses.dataclass(frozen=True)
+class _ArrayOps:
+  """The array operations `split` and `assemble` are written with: TF's (tensors, eagerly or in
+  a graph) or numpy's (host arrays: no TF op, no TF allocation, for PJRT buffers)."""
+
+  convert: Callable
+  pad: Callable
+  reshape: Callable
+  transpose: Callable
+  unstack: Callable
+  stack: Callable
+  zeros: Callable  # (shape, like) -> zeros of like's dtype
+  zeros_like: Callable
+  leading: Callable  # (x, sizes) -> x's leading block of `sizes`
+  reducers: Dict[str, Callable]  # partial kind -> (x, axis) -> reduced
+
+
+_TF = _ArrayOps(
+  convert=tf.convert_to_tensor,
+  pad=tf.pad,
+  reshape=tf.reshape,
+  transpose=tf.transpose,
+  unstack=lambda x, count: tf.unstack(x, num=count),
+  stack=tf.stack,
+  zeros=lambda shape, like: tf.zeros(shape, like.dtype),
+  zeros_like=tf.zeros_like,
+  leading=lambda x, sizes: tf.slice(x, [0] * len(sizes), list(sizes)),
+  reducers={
+    'sum': tf.reduce_sum,
+    'max': tf.reduce_max,
+    'min': tf.reduce_min,
+    'prod': tf.reduce_prod,
+  },
+)
+_HOST = _ArrayOps(
+  convert=np.asarray,
+  pad=np.pad,
+  reshape=np.reshape,
+  transpose=np.transpose,
+  unstack=lambda x, count: list(x),
+  stack=np.stack,
+  zeros=lambda shape, like: np.zeros(shape, like.dtype),
+  zeros_like=np.zeros_like,
+  leading=lambda x, sizes: x[tuple(slice(0, s) for s in sizes)],
+  reducers={'sum': np.sum, 'max': np.max, 'min': np.min, 'prod': np.prod},
+)
+
+
 def split(
   value, sharding: Sharding, devices: Sequence[str], what: str = 'value'
 ) -> List[tf.Tensor]:
@@ -75,7 +124,16 @@ def split(
   tile: pad the value to whole tiles, cut it into the tile grid with one
   reshape/transpose, unstack, and hand each partition its tile.
   """
-  value = tf.convert_to_tensor(value)
+  return _split(value, sharding, len(devices), what, _TF)
+
+
+def split_on_host(value, sharding: Sharding, num_partitions: int, what: str = 'value') -> list:
+  """`split` with numpy: views of one padded host array, partition p's at index p."""
+  return _split(value, sharding, num_partitions, what, _HOST)
+
+
+def _split(value, sharding: Sharding, n: int, what: str, ops: _ArrayOps) -> list:
+  value = ops.convert(value)
   shape = tuple(int(d) for d in value.shape)
   _check_layout(sharding, shape, what)
   if sharding.partial is not None:
@@ -83,22 +141,21 @@ def split(
       f'{what}: cannot split a global value into partial shards ({sharding}); only a '
       'computation produces partial results.'
     )
-  n = len(devices)
   if sharding.kind != 'tiled':
     if sharding.is_maximal:
-      zeros = tf.zeros_like(value)
+      zeros = ops.zeros_like(value)
       return [value if p == sharding.devices[0] else zeros for p in range(n)]
     return [value] * n
   tiles = sharding.tile_shape
   local = sharding.shard_shape(shape)
   padded = value
   if any(t * c != s for t, c, s in zip(tiles, local, shape)):
-    padded = tf.pad(value, [[0, t * c - s] for t, c, s in zip(tiles, local, shape)])
+    padded = ops.pad(value, [[0, t * c - s] for t, c, s in zip(tiles, local, shape)])
   rank = len(shape)
-  grid = tf.reshape(padded, [d for t, c in zip(tiles, local) for d in (t, c)])
-  grid = tf.transpose(grid, list(range(0, 2 * rank, 2)) + list(range(1, 2 * rank, 2)))
+  grid = ops.reshape(padded, [d for t, c in zip(tiles, local) for d in (t, c)])
+  grid = ops.transpose(grid, list(range(0, 2 * rank, 2)) + list(range(1, 2 * rank, 2)))
   count = int(np.prod(tiles, dtype=np.int64))
-  pieces = tf.unstack(tf.reshape(grid, [count] + list(local)), num=count)
+  pieces = ops.unstack(ops.reshape(grid, [count] + list(local)), count)
   tile_of = np.full(n, -1, dtype=np.int64)  # partition -> linear tile index
   tile = sharding.tile_assignment
   linear = np.broadcast_to(
@@ -110,19 +167,11 @@ def split(
   shards = []
   for p in range(n):
     if tile_of[p] < 0:
-      zeros = tf.zeros(local, value.dtype) if zeros is None else zeros
+      zeros = ops.zeros(local, value) if zeros is None else zeros
       shards.append(zeros)
     else:
       shards.append(pieces[tile_of[p]])
   return shards
-
-
-_REDUCERS = {
-  'sum': tf.reduce_sum,
-  'max': tf.reduce_max,
-  'min': tf.reduce_min,
-  'prod': tf.reduce_prod,
-}
 
 
 def assemble(
@@ -133,11 +182,26 @@ def assemble(
   For a sharding with a pending reduction (partial), the partial pieces are
   reduced. One stack of the tiles' shards and a reshape/transpose, whatever N.
   """
+  return _assemble(shards, sharding, shape, what, _TF)
+
+
+def assemble_on_host(arrays: Sequence, sharding: Sharding, shape, what: str = 'value'):
+  """`assemble` with numpy, from host arrays (None where a partition is not needed)."""
+  return _assemble(arrays, sharding, shape, what, _HOST)
+
+
+def needed_partitions(sharding: Sharding, num_partitions: int, what: str = 'value') -> set:
+  """The partitions whose shards `assemble` reads: one replica of each tile (and every term of
+  a pending reduction)."""
+  return set(_tile_members(sharding, num_partitions, what).reshape(-1).tolist())
+
+
+def _assemble(shards: Sequence, sharding: Sharding, shape, what: str, ops: _ArrayOps):
   shape = tuple(int(s) for s in shape)
   _check_layout(sharding, shape, what)
   members = _tile_members(sharding, len(shards), what)
   if sharding.kind != 'tiled':
-    return _valid(shards[int(members[0, 0])], shape)
+    return _valid(shards[int(members[0, 0])], shape, ops)
   tiles = sharding.tile_shape
   local = sharding.shard_shape(shape)
   for p in set(members.reshape(-1).tolist()):
@@ -148,24 +212,25 @@ def assemble(
       )
   count, terms = members.shape
   if count * terms == 1:
-    stacked = shards[int(members[0, 0])][tf.newaxis]
+    stacked = shards[int(members[0, 0])][None]
   else:
-    stacked = tf.stack([shards[int(p)] for p in members.reshape(-1)])
+    stacked = ops.stack([shards[int(p)] for p in members.reshape(-1)])
   if terms > 1:
-    stacked = _REDUCERS[sharding.partial](tf.reshape(stacked, [count, terms] + list(local)), axis=1)
+    reduce = ops.reducers[sharding.partial]
+    stacked = reduce(ops.reshape(stacked, [count, terms] + list(local)), axis=1)
   rank = len(shape)
-  grid = tf.reshape(stacked, list(tiles) + list(local))
+  grid = ops.reshape(stacked, list(tiles) + list(local))
   perm = [i for d in range(rank) for i in (d, rank + d)]
-  whole = tf.reshape(tf.transpose(grid, perm), [t * c for t, c in zip(tiles, local)])
-  return _valid(whole, shape)
+  whole = ops.reshape(ops.transpose(grid, perm), [t * c for t, c in zip(tiles, local)])
+  return _valid(whole, shape, ops)
 
 
-def _valid(tensor: tf.Tensor, size) -> tf.Tensor:
+def _valid(tensor, size, ops: _ArrayOps = _TF):
   """The leading `size` block of `tensor` (drops the trailing padding)."""
   have = [int(d) for d in tensor.shape]
   if have == list(size):
     return tensor
-  return tf.slice(tensor, [0] * len(have), list(size))
+  return ops.leading(tensor, size)
 
 
 class ShardedValue:

@@ -110,21 +110,25 @@ def put_local(values: Sequence, devices: Sequence) -> list:
 
 
 def put_global(value, layout: Layout, devices: Sequence) -> list:
-  """Split a global host value by `layout.sharding` into one buffer per replica."""
+  """Split a global host value by `layout.sharding` into one buffer per replica (on the host
+  with numpy: the pieces never pass through TF's allocator, which would keep their memory)."""
   if layout.sharding is None:
     raise ValueError(f'{layout.name} has no global layout; give one value per replica.')
   value = tf.convert_to_tensor(value, dtype=layout.dtype)
   if tuple(value.shape) != tuple(layout.shape):
     raise ValueError(f'{layout.name}: shape {tuple(value.shape)}, expected {layout.shape}.')
-  shards = sharded_lib.split(value, layout.sharding, [None] * len(devices), layout.name)
+  shards = sharded_lib.split_on_host(np.asarray(value), layout.sharding, len(devices), layout.name)
   # A copy per shard: split's pieces are views of one buffer of the whole value, and a device
   # buffer made from a view on the host's memory would keep that whole buffer alive.
   return put_local([np.array(s, copy=True) for s in shards], devices)
 
 
 def assemble_global(buffers: Sequence, sharding: Sharding, shape, what: str) -> tf.Tensor:
-  """The global value of per-replica buffers (padding dropped, partial results reduced)."""
-  return sharded_lib.assemble([tf.constant(np.asarray(b)) for b in buffers], sharding, shape, what)
+  """The global value of per-replica buffers (padding dropped, partial results reduced),
+  assembled on the host from the buffers it needs (one replica of each tile)."""
+  needed = sharded_lib.needed_partitions(sharding, len(buffers), what)
+  arrays = [np.asarray(b) if p in needed else None for p, b in enumerate(buffers)]
+  return tf.convert_to_tensor(sharded_lib.assemble_on_host(arrays, sharding, shape, what))
 
 
 class PjrtExecutable:
