@@ -14,7 +14,8 @@ This package is the front over those stages:
   computes in;
 - `variables`: `VariableStore`, one function's index of the variables it holds as shards;
   `Variable` and `sharded_variables`, variables made as shards;
-- `tf_executor`, `xla_executor`: one call on each backend.
+- `tf_executor`, `xla_executor`: one call on each backend; `xla_programs`: the XLA programs of
+  a partition (TPU lowering, StableHLO export), whatever backend runs it.
 
 A variable the function touches lives once, as its shards across the devices
 (`ShardedVariable`s, laid out as propagation decided): the `tf.Variable` becomes a

@@ -17,7 +17,7 @@ import tensorflow as tf
 from tf_gspmd.graph import ir
 from tf_gspmd.graph_rewrite.partitioner import Local, OpRecord, Partitioner
 from tf_gspmd.mesh import Mesh
-from tf_gspmd.partitioned import boundary, executors
+from tf_gspmd.partitioned import boundary
 from tf_gspmd.sharding import NamedSharding
 
 
@@ -115,14 +115,7 @@ def refuse_python_callbacks(program: ir.Program, executor, name: str) -> None:
     for node in graph.nodes:
       if node.op not in ('EagerPyFunc', 'PyFunc', 'PyFuncStateless'):
         continue
-      if not executor.runs_python_callbacks:
-        from tf_gspmd.xla_bridge.export import XlaLoweringError
-
-        raise XlaLoweringError(
-          f'export {name}: op type {node.op} (node {node.name}) has no XLA lowering: a Python '
-          'callback (tf.py_function, tf.numpy_function) runs in the TF runtime, never inside '
-          f"an XLA program. Use backend='{executors.DEFAULT}', or write it with TF ops."
-        )
+      executor.check_python_callback(node.op, node.name, name)
       token = node.attrs.get('token')
       if token is not None and is_py_function_gradient(token.s.decode()):
         # TF's gradient runs under a control dependency on the forward call.
@@ -165,8 +158,7 @@ def build(
   var_names = list(program.variables)
   variables = [program.variables[n] for n in var_names]
   mesh = program_mesh
-  if executor.reorders_devices:
-    mesh = boundary.working_order(main, plan, mesh, arg_names, program.variables)
+  mesh = executor.working_mesh(main, plan, mesh, arg_names, program.variables)
   target = plan.target if mesh == program_mesh else boundary.in_order(plan.target, mesh)
   arg_targets = [target(main, n) for n in arg_names]
   # Inputs and outputs keep the device order their annotation names (see boundary_layout).

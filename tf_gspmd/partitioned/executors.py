@@ -14,7 +14,10 @@ An executor provides:
 - `devices(mesh, devices)` / `devices_named(names)`: the devices it runs on;
 - `check_fits(layouts, mesh, devices)`: refuse shards that would not fit, before any is made;
 - `prepare(...)` and `run(...)`: the compiled program made ready to run (`Compiled.prepared`),
-  then called once with global values.
+  then called once with global values;
+- what differs in how a program is built and handed out: `working_mesh` (the device order it
+  computes in), `dtensor_devices`, `built` (prepare at build), `xla_executable`,
+  `check_python_callback`.
 
 Adding a backend: write an `Executor` subclass in its own module and add one line to
 `EXECUTORS` (docs/architecture.md, "How to add a backend").
@@ -23,7 +26,7 @@ Adding a backend: write an `Executor` subclass in its own module and add one lin
 from __future__ import annotations
 
 import importlib
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 # name -> 'module:class' of its Executor, loaded on first use (a backend's dependencies, such
 # as jax for 'xla', are imported only when it is used).
@@ -40,16 +43,6 @@ class Executor:
   """What one backend provides (the defaults are the TF backend's choices where it has one)."""
 
   name = ''
-  # The program computes in the device order most of its layouts name (boundary.working_order).
-  reorders_devices = False
-  # A DTensor mesh's own devices are this backend's devices (TF device names).
-  runs_dtensor_devices = False
-  # `prepare` runs when the program is built (else on its first call).
-  prepares_at_build = False
-  # Its prepared program is an XLA executable (`PartitionedFunction.xla_executable`).
-  compiles_with_xla = False
-  # Its program may call back into Python (tf.py_function, tf.numpy_function).
-  runs_python_callbacks = True
 
   def collectives_class(self) -> type:
     raise NotImplementedError
@@ -78,6 +71,31 @@ class Executor:
 
   def run(self, compiled, flat_args, sharded_variables: dict, what: str):
     raise NotImplementedError
+
+  def working_mesh(self, main, plan, mesh, arg_names, variables):
+    """The device order the program computes in: `mesh` itself, unless the backend moves to
+    the order most of the layouts name (`boundary.working_order`)."""
+    del main, plan, arg_names, variables
+    return mesh
+
+  def dtensor_devices(self, mesh) -> Optional[list]:
+    """The devices a DTensor mesh runs on when none are given: None, the backend's own."""
+    del mesh
+    return None
+
+  def built(self, compiled, prepare: Callable) -> None:
+    """Called once the program is built: a backend that prepares then calls prepare(compiled)
+    (else the first call does)."""
+
+  def xla_executable(self, prepared: Callable[[], Any]) -> Any:
+    """The compiled XLA executable of the program `prepared()` gives (only a backend that
+    compiles with XLA has one: the others refuse before anything is built)."""
+    del prepared
+    raise ValueError(f'xla_executable(): this function was partitioned with backend={self.name!r}.')
+
+  def check_python_callback(self, op: str, node: str, name: str) -> None:
+    """Refuse a Python callback op (tf.py_function, tf.numpy_function) the backend cannot run;
+    TF's runtime runs them."""
 
 
 def get(name: str, what: str = 'partition') -> Executor:

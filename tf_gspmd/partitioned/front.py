@@ -17,7 +17,7 @@ from tf_gspmd.graph import ir
 from tf_gspmd.graph_rewrite.partitioner import OpRecord
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.partitioned import compile as compile_lib
-from tf_gspmd.partitioned import executors, xla_executor
+from tf_gspmd.partitioned import executors, xla_programs
 from tf_gspmd.partitioned import variables as variables_lib
 from tf_gspmd.partitioned.compile import Compiled
 from tf_gspmd.partitioned.signature import is_tensor_like, name_of, signature_key
@@ -53,8 +53,8 @@ class PartitionedFunction:
     from tf_gspmd import dtensor_compat
 
     executor = executors.get(backend)
-    if dtensor_compat.is_dtensor_mesh(mesh) and devices is None and executor.runs_dtensor_devices:
-      devices = dtensor_compat.mesh_devices(mesh)  # a DTensor mesh runs on the devices it names
+    if dtensor_compat.is_dtensor_mesh(mesh) and devices is None:
+      devices = executor.dtensor_devices(mesh)  # the devices it names, on a TF backend
     mesh = dtensor_compat.converted(mesh)
     # DTensor Layouts (one for all, or one per tensor) converted once here: every later reader
     # (boundary.given_shardings, boundary.Annotator, subclasses) sees tf_gspmd Shardings.
@@ -229,7 +229,7 @@ class PartitionedFunction:
     compiles on TPU).
     """
     compiled = self._compile(args)
-    return xla_executor.lower(compiled, self._sharded_variables, partition_id, name_of(self.fn))
+    return xla_programs.lower(compiled, self._sharded_variables, partition_id, name_of(self.fn))
 
   def export_xla(self, *args):
     """The per-replica StableHLO program for these example arguments (an `xla_bridge.XlaExport`).
@@ -241,15 +241,11 @@ class PartitionedFunction:
     `XlaExport.args`/`results` say how each global value is sharded over the
     replicas. Runs nothing; works with either backend.
     """
-    return xla_executor.export(self._compile(args), self._sharded_variables, name_of(self.fn))
+    return xla_programs.export(self._compile(args), self._sharded_variables, name_of(self.fn))
 
   def xla_executable(self, *args):
     """backend='xla': the compiled `xla_bridge.PjrtExecutable` for these arguments."""
-    if not self.executor.compiles_with_xla:
-      raise ValueError(
-        f'xla_executable(): this function was partitioned with backend={self.backend!r}.'
-      )
-    return self._prepared(self._compile(args)).executable
+    return self.executor.xla_executable(lambda: self._prepared(self._compile(args)))
 
   def _prepared(self, compiled: Compiled):
     """`compiled` made ready to run by the executor (once: kept as `compiled.prepared`)."""
@@ -353,8 +349,7 @@ class PartitionedFunction:
       check_fits=self._check_fits,
     )
     compiled.holders = [self._sharded_variables.get(id(v)) for v in compiled.variables]
-    if self.executor.prepares_at_build:
-      self._prepared(compiled)
+    self.executor.built(compiled, self._prepared)
     return compiled
 
   def _check_fits(self, layouts) -> None:

@@ -14,9 +14,6 @@ class TFExecutor(executors.Executor):
   """backend='tf': TF collective ops between TF devices, the program launched by `SpmdProgram`."""
 
   name = 'tf'
-  reorders_devices = True
-  runs_dtensor_devices = True
-  prepares_at_build = True
 
   def collectives_class(self) -> type:
     from tf_gspmd.runtime.collectives import TFCollectives
@@ -44,6 +41,21 @@ class TFExecutor(executors.Executor):
 
   def run(self, compiled, flat_args, sharded_variables: dict, what: str):
     return run(compiled, flat_args, sharded_variables, what)
+
+  def working_mesh(self, main, plan, mesh, arg_names, variables):
+    """The order most layouts name: fewer boundary moves (TF devices take any order)."""
+    from tf_gspmd.partitioned import boundary
+
+    return boundary.working_order(main, plan, mesh, arg_names, variables)
+
+  def dtensor_devices(self, mesh) -> Optional[list]:
+    """A DTensor mesh names TF devices: the program runs on them."""
+    from tf_gspmd import dtensor_compat
+
+    return dtensor_compat.mesh_devices(mesh)
+
+  def built(self, compiled, prepare) -> None:
+    prepare(compiled)  # the launcher is made at build: the first call only instantiates it
 
 
 def spmd_program(compiled: Compiled, devices: Optional[Sequence[str]], timeout: Optional[float]):

@@ -1,6 +1,5 @@
-"""backend='xla' and the XLA lowerings: the per-replica program exported to StableHLO,
-compiled by XLA and run through PJRT (needs the `tf_gspmd[xla]` extra), or traced with
-XLA collective ops for a TPU replica."""
+"""backend='xla': the per-replica program exported to StableHLO (`xla_programs.export`),
+compiled by XLA and run through PJRT (needs the `tf_gspmd[xla]` extra)."""
 
 from __future__ import annotations
 
@@ -11,9 +10,8 @@ from typing import Any, List, Optional, Sequence
 import tensorflow as tf
 
 from tf_gspmd.mesh import Mesh
-from tf_gspmd.partitioned import executors
+from tf_gspmd.partitioned import executors, xla_programs
 from tf_gspmd.partitioned.compile import Compiled
-from tf_gspmd.partitioned.variables import local_variable
 
 
 @dataclasses.dataclass
@@ -29,8 +27,6 @@ class XlaExecutor(executors.Executor):
   """backend='xla': one StableHLO module for every replica, compiled by XLA, run by PJRT."""
 
   name = 'xla'
-  compiles_with_xla = True
-  runs_python_callbacks = False  # an XLA program cannot call into Python
 
   def collectives_class(self) -> type:
     from tf_gspmd.xla_bridge.native import NativeCollectives
@@ -67,6 +63,19 @@ class XlaExecutor(executors.Executor):
     del timeout  # PJRT runs have no watchdog
     return prepare(compiled, sharded_variables, devices(), name)
 
+  def xla_executable(self, prepared) -> Any:
+    return prepared().executable
+
+  def check_python_callback(self, op: str, node: str, name: str) -> None:
+    """An XLA program cannot call back into Python."""
+    from tf_gspmd.xla_bridge.export import XlaLoweringError
+
+    raise XlaLoweringError(
+      f'export {name}: op type {op} (node {node}) has no XLA lowering: a Python callback '
+      '(tf.py_function, tf.numpy_function) runs in the TF runtime, never inside an XLA '
+      f"program. Use backend='{executors.DEFAULT}', or write it with TF ops."
+    )
+
   def run(self, compiled, flat_args, sharded_variables: dict, what: str):
     del what
     return run(compiled, compiled.prepared, flat_args, sharded_variables)
@@ -97,82 +106,11 @@ def _devices_of_size(size: int, devices: Optional[Sequence]) -> list:
   return list(devices)
 
 
-def lower(compiled: Compiled, sharded_variables: dict, partition_id: int, name: str):
-  """`(program, hlo_text)`: the per-partition program traced with XLA collective ops and
-  its HLO, jit-compiled for this machine's XLA device (see PartitionedFunction.lower_xla)."""
-  from tf_gspmd.program import trace_per_partition
-  from tf_gspmd.xla_bridge import XlaCollectives
-
-  shard_variables = [local_variable(sharded_variables[id(v)]) for v in compiled.variables]
-  program = trace_per_partition(
-    compiled.mesh,
-    compiled.per_partition,
-    compiled.local_specs + shard_variables,
-    backend=XlaCollectives,
-    jit_compile=True,
-    name=f'{name}_xla',
-  )
-  zeros = [tf.zeros(spec.shape, spec.dtype) for spec in compiled.local_specs]
-  hlo = program.tf_function.experimental_get_compiler_ir(
-    tf.constant(partition_id, tf.int32), *zeros, *shard_variables
-  )(stage='hlo')
-  return program, hlo
-
-
-def export(compiled: Compiled, sharded_variables: dict, name: str):
-  """The per-replica StableHLO module of `compiled` (an `xla_bridge.XlaExport`), with the
-  layout of every argument, capture, variable and output."""
-  from tf_gspmd.xla_bridge.export import Layout, export_per_replica
-
-  program, main = compiled.program, compiled.program.main
-  names = list(program.arg_inputs) + list(program.captures)
-  layouts = []
-  for i, (tensor, spec) in enumerate(zip(names, compiled.local_specs)):
-    kind = 'argument' if i < len(program.arg_inputs) else 'capture'
-    layouts.append(
-      Layout(
-        tensor,
-        kind,
-        tuple(main.tensor(tensor).shape),
-        spec.dtype,
-        compiled.plan.target(main, tensor),
-        tuple(spec.shape),
-      )
-    )
-  templates = []
-  for var in compiled.variables:
-    sharded = sharded_variables[id(var)]
-    layouts.append(
-      Layout(
-        var.name,
-        'variable',
-        sharded.shape,
-        sharded.dtype,
-        sharded.sharding,
-        tuple(sharded.local_shape),
-      )
-    )
-    templates.append(local_variable(sharded))
-  outputs = [
-    Layout(t, 'output', shape, main.tensor(t).dtype, sharding, tuple(sharding.shard_shape(shape)))
-    for t, sharding, shape in zip(main.outputs, compiled.out_shardings, compiled.out_shapes)
-  ]
-  examples = [tf.zeros(spec.shape, spec.dtype) for spec in compiled.local_specs] + templates
-  return export_per_replica(
-    compiled.mesh,
-    compiled.per_partition,
-    examples,
-    name=f'{name}_per_replica',
-    arg_layouts=layouts,
-    output_layouts=outputs,
-  )
-
-
 def prepare(compiled: Compiled, sharded_variables: dict, devices: list, name: str) -> XlaRun:
   """`compiled` exported, compiled for `devices`, and its captures put on them."""
   from tf_gspmd.xla_bridge import pjrt
 
-  exported = export(compiled, sharded_variables, name)
+  exported = xla_programs.export(compiled, sharded_variables, name)
   executable = pjrt.PjrtExecutable(exported, devices, donate=True)
   n_args = len(compiled.program.arg_inputs)
   captures = [
