@@ -52,12 +52,14 @@ BATCH, TOKENS, DEVICES = 8, 16, 8
 HEAD_DIM = HIDDEN // HEADS
 
 # Keras Hub's Llama map, keyed by this model's variable paths ('batch' is the data axis).
+# Keras matches a key against the whole path (re.fullmatch), as Keras Hub's own keys expect
+# (`.*attention.*(query|key|value).kernel`): each key below names every layer's variable.
 LAYOUT = {
-  r'token_embedding/embeddings$': ('model', 'batch'),
-  r'_attention/(query|key|value)/kernel$': ('model', 'batch', None),
-  r'_attention/attention_output/kernel$': ('model', None, 'batch'),
-  r'_mlp/(gate|up)/kernel$': ('batch', 'model'),
-  r'_mlp/down/kernel$': ('model', 'batch'),
+  r'token_embedding/embeddings': ('model', 'batch'),
+  r'.*_attention/(query|key|value)/kernel': ('model', 'batch', None),
+  r'.*_attention/attention_output/kernel': ('model', None, 'batch'),
+  r'.*_mlp/(gate|up)/kernel': ('batch', 'model'),
+  r'.*_mlp/down/kernel': ('model', 'batch'),
 }
 
 
@@ -178,6 +180,7 @@ def run_side(side: str, steps: int, weights_path: str) -> dict:
   if chosen is not None:
     keras.distribution.set_distribution(chosen)
   model = build_model()
+  _check_layout_keys(model)
   if os.path.exists(weights_path):
     saved = np.load(weights_path)
     model.set_weights([saved[f'w{i}'] for i in range(len(saved.files))])
@@ -198,6 +201,17 @@ def run_side(side: str, steps: int, weights_path: str) -> dict:
     'step_ms': 1e3 * sorted(times)[len(times) // 2],
     'first_loss': first_loss,
   }
+
+
+def _check_layout_keys(model) -> None:
+  """Every LAYOUT key names some variable (as Keras matches it): a key that names none would
+  leave its weights replicated on every side and the bench measuring another layout."""
+  import re
+
+  paths = [v.path for v in model.variables]
+  unused = [key for key in LAYOUT if not any(re.fullmatch(key, p) for p in paths)]
+  if unused:
+    raise SystemExit(f'keras_decoder: LAYOUT keys {unused} match no variable of {paths[:6]}...')
 
 
 def _child(side: str, steps: int, weights_path: str) -> dict:
