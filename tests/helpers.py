@@ -6,6 +6,7 @@ fixtures live in `conftest.py`.
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import traceback
@@ -16,6 +17,8 @@ import pytest
 import tensorflow as tf
 
 import tf_gspmd as tg
+from tf_gspmd.partitioned import PartitionedFunction
+from tf_gspmd.testing import bound
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MESH = tg.Mesh.create((2, 4), ('data', 'model'))  # the usual 8-device mesh
@@ -211,4 +214,46 @@ def agreement_specs():
       continue
     if handler.__name__ not in NO_LAYOUT_DECISION:
       out.append(spec)
+  return out
+
+
+# --- Keras distribution ------------------------------------------------------------------------
+def step_programs(function):
+  """The PartitionedFunctions behind a model's train/test function that have run."""
+  cells = [c.cell_contents for c in getattr(function, '__closure__', None) or ()]
+  return [p for p in cells if isinstance(p, PartitionedFunction) and p._last is not None]
+
+
+def guide_distribution():
+  """The guide's ModelParallel over a 2x4 mesh of the 8 CPU devices."""
+  devices = keras.distribution.list_devices()
+  assert devices == [f'cpu:{i}' for i in range(8)]
+  mesh = keras.distribution.DeviceMesh(shape=(2, 4), axis_names=['data', 'model'], devices=devices)
+  layout_map = keras.distribution.LayoutMap(mesh)
+  layout_map['d1/kernel'] = (None, 'model')
+  layout_map['d1/bias'] = ('model',)
+  layout_map['e1/kernel'] = ('model', None)
+  layout_map['d2/output'] = ('data', None)
+  return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name='data')
+
+
+def run_python_output(code_or_path, tmp_path, timeout=240, args=()):
+  """The stdout of `code_or_path` (source text, or a script's path) run in a fresh interpreter;
+  a failure shows its stderr."""
+  script = code_or_path if isinstance(code_or_path, pathlib.Path) else tmp_path / 'script.py'
+  if script is not code_or_path:
+    script.write_text(code_or_path)
+  result = run_python(script, timeout, args)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result.stdout
+
+
+def check_model_parallel_example(tmp_path, *args) -> str:
+  """examples/keras/model_parallel.py (with `args`) trains with Keras' progress bar and equals
+  plain Keras; returns its output."""
+  out = run_python_output(ROOT / 'examples' / 'keras' / 'model_parallel.py', tmp_path, args=args)
+  assert re.search(r'Epoch 2/2', out) and re.search(r'\d+/\d+\S* .*━.*loss: [\d.]+', out), out
+  error = float(re.search(r'weights vs plain Keras: relative error (\S+)', out).group(1))
+  assert error <= bound(np.float32) and 'MISMATCH' not in out, out  # the oracle's verdicts
+  assert re.search(r"^all_reduce +\('model',\) +[1-9]", out, re.M), out
   return out

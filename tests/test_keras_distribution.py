@@ -16,11 +16,19 @@ import pytest
 
 import tf_gspmd as tg
 from tf_gspmd.keras import distribution_lib, hooks
-from tf_gspmd.partitioned import PartitionedFunction
 from tf_gspmd.testing import as_float32, assert_close, bound
 
 import helpers
-from helpers import FIT, X, Y, guide_model
+from helpers import (
+  FIT,
+  X,
+  Y,
+  check_model_parallel_example,
+  guide_distribution,
+  guide_model,
+  run_python_output,
+  step_programs,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Read when pytest imports this file: importing tf_gspmd must leave Keras as it was.
@@ -31,12 +39,6 @@ FIT_SHORT = dict(batch_size=16, epochs=1, shuffle=False, verbose=0)
 
 
 pytestmark = pytest.mark.usefixtures('keras_enabled')  # conftest.py
-
-
-def step_programs(function):
-  """The PartitionedFunctions behind a model's train/test function that have run."""
-  cells = [c.cell_contents for c in getattr(function, '__closure__', None) or ()]
-  return [p for p in cells if isinstance(p, PartitionedFunction) and p._last is not None]
 
 
 def assert_same_training(model, reference, distribution):
@@ -56,19 +58,6 @@ def assert_same_training(model, reference, distribution):
 
 def test_importing_tf_gspmd_leaves_keras_alone():
   assert not ENABLED_AT_IMPORT and not BACKEND_HAD_DISTRIBUTE_TENSOR_AT_IMPORT
-
-
-def guide_distribution():
-  """The guide's ModelParallel over a 2x4 mesh of the 8 CPU devices."""
-  devices = keras.distribution.list_devices()
-  assert devices == [f'cpu:{i}' for i in range(8)]
-  mesh = keras.distribution.DeviceMesh(shape=(2, 4), axis_names=['data', 'model'], devices=devices)
-  layout_map = keras.distribution.LayoutMap(mesh)
-  layout_map['d1/kernel'] = (None, 'model')
-  layout_map['d1/bias'] = ('model',)
-  layout_map['e1/kernel'] = ('model', None)
-  layout_map['d2/output'] = ('data', None)
-  return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name='data')
 
 
 def test_model_parallel_guide_code_matches_plain_keras():
@@ -223,35 +212,15 @@ def test_disable_restores_keras_own_behaviour():
   assert module.distribute_tensor is distribution_lib.distribute_tensor
 
 
-def run_python(code_or_path, tmp_path, timeout=240, args=()):
-  script = code_or_path if isinstance(code_or_path, pathlib.Path) else tmp_path / 'script.py'
-  if script is not code_or_path:
-    script.write_text(code_or_path)
-  result = helpers.run_python(script, timeout, args)
-  assert result.returncode == 0, result.stderr[-3000:]
-  return result.stdout
-
-
 def test_example_trains_model_parallel_with_keras_progress_bar(tmp_path):
   check_model_parallel_example(tmp_path)
-
-
-def check_model_parallel_example(tmp_path, *args) -> str:
-  """examples/keras/model_parallel.py (with `args`) trains with Keras' progress bar and equals
-  plain Keras; returns its output."""
-  out = run_python(ROOT / 'examples' / 'keras' / 'model_parallel.py', tmp_path, args=args)
-  assert re.search(r'Epoch 2/2', out) and re.search(r'\d+/\d+\S* .*━.*loss: [\d.]+', out), out
-  error = float(re.search(r'weights vs plain Keras: relative error (\S+)', out).group(1))
-  assert error <= bound(np.float32) and 'MISMATCH' not in out, out  # the oracle's verdicts
-  assert re.search(r"^all_reduce +\('model',\) +[1-9]", out, re.M), out
-  return out
 
 
 def test_readme_keras_distribution_section_runs(tmp_path):
   readme = (ROOT / 'docs' / 'keras.md').read_text()
   section = readme.split("## Keras 3's keras.distribution on TF", 1)[1]
   code = re.search(r'```python\n(.*?)```', section, re.S).group(1)
-  out = run_python(code, tmp_path)
+  out = run_python_output(code, tmp_path)
   assert re.search(r"^d1/kernel P\(None, 'model'\) \(784, 50\)$", out, re.M), out
   # The page prints the oracle's measure (tf_gspmd.testing.relative_error), worst weight.
   error = re.search(r'^max relative error to plain Keras: (\S+)$', out, re.M)

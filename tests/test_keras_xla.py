@@ -15,9 +15,7 @@ this backend.
 """
 
 import collections
-import os
 import re
-import sys
 
 import keras
 import numpy as np
@@ -26,23 +24,24 @@ import tensorflow as tf
 
 pytest.importorskip('jax')
 
+import keras_workflows as workflow  # noqa: E402
+
 import tf_gspmd as tg  # noqa: E402
 from tf_gspmd.testing import as_float32, assert_close, assert_close_to_float64  # noqa: E402
 from tf_gspmd.testing.float64 import float64_policy  # noqa: E402
 from tf_gspmd.xla_bridge import XlaLoweringError, stablehlo_collectives  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-import test_keras_workflow as workflow  # noqa: E402
-
 # Each model is exported, compiled by XLA and run on 8 PJRT devices: tens of seconds apiece.
 pytestmark = pytest.mark.slow
-from test_keras_distribution import (  # noqa: E402
+from helpers import (  # noqa: E402
+  FIT,
+  X,
+  Y,
   check_model_parallel_example,
   guide_distribution,
+  guide_model,
   step_programs,
 )
-
-from helpers import FIT, X, Y, guide_model  # noqa: E402
 
 # Recorded collective kind -> the native XLA op it is exported as (tests/test_xla_backend.py).
 NATIVE = {
@@ -337,8 +336,8 @@ def test_decoder_with_rotary_attention_and_tied_output_on_xla(enabled_xla):
 def test_save_xla_of_a_keras_model_reloads_and_equals_predict(tmp_path):
   from tf_gspmd.xla_bridge import pjrt
 
-  model = workflow._partitioned(workflow._model(), backend='xla')  # noqa: SLF001
-  x, y = workflow._data()  # noqa: SLF001
+  model = workflow.workflow_partitioned(workflow.workflow_model(), backend='xla')
+  x, y = workflow.workflow_data()
   model.fit(x, y, **FIT_ONE)
   want = model.predict(x[:16], batch_size=16, verbose=0)
   export = tg.saved_model.save_xla(model, str(tmp_path / 'xla'), x[:16])

@@ -149,3 +149,19 @@ def test_no_module_import_cycles():
 )
 def test_find_cycle_finds_cycles(graph, has_cycle):
   assert (find_cycle(graph) is not None) == has_cycle
+
+
+def test_test_files_import_no_other_test_file():
+  """Tests share helpers through tests/helpers.py, keras_workflows.py and fixtures: a test file
+  importing another runs that file's module-level set-up twice and ties their fates."""
+  tests = pathlib.Path(__file__).resolve().parent
+  offenders = []
+  for path in sorted(tests.glob('test_*.py')):
+    for node in ast.walk(ast.parse(path.read_text())):
+      names = []
+      if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.module:
+        names = [node.module]
+      offenders += [f'{path.name}: {n}' for n in names if n.split('.')[0].startswith('test_')]
+  assert not offenders, offenders
