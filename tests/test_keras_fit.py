@@ -1,27 +1,10 @@
 """Keras 3 model.fit / evaluate running partitioned, against the same model run plainly."""
 
-import keras
 import numpy as np
+from keras_workflows import workflow_model as _model
 
 import tf_gspmd as tg
 from tf_gspmd.testing import as_float32, assert_close
-
-
-def _model():
-  keras.utils.set_random_seed(0)
-  model = keras.Sequential(
-    [
-      keras.Input((16,)),
-      keras.layers.Dense(32, activation='relu', name='h0'),
-      keras.layers.Dense(4, name='out'),
-    ]
-  )
-  model.compile(
-    optimizer=keras.optimizers.Adam(1e-2),
-    metrics=['accuracy'],
-    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-  )
-  return model
 
 
 def test_fit_and_evaluate_match_unpartitioned():
