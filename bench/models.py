@@ -18,11 +18,13 @@ Models:
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 import keras
 import numpy as np
 import tensorflow as tf
+
+from tf_gspmd.testing.keras_steps import keras_train_step  # noqa: F401  (the benches share it)
 
 LEARNING_RATE = 1e-3
 BN_MOMENTUM, BN_EPSILON = 0.99, 1e-3  # Keras 3 BatchNormalization defaults
@@ -62,23 +64,6 @@ def _with_adam(model):
   optimizer = keras.optimizers.Adam(LEARNING_RATE)
   optimizer.build(model.trainable_variables)
   return model, optimizer
-
-
-def keras_train_step(model, optimizer, annotate: Optional[Callable] = None):
-  """forward + GradientTape + Adam as one tf.function; `annotate(x)` marks the input's sharding."""
-  loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-  @tf.function
-  def step(x, labels):
-    if annotate is not None:
-      x = annotate(x)
-    with tf.GradientTape() as tape:
-      loss = loss_fn(labels, model(x, training=True))
-    grads = tape.gradient(loss, model.trainable_variables)
-    optimizer.apply_gradients(zip(grads, model.trainable_variables))
-    return loss
-
-  return step
 
 
 def variable_key(model, variable) -> str:

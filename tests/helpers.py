@@ -19,6 +19,7 @@ import tensorflow as tf
 import tf_gspmd as tg
 from tf_gspmd.partitioned import PartitionedFunction
 from tf_gspmd.testing import bound
+from tf_gspmd.testing.keras_steps import keras_train_step  # noqa: F401  (shared by tests)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MESH = tg.Mesh.create((2, 4), ('data', 'model'))  # the usual 8-device mesh
@@ -84,23 +85,6 @@ def keras_cnn(seed):
     ]
   )
   return _with_adam(model)
-
-
-def keras_step(model, optimizer, annotate=None):
-  """One training step (sparse cross-entropy, the optimizer) as a tf.function of (x, y)."""
-  loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-  @tf.function
-  def step(x, y):
-    if annotate is not None:
-      x = annotate(x)
-    with tf.GradientTape() as tape:
-      loss = loss_fn(y, model(x, training=True))
-    grads = tape.gradient(loss, model.trainable_variables)
-    optimizer.apply_gradients(zip(grads, model.trainable_variables))
-    return loss
-
-  return step
 
 
 def mlp_batches(batch):

@@ -26,7 +26,7 @@ import tf_gspmd as tg
 from tf_gspmd.export import checkpoint as ckpt
 from tf_gspmd.testing import assert_close
 
-from helpers import keras_mlp, keras_step, mlp_batches  # noqa: E402
+from helpers import keras_mlp, keras_train_step, mlp_batches  # noqa: E402
 
 SAVED_AFTER = 3  # steps trained before the save
 HIDDEN = 30
@@ -49,7 +49,7 @@ def _partitioned(seed, mesh, rules):
   assert _layout(mesh, rules).apply(model)
   data_axis = mesh.axis_names[0]
   step = tg.partition(
-    keras_step(model, optimizer, lambda x: tg.shard(x, mesh, tg.P(data_axis, None))), mesh
+    keras_train_step(model, optimizer, lambda x: tg.shard(x, mesh, tg.P(data_axis, None))), mesh
   )
   return model, optimizer, step
 
@@ -72,7 +72,7 @@ def saved(tmp_path_factory):
   mesh = tg.Mesh.create((2, 4), ('data', 'model'))
   model, optimizer, step = _partitioned(0, mesh, MEGATRON)
   ref_model, ref_optimizer = named_mlp(0, hidden=HIDDEN)
-  reference = keras_step(ref_model, ref_optimizer)
+  reference = keras_train_step(ref_model, ref_optimizer)
   batches = mlp_batches(8)
   for i, (x, y) in enumerate(batches[:SAVED_AFTER]):
     assert_close(step(x, y), reference(x, y), f'loss of step {i + 1}')
@@ -218,7 +218,7 @@ def test_restore_into_plain_variables_and_keras_model(saved):
   assert record.original_bytes > 0 and not record.slices
   got = _values(list(model.variables) + list(optimizer.variables))
   assert all(np.array_equal(got[n], saved['at_save'][n]) for n in saved['at_save'])
-  step = keras_step(model, optimizer)
+  step = keras_train_step(model, optimizer)
   _continue(step, saved)
   _check_after(list(model.variables) + list(optimizer.variables), saved)
   # Plain tf.Variables by name (a dict gives the names).

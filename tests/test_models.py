@@ -12,7 +12,7 @@ import tf_gspmd as tg
 from tf_gspmd.testing import assert_close, assert_close_to_float64, relative_error
 from tf_gspmd.testing.float64 import float64_policy, float64_twin
 
-from helpers import STEPS, image_batches, keras_cnn, keras_mlp, keras_step, mlp_batches
+from helpers import STEPS, image_batches, keras_cnn, keras_mlp, keras_train_step, mlp_batches
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'examples', 'keras'))
 import transformer  # noqa: E402
@@ -35,9 +35,9 @@ def test_mlp_data_parallel(devices, batch):
   model, optimizer = keras_mlp(0)
   ref_model, ref_optimizer = keras_mlp(0)
   step = tg.partition(
-    keras_step(model, optimizer, lambda x: tg.shard(x, mesh, tg.P('data', None))), mesh
+    keras_train_step(model, optimizer, lambda x: tg.shard(x, mesh, tg.P('data', None))), mesh
   )
-  train_both(step, keras_step(ref_model, ref_optimizer), mlp_batches(batch))
+  train_both(step, keras_train_step(ref_model, ref_optimizer), mlp_batches(batch))
   assert_close(
     model.variables + optimizer.variables,
     ref_model.variables + ref_optimizer.variables,
@@ -61,9 +61,9 @@ def test_mlp_hidden_not_divisible_by_model_axis():
   layout[r'.*hidden_1/kernel'] = tg.P('model', None)
   assert len(layout.apply(model)) == 3
   step = tg.partition(
-    keras_step(model, optimizer, lambda x: tg.shard(x, mesh, tg.P('data', None))), mesh
+    keras_train_step(model, optimizer, lambda x: tg.shard(x, mesh, tg.P('data', None))), mesh
   )
-  train_both(step, keras_step(ref_model, ref_optimizer), mlp_batches(10))
+  train_both(step, keras_train_step(ref_model, ref_optimizer), mlp_batches(10))
   assert_close(
     model.variables + optimizer.variables,
     ref_model.variables + ref_optimizer.variables,
@@ -157,10 +157,12 @@ def test_cnn_with_batchnorm(spec):
   model, optimizer = keras_cnn(0)
   ref_model, ref_optimizer = keras_cnn(0)
   exact_model, exact_optimizer = float64_twin(keras_cnn, seed=0)
-  step = tg.partition(keras_step(model, optimizer, lambda x: tg.shard(x, mesh, tg.P(*spec))), mesh)
-  reference = keras_step(ref_model, ref_optimizer)
+  step = tg.partition(
+    keras_train_step(model, optimizer, lambda x: tg.shard(x, mesh, tg.P(*spec))), mesh
+  )
+  reference = keras_train_step(ref_model, ref_optimizer)
   with float64_policy():  # the step's Keras loss computes in the policy it is made under
-    exact_step = keras_step(exact_model, exact_optimizer)
+    exact_step = keras_train_step(exact_model, exact_optimizer)
   losses = {'partitioned': [], 'unpartitioned': [], 'float64': []}
   for x, y in image_batches(4):
     losses['partitioned'].append(step(x, y).numpy())
