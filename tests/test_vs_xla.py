@@ -16,7 +16,7 @@ from tf_gspmd.testing import assert_close
 pytest.importorskip('jax')
 from tf_gspmd.xla_bridge import reference_partitioner  # noqa: E402
 
-from helpers import keras_mlp, keras_step, mlp_batches  # noqa: E402
+from helpers import keras_mlp, keras_train_step, mlp_batches  # noqa: E402
 
 MESH_SHAPE, AXES = (2, 4), ('data', 'model')
 
@@ -35,7 +35,7 @@ def _both_ways(mesh, batches):
   ref_model, ref_optimizer = keras_mlp(0)
   _megatron_layout(mesh).apply(model)
   annotate = lambda x: tg.shard(x, mesh, tg.P('data', None))  # noqa: E731
-  step = keras_step(model, optimizer, annotate)
+  step = keras_train_step(model, optimizer, annotate)
   ours = tg.partition(step, mesh)
   program = ours.get_program(*batches[0])
   layouts = {id(v): ours.store.sharded[id(v)].sharding for v in program.variables}
@@ -51,8 +51,8 @@ def _both_ways(mesh, batches):
   # model of its own (a partitioned function's variables are one state with its shards).
   xla_model, xla_optimizer = keras_mlp(0)
   _megatron_layout(mesh).apply(xla_model)
-  ours_xla = tg.partition(keras_step(xla_model, xla_optimizer, annotate), mesh, backend='xla')
-  return ours, ours_xla, theirs, keras_step(ref_model, ref_optimizer), model, ref_model
+  ours_xla = tg.partition(keras_train_step(xla_model, xla_optimizer, annotate), mesh, backend='xla')
+  return ours, ours_xla, theirs, keras_train_step(ref_model, ref_optimizer), model, ref_model
 
 
 def test_mlp_2d_mesh_values_and_collectives():

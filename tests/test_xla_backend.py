@@ -33,7 +33,7 @@ from helpers import (  # noqa: E402
   image_batches,
   keras_cnn,
   keras_mlp,
-  keras_step,
+  keras_train_step,
   loop_training,
   mlp_batches,
   randn,
@@ -96,7 +96,7 @@ def _keras_step(build, spec_of):
   def make(annotate):
     model, optimizer = build(annotate)
     annotate_fn = None if not annotate else spec_of
-    return keras_step(model, optimizer, annotate_fn), model.variables + optimizer.variables
+    return keras_train_step(model, optimizer, annotate_fn), model.variables + optimizer.variables
 
   return make
 
@@ -107,9 +107,10 @@ def test_mlp_data_parallel(devices, batch):
   make = _keras_step(lambda annotate: keras_mlp(0), lambda x: tg.shard(x, mesh, tg.P('data', None)))
   step, executable = train_three(make, mesh, mlp_batches(batch)[:STEPS])
   recorded, compiled = check_exported_collectives(step, executable)
-  # Six gradients and the loss, all over 'data', fused into buckets (graph_rewrite/coalesce.py).
-  assert recorded == {'all-reduce': 2}
-  assert sum(r.get('fused', 1) for r in step.collectives()) == 7
+  # Six gradients and the loss, all over 'data', resolved together (graph_rewrite/coalesce.py)
+  # as one all-reduce each, side by side: no concatenation copies them in and out.
+  assert recorded == {'all-reduce': 7}
+  assert not any(r.get('fused') for r in step.collectives())
   # XLA's all-reduce combiner merges the seven into one tuple all-reduce; nothing else runs.
   assert compiled == {'all-reduce': 1}
 
@@ -219,9 +220,9 @@ def test_training_loop_inside_one_while():
   # The trip count is a Python number: XLA needs a tf.range bound as a compile-time constant.
   step, executable = train_three(make, mesh, [(x, y, 4)])
   recorded, compiled = check_exported_collectives(step, executable)
-  # Three over 'data' (fused into one bucket) and one over 'model', all in the loop.
-  assert recorded == {'all-reduce': 2}
-  assert sum(r.get('fused', 1) for r in step.collectives()) == 4
+  # Three over 'data' (one bucket, side by side) and one over 'model', all in the loop.
+  assert recorded == {'all-reduce': 4}
+  assert not any(r.get('fused') for r in step.collectives())
   assert ' while(' in executable.compiled_hlo() and compiled.get('all-reduce', 0) >= 1
   # As a tensor, the trip count is a run-time input of one compiled program (a dynamic while).
   w_tensor, w_ref = variable_mlp(0), variable_mlp(0)

@@ -278,6 +278,18 @@ class Collectives(abc.ABC):
       'all_reduce', x, axes, dict(op=op), lambda v: self._all_reduce(v, axes, op), op=op
     )
 
+  def all_reduce_many(self, values: Sequence, axes, op: str = 'sum', note=None) -> list:
+    """`all_reduce` of each of `values` (one bucket of pending sums), as one collective: their
+    flattened blocks concatenated, reduced once and split back (a backend running one
+    collective per call pays its latency once). `note(indices)` is told each collective
+    emitted and which values it reduces."""
+    if note is not None:
+      note(list(range(len(values))))
+    sizes = [int(v.shape.num_elements()) for v in values]
+    flat = tf.concat([tf.reshape(v, [-1]) for v in values], 0, name='concat')
+    pieces = tf.split(self.all_reduce(flat, axes, op), sizes, name='split')
+    return [tf.reshape(piece, v.shape) for piece, v in zip(pieces, values)]
+
   def all_gather(self, x, axes, dim: int, size: Optional[int] = None) -> tf.Tensor:
     """Concatenate the members' `x` along `dim` in position order.
 

@@ -26,7 +26,8 @@ builds TF ops as it goes, and a finished TF graph is not rewritten).
 3. Buckets. A pending value is resolved just before its first consumer is
    emitted. Then every other pending value of the same group (mesh axes,
    reduction, dtype) in the same graph is resolved with it: their flattened
-   local blocks are concatenated, all-reduced once, and split back. Every
+   local blocks are concatenated, all-reduced once, and split back (on XLA, emitted
+   side by side for its all-reduce combiner, which needs no copy). Every
    member was already produced (it is pending), none depends on another's
    reduced value (a value that needs a reduced value is emitted after that
    reduction, so it cannot be pending beside it), so the fused collective
@@ -240,32 +241,33 @@ def _buckets(members: List[Pending], limit: int) -> List[List[Pending]]:
 
 
 def _all_reduce_bucket(p, bucket: List[Pending]) -> List[Local]:
-  """One all-reduce of the members' flattened blocks, concatenated; split back after."""
+  """The members' pending sums resolved together (`Collectives.all_reduce_many`: one
+  all-reduce of their concatenated blocks, or, on XLA, one each side by side, which its
+  combiner fuses without a copy); each collective emitted is recorded."""
   if len(bucket) == 1:  # the planner's own path, as without coalescing
     entry = bucket[0]
     return [p.reshard(entry.value, entry.target, f'result {entry.tensor}')]
   axes, op, dtype = bucket[0].group
-  sizes = [int(e.value.tensor.shape.num_elements()) for e in bucket]
+  why = f'bucket of {len(bucket)} pending {op}s: ' + ', '.join(e.tensor for e in bucket)
+
+  def note(members: List[int]) -> None:
+    """Record one all-reduce of the bucket's `members` (indices)."""
+    sizes = [int(bucket[i].value.tensor.shape.num_elements()) for i in members]
+    record = {
+      'kind': 'all_reduce',
+      'axes': axes,
+      'shape': (sum(sizes),) if len(members) > 1 else tuple(bucket[members[0]].value.tensor.shape),
+      'dtype': dtype.name,
+      'bytes': sum(sizes) * dtype.size,
+      'why': why if len(members) > 1 else f'{why} (this one: {bucket[members[0]].tensor})',
+    }
+    if len(members) > 1:
+      record.update(fused=len(members), member_bytes=[size * dtype.size for size in sizes])
+    p.note_collective(record)
+
   with tf.name_scope('gspmd_bucket'):
-    flat = tf.concat([tf.reshape(e.value.tensor, [-1]) for e in bucket], 0, name='concat')
-    p.note_collective(
-      {
-        'kind': 'all_reduce',
-        'axes': axes,
-        'shape': (sum(sizes),),
-        'dtype': dtype.name,
-        'bytes': sum(sizes) * dtype.size,
-        'fused': len(bucket),
-        'member_bytes': [size * dtype.size for size in sizes],
-        'why': f'bucket of {len(bucket)} pending {op}s: ' + ', '.join(e.tensor for e in bucket),
-      }
-    )
-    reduced = p.backend.all_reduce(flat, axes, op)
-    pieces = tf.split(reduced, sizes, name='split')
-    return [
-      Local(tf.reshape(piece, e.value.tensor.shape), e.target, e.value.shape)
-      for piece, e in zip(pieces, bucket)
-    ]
+    reduced = p.backend.all_reduce_many([e.value.tensor for e in bucket], axes, op, note)
+  return [Local(value, e.target, e.value.shape) for value, e in zip(reduced, bucket)]
 
 
 def _single_all_reduce(p, value: Local, target: NamedSharding) -> bool:

@@ -52,6 +52,18 @@ class XlaCollectives(Collectives):
       raise ValueError(f'XlaCollectives: mode must be one of {MODES}, got {mode!r}.')
     self.mode = mode
 
+  def all_reduce_many(self, values, axes, op: str = 'sum', note=None) -> list:
+    """One all-reduce per value, emitted side by side: a concatenation copies every member in
+    and out, which on XLA:CPU cost more than the collectives (the data-parallel MLP: 205 ->
+    31 ms a step); XLA's all-reduce combiner, where the compiler runs it (TPU), fuses them
+    into one tuple all-reduce with no copy."""
+    out = []
+    for i, value in enumerate(values):
+      if note is not None:
+        note([i])
+      out.append(self.all_reduce(value, axes, op))
+    return out
+
   def with_mesh(self, mesh: Mesh) -> 'XlaCollectives':
     return XlaCollectives(mesh, self.partition_id, name=self.name, mode=self.mode)
 
