@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -387,13 +387,3 @@ def _dtype_size(dtype) -> int:
   except TypeError:
     return 0
   return 0 if d in (tf.resource, tf.variant, tf.string) else d.size
-
-
-def features_mapping(features: StepFeatures) -> Mapping[str, float]:
-  """The features as numbers (for a report or a fit)."""
-  return {
-    'ops': float(features.ops),
-    'flops': features.flops,
-    'elementwise_bytes': features.elementwise_bytes,
-    'collectives': float(len(features.collectives)),
-  }

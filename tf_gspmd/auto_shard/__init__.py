@@ -55,17 +55,18 @@ The cost model (seconds per step; `tf_gspmd.step_cost`)::
 
 `share` is N / cores: the mesh's N logical CPU devices run their programs on the machine's
 cores, so what every device does is paid N / cores times over. `ops` are the ops of the
-step's program on tensors, `small_ops` those on scalars or views; `flops` the contractions' (matmul, einsum, convolution: 2 per point of
-their iteration space over the devices that split it, so work repeated on replicated
-operands counts), `elementwise_bytes` what every other ruled op reads and writes (the
-optimizer's update included). `g_c` is the number of devices of the collective's mesh
-axes, `bytes_c` its local operand (as `collectives()` reports it). The collectives'
-latency and bandwidth come from `calibrate()` on this machine (all-reduce, all-gather,
-reduce-scatter and all-to-all over 2/4/8 logical CPU devices; permutes use all-to-all's),
-stored as JSON in the user cache dir (`DEFAULT_CONSTANTS_FILE` holds those measured where
-the package was written); the other six numbers are fit to measured steps of other
-models on this CPU (`fit.calibrate_steps`, cached per CPU model, `fit.DEFAULT_FIT_FILE`
-shipped). `Constants.profile()` is this machine as a `tg.HardwareProfile`; `tg.plan(...,
+step's program on tensors, `small_ops` those on scalars or views; `flops` the
+contractions' (matmul, einsum, convolution: 2 per point of their iteration space over the
+devices that split it, so work repeated on replicated operands counts);
+`elementwise_bytes` what every other ruled op reads and writes (the optimizer's update
+included). `g_c` is the number of devices of the collective's mesh axes, `bytes_c` its
+local operand (as `collectives()` reports it). The collectives' latency and bandwidth
+come from `calibrate()` on this machine (all-reduce, all-gather, reduce-scatter and
+all-to-all over 2/4/8 logical CPU devices; permutes use all-to-all's), stored as JSON in
+the user cache dir (`DEFAULT_CONSTANTS_FILE` holds those measured where the package was
+written); the other six numbers are fit to measured steps of other models on this CPU
+(`fit.calibrate_steps`, cached per CPU model; `DEFAULT_FIT_FILE` shipped).
+`Constants.profile()` is this machine as a `tg.HardwareProfile`; `tg.plan(...,
 profile=tg.TPU_V3)` prices the same features on a TPU.
 
 >>> result = tg.auto_shard(step, *specs, mesh=mesh, memory_budget=200_000)   # doctest: +SKIP
@@ -84,11 +85,14 @@ import types
 from tf_gspmd.auto_shard import fit
 from tf_gspmd.auto_shard.constants import (
   DEFAULT_CONSTANTS_FILE,
+  DEFAULT_FIT_FILE,
   KINDS,
   Constants,
   calibrate,
   constants_path,
+  cpu_key,
   load_constants,
+  step_fit_path,
 )
 from tf_gspmd.auto_shard.cost import Evaluation, collective_cost, estimate, work_per_device
 from tf_gspmd.auto_shard.fit import calibrate_steps, load_step_fit
@@ -128,6 +132,7 @@ __all__ = [
   'AutoShardResult',
   'Constants',
   'DEFAULT_CONSTANTS_FILE',
+  'DEFAULT_FIT_FILE',
   'Evaluation',
   'Group',
   'INPUTS',
@@ -146,9 +151,11 @@ __all__ = [
   'load_step_fit',
   'collective_cost',
   'constants_path',
+  'cpu_key',
   'estimate',
   'group_variables',
   'load_constants',
   'spec_candidates',
+  'step_fit_path',
   'work_per_device',
 ]

@@ -32,6 +32,7 @@ from tf_gspmd.step_cost import StepFeatures, collective_seconds
 
 log = logging.getLogger('tf_gspmd')
 
+# The fit's numbers, in the order of `_columns` (the rates are fit as their inverses).
 FIT_KEYS = (
   'op_seconds',
   'core_flops',
@@ -40,6 +41,7 @@ FIT_KEYS = (
   'step_seconds',
   'small_op_seconds',
 )
+_RATES = ('core_flops', 'memory_bandwidth')
 _UNBOUNDED = 1e30  # a rate whose term the fit set to zero
 
 
@@ -98,15 +100,10 @@ def fit_profile(samples: Sequence[Sample], constants) -> Dict[str, float]:
   seconds = np.array([s.seconds for s in samples])
   weights = 1.0 / seconds
   coef, _ = nnls(rows * weights[:, None], seconds * weights)
-  op_s, inv_flops, inv_bw, scale, step_s, small_s = (float(c) for c in coef)
-  return {
-    'op_seconds': op_s,
-    'core_flops': 1.0 / inv_flops if inv_flops > 0 else _UNBOUNDED,
-    'memory_bandwidth': 1.0 / inv_bw if inv_bw > 0 else _UNBOUNDED,
-    'collective_scale': scale,
-    'step_seconds': step_s,
-    'small_op_seconds': small_s,
-  }
+  out = {}
+  for key, value in zip(FIT_KEYS, (float(c) for c in coef)):
+    out[key] = (1.0 / value if value > 0 else _UNBOUNDED) if key in _RATES else value
+  return out
 
 
 # --- the calibration steps -----------------------------------------------------------------
