@@ -312,7 +312,7 @@ CALIBRATION = {
     'data',
   ),
   'attention replicated': (_attention, {}, None),
-  'attention ff over 8': (_attention, {'w1': (None, DM), 'w2': (DM, None)}, None),
+  'attention ff-over-8': (_attention, {'w1': (None, DM), 'w2': (DM, None)}, None),
   'conv dp8': (_conv, {}, DM),
   'conv dp2': (_conv, {}, 'data'),
   'conv replicated': (_conv, {}, None),
