@@ -168,6 +168,9 @@ def _read(path: str) -> dict:
     return json.load(f)
 
 
+_WARNED: set = set()  # CPUs whose missing fit was reported
+
+
 def load_step_fit(
   path: Optional[str] = None,
   key: Optional[str] = None,
@@ -190,12 +193,14 @@ def load_step_fit(
   if not shipped:
     return {}
   other = sorted(shipped)[0]
-  log.warning(
-    'auto_shard: no step fit for CPU %r; using the one of %r '
-    '(run tf_gspmd.auto_shard.fit.calibrate_steps() with 8 logical CPU devices).',
-    key,
-    other,
-  )
+  if key not in _WARNED:  # once a process: every search loads the constants
+    _WARNED.add(key)
+    log.warning(
+      'auto_shard: no step fit for CPU %r; using the one of %r '
+      '(run tf_gspmd.auto_shard.fit.calibrate_steps() with 8 logical CPU devices).',
+      key,
+      other,
+    )
   return shipped[other]['fit']
 
 
