@@ -16,7 +16,7 @@ setup(
   description='GSPMD for TensorFlow: sharding annotations, propagation and SPMD partitioning.',
   packages=find_packages(include=['tf_gspmd', 'tf_gspmd.*']),
   # auto_shard's cost constants as measured here, used until calibrate() measures the machine.
-  package_data={'tf_gspmd': ['auto_shard_constants.json']},
+  package_data={'tf_gspmd': ['auto_shard_constants.json', 'auto_shard_step_fit.json']},
   python_requires='>=3.10',
   install_requires=['numpy', 'protobuf', 'absl-py'],
   extras_require={

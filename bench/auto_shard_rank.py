@@ -1,9 +1,11 @@
 """Does auto_shard's cost model order layouts as the clock does? Spearman over measured steps.
 
 For each layout of two models on a (data=2, model=4) mesh of 8 logical CPUs:
-  predicted  `tf_gspmd.auto_shard.estimate` of the step planned with `tg.plan` (collectives
-             priced by the calibrated constants, plus each device's compute at the
-             calibrated matmul rate, repeated work included);
+  predicted  `tf_gspmd.auto_shard.estimate` of the step planned with `tg.plan`: its features
+             (ops, contraction flops, elementwise bytes, collectives) priced on this CPU's
+             profile -- the measured collectives' table, and the step model fit by
+             `tf_gspmd.auto_shard.fit` to steps of OTHER models measured on this CPU (an MLP,
+             an attention block, a conv stack): these two models are a held-out check;
   measured   the same Keras training step under `tg.partition` on fresh weights: the
              median of --steps steps after --warmup, every layout built first and the
              steps then taken round-robin (load from other processes hits all alike).
@@ -12,21 +14,25 @@ CNN (Conv2D/BatchNorm/ReLU/MaxPool blocks, GAP, Dense; Adam). Layouts: data para
 over 8 or over 'data' alone, Megatron with and without the batch split, 2-D and ZeRO-like
 weight splits, replicated steps, and for the CNN output- or input-channel splits.
 
-Prints one row per layout (predicted ms, measured ms, the rank of each), the predicted
-order against the measured order, and Spearman's rank correlation per model and over all
-layouts (numpy: Pearson of the ranks, ties averaged). The timings share the machine with
-whatever else runs on it: say so when quoting them.
+Prints the fit used (and its error on its own calibration steps), one row per layout
+(predicted ms, measured ms, predicted/measured), the predicted order against the measured
+order, Spearman's rank correlation per model and over all layouts (numpy: Pearson of the
+ranks, ties averaged) and the range of predicted/measured. The timings share the machine
+with whatever else runs on it: say so when quoting them. `--refit` measures the
+calibration steps again (`fit.calibrate_steps`) in the same rounds as the layouts (so
+under the same load), fits on them alone and caches the fit for this CPU; `--save PATH`
+writes each layout's features and times as JSON.
 
-  .venv/bin/python bench/auto_shard_rank.py [--steps 9] [--warmup 2] [--quick]
+  .venv/bin/python bench/auto_shard_rank.py [--steps 9] [--warmup 2] [--quick] [--refit]
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
-import time
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -160,13 +166,14 @@ def _input_shardings(mesh, axes, specs):
 
 
 def prepare(build, mesh, axes, rules, warmup: int) -> tuple:
-  """(predicted seconds, a callable running one step) of one layout, built and warmed up."""
+  """(the planned step's `Evaluation`, a callable running one step) of one layout, built and
+  warmed up."""
   import tf_gspmd as tg
 
   auto = importlib.import_module('tf_gspmd.auto_shard')
   step, data, specs = build(mesh, rules)
   shardings = _input_shardings(mesh, axes, specs)
-  predicted = auto.estimate(tg.plan(step, *specs, mesh=mesh, in_shardings=shardings)).cost
+  predicted = auto.estimate(tg.plan(step, *specs, mesh=mesh, in_shardings=shardings))
   step, data, specs = build(mesh, rules)  # fresh weights for the run
   partitioned = tg.partition(step, mesh, in_shardings=shardings, progress=False)
   run = lambda: float(partitioned(*data))  # noqa: E731
@@ -175,28 +182,20 @@ def prepare(build, mesh, axes, rules, warmup: int) -> tuple:
   return predicted, run
 
 
-def measure_round_robin(runs, steps: int) -> list:
-  """Median seconds of each run's step, the steps taken in turn so that load from other
-  processes falls on every layout alike."""
-  times = [[] for _ in runs]
-  for _ in range(steps):
-    for i, run in enumerate(runs):
-      start = time.perf_counter()
-      run()
-      times[i].append(time.perf_counter() - start)
-  return [float(np.median(t)) for t in times]
-
-
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--steps', type=int, default=9)
   parser.add_argument('--warmup', type=int, default=2)
   parser.add_argument('--quick', action='store_true', help='two layouts per model, 2 steps')
+  parser.add_argument('--refit', action='store_true', help='measure the calibration steps again')
+  parser.add_argument('--save', help='write features and times of each layout to this JSON')
   args = parser.parse_args(argv)
   if args.quick:
     args.steps, args.warmup = 2, 1
   configure_logical_cpus(8)
   import tf_gspmd as tg
+  from tf_gspmd.auto_shard import fit
+  from tf_gspmd.step_cost import step_time
 
   mesh = tg.Mesh.create((2, 4), DM)
   labels, predicted, runs = [], [], []
@@ -206,21 +205,56 @@ def main(argv=None) -> int:
   ):
     for name in QUICK[model] if args.quick else list(layouts):
       axes, rules = layouts[name]
-      cost, run = prepare(build, mesh, axes, rules, args.warmup)
+      evaluation, run = prepare(build, mesh, axes, rules, args.warmup)
       labels.append((model, name))
-      predicted.append(cost)
+      predicted.append(evaluation)
       runs.append(run)
-  rows = []
-  for (model, name), cost, measured in zip(
-    labels, predicted, measure_round_robin(runs, args.steps)
-  ):
+  if args.refit:  # the calibration steps timed in the same rounds as the layouts: same load
+    times = fit.calibrate_steps(steps=args.steps, also=runs)['also']
+  else:
+    times = fit.measure_round_robin(runs, args.steps)
+  profile = _print_fit()
+  rows, saved = [], []
+  for (model, name), evaluation, measured in zip(labels, predicted, times):
+    cost = step_time(evaluation.features, profile).total
     rows.append((model, name, cost, measured))
+    saved.append(fit.Sample(f'{model}:{name}', evaluation.features, measured).to_json())
     print(
-      f'{model:<12}{name:<28}predicted {cost * 1e3:8.2f} ms   measured {measured * 1e3:8.2f} ms',
+      f'{model:<12}{name:<28}predicted {cost * 1e3:8.2f} ms   measured {measured * 1e3:8.2f} ms'
+      f'   predicted/measured {cost / measured:5.2f}',
       flush=True,
     )
   _print_orders(rows)
+  if args.save:
+    with open(args.save, 'w') as f:
+      json.dump(saved, f, indent=1)
   return 0
+
+
+def _print_fit():
+  """This CPU's profile (the step model in use); prints it and how well it predicts its own
+  calibration steps."""
+  from tf_gspmd.auto_shard import fit
+  from tf_gspmd.auto_shard.constants import cpu_key, load_constants, step_fit_entry
+  from tf_gspmd.step_cost import step_time
+
+  constants = load_constants()
+  profile = constants.profile()
+  numbers = ', '.join(f'{k} {v:.4g}' for k, v in sorted(constants.step_fit.items()))
+  print(f'step model for {cpu_key()}: {numbers}')
+  entry = step_fit_entry()
+  if not entry:
+    print('  (no calibration samples for this CPU: run with --refit)')
+    return profile
+  samples = [fit.Sample.from_json(s) for s in entry['samples']]
+  ratios = [step_time(s.features, profile).total / s.seconds for s in samples]
+  models = sorted({s.name.rsplit(' ', 1)[0] for s in samples})
+  print(
+    f'  fit on {len(samples)} calibration steps of other models ({", ".join(models)}), '
+    f'held out: every layout below; {entry["source"]}; predicted/measured on them '
+    f'{min(ratios):.2f}-{max(ratios):.2f}'
+  )
+  return profile
 
 
 def _print_orders(rows) -> None:
@@ -233,9 +267,13 @@ def _print_orders(rows) -> None:
     by_predicted = [label(r) for r in sorted(mine, key=lambda r: r[2])]
     by_measured = [label(r) for r in sorted(mine, key=lambda r: r[3])]
     rho = spearman([r[2] for r in mine], [r[3] for r in mine])
+    ratios = [r[2] / r[3] for r in mine]
     print(f'{model}: predicted order: {" < ".join(by_predicted)}')
     print(f'{model}: measured order:  {" < ".join(by_measured)}')
-    print(f'{model}: Spearman rank correlation {rho:.3f} over {len(mine)} layouts')
+    print(
+      f'{model}: Spearman rank correlation {rho:.3f} over {len(mine)} layouts; '
+      f'predicted/measured {min(ratios):.2f}-{max(ratios):.2f}'
+    )
 
 
 if __name__ == '__main__':

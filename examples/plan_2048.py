@@ -37,6 +37,7 @@ import tensorflow as tf  # noqa: E402
 
 import tf_gspmd as tg  # noqa: E402
 from tf_gspmd import Mesh, NamedSharding, P  # noqa: E402
+from tf_gspmd.auto_shard.fit import adam_step  # noqa: E402  (one Adam step, no bias correction)
 
 
 # --- variables: abstract (planning) or real (running) ----------------------------------------
@@ -70,25 +71,6 @@ def with_adam_slots(make, params: dict, shardings: dict) -> dict:
   }
 
 
-def adam_step(loss_fn, params: dict, slots: dict, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8):
-  """A tf.function (x, target) -> loss that applies one Adam update (no bias correction)."""
-
-  @tf.function(autograph=False)
-  def step(x, target):
-    with tf.GradientTape() as tape:
-      loss = loss_fn(x, target)
-    names = list(params)
-    grads = tape.gradient(loss, [params[n] for n in names])
-    for name, grad in zip(names, grads):
-      m, v = slots[name]
-      m.assign(b1 * m + (1 - b1) * grad)
-      v.assign(b2 * v + (1 - b2) * tf.square(grad))
-      params[name].assign_sub(lr * m / (tf.sqrt(v) + eps))
-    return loss
-
-  return step
-
-
 @dataclasses.dataclass
 class Built:
   """A training step to plan or partition: the step, its argument specs and shardings."""
@@ -110,6 +92,7 @@ class Dense:
   heads: int = 64
   d_head: int = 128
   hidden: int = 32768
+  compute_dtype: str = 'float32'  # 'bfloat16': f32 weights cast for the layer, as the paper ran
 
   def parameter_count(self) -> int:
     """The closed form: 4 attention projections [M, N, D] and 2 feed-forward [M, H] per layer."""
@@ -145,19 +128,22 @@ def dense_transformer(mesh: Mesh, cfg: Dense, make) -> Built:
       params[name] = make(name, shapes[key], shardings[name])
   slots = with_adam_slots(make, params, shardings)
   act = P('X', None, 'Y')
+  dtype = tf.as_dtype(cfg.compute_dtype)
 
   def loss_fn(x, target):
+    x = tf.cast(x, dtype)
     for layer in range(cfg.layers):
-      w = {key: params[f'layer{layer}_{key}'] for key in specs}
+      w = {key: tf.cast(params[f'layer{layer}_{key}'], dtype) for key in specs}
       q = tf.einsum('bsm,mnd->bsnd', x, w['wq'])
       k = tf.einsum('bsm,mnd->bsnd', x, w['wk'])
       v = tf.einsum('bsm,mnd->bsnd', x, w['wv'])
-      probs = tf.nn.softmax(tf.einsum('bsnd,btnd->bnst', q, k) / np.sqrt(d).astype(np.float32))
+      scale = tf.constant(1.0 / np.sqrt(d), dtype)
+      probs = tf.nn.softmax(tf.einsum('bsnd,btnd->bnst', q, k) * scale)
       attended = tf.einsum('bnst,btnd->bsnd', probs, v)
       x = tg.shard(x + tf.einsum('bsnd,ndm->bsm', attended, w['wo']), mesh, act)
       hid = tf.nn.relu(tf.einsum('bsm,mh->bsh', x, w['w1']))
       x = tg.shard(x + tf.einsum('bsh,hm->bsm', hid, w['w2']), mesh, act)
-    return tf.reduce_mean(tf.square(x - target))
+    return tf.reduce_mean(tf.square(tf.cast(x, tf.float32) - target))
 
   spec = tf.TensorSpec([cfg.batch, cfg.seq, m], tf.float32)
   return Built(

@@ -30,6 +30,7 @@ LAYERS = (
   ('build_progress',),  # what a long first call is doing, shown as it runs
   ('pictures',),  # layouts drawn: text grids, the HTML report page
   ('partitioned',),  # partition(): capture -> propagate -> rewrite -> backend
+  ('step_cost',),  # a step's features priced on a HardwareProfile (tg.plan, auto_shard)
   ('planning',),  # a partitioned program planned without running it (tg.plan)
   ('keras',),  # Keras on top of partition(): partition_model, LayoutMap, keras.distribution
   ('export',),  # save/restore/export/serve a partitioned program or Keras model

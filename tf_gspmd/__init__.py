@@ -53,6 +53,7 @@ from tf_gspmd.shard_map import (
   shard_map,
 )
 from tf_gspmd.sharding import NamedSharding, P, Sharding
+from tf_gspmd.step_cost import TPU_V3, HardwareProfile, StepTime
 
 # `tg.xla_sharding` is reached by name, not star-imported: `from tf_gspmd import *` leaves a
 # module's own `xla_sharding` (TF's) as it was.
@@ -73,6 +74,9 @@ __all__ = [
   'plan',
   'PlanReport',
   'abstract_variable',
+  'HardwareProfile',
+  'TPU_V3',
+  'StepTime',
   'CollectiveError',
   'Unsupported',
   'ShardedValue',

@@ -17,7 +17,10 @@ report (`PlanReport`) reads per-device bytes and collectives off it:
   `activation_peak`);
 * collectives per step: kind, mesh axes and bytes of each, as `tg.partition`'s
   `collectives()` reports them (they come from the same partitioner);
-* build time of each phase.
+* build time of each phase;
+* with a `HardwareProfile` (`plan(..., profile=tg.TPU_V3)`), the step's predicted time on
+  it (`step_time()`: contraction flops at the profile's rate, other ops' bytes at its
+  memory bandwidth, collectives over its links; see `tf_gspmd.step_cost`).
 
 Variables are sharded exactly as `tg.partition` would shard them (the layout
 propagation gives them), so a plan of a mesh small enough to run can be checked
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -40,6 +43,7 @@ from tf_gspmd.mesh import Mesh
 from tf_gspmd.partitioned.variables import mark_abstract
 from tf_gspmd.propagation import registry
 from tf_gspmd.sharding import NamedSharding
+from tf_gspmd.step_cost import HardwareProfile, StepFeatures, StepTime, features_of_plan, step_time
 
 # UninitializedVariable is the only TF variable that has a shape and a dtype but never
 # allocates its value (tf.Variable's public constructor always materializes an initial
@@ -90,6 +94,24 @@ class PlanReport:
   seconds: Dict[str, float]  # build time per phase: capture, propagate, partition
   op_records: List[OpRecord] = dataclasses.field(default_factory=list, repr=False)
   plan: Any = dataclasses.field(default=None, repr=False)  # the propagation Plan
+  profile: Optional[HardwareProfile] = None  # what `step_time()` prices on by default
+
+  def features(self) -> StepFeatures:
+    """What one device does in the step: ops, contraction flops, other ops' bytes,
+    collectives (`tf_gspmd.step_cost.features_of_plan`)."""
+    found = self.__dict__.get('_features')
+    if found is None:
+      found = self.__dict__['_features'] = features_of_plan(
+        self.plan, self.mesh, self.collective_records
+      )
+    return found
+
+  def step_time(self, profile: Optional[HardwareProfile] = None) -> StepTime:
+    """The step's predicted seconds, by term, on `profile` (default: the plan's own)."""
+    profile = profile or self.profile
+    if profile is None:
+      raise ValueError('step_time: no profile; pass one, or plan with profile=...')
+    return step_time(self.features(), profile)
 
   @property
   def parameter_bytes(self) -> int:
@@ -181,6 +203,13 @@ class PlanReport:
       lines.append(
         f'  {kind:<16}{",".join(axes_of):<22}{entry["count"]:>6}{_b(entry["bytes"]):>16}'
       )
+    if self.profile is not None:
+      t = self.step_time()
+      lines.append(
+        f'predicted step on {self.profile.name}: {t.total * 1e3:.3f} ms (contractions '
+        f'{t.compute * 1e3:.3f}, memory {t.memory * 1e3:.3f}, launch {t.launch * 1e3:.3f}, '
+        f'collectives {t.collectives * 1e3:.3f}), {t.utilization:.1%} of peak flops'
+      )
     return '\n'.join(lines)
 
 
@@ -188,13 +217,22 @@ def _b(n: int) -> str:
   return f'{n:,}'
 
 
-def plan(fn, *arg_specs, mesh: Mesh, in_shardings=None, out_shardings=None) -> PlanReport:
+def plan(
+  fn,
+  *arg_specs,
+  mesh: Mesh,
+  in_shardings=None,
+  out_shardings=None,
+  profile: Optional[HardwareProfile] = None,
+) -> PlanReport:
   """Capture, propagate and partition `fn` over `mesh` on abstract shapes; report its costs.
 
   `arg_specs`: `tf.TensorSpec`s of the global arguments (values work too);
   `in_shardings`/`out_shardings` as for `tg.partition`. The variables `fn` uses
   should be `abstract_variable`s (a variable with a value works, but its global
   value is then already in memory). Needs no devices: `mesh` may have 2048.
+  `profile`: a `HardwareProfile` (e.g. `tg.TPU_V3`) the report's `step_time()` and its
+  text price the step on.
   """
   if not isinstance(mesh, Mesh):
     raise TypeError(f'plan: mesh must be a tf_gspmd.Mesh, got {type(mesh).__name__}.')
@@ -222,6 +260,7 @@ def plan(fn, *arg_specs, mesh: Mesh, in_shardings=None, out_shardings=None) -> P
     seconds,
     planner.op_records(),
     compiled.plan,
+    profile,
   )
 
 

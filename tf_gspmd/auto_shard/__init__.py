@@ -45,46 +45,57 @@ weights over them); small searches also start from the batch unsplit.
 `search='exhaustive'` prices the product of all candidates instead (small
 cases: it confirms the descent's optimum). Every price and plan is memoized.
 
-The cost model (seconds per step, one device's view)::
+The cost model (seconds per step; `tf_gspmd.step_cost`)::
 
-    cost = sum over collectives c of  latency[kind_c, g_c] + bytes_c * (g_c-1)/g_c / bw[kind_c, g_c]
-         + (work / N + repeated_work) * 2 / matmul_flops
+    cost = share * (ops * op_seconds + small_ops * small_op_seconds
+                    + flops / core_flops + elementwise_bytes / memory_bandwidth)
+         + collective_scale * sum over collectives c of
+             latency[kind_c, g_c] + bytes_c * (g_c-1)/g_c / bw[kind_c, g_c]
+         + step_seconds
 
-`g_c` is the number of devices of the collective's mesh axes, `bytes_c` its
-local operand (as `collectives()` reports it). `work` is the step's
-iteration space: for every op of the propagated program with a sharding
-rule, the product of its rule's factor sizes (a matmul's multiply-adds, an
-elementwise op's elements); `repeated_work` is what one device computes
-beyond its 1/N share because an operand is replicated over an axis (the
-space over the devices that split it -- the mesh axes its operands and
-results shard its factors over -- minus the space over N). The constants come from
-`calibrate()` on this machine (all-reduce, all-gather, reduce-scatter and
-all-to-all over 2/4/8 logical CPU devices, and matmul flops), stored as JSON
-in the user cache dir; `DEFAULT_CONSTANTS_FILE` holds those measured where
-the package was written. Permutes use all-to-all's constants.
+`share` is N / cores: the mesh's N logical CPU devices run their programs on the machine's
+cores, so what every device does is paid N / cores times over. `ops` are the ops of the
+step's program on tensors, `small_ops` those on scalars or views; `flops` the
+contractions' (matmul, einsum, convolution: 2 per point of their iteration space over the
+devices that split it, so work repeated on replicated operands counts);
+`elementwise_bytes` what every other ruled op reads and writes (the optimizer's update
+included). `g_c` is the number of devices of the collective's mesh axes, `bytes_c` its
+local operand (as `collectives()` reports it). The collectives' latency and bandwidth
+come from `calibrate()` on this machine (all-reduce, all-gather, reduce-scatter and
+all-to-all over 2/4/8 logical CPU devices; permutes use all-to-all's), stored as JSON in
+the user cache dir (`DEFAULT_CONSTANTS_FILE` holds those measured where the package was
+written); the other six numbers are fit to measured steps of other models on this CPU
+(`fit.calibrate_steps`, cached per CPU model; `DEFAULT_FIT_FILE` shipped).
+`Constants.profile()` is this machine as a `tg.HardwareProfile`; `tg.plan(...,
+profile=tg.TPU_V3)` prices the same features on a TPU.
 
 >>> result = tg.auto_shard(step, *specs, mesh=mesh, memory_budget=200_000)   # doctest: +SKIP
 >>> print(result.report())                                                # doctest: +SKIP
 >>> result.layout_map.apply(model)                                        # doctest: +SKIP
 
 The modules: `groups` (variables grouped, each group's candidates), `constants` (the
-measured constants, `calibrate`), `cost` (a plan priced: `estimate`), `simulate` (a
-layout priced without a plan: `Simulator`), `search` (the descent and the entry point,
-`auto_shard`), `result` (`AutoShardResult`).
+measured constants, `calibrate`), `fit` (the step model fit to measured steps), `cost` (a
+plan priced: `estimate`), `simulate` (a layout priced without a plan: `Simulator`),
+`search` (the descent and the entry point, `auto_shard`), `result` (`AutoShardResult`).
 """
 
 import sys
 import types
 
+from tf_gspmd.auto_shard import fit
 from tf_gspmd.auto_shard.constants import (
   DEFAULT_CONSTANTS_FILE,
+  DEFAULT_FIT_FILE,
   KINDS,
   Constants,
   calibrate,
   constants_path,
+  cpu_key,
   load_constants,
+  step_fit_path,
 )
 from tf_gspmd.auto_shard.cost import Evaluation, collective_cost, estimate, work_per_device
+from tf_gspmd.auto_shard.fit import calibrate_steps, load_step_fit
 from tf_gspmd.auto_shard.groups import (
   AUTO,
   INPUTS,
@@ -121,6 +132,7 @@ __all__ = [
   'AutoShardResult',
   'Constants',
   'DEFAULT_CONSTANTS_FILE',
+  'DEFAULT_FIT_FILE',
   'Evaluation',
   'Group',
   'INPUTS',
@@ -134,11 +146,16 @@ __all__ = [
   'auto_shard',
   'axis_groups',
   'calibrate',
+  'calibrate_steps',
+  'fit',
+  'load_step_fit',
   'collective_cost',
   'constants_path',
+  'cpu_key',
   'estimate',
   'group_variables',
   'load_constants',
   'spec_candidates',
+  'step_fit_path',
   'work_per_device',
 ]

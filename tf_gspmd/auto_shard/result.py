@@ -149,7 +149,8 @@ def _terms(e: Evaluation) -> str:
   kinds = ', '.join(f'{k} {b:,}' for k, b in sorted(e.collective_bytes.items())) or 'none'
   return (
     f'collectives {_ms(e.collective_seconds)}: {len(e.report.collective_records)} per '
-    f'step, bytes {kinds}; compute {_ms(e.compute_seconds)} of which repeated work '
+    f'step, bytes {kinds}; contractions {_ms(e.time.compute)}, memory traffic '
+    f'{_ms(e.time.memory)}, launch {_ms(e.time.launch)}; repeated work '
     f'{e.repeated_work:,} points'
   )
 

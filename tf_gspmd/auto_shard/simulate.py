@@ -28,12 +28,20 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gspmd.auto_shard.constants import Constants
-from tf_gspmd.auto_shard.cost import Evaluation, _axes_size, _factor_sizes, _independent_spaces
+from tf_gspmd.auto_shard.cost import Evaluation
 from tf_gspmd.graph import ir, static_values
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.propagation import registry
 from tf_gspmd.propagation.rule import REDUCTION, pick_candidate
 from tf_gspmd.sharding import NamedSharding, P, named_for_rank
+from tf_gspmd.step_cost import (
+  StepFeatures,
+  axes_size,
+  factor_sizes,
+  independent_spaces,
+  op_counts,
+  space_weights,
+)
 
 Axes = Tuple[str, ...]
 Spec = Tuple[Axes, ...]  # mesh axes per dim
@@ -63,6 +71,8 @@ class _Op:
   inputs: Tuple[str, ...] = ()  # its operands' tensor names
   targeted: bool = False  # some result has a target (`Simulator._targets`)
   dtypes: Tuple[str, ...] = ()  # and dtypes
+  weights: list = dataclasses.field(default_factory=list)  # per space: `space_weights`
+  dtype: str = 'float32'  # its first result's: the rate its contractions run at
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +83,8 @@ class _Core:
   results: Tuple[Layout, ...]
   points: float  # iteration-space points one device computes
   repeated: float  # beyond its 1/N share
+  flops: float  # of its contractions, one device
+  elementwise_bytes: float  # its other spaces' bytes read and written, one device
 
 
 class Simulator:
@@ -80,6 +92,8 @@ class Simulator:
 
   def __init__(self, program: ir.Program, mesh: Mesh, constants: Constants):
     self.program, self.mesh, self.constants = program, mesh, constants
+    self.profile = constants.profile()
+    self.ops_run = op_counts(program)  # (on tensors, small)
     self.graph = program.main
     self.index = {node.name: i for i, node in enumerate(self.graph.nodes)}
     # Arguments, variables' handles and captured values: what the step is given.
@@ -129,9 +143,25 @@ class Simulator:
       return _Op(index, node, how, entry=entry, annotations=annotations, counted=counted)
     shapes = [self.shape(t) for t in list(node.inputs) + [o.name for o in node.outputs]]
     handles = tuple(i for i, t in enumerate(node.inputs) if t in self.program.variables)
-    sizes = _factor_sizes(rule, shapes)
-    spaces = [(sizes, space) for space in _independent_spaces(rule, sizes)] if sizes else []
-    return _Op(index, node, 'rule', rule, entry, shapes, spaces, handles, annotations, counted)
+    sizes = factor_sizes(rule, shapes)
+    spaces = [(sizes, space) for space in independent_spaces(rule, sizes)] if sizes else []
+    tensors = [self.graph.tensor(t) for t in node.inputs] + list(node.outputs)
+    weights = space_weights(rule, [s for _, s in spaces], [_dtype_size(t.dtype) for t in tensors])
+    dtype = node.outputs[0].dtype.name if node.outputs else 'float32'
+    return _Op(
+      index,
+      node,
+      'rule',
+      rule,
+      entry,
+      shapes,
+      spaces,
+      handles,
+      annotations,
+      counted,
+      weights=weights,
+      dtype=dtype,
+    )
 
   def _mark_scalars(self) -> None:
     """Ops on single elements from constants, arguments and other such ops (an optimizer's
@@ -217,7 +247,7 @@ class Simulator:
   def axes_size(self, axes: Axes) -> int:
     size = self._sizes.get(axes)
     if size is None:
-      size = self._sizes[axes] = _axes_size(self.mesh, axes) if axes else 1
+      size = self._sizes[axes] = axes_size(self.mesh, axes)
     return size
 
   # --- memoized answers ------------------------------------------------------------------
@@ -237,8 +267,9 @@ class Simulator:
     rule, n = op.rule, len(op.rule.operands)
     data = [i for i, dims in enumerate(rule.operands) if dims is not None]
     if data and all(operands[i] is None for i in data):  # free operands: free results
-      points = self._work(op, {})[0] / self.mesh.size  # laid out by their users: split
-      return _Core((None,) * n, (None,) * len(op.node.outputs), points, 0.0)
+      whole = self._work(op, {})  # laid out by their users: split
+      split = [whole[0] / self.mesh.size, 0.0] + [w / self.mesh.size for w in whole[2:]]
+      return _Core((None,) * n, (None,) * len(op.node.outputs), *split)
     firsts = [None] + ([n] if any(t is not None for t in targets) else [])
     options = []
     for first in firsts:
@@ -295,16 +326,21 @@ class Simulator:
     chosen = {f: a for f, a in chosen.items() if f not in rule.windows}  # halos: kept whole
     return rule.resolve_axes(chosen)
 
-  def _work(self, op: _Op, factor_axes: dict) -> Tuple[float, float]:
-    points = repeated = 0.0
-    for sizes, space in op.spaces:
+  def _work(self, op: _Op, factor_axes: dict) -> Tuple[float, float, float, float]:
+    """(points, repeated points, contraction flops, elementwise bytes) of one device."""
+    points = repeated = flops = nbytes = 0.0
+    for (sizes, space), (contraction, per_point) in zip(op.spaces, op.weights):
       total = float(np.prod([sizes[f] for f in space], dtype=np.float64))
       local = 1.0
       for f in space:
         local *= -(-sizes[f] // self.axes_size(tuple(factor_axes.get(f, ()))))
       points += local
       repeated += max(0.0, local - total / self.mesh.size)
-    return points, repeated
+      if contraction:
+        flops += 2.0 * local
+      else:
+        nbytes += per_point * local
+    return points, repeated, flops, nbytes
 
   def move_cost(self, layout: Tuple[Spec, Axes], want: Spec, shape: tuple, size: int) -> tuple:
     """(collective records, bytes of the moved copy) of resharding `layout` to `want`."""
@@ -338,9 +374,15 @@ class Simulator:
     spec (missing or None: left to propagation), `arguments` gives each argument's spec."""
     walk = _Walk(self, variables, arguments)
     walk.run()
-    seconds, by_kind = walk.collective_cost()
-    compute = 2.0 * walk.points / self.constants.matmul_flops
-    return Evaluation(choice, None, walk.memory(), seconds, by_kind, int(walk.repeated), compute)
+    features = StepFeatures(
+      self.mesh.size,
+      self.ops_run[0],
+      tuple(sorted(walk.flops.items())),
+      walk.elementwise_bytes,
+      walk.collectives(),
+      self.ops_run[1],
+    )
+    return Evaluation(choice, None, walk.memory(), features, self.profile, int(walk.repeated))
 
 
 class _Walk:
@@ -356,7 +398,8 @@ class _Walk:
       self.layouts[name] = _layout_of(spec, sim.shape(name))
     self.records: List[tuple] = []
     self.pending: Dict[str, Tuple[Axes, str]] = {}  # tensor -> (its sum's axes, dtype)
-    self.points = self.repeated = 0.0
+    self.points = self.repeated = self.elementwise_bytes = 0.0
+    self.flops: Dict[str, float] = {}  # dtype -> contraction flops
     self.step = 0  # ops walked so far: the clock of the liveness pass
     self.born: Dict[str, Tuple[int, int]] = {}  # tensor -> (step, local bytes)
     self.last: Dict[str, int] = {}  # tensor -> the step of its last reader
@@ -421,8 +464,14 @@ class _Walk:
       self.move(inputs[i], lay, need, op.shapes[i])
     for i, layout in enumerate(core.results):
       self.produce(op, i, layout)
+    self.count(op, core)
+
+  def count(self, op: _Op, core: _Core) -> None:
     self.points += core.points
     self.repeated += core.repeated
+    self.elementwise_bytes += core.elementwise_bytes
+    if core.flops:
+      self.flops[op.dtype] = self.flops.get(op.dtype, 0.0) + core.flops
 
   def linear(self, op: _Op, operands: List[Layout]) -> bool:
     """A linear op on pending sums (coalesce.py's forms): its result is pending alike."""
@@ -437,9 +486,7 @@ class _Walk:
     for i in pending:  # the sum moves on into the result
       self.pending.pop(node.inputs[i], None)
     self.produce(op, 0, result)
-    core = self.sim.core(op, _unpended(operands))  # the work on the pending blocks
-    self.points += core.points
-    self.repeated += core.repeated
+    self.count(op, self.sim.core(op, _unpended(operands)))  # the work on the pending blocks
     return True
 
   def whole(self, op: _Op) -> None:
@@ -551,13 +598,18 @@ class _Walk:
     return int(max(np.cumsum(live)))
 
   # --- totals --------------------------------------------------------------------------------
-  def collective_cost(self) -> Tuple[float, Dict[str, int]]:
-    seconds, by_kind = 0.0, {}
-    for kind, axes, nbytes in self.records:
-      group = self.sim.axes_size(axes) if axes else self.sim.mesh.size
-      seconds += self.sim.constants.collective_seconds(kind, group, nbytes)
-      by_kind[kind] = by_kind.get(kind, 0) + nbytes
-    return seconds, by_kind
+  def collectives(self) -> tuple:
+    """(kind, group size, mesh axes spanned, bytes) of each collective (no axes: all)."""
+    mesh = self.sim.mesh
+    return tuple(
+      (
+        kind,
+        self.sim.axes_size(axes) if axes else mesh.size,
+        len(axes) or len(mesh.axis_names),
+        nbytes,
+      )
+      for kind, axes, nbytes in self.records
+    )
 
   def memory(self) -> int:
     """Parameters + optimizer state + the activation peak, per device."""

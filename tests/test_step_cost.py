@@ -1,0 +1,104 @@
+"""A step's features priced on a HardwareProfile (tg.plan(..., profile=)), and the CPU step
+model's fit and its per-CPU cache (tf_gspmd.auto_shard.fit)."""
+
+import dataclasses
+import json
+
+import pytest
+import tensorflow as tf
+
+import tf_gspmd as tg
+from tf_gspmd import Mesh, NamedSharding, P
+from tf_gspmd.auto_shard import fit
+from tf_gspmd.auto_shard.constants import load_constants
+from tf_gspmd.step_cost import StepFeatures, collective_seconds, step_time
+
+
+def test_a_profile_is_an_immutable_value_that_round_trips():
+  v3 = tg.TPU_V3
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    v3.memory_bytes = 1  # type: ignore[misc]
+  assert v3.flops('bfloat16') == 123e12 / 2  # one of a chip's two TensorCores
+  assert v3.memory_bytes == 16 * 2**30
+  assert tg.HardwareProfile.from_json(json.loads(json.dumps(v3.to_json()))) == v3
+  assert hash(v3) == hash(dataclasses.replace(v3))
+
+
+def _matmul_plan(profile):
+  """x [4096, 16384] @ w [16384, 8192] on 2048 devices: each computes a [64, 16384] x
+  [16384, 256] block."""
+  mesh = Mesh.create((64, 32), ('X', 'Y'))
+  w = tg.abstract_variable([16384, 8192], tf.float32, NamedSharding(mesh, P(None, 'Y')))
+
+  @tf.function
+  def step(x):
+    return tf.reduce_sum(tf.matmul(x, w))
+
+  spec = tf.TensorSpec([4096, 16384])
+  return tg.plan(
+    step, spec, mesh=mesh, in_shardings=NamedSharding(mesh, P('X', None)), profile=profile
+  )
+
+
+def test_a_plan_prices_its_flops_and_collectives_on_the_profile():
+  slow = dataclasses.replace(tg.TPU_V3, flops_per_s=(('float32', 1e12),), link_bandwidth=1e9)
+  report = _matmul_plan(slow)
+  features = report.features()
+  assert features.flops == 2 * 64 * 16384 * 256  # the local block's multiply-adds
+  t = report.step_time()
+  assert t.compute == pytest.approx(features.flops / 1e12)
+  wire = sum(collective_seconds(slow, *c) for c in features.collectives)
+  assert features.collectives and t.collectives == pytest.approx(wire)
+  fast = dataclasses.replace(slow, flops_per_s=(('float32', 4e12),), link_bandwidth=4e9)
+  faster = report.step_time(fast)
+  assert faster.compute == pytest.approx(t.compute / 4)
+  assert faster.collectives < t.collectives
+  assert 'predicted step on' in str(report)
+
+
+def _features(ops, flops, nbytes, collectives=(), small=0) -> StepFeatures:
+  return StepFeatures(8, ops, (('float32', flops),), nbytes, collectives, small)
+
+
+def test_the_fit_recovers_the_numbers_that_made_the_times():
+  constants = load_constants(fit=False)
+  truth = {
+    'op_seconds': 2e-5,
+    'core_flops': 3e10,
+    'memory_bandwidth': 1e10,
+    'collective_scale': 1.5,
+    'step_seconds': 1e-3,
+    'small_op_seconds': 3e-6,
+  }
+  made = dataclasses.replace(constants, step_fit=truth).profile()
+  cases = [
+    _features(100, 1e7, 1e6, (('all_reduce', 8, 2, 1 << 20),), 40),
+    _features(300, 4e8, 2e6, small=900),
+    _features(50, 1e6, 6e7),
+    _features(120, 2e7, 1e6, (('all_gather', 4, 1, 1 << 16),) * 8),
+    _features(10, 1e5, 1e4, small=5),
+    _features(80, 3e6, 2e5, small=3000),
+    _features(200, 1e8, 3e7, (('reduce_scatter', 2, 1, 1 << 18),)),
+  ]
+  samples = [fit.Sample(str(i), f, step_time(f, made).total) for i, f in enumerate(cases)]
+  fitted = fit.fit_profile(samples, constants)
+  for key, value in truth.items():
+    assert fitted[key] == pytest.approx(value, rel=1e-6), key
+
+
+def test_the_fit_is_cached_per_cpu_and_recomputed_when_absent(tmp_path):
+  path = str(tmp_path / 'fit.json')
+  calls = []
+
+  def recompute():
+    calls.append(1)
+    return {'fit': {'op_seconds': float(len(calls))}, 'samples': [], 'source': 'test'}
+
+  assert fit.load_step_fit(path, key='a test CPU', recompute=recompute) == {'op_seconds': 1.0}
+  assert fit.load_step_fit(path, key='a test CPU', recompute=recompute) == {'op_seconds': 1.0}
+  assert len(calls) == 1  # the second came from the cache
+  with open(path) as f:
+    assert json.load(f)['a test CPU']['source'] == 'test'
+  tmp_path.joinpath('fit.json').unlink()
+  assert fit.load_step_fit(path, key='a test CPU', recompute=recompute) == {'op_seconds': 2.0}
+  assert len(calls) == 2
