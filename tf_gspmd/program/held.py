@@ -24,10 +24,12 @@ A variable reaches a partitioned program in one of two ways:
 * **adopted** (a plain `tf.Variable` a partitioned function touches, annotated with
   `tg.shard_variable` or given a layout by propagation): it stays the plain variable it was,
   and stays its own state. A partitioned call splits its current value into the shards before
-  running and assembles the new value back into it afterwards (`scatter_adopted`,
-  `gather_adopted`), so every plain read and write, every function traced before or after,
-  sees one value. The price is a whole copy beside the shards and a copy in and out per call:
-  make a variable as shards to hold it once.
+  running, when something wrote it since the last copy (`out_of_sync`: TF copies a buffer on
+  write while another tensor holds it, so an unchanged variable reads back the very buffer
+  recorded at the last copy), and assembles the new value back into it afterwards
+  (`scatter_adopted`, `gather_adopted`), so every plain read and write, every function traced
+  before or after, sees one value. The price is a whole copy beside the shards and a copy out
+  per call that writes it: make a variable as shards to hold it once.
 
 Every partitioned function over a variable finds the same holder (`holder_of`), so a train and
 an evaluation step see one state. A program built for another layout, device list or backend
