@@ -35,6 +35,10 @@ EXECUTORS: Dict[str, str] = {
   'xla': 'tf_gspmd.partitioned.xla_executor:XlaExecutor',  # StableHLO, compiled, run by PJRT
 }
 DEFAULT = 'tf'
+# Where a program's shards live, as `Executor.devices` gives it: a function returning the
+# device list (None: the backend's default devices), so a backend whose devices need an import
+# (jax's for 'xla') is asked only when shards are made.
+DeviceSource = Callable[[], Optional[Sequence]]
 NAMES: Tuple[str, ...] = tuple(EXECUTORS)
 _LOADED: Dict[str, 'Executor'] = {}
 
@@ -50,10 +54,12 @@ class Executor:
   def sharded_variable_class(self) -> type:
     raise NotImplementedError
 
-  def devices(self, mesh, devices: Optional[Sequence]) -> Any:
-    """The devices shards are made on: a list, None (the default ones), or a function giving
-    them (asked only when shards are made)."""
-    return devices
+  def devices(self, mesh, devices: Optional[Sequence]) -> DeviceSource:
+    """The devices shards are made on, as a function giving them (None: the backend's default
+    ones), asked only when shards are made or compared."""
+    del mesh
+    given = None if devices is None else list(devices)
+    return lambda: given
 
   def devices_named(self, names: Sequence[str]) -> list:
     """This backend's devices for TF device names (a Keras DeviceMesh's)."""

@@ -181,10 +181,14 @@ class PartitionedFunction:
       if built_for is None or holder is built_for:
         continue
       if holder is None:  # its shards dropped (unpartition_model): give it shards again
-        self.store.add(var, built_for.sharding, type(built_for), built_for.devices, self.backend)
+        self.store.add(
+          var, built_for.sharding, type(built_for), lambda on=built_for.devices: on, self.backend
+        )
         compiled.holders[i] = held.holder_of(var)
         continue
-      if variables_lib.fits(holder, built_for.sharding, type(built_for), built_for.devices):
+      if variables_lib.fits(
+        holder, built_for.sharding, type(built_for), lambda on=built_for.devices: on
+      ):
         compiled.holders[i] = holder
         continue
       variables_lib.move_shards(var, built_for.sharding, type(built_for), built_for.devices)

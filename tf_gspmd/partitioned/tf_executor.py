@@ -37,7 +37,7 @@ class TFExecutor(executors.Executor):
 
   def prepare(self, compiled, sharded_variables: dict, devices, timeout, name: str):
     del sharded_variables, name  # the launcher takes the variables' shards at each call
-    return spmd_program(compiled, devices, timeout)
+    return spmd_program(compiled, devices(), timeout)
 
   def run(self, compiled, flat_args, sharded_variables: dict, what: str):
     return run(compiled, flat_args, sharded_variables, what)

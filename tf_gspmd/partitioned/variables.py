@@ -142,8 +142,9 @@ class VariableStore:
     """Give `var` shards of `sharding` (a `sharded_cls`), unless it has such shards already.
 
     A variable already held as shards of another layout, device list or backend keeps one
-    state: its shards are moved to what this program needs (`move_shards`). `devices`: the
-    devices, or a function giving them, asked only when shards are made.
+    state: its shards are moved to what this program needs (`move_shards`). `devices`: a
+    function giving the devices (`executors.DeviceSource`), asked only when shards are made
+    or compared.
     """
     del backend  # the class says it
     refuse_abstract(var)
@@ -152,7 +153,7 @@ class VariableStore:
     holder = held.holder_of(var)
     if holder is not None and fits(holder, sharding, sharded_cls, devices):
       return
-    devices = devices() if callable(devices) else devices
+    devices = devices()
     if holder is not None and _lost(holder) and not held.is_split(var):
       # An adopted plain variable kept its own value: its new shards are made from it.
       held.replace_holder(var, _shards_of(var, sharding, sharded_cls, devices))
@@ -241,7 +242,8 @@ def sharded_class_zeros(var, sharding: Sharding, sharded_cls, devices):
 
 
 def fits(holder, sharding: Sharding, sharded_cls, devices) -> bool:
-  """Whether `holder` is what a program needing `sharding` on `devices` reads as it is."""
+  """Whether `holder` is what a program needing `sharding` on `devices` (an
+  `executors.DeviceSource`) reads as it is."""
   if _lost(holder):
     return False
   if not isinstance(holder, sharded_cls) or not holder.sharding.is_equivalent_to(sharding):
@@ -250,9 +252,10 @@ def fits(holder, sharding: Sharding, sharded_cls, devices) -> bool:
   held_on = _devices_of(holder)
   if mesh is not None and held_on is not None and len(held_on) != mesh.size:
     return False  # equivalent layouts (replicated, say) over another number of devices
-  if devices is None or callable(devices):
+  wanted = devices()
+  if wanted is None:
     return True  # the default devices of the backend: the ones the holder was made on
-  return _devices_of(holder) == tuple(devices)
+  return _devices_of(holder) == tuple(wanted)
 
 
 def move_shards(var, sharding: Sharding, sharded_cls, devices) -> None:
