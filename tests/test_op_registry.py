@@ -43,6 +43,11 @@ ALLOWED = {
     f'constant folding of shape queries and literals: {_GRAPH_LAYER}',
   ),
   'rebuild.py': ({'Placeholder'}, f"a function's argument nodes: {_GRAPH_LAYER}"),
+  'step_cost.py': (
+    {'Const', 'NoOp', 'Placeholder', '_Arg', '_Retval', 'VarHandleOp'},
+    'the nodes a graph holds that launch no kernel in a step (the cost model counts launched '
+    'ops); graph structure, not a property of an op rule',
+  ),
   'annotations.py': (
     {'XlaSharding', 'Identity', 'ReadVariableOp'},
     'reads back the annotation chain tf_gspmd itself writes (Identity -> XlaSharding, a '

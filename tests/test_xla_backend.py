@@ -316,6 +316,14 @@ def test_bad_backend_is_refused():
     tg.partition(tf.function(lambda x: x), tg.Mesh.create((8,), ('x',)), backend='tpu')
 
 
+def test_a_saved_model_of_an_xla_backend_function_is_refused_naming_save_xla(tmp_path):
+  mesh = tg.Mesh.create((8,), ('x',))
+  step = tg.partition(tf.function(lambda x: tf.nn.relu(x) * 2), mesh, backend='xla')
+  step(np.ones((8, 4), np.float32))
+  with pytest.raises(ValueError, match=r"backend='xla'.*save_xla"):
+    tg.saved_model.save(step, str(tmp_path / 'model'))
+
+
 # --- each collective, numerically, on 1-D and 2-D meshes -----------------------------------------
 MESH_1D = tg.Mesh.create((8,), ('x',))
 MESH_2D = tg.Mesh.create((2, 4), ('x', 'y'))

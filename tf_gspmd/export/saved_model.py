@@ -214,12 +214,7 @@ def _stored(pf, compiled, by_variable, variable) -> _StoredShards:
 
 def _signature_function(pf, compiled: Compiled, by_variable, name: str):
   """The serving tf.function of one compiled program (flat inputs -> dict of outputs)."""
-  spmd = compiled.prepared
-  if not isinstance(spmd, SpmdProgram):
-    raise ValueError(
-      "saved_model.save: the function was partitioned with backend='xla'; a "
-      'SavedModel serves the TF backend (use save_xla for the XLA module).'
-    )
+  spmd = pf.executor.tf_launcher(compiled.prepared, 'saved_model.save')
   served = SpmdProgram(
     spmd.mesh,
     spmd.fn,

@@ -99,6 +99,15 @@ class Executor:
     del prepared
     raise ValueError(f'xla_executable(): this function was partitioned with backend={self.name!r}.')
 
+  def tf_launcher(self, prepared, what: str) -> Any:
+    """The TF launcher (`runtime.SpmdProgram`) of a prepared program, which a SavedModel
+    serves; a backend without one refuses, naming what serves its programs."""
+    del prepared
+    raise ValueError(
+      f'{what}: the function was partitioned with backend={self.name!r}; a SavedModel serves '
+      "the TF backend's program (use saved_model.save_xla for an XLA module)."
+    )
+
   def check_python_callback(self, op: str, node: str, name: str) -> None:
     """Refuse a Python callback op (tf.py_function, tf.numpy_function) the backend cannot run;
     TF's runtime runs them."""

@@ -54,6 +54,9 @@ class TFExecutor(executors.Executor):
 
     return dtensor_compat.mesh_devices(mesh)
 
+  def tf_launcher(self, prepared, what: str):
+    return prepared  # a runtime.SpmdProgram
+
   def built(self, compiled, prepare) -> None:
     prepare(compiled)  # the launcher is made at build: the first call only instantiates it
 
