@@ -142,6 +142,32 @@ def is_py_function_gradient(token: str) -> bool:
   return bool(getattr(func, '_is_grad_func', False))
 
 
+def iterators_without_autotuning() -> None:
+  """Every tf.data iterator made from now on in this process runs without autotuning.
+
+  tf.data's autotuning thread sleeps between its rounds, longer the longer a pipeline has
+  lived (seconds once a partitioned `fit` spent its first step building the program), and an
+  iterator's destruction waits for that sleep to end: a Keras fuzz model's `fit` idled a fifth
+  of its time there. Autotuning picks parallelism and buffer sizes, never the elements nor
+  their order. `_apply_debug_options` is the private step every iterator's dataset passes
+  through (tf.data has no process-wide default options); the Keras fuzzer calls this once
+  per process (`testing/keras_fuzz.py`)."""
+  import tensorflow as tf
+  from tensorflow.python.data.ops import dataset_ops
+
+  apply = dataset_ops.DatasetV2._apply_debug_options  # noqa: SLF001
+  if getattr(apply, 'without_autotuning', False):
+    return
+
+  def applied(dataset):
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return apply(dataset).with_options(options)
+
+  applied.without_autotuning = True  # type: ignore[attr-defined]
+  dataset_ops.DatasetV2._apply_debug_options = applied  # noqa: SLF001
+
+
 __all__ = [
   'FuncGraph',
   'TFFunction',
@@ -159,6 +185,7 @@ __all__ = [
   'handle_data_util',
   'importer',
   'is_py_function_gradient',
+  'iterators_without_autotuning',
   'kernels',
   'op_def_registry',
   'pywrap_tf_session',

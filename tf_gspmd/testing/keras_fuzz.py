@@ -459,9 +459,11 @@ def _prepare() -> None:
   """A campaign's process, before its first model (see `fuzz._prepare`)."""
   os.environ.setdefault('KERAS_BACKEND', 'tensorflow')
   from tf_gspmd.testing.op_sweep import configure_devices
+  from tf_gspmd.tf_private import iterators_without_autotuning
 
   configure_devices(8)
   quiet()
+  iterators_without_autotuning()  # an iterator's end waited for autotuning's sleep
   import keras  # noqa: F401  (imported before the freeze, so that it is frozen too)
 
   import tf_gspmd.keras  # noqa: F401
