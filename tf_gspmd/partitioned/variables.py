@@ -154,19 +154,18 @@ class VariableStore:
     if holder is not None and fits(holder, sharding, sharded_cls, devices):
       return
     devices = devices()
-    if holder is not None and _lost(holder) and not held.is_split(var):
-      # An adopted plain variable kept its own value: its new shards are made from it.
-      held.replace_holder(var, _shards_of(var, sharding, sharded_cls, devices))
-      return
     if holder is not None and _lost(holder):
-      warnings.warn(
-        f'partition: the shards of variable {var.name} lived on a cluster connection that is '
-        'gone (tf_gspmd.runtime.cluster.connect ran again): its value is lost; it starts from '
-        'zeros on the new devices. Restore a checkpoint (tg.restore_checkpoint) before reading it.',
-        stacklevel=3,
-      )
-      made = sharded_class_zeros(var, sharding, sharded_cls, devices)
-      held.replace_holder(var, made)
+      value = None  # an adopted plain variable kept its own value: new shards are made from it
+      if held.is_split(var):  # its shards were its only state
+        warnings.warn(
+          f'partition: the shards of variable {var.name} lived on a cluster connection that '
+          'is gone (tf_gspmd.runtime.cluster.connect ran again): its value is lost; it starts '
+          'from zeros on the new devices. Restore a checkpoint (tg.restore_checkpoint) before '
+          'reading it.',
+          stacklevel=3,
+        )
+        value = tf.zeros(var.shape, var.dtype)
+      held.replace_holder(var, _shards_of(var, sharding, sharded_cls, devices, value))
       return
     if holder is not None:
       move_shards(var, sharding, sharded_cls, devices)
@@ -203,10 +202,11 @@ def _deprecated(name: str) -> None:
   )
 
 
-def _shards_of(var, sharding: NamedSharding, sharded_cls, devices):
-  """Shards of `sharding` (a `sharded_cls`) on `devices`, made from `var`'s current value."""
+def _shards_of(var, sharding: Sharding, sharded_cls, devices, value=None):
+  """Shards of `sharding` (a `sharded_cls`) on `devices`, made from `value` (default: `var`'s
+  current value)."""
   return sharded_cls(
-    var.read_value(),
+    var.read_value() if value is None else value,
     sharding,
     devices=devices,
     name=var.name.split(':')[0],
@@ -228,17 +228,6 @@ def _lost(holder) -> bool:
   from tf_gspmd.runtime.cluster import connection_count
 
   return made_under != connection_count()
-
-
-def sharded_class_zeros(var, sharding: Sharding, sharded_cls, devices):
-  """Shards of zeros for `var` (its value was lost with the devices that held it)."""
-  return sharded_cls(
-    tf.zeros(var.shape, var.dtype),
-    sharding,
-    devices=devices,
-    name=var.name.split(':')[0],
-    trainable=getattr(var, 'trainable', True),
-  )
 
 
 def fits(holder, sharding: Sharding, sharded_cls, devices) -> bool:
