@@ -368,7 +368,7 @@ class ShardedVariable(tf.Module):
     """The global value (padding dropped)."""
     what = f'ShardedVariable {self.label!r}'
     # Only the shards the global value is made of: one of a replicated variable, not N.
-    needed = set(_tile_members(self.sharding, len(self.shards), what).reshape(-1).tolist())
+    needed = needed_partitions(self.sharding, len(self.shards), what)
     shards = [read(v) if p in needed else None for p, v in enumerate(self.shards)]
     return assemble(shards, self.sharding, self.shape, what)
 
