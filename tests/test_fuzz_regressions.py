@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tf_gspmd as tg
-from tf_gspmd.testing import fuzz
+from tf_gspmd.testing import fuzz, oracle
 
 
 @pytest.fixture(autouse=True)
@@ -306,3 +306,48 @@ def build_3535_3081(dtype=np.float32):
 
 def test_fuzz_3535_3081_segment_sum_of_a_gather_gradient_with_unknown_dims():
   fuzz.check(build_3535_3081, backend='tf')
+
+
+def build_1414_917(dtype=np.float32):
+  """[1414:917] shrunk: a strided 1x1 convolution's filter gradient, channels split."""
+  mesh = tg.Mesh(np.array([4, 0, 6, 1, 3, 2, 5, 7]).reshape((4, 2)), ('a', 'b'))
+  rng = np.random.RandomState(2331)
+  x17 = (rng.standard_normal((3, 10, 8, 12)) * 1.0).astype(dtype)
+  v33_value = (rng.standard_normal((1, 1, 12, 1)) * 0.2887).astype(dtype)
+  loss_weight = rng.standard_normal((3, 5, 4, 1)).astype(dtype)
+
+  def make():
+    v33 = tf.Variable(v33_value)
+    tg.shard_variable(v33, mesh, tg.P(None, None, 'b', 'a'))
+
+    @tf.function(autograph=False)
+    def program(x17):
+      with tf.GradientTape() as tape:
+        tape.watch([x17])
+        t34 = tf.nn.conv2d(x17, v33, strides=2, padding='SAME')
+        t34 = tg.shard(t34, mesh, tg.P('a', None, 'b', None))
+        loss = tf.reduce_sum(t34 * loss_weight)
+      return [t34] + tape.gradient(loss, [x17, v33])
+
+    return program, [v33]
+
+  return mesh, make, [x17]
+
+
+def test_fuzz_1414_917_strided_pointwise_filter_gradient_is_a_matmul():
+  """TF 2.21's oneDNN Conv2DBackpropFilter of a 1x1 kernel with stride 2 corrupts the heap
+  (the process dies, unpartitioned too); the partitioned program computes that gradient as
+  the strided rows against the output gradient. Its float32 reference would die the same way,
+  so the float64 program (TF's Eigen kernels) is the reference, under float32's bound."""
+  got = fuzz.partitioned(build_1414_917)
+  want = fuzz.reference(build_1414_917, np.float64)
+  oracle.assert_close(got, tf.nest.map_structure(lambda a: a.astype(np.float32), want))
+  mesh, make, args = build_1414_917()
+  program, _ = make()
+  partitioned = tg.partition(program, mesh, progress=False)
+  partitioned(*args)
+  compiled = partitioned.get_program(*args)
+  assert 'Conv2DBackpropFilter' in {node.op for node in compiled.program.main.nodes}
+  graph = compiled.prepared.per_partition.function.graph
+  local_ops = {op.type for op in graph.get_operations()}
+  assert 'Conv2DBackpropFilter' not in local_ops and 'Einsum' in local_ops, sorted(local_ops)

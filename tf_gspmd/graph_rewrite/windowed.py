@@ -94,6 +94,45 @@ def _emit_valid(node, inputs, op_type: Optional[str] = None) -> tf.Tensor:
   return op.outputs[0]
 
 
+def _emit_filter_gradient(node, inputs, name: str, attrs: Optional[dict] = None) -> tf.Tensor:
+  """Conv2DBackpropFilter(input, filter_sizes, out_backprop) as `node` says it, except a 1x1
+  kernel with a stride: that is the strided rows of the input against the output gradient, a
+  matmul, emitted so. TF 2.21's oneDNN kernel for that form corrupts the heap (a double free or
+  a segfault, unpartitioned too: `tf.raw_ops.Conv2DBackpropFilter` with filter [1, 1, 12, 1],
+  strides 2, on a [3, 10, 8, 12] input; fine with TF_ENABLE_ONEDNN_OPTS=0), and a shard shape
+  must not meet it."""
+  x, sizes, g = inputs
+  if node.op == 'Conv2DBackpropFilter' and _strided_pointwise(node, sizes):
+    return _pointwise_filter_gradient(node, x, g, name)
+  return emit.emit_node(node, inputs, attrs=attrs, name=name).outputs[0]
+
+
+def _strided_pointwise(node, sizes: tf.Tensor) -> bool:
+  """A 1x1 kernel with a stride above 1, NHWC, no explicit padding."""
+  kernel = tf.get_static_value(sizes)
+  strides = list(node.attrs['strides'].list.i)
+  fmt = node.attrs['data_format'].s if 'data_format' in node.attrs else b'NHWC'
+  explicit = node.attrs['explicit_paddings'].list.i if 'explicit_paddings' in node.attrs else []
+  return (
+    kernel is not None
+    and list(kernel[:2]) == [1, 1]
+    and fmt == b'NHWC'
+    and max(strides) > 1
+    and not any(explicit)
+  )
+
+
+def _pointwise_filter_gradient(node, x: tf.Tensor, g: tf.Tensor, name: str) -> tf.Tensor:
+  """The filter gradient of a strided 1x1 convolution: every output row reads input row
+  stride * i (SAME pads nothing for a 1x1 kernel), so it is those rows against the output
+  gradient, summed over batch and positions."""
+  _, sh, sw, _ = list(node.attrs['strides'].list.i)
+  oh, ow = int(g.shape[1]), int(g.shape[2])
+  rows = x[:, : (oh - 1) * sh + 1 : sh, : (ow - 1) * sw + 1 : sw, :]
+  summed = tf.einsum('nhwc,nhwo->co', rows, g, name=name + '/pointwise')
+  return tf.expand_dims(tf.expand_dims(summed, 0), 0, name=name)
+
+
 def _count_fraction(
   p, node, dims: Sequence[SpatialDim], sharding: NamedSharding, dtype
 ) -> Optional[tf.Tensor]:
@@ -268,7 +307,10 @@ def _filter_gradient(p, node, values, chosen, dims, layout, out_shape):
   gt = _mask(p, g, g.tensor, range(4))
   window = gather_window(p, xt, x.sharding, dims, 0)
   local = chosen.results[0].shard_shape(out_shape)
-  return _emit_valid(node, [window, _local_shape_const(sizes.dtype, local), gt])
+  inputs = [window, _local_shape_const(sizes.dtype, local), gt]
+  if node.op == 'Conv2DBackpropFilter':
+    return _emit_filter_gradient(node, inputs, node.name + '/gspmd/window', _valid_attrs(node))
+  return _emit_valid(node, inputs)
 
 
 def _max_pool_grad(p, node, values, chosen, dims, layout, out_shape):
@@ -371,5 +413,7 @@ def _whole_images(p, node, values, chosen, layout, out_shape) -> tf.Tensor:
   if sizes is not None:
     local = _unpartial(chosen.results[0]).shard_shape(out_shape)
     inputs[sizes] = _local_shape_const(values[sizes].tensor.dtype, local)
+  if node.op == 'Conv2DBackpropFilter':
+    return _emit_filter_gradient(node, inputs, node.name + '/gspmd/local')
   op = emit.emit_node(node, inputs, name=node.name + '/gspmd/local')
   return op.outputs[0]

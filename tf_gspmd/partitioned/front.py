@@ -195,8 +195,10 @@ class PartitionedFunction:
       compiled.holders[i] = held.holder_of(var)
 
   def get_program(self, *args) -> Compiled:
-    """Capture, propagate and build (without running) for these example arguments."""
-    return self._compile(args)
+    """Capture, propagate and build (without running) for these example arguments; `explain`,
+    `collectives` and `op_records` describe it afterwards."""
+    self._last = self._compile(args)
+    return self._last
 
   # --- variables ------------------------------------------------------------------
   def sharded_variables(self) -> List[Any]:

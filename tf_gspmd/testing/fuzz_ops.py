@@ -367,7 +367,13 @@ def draw_conv(g, x):
   n, h, w, c = g.shapes[x]
   kh, kw = g.rng.randint(1, 4), g.rng.randint(1, 4)
   kernel = g.new_input('var', (kh, kw, c, g.dim()), scale=1 / math.sqrt(kh * kw * c))
-  return _op(g, 'conv', [x, kernel], stride=g.choice([1, 2]), padding=g.choice(['SAME', 'VALID']))
+  stride = g.choice([1, 2])
+  if kh == kw == 1:
+    # TF 2.21's oneDNN filter gradient of a strided 1x1 convolution corrupts the heap, in the
+    # unpartitioned reference too (the partitioner emits a matmul there: regression test
+    # 1414_917): drawn, so the programs after it stay the same, but not used.
+    stride = 1
+  return _op(g, 'conv', [x, kernel], stride=stride, padding=g.choice(['SAME', 'VALID']))
 
 
 def shape_conv(op, shapes):
