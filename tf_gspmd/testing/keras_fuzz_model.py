@@ -187,6 +187,10 @@ class _Drawer:
     window = int(self.rng.choice([1, 2, 3]))
     args = {0: filters, 1: window} if filters else {0: window}
     args['strides'] = int(self.rng.choice([1, 1, 2, 3]))
+    if filters and window == 1:
+      # TF 2.21's oneDNN filter gradient of a strided 1x1 convolution corrupts the heap, plain
+      # Keras too (tests/test_fuzz_regressions.py 1414_917): drawn, then not used.
+      args['strides'] = 1
     args['padding'] = str(self.rng.choice(['valid', 'same']))
     return self.add(kind, args)
 
