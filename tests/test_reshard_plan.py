@@ -77,7 +77,7 @@ def test_hierarchical_levels_differ_from_flat_for_uneven_sizes():
   # 10 rows over 2x2: flat gives 3,3,3,1; split first over 2 then 2 gives 3,2,3,2.
   assert rp.shard_intervals(10, ((4, 3),)) == ((0, 3), (3, 3), (6, 3), (9, 1))
   assert rp.shard_intervals(10, ((2, 5), (2, 3))) == ((0, 3), (3, 2), (5, 3), (8, 2))
-  assert not rp.same_layout(10, ((4, 3),), ((2, 5), (2, 3)))
+  assert not rp.same_geometry(10, ((4, 3),), ((2, 5), (2, 3)))
   # Even sizes: the two are the same layout and normalize to the same levels.
   assert rp.normalize_levels(((2, 6), (2, 3))) == ((4, 3),)
 

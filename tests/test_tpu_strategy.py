@@ -170,14 +170,16 @@ def test_replica_program_trains_on_pjrt_replicas_like_the_unpartitioned_step(meg
   updates = {e.output_shape_index[0]: e.parameter_number for e in module.input_output_alias.entries}
   module.ClearField('input_output_alias')
   stablehlo = xla_client._xla.mlir.hlo_to_stablehlo(module.SerializeToString())  # noqa: SLF001
-  arg_layout = export_lib.Layout(
+  arg_layout = export_lib.ExportedValue(
     'x', 'argument', (8, 16), tf.float32, step.arg_shardings[0], step.local_specs[0].shape
   )
   var_layouts = [
-    export_lib.Layout(f'w{i}', 'variable', tuple(v.shape), tf.float32, s, s.shard_shape(v.shape))
+    export_lib.ExportedValue(
+      f'w{i}', 'variable', tuple(v.shape), tf.float32, s, s.shard_shape(v.shape)
+    )
     for i, (s, v) in enumerate(layouts)
   ]
-  loss_layout = export_lib.Layout(
+  loss_layout = export_lib.ExportedValue(
     'loss', 'output', (), tf.float32, step._compiled.out_shardings[0], ()
   )  # noqa: SLF001
   export = export_lib.XlaExport(

@@ -47,7 +47,7 @@ Axes = Tuple[str, ...]
 Spec = Tuple[Axes, ...]  # mesh axes per dim
 # A value's layout: (spec, axes of a pending sum); None: free (a constant, a value nobody
 # laid out yet: it takes whatever its consumer needs, at no cost).
-Layout = Optional[Tuple[Spec, Axes]]
+SimSharding = Optional[Tuple[Spec, Axes]]
 _UNMOVABLE = (tf.resource, tf.variant, tf.string)
 
 
@@ -80,7 +80,7 @@ class _Core:
   """An op on given operand layouts: what each operand must be, what each result is."""
 
   needs: Tuple[Optional[Spec], ...]
-  results: Tuple[Layout, ...]
+  results: Tuple[SimSharding, ...]
   points: float  # iteration-space points one device computes
   repeated: float  # beyond its 1/N share
   flops: float  # of its contractions, one device
@@ -251,14 +251,14 @@ class Simulator:
     return size
 
   # --- memoized answers ------------------------------------------------------------------
-  def core(self, op: _Op, operands: Tuple[Layout, ...], targets: tuple = ()) -> _Core:
+  def core(self, op: _Op, operands: Tuple[SimSharding, ...], targets: tuple = ()) -> _Core:
     key = (op.index, operands, targets)
     found = self._cores.get(key)
     if found is None:
       found = self._cores[key] = self._core(op, operands, targets)
     return found
 
-  def _core(self, op: _Op, operands: Tuple[Layout, ...], targets: tuple) -> _Core:
+  def _core(self, op: _Op, operands: Tuple[SimSharding, ...], targets: tuple) -> _Core:
     """The cheaper of two factor assignments (as `graph_rewrite.factors.choose_layouts`
     weighs its candidates, by the bytes they move): the operands' merge (the most devices
     win), and the results' targets first. Not each operand first, as the partitioner also
@@ -306,7 +306,7 @@ class Simulator:
       *self._work(op, effective),
     )
 
-  def _factor_axes(self, op: _Op, operands: Tuple[Layout, ...], targets: tuple, first) -> dict:
+  def _factor_axes(self, op: _Op, operands: Tuple[SimSharding, ...], targets: tuple, first) -> dict:
     """Each factor's axes from the proposals of its tensors: a variable's own layout wins,
     then tensor `first` (`n`: the results' targets), then the one over the most devices
     (`OpRule.factor_axes`' merge)."""
@@ -390,8 +390,8 @@ class _Walk:
 
   def __init__(self, sim: Simulator, variables, arguments):
     self.sim = sim
-    self.layouts: Dict[str, Layout] = {}
-    self.variables: Dict[str, Layout] = {
+    self.layouts: Dict[str, SimSharding] = {}
+    self.variables: Dict[str, SimSharding] = {
       name: _layout_of(variables.get(name), sim.shape(name)) for name in sim.program.variables
     }
     for name, spec in zip(sim.program.arg_inputs, arguments):
@@ -441,7 +441,7 @@ class _Walk:
     operands = [self.operand(t) for t in op.node.inputs]
     return _linear_result(op, self.sim, operands, pending) is None
 
-  def operand(self, tensor: str) -> Layout:
+  def operand(self, tensor: str) -> SimSharding:
     if tensor in self.variables:
       return self.variables[tensor]
     return self.layouts.get(tensor)
@@ -473,7 +473,7 @@ class _Walk:
     if core.flops:
       self.flops[op.dtype] = self.flops.get(op.dtype, 0.0) + core.flops
 
-  def linear(self, op: _Op, operands: List[Layout]) -> bool:
+  def linear(self, op: _Op, operands: List[SimSharding]) -> bool:
     """A linear op on pending sums (coalesce.py's forms): its result is pending alike."""
     node = op.node
     pending = [i for i, t in enumerate(node.inputs) if t in self.pending]
@@ -501,7 +501,7 @@ class _Walk:
       self.produce(op, i, None if shape is None else (((),) * len(shape), ()))
 
   # --- values ------------------------------------------------------------------------------
-  def produce(self, op: _Op, index: int, layout: Layout) -> None:
+  def produce(self, op: _Op, index: int, layout: SimSharding) -> None:
     """Result `index` of `op` made with `layout` (moved to its annotation, if it has one)."""
     name = op.names[index]
     want = op.annotations.get(index)
@@ -526,7 +526,7 @@ class _Walk:
     variable = self.variables[found[1]]
     return None if variable is None else variable[0]
 
-  def toward_target(self, tensor: str, layout: Tuple[Spec, Axes]) -> Layout:
+  def toward_target(self, tensor: str, layout: Tuple[Spec, Axes]) -> SimSharding:
     """A pending sum bound for another layout: resolved into it at once."""
     target = self.target(tensor)
     if target is None or target == layout[0]:
@@ -534,7 +534,7 @@ class _Walk:
     self.move(tensor, layout, target, self.sim.tensor_shapes[tensor])
     return (target, ())
 
-  def resolved(self, tensor: str, layout: Layout) -> Layout:
+  def resolved(self, tensor: str, layout: SimSharding) -> SimSharding:
     """`layout` with its pending sum resolved (with every other one of its bucket)."""
     if tensor not in self.pending:
       return layout
@@ -555,7 +555,7 @@ class _Walk:
       if key in self.pending.values():
         self.resolve_bucket(key)
 
-  def move(self, tensor: str, layout: Layout, want: Spec, shape) -> None:
+  def move(self, tensor: str, layout: SimSharding, want: Spec, shape) -> None:
     """`tensor` resharded from `layout` to `want`: nothing for a free value; a variable left
     to propagation takes the layout its first user needs."""
     if tensor in self.variables:  # a variable's handle: its layout wins, or is set here
@@ -626,7 +626,9 @@ class _Walk:
 
 
 # --- helpers ----------------------------------------------------------------------------------
-def _linear_result(op: _Op, sim: Simulator, operands: List[Layout], pending: List[int]) -> Layout:
+def _linear_result(
+  op: _Op, sim: Simulator, operands: List[SimSharding], pending: List[int]
+) -> SimSharding:
   """The pending layout of a linear op's result, or None when its operands must be resolved
   first (a product of two pending sums, a reshape or sum moving a split dim)."""
   form, node = op.entry.linear, op.node
@@ -654,7 +656,7 @@ def _linear_result(op: _Op, sim: Simulator, operands: List[Layout], pending: Lis
   return first if pending == [0] else None
 
 
-def _unpended(operands: List[Layout]) -> tuple:
+def _unpended(operands: List[SimSharding]) -> tuple:
   """Operand layouts with their pending sums dropped (a linear op computes on the blocks)."""
   return tuple(None if lay is None else (lay[0], ()) for lay in operands)
 
@@ -674,7 +676,7 @@ def _spec_of(spec: P, shape) -> Spec:
   return tuple(tuple(spec.axes_of(d)) if d < len(spec) else () for d in range(rank))
 
 
-def _layout_of(spec, shape) -> Layout:
+def _layout_of(spec, shape) -> SimSharding:
   """A P or NamedSharding as a layout (None: left free, as is a sharding of no named spec)."""
   if isinstance(spec, NamedSharding):
     spec = spec.spec

@@ -80,7 +80,7 @@ def save_xla(pf, export_dir: str, *example_args):
 
 def load_xla(export_dir: str):
   """(XlaExport, {parameter index: global value}) read back from `save_xla`'s files."""
-  from tf_gspmd.xla_bridge.export import Layout, XlaExport
+  from tf_gspmd.xla_bridge.export import ExportedValue, XlaExport
 
   with open(os.path.join(export_dir, XLA_LAYOUTS)) as f:
     data = json.load(f)
@@ -96,7 +96,7 @@ def load_xla(export_dir: str):
       if d['sharding'] is None
       else op_sharding.from_proto(bytes.fromhex(d['sharding']['op_sharding']), mesh=mesh)
     )
-    return Layout(
+    return ExportedValue(
       d['name'],
       d['kind'],
       tuple(d['shape']),

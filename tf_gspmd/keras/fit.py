@@ -286,7 +286,7 @@ def _check_attention_heads(model) -> None:
     for weight in layer.weights:
       dim = _HEAD_DIM.get(weight.path[len(layer.path) + 1 :])
       sharding = variable_sharding(weight) if dim is not None else None
-      spec = getattr(sharding, 'spec', None)  # a NamedSharding's; other tilings are not checked
+      spec = getattr(sharding, 'spec', None)  # a NamedSharding's; other shardings are not checked
       axes = spec[dim] if spec is not None and dim < len(spec) else None
       if axes is None:
         continue

@@ -34,16 +34,16 @@ def lower(compiled: Compiled, sharded_variables: dict, partition_id: int, name: 
 
 def export(compiled: Compiled, sharded_variables: dict, name: str):
   """The per-replica StableHLO module of `compiled` (an `xla_bridge.XlaExport`), with the
-  layout of every argument, capture, variable and output."""
-  from tf_gspmd.xla_bridge.export import Layout, export_per_replica
+  sharding of every argument, capture, variable and output."""
+  from tf_gspmd.xla_bridge.export import ExportedValue, export_per_replica
 
   program, main = compiled.program, compiled.program.main
   names = list(program.arg_inputs) + list(program.captures)
-  layouts = []
+  values = []
   for i, (tensor, spec) in enumerate(zip(names, compiled.local_specs)):
     kind = 'argument' if i < len(program.arg_inputs) else 'capture'
-    layouts.append(
-      Layout(
+    values.append(
+      ExportedValue(
         tensor,
         kind,
         tuple(main.tensor(tensor).shape),
@@ -55,8 +55,8 @@ def export(compiled: Compiled, sharded_variables: dict, name: str):
   templates = []
   for var in compiled.variables:
     sharded = sharded_variables[id(var)]
-    layouts.append(
-      Layout(
+    values.append(
+      ExportedValue(
         var.name,
         'variable',
         sharded.shape,
@@ -67,7 +67,9 @@ def export(compiled: Compiled, sharded_variables: dict, name: str):
     )
     templates.append(local_variable(sharded))
   outputs = [
-    Layout(t, 'output', shape, main.tensor(t).dtype, sharding, tuple(sharding.shard_shape(shape)))
+    ExportedValue(
+      t, 'output', shape, main.tensor(t).dtype, sharding, tuple(sharding.shard_shape(shape))
+    )
     for t, sharding, shape in zip(main.outputs, compiled.out_shardings, compiled.out_shapes)
   ]
   examples = [tf.zeros(spec.shape, spec.dtype) for spec in compiled.local_specs] + templates
@@ -76,6 +78,6 @@ def export(compiled: Compiled, sharded_variables: dict, name: str):
     compiled.per_partition,
     examples,
     name=f'{name}_per_replica',
-    arg_layouts=layouts,
-    output_layouts=outputs,
+    arg_values=values,
+    output_values=outputs,
   )

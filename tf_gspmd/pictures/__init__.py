@@ -1,8 +1,8 @@
-"""Pictures of a layout: where a tensor's blocks live, as a terminal grid or an HTML page.
+"""Pictures of a sharding: where a tensor's blocks live, as a terminal grid or an HTML page.
 
 `visualize(x)` prints which devices hold which block of a tensor (`text`);
 `PartitionedFunction.visualize` / `.report` and `PlanReport.report` draw the
-layouts propagation chose, and the page (`html`) adds the collectives and
+tilings propagation chose, and the page (`html`) adds the collectives and
 per-device memory of a step. Everything here reads plain data (shardings,
 shapes, byte counts, collective records), computed once in `geometry`.
 """
@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.pictures import text
-from tf_gspmd.pictures.geometry import Layout, layout_of
+from tf_gspmd.pictures.geometry import Tiling, tiling_of
 from tf_gspmd.sharding import Sharding
 
 
@@ -32,7 +32,7 @@ def visualize(x, shape: Optional[Sequence[int]] = None, mesh: Optional[Mesh] = N
   ...
   """
   sharding, shape, name = _sharding_and_shape(x, shape, mesh)
-  picture = text.render(layout_of(sharding, shape, mesh), name)
+  picture = text.render(tiling_of(sharding, shape, mesh), name)
   print(picture)
   return picture
 
@@ -72,4 +72,4 @@ def _annotated(x, shape, mesh) -> tuple:
   return sharding, tuple(int(s) for s in shape), name
 
 
-__all__ = ['Layout', 'layout_of', 'visualize']
+__all__ = ['Tiling', 'tiling_of', 'visualize']

@@ -1,9 +1,9 @@
 """Which device holds which block of a tensor: the plain data every picture is drawn from.
 
-`layout_of(sharding, shape, mesh)` turns a sharding into a `Layout`: per tensor
+`tiling_of(sharding, shape, mesh)` turns a sharding into a `Tiling`: per tensor
 dim, how it is cut (`DimSplit`), and per block (a tile index), the devices that
 hold it (`Block.parts`: one tuple of replicas per part of a pending reduction).
-`Layout.grid_dims` picks the two dims a 2-D picture shows; the text grid and
+`Tiling.grid_dims` picks the two dims a 2-D picture shows; the text grid and
 the HTML page both draw from here, so they cannot disagree.
 """
 
@@ -61,7 +61,7 @@ class Block:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class Tiling:
   """A tensor's blocks over devices; see the module docstring."""
 
   shape: Tuple[int, ...]
@@ -130,7 +130,7 @@ class Layout:
     return out
 
 
-def layout_of(sharding: Sharding, shape: Sequence[int], mesh: Optional[Mesh] = None) -> Layout:
+def tiling_of(sharding: Sharding, shape: Sequence[int], mesh: Optional[Mesh] = None) -> Tiling:
   """The blocks of a tensor of `shape` laid out by `sharding`.
 
   `mesh` names the axes of a plain `Sharding` (when some spec on it says the
@@ -150,7 +150,7 @@ def layout_of(sharding: Sharding, shape: Sequence[int], mesh: Optional[Mesh] = N
     index: Block(tuple(dims[d].bounds[i] for d, i in enumerate(index)), parts)
     for index, parts in holders.items()
   }
-  return Layout(shape, sharding, mesh, dims, blocks, _replica_axes(sharding))
+  return Tiling(shape, sharding, mesh, dims, blocks, _replica_axes(sharding))
 
 
 def device_label(parts: Sequence[Sequence[int]]) -> str:

@@ -2,7 +2,7 @@
 
 Sections: per-device memory (parameters / optimizer state / activations),
 collectives per step as a bar chart by (kind, mesh axes), every variable's
-layout as a device grid (blocks drawn to scale, each labelled with its
+tiling as a device grid (blocks drawn to scale, each labelled with its
 devices, as `text` would print them), and where each sharding came from.
 Nothing is fetched: no URL, no font, no script library. Elements carry their
 numbers in data-* attributes (bytes, devices, ranges), so a test can read the
@@ -16,7 +16,7 @@ import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from tf_gspmd.pictures import text
-from tf_gspmd.pictures.geometry import Layout, device_label, layout_of, range_text, shown
+from tf_gspmd.pictures.geometry import Tiling, device_label, range_text, shown, tiling_of
 from tf_gspmd.pictures.page import MEMORY_PARTS, Page, TensorEntry
 
 GRID_WIDTH = 400  # px of a grid's blocks
@@ -39,7 +39,7 @@ def render(page: Page) -> str:
     _summary(page),
     _memory(page),
     _collectives(page),
-    _layouts(page),
+    _variable_shardings(page),
     _provenance(page),
   ]
   return (
@@ -200,8 +200,8 @@ def _collective_table(records: Sequence[dict]) -> str:
   return f'<details><summary>every collective ({len(records)})</summary>{table}</details>'
 
 
-# --- layouts -----------------------------------------------------------------------------
-def _layouts(page: Page) -> str:
+# --- variables' shardings ----------------------------------------------------------------
+def _variable_shardings(page: Page) -> str:
   legend = (
     '<p class="note">Each box is one block of the tensor, drawn to scale; its label '
     "lists the devices holding it (',' between copies, '+' between the parts of a "
@@ -212,37 +212,37 @@ def _layouts(page: Page) -> str:
   if boundary:
     boundary = f'<h2>Arguments and outputs</h2><div class="cards">{boundary}</div>'
   return (
-    f'<section id="layouts"><h2>Variable layouts</h2>{legend}'
+    f'<section id="shardings"><h2>Variable shardings</h2>{legend}'
     f'<div class="cards">{variables}</div>{boundary}</section>'
   )
 
 
 def _card(anchor: str, v: TensorEntry, page: Page) -> str:
-  layout = layout_of(v.sharding, v.shape, page.mesh)
-  lines = ''.join(f'<li>{_e(line)}</li>' for line in text.header(layout)[1:])
+  tiling = tiling_of(v.sharding, v.shape, page.mesh)
+  lines = ''.join(f'<li>{_e(line)}</li>' for line in text.header(tiling)[1:])
   prov = f'<p class="prov"><b>provenance:</b> {_e(v.provenance)}</p>' if v.provenance else ''
   return (
     f'<div class="card" id="{anchor}"><h3>{_e(v.name)}</h3>'
     f'<p class="meta">{_e(v.role)} &middot; {_e(v.dtype)} {_e(v.shape)} &middot; '
     f'{_code(v.sharding)} &middot; {_bytes(v.per_device)} per device of '
-    f'{_bytes(v.total)}</p>{grid_svg(layout, v.name, v.role)}'
+    f'{_bytes(v.total)}</p>{grid_svg(tiling, v.name, v.role)}'
     f'<ul class="lines">{lines}</ul>{prov}</div>'
   )
 
 
-def grid_svg(layout: Layout, name: str, role: str = '') -> str:
-  """The blocks of `layout` to scale: rows down, columns across, labelled with their devices."""
-  rows_dim, cols_dim = layout.grid_dims
-  width, height = _grid_size(layout)
-  cols = _spans(layout, cols_dim, width)
-  rows = _spans(layout, rows_dim, height)
+def grid_svg(tiling: Tiling, name: str, role: str = '') -> str:
+  """The blocks of `tiling` to scale: rows down, columns across, labelled with their devices."""
+  rows_dim, cols_dim = tiling.grid_dims
+  width, height = _grid_size(tiling)
+  cols = _spans(tiling, cols_dim, width)
+  rows = _spans(tiling, rows_dim, height)
   left = 70 if rows_dim is not None else 4
   top = 20 if cols_dim is not None else 4
   width, height = cols[-1][1] + cols[-1][2], rows[-1][1] + rows[-1][2]
-  out = [_axis_labels(layout, rows, cols, left, top)]
+  out = [_axis_labels(tiling, rows, cols, left, top)]
   for r, (row, y, h) in enumerate(rows):
     for c, (col, x, w) in enumerate(cols):
-      out.append(_block(layout, row, col, left + x, top + y, w, h, r * len(cols) + c))
+      out.append(_block(tiling, row, col, left + x, top + y, w, h, r * len(cols) + c))
   return (
     f'<svg class="grid" data-name="{_e(name)}" data-role="{_e(role)}" '
     f'width="{left + width + 2:.0f}" '
@@ -250,24 +250,24 @@ def grid_svg(layout: Layout, name: str, role: str = '') -> str:
   )
 
 
-def _grid_size(layout: Layout) -> Tuple[float, float]:
+def _grid_size(tiling: Tiling) -> Tuple[float, float]:
   """(width, height) px of the blocks: the tensor's aspect ratio, within readable bounds."""
-  rows_dim, cols_dim = layout.grid_dims
+  rows_dim, cols_dim = tiling.grid_dims
   if rows_dim is None:
     return (float(GRID_WIDTH) if cols_dim is not None else 160.0), 56.0
-  ratio = max(layout.shape[rows_dim], 1) / max(layout.shape[cols_dim], 1)
-  least = 34 * min(layout.dims[rows_dim].blocks, 8)  # room for each row's label
+  ratio = max(tiling.shape[rows_dim], 1) / max(tiling.shape[cols_dim], 1)
+  least = 34 * min(tiling.dims[rows_dim].blocks, 8)  # room for each row's label
   height = float(min(300, max(least, GRID_WIDTH * ratio, 60)))
-  widest = max(height / ratio, 40 * min(layout.dims[cols_dim].blocks, 8), 120)
+  widest = max(height / ratio, 40 * min(tiling.dims[cols_dim].blocks, 8), 120)
   width = float(min(GRID_WIDTH, widest))
   return width, height
 
 
-def _spans(layout: Layout, dim: Optional[int], length: float) -> List[tuple]:
+def _spans(tiling: Tiling, dim: Optional[int], length: float) -> List[tuple]:
   """(block index or None for the elided ones, start px, length px) along one side."""
   if dim is None:
     return [(0, 0.0, length)]
-  split = layout.dims[dim]
+  split = tiling.dims[dim]
   picks = shown(split.blocks)
   sizes = [split.sizes[i] if i is not None else 0 for i in picks]
   fixed = sum(ELLIPSIS_BLOCK if i is None else MIN_BLOCK for i, s in zip(picks, sizes) if not s)
@@ -280,14 +280,14 @@ def _spans(layout: Layout, dim: Optional[int], length: float) -> List[tuple]:
   return out
 
 
-def _axis_labels(layout: Layout, rows, cols, left: float, top: float) -> str:
-  rows_dim, cols_dim = layout.grid_dims
+def _axis_labels(tiling: Tiling, rows, cols, left: float, top: float) -> str:
+  rows_dim, cols_dim = tiling.grid_dims
   out = []
   for dim, spans, across in ((cols_dim, cols, True), (rows_dim, rows, False)):
     if dim is None:
       continue
     for index, at, size in spans:
-      label = '…' if index is None else range_text(layout.dims[dim].bounds[index])
+      label = '…' if index is None else range_text(tiling.dims[dim].bounds[index])
       if across and size >= 6.5 * len(label) + 4:  # 10px monospace: ~6 px a character
         out.append(
           f'<text class="axis" x="{left + at + size / 2:.1f}" y="{top - 6}" '
@@ -301,14 +301,14 @@ def _axis_labels(layout: Layout, rows, cols, left: float, top: float) -> str:
   return ''.join(out)
 
 
-def _block(layout: Layout, row, col, x, y, w, h, ordinal: int) -> str:
-  rows_dim, cols_dim = layout.grid_dims
+def _block(tiling: Tiling, row, col, x, y, w, h, ordinal: int) -> str:
+  rows_dim, cols_dim = tiling.grid_dims
   if row is None or col is None:
     return (
       f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" class="elided"/>'
       f'<text x="{x + w / 2:.1f}" y="{y + h / 2 + 4:.1f}" text-anchor="middle">…</text>'
     )
-  blocks = layout.cell(row, col)
+  blocks = tiling.cell(row, col)
   label = text.cell_text(blocks)
   devices = sorted({d for b in blocks for d in b.devices})
   where = [

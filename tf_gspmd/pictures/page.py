@@ -21,7 +21,7 @@ VARIABLE_ROLES = MEMORY_PARTS[:2]
 
 @dataclasses.dataclass
 class TensorEntry:
-  """A variable, argument or output: its layout, what one device holds of it, and why."""
+  """A variable, argument or output: its sharding, what one device holds of it, and why."""
 
   name: str
   shape: Tuple[int, ...]

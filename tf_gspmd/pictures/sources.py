@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 
 from tf_gspmd.pictures import html, text
-from tf_gspmd.pictures.geometry import layout_of
+from tf_gspmd.pictures.geometry import tiling_of
 from tf_gspmd.pictures.page import VARIABLE_ROLES, Page, TensorEntry, memory_of
 
 
@@ -26,7 +26,7 @@ def visualize_named(pf, name: str) -> str:
     hint = f'; did you mean {", ".join(repr(n) for n in near)}?' if near else '.'
     raise KeyError(f'visualize: no variable or graph tensor named {name!r} in {_fn_name(pf)}{hint}')
   sharding, shape, label = found[name]()
-  picture = text.render(layout_of(sharding, shape), label)
+  picture = text.render(tiling_of(sharding, shape), label)
   print(picture)
   return picture
 

@@ -1,4 +1,4 @@
-"""A tensor's layout as a terminal grid: which devices hold which block.
+"""A tensor's tiling as a terminal grid: which devices hold which block.
 
 One cell per block (rank 1: one row; rank 2: rows x columns; rank > 2: the two
 dims cut into the most blocks, the other dims folded into each cell), headed
@@ -12,41 +12,41 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from tf_gspmd.pictures.geometry import Block, DimSplit, Layout, device_label, range_text, shown
+from tf_gspmd.pictures.geometry import Block, DimSplit, Tiling, device_label, range_text, shown
 
 ELLIPSIS = '…'
 
 
-def render(layout: Layout, name: Optional[str] = None) -> str:
-  """The header lines and the grid of `layout`, as one string (no trailing newline)."""
-  return '\n'.join(header(layout, name) + grid(layout))
+def render(tiling: Tiling, name: Optional[str] = None) -> str:
+  """The header lines and the grid of `tiling`, as one string (no trailing newline)."""
+  return '\n'.join(header(tiling, name) + grid(tiling))
 
 
 # --- the lines above the grid ----------------------------------------------------------
-def header(layout: Layout, name: Optional[str] = None) -> List[str]:
-  title = f'{tuple(layout.shape)} {describe(layout)}'
-  if layout.kind == 'tiled':
-    title += f'; each device holds {tuple(layout.shard_shape)}'
+def header(tiling: Tiling, name: Optional[str] = None) -> List[str]:
+  title = f'{tuple(tiling.shape)} {describe(tiling)}'
+  if tiling.kind == 'tiled':
+    title += f'; each device holds {tuple(tiling.shard_shape)}'
   lines = [f'{name}: {title}' if name else title]
-  roles = _roles(layout)
-  lines += [dim_line(d, split, roles.get(d, '')) for d, split in enumerate(layout.dims)]
-  return lines + state_lines(layout)
+  roles = _roles(tiling)
+  lines += [dim_line(d, split, roles.get(d, '')) for d, split in enumerate(tiling.dims)]
+  return lines + state_lines(tiling)
 
 
-def describe(layout: Layout) -> str:
+def describe(tiling: Tiling) -> str:
   """The sharding as written, and the mesh it is written on."""
-  mesh = layout.mesh
+  mesh = tiling.mesh
   if mesh is None:
-    return str(layout.sharding)
+    return str(tiling.sharding)
   axes = ' x '.join(f'{a}={n}' for a, n in mesh.shape.items())
   order = ''
-  if list(mesh.devices) != sorted(mesh.devices):  # a hand-ordered mesh: the order is the layout
+  if list(mesh.devices) != sorted(mesh.devices):  # a hand-ordered mesh: the order is the tiling
     order = (
       f' (devices in order {",".join(str(d) for d in mesh.devices)})'
       if mesh.size <= 16
       else ' (devices in another order)'
     )
-  return f'{layout.sharding} on mesh {axes}{order}'
+  return f'{tiling.sharding} on mesh {axes}{order}'
 
 
 def dim_line(dim: int, split: DimSplit, role: str = '') -> str:
@@ -66,36 +66,36 @@ def dim_line(dim: int, split: DimSplit, role: str = '') -> str:
   return line + (f' -> {role}' if role else '')
 
 
-def state_lines(layout: Layout) -> List[str]:
+def state_lines(tiling: Tiling) -> List[str]:
   """What the devices of one block share: copies, a pending reduction, nothing at all."""
-  if layout.kind == 'maximal':
-    return [f'maximal: the whole tensor on device {layout.sharding.devices[0]} only']
-  if layout.kind == 'manual':
-    return ['manual: each device holds a value of its own (no global layout)']
+  if tiling.kind == 'maximal':
+    return [f'maximal: the whole tensor on device {tiling.sharding.devices[0]} only']
+  if tiling.kind == 'manual':
+    return ['manual: each device holds a value of its own (no global tiling)']
   lines = []
-  if layout.kind == 'replicated':
+  if tiling.kind == 'replicated':
     lines.append('replicated: every device holds the whole tensor')
-  elif layout.copies > 1:
-    lines.append(f'each block on {layout.copies} devices: replicated{_over(layout.replica_axes)}')
-  if layout.partial:
-    reduction = layout.partial
+  elif tiling.copies > 1:
+    lines.append(f'each block on {tiling.copies} devices: replicated{_over(tiling.replica_axes)}')
+  if tiling.partial:
+    reduction = tiling.partial
     lines.append(
-      f'pending {reduction}{_over(layout.partial_axes)}: a block is the {reduction} '
+      f'pending {reduction}{_over(tiling.partial_axes)}: a block is the {reduction} '
       "of the values its '+'-joined devices hold"
     )
-  if 'manual' in layout.sharding.subgroups:
+  if 'manual' in tiling.sharding.subgroups:
     lines.append('manual subgroup: the devices of a block hold values of their own')
   return lines
 
 
-def _roles(layout: Layout) -> dict:
+def _roles(tiling: Tiling) -> dict:
   """For rank > 2, what each dim is in the picture (rows, columns, or folded into cells)."""
-  if len(layout.shape) <= 2:
+  if len(tiling.shape) <= 2:
     return {}
-  rows, cols = layout.grid_dims
+  rows, cols = tiling.grid_dims
   roles = {rows: 'rows', cols: 'columns'}
-  for d in layout.other_dims:
-    split = layout.dims[d].blocks > 1
+  for d in tiling.other_dims:
+    split = tiling.dims[d].blocks > 1
     roles[d] = 'folded into each cell' + (", '|' between its blocks" if split else '')
   return roles
 
@@ -115,16 +115,16 @@ def cell_text(blocks: List[Block]) -> str:
   return ' | '.join(device_label(b.parts) + (' (empty)' if b.empty else '') for b in blocks)
 
 
-def grid(layout: Layout) -> List[str]:
-  rows_dim, cols_dim = layout.grid_dims
-  rows = shown(layout.dims[rows_dim].blocks) if rows_dim is not None else [0]
-  cols = shown(layout.dims[cols_dim].blocks) if cols_dim is not None else [0]
+def grid(tiling: Tiling) -> List[str]:
+  rows_dim, cols_dim = tiling.grid_dims
+  rows = shown(tiling.dims[rows_dim].blocks) if rows_dim is not None else [0]
+  cols = shown(tiling.dims[cols_dim].blocks) if cols_dim is not None else [0]
   cells = [
-    [ELLIPSIS if r is None or c is None else cell_text(layout.cell(r, c)) for c in cols]
+    [ELLIPSIS if r is None or c is None else cell_text(tiling.cell(r, c)) for c in cols]
     for r in rows
   ]
-  col_heads = [_head(layout.dims[cols_dim], c) if cols_dim is not None else '' for c in cols]
-  row_heads = [_head(layout.dims[rows_dim], r) if rows_dim is not None else '' for r in rows]
+  col_heads = [_head(tiling.dims[cols_dim], c) if cols_dim is not None else '' for c in cols]
+  row_heads = [_head(tiling.dims[rows_dim], r) if rows_dim is not None else '' for r in rows]
   # One width for every column: a grid of equal cells reads as a grid; the heads give sizes.
   width = max(len(t) for t in col_heads + [t for row in cells for t in row]) + 2
   widths = [width] * len(cols)

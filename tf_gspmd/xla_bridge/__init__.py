@@ -7,7 +7,7 @@
 * `export_per_replica` (used by `PartitionedFunction.export_xla`) lowers a
   per-partition program to one StableHLO module for every replica: partition
   id = XLA replica id, every collective native (`native.NativeCollectives`),
-  with the layout of each global argument and result (`XlaExport`, `Layout`).
+  with the sharding of each global argument and result (`XlaExport`, `ExportedValue`).
 * `PjrtExecutable` compiles an `XlaExport` with XLA and runs it on the mesh's
   devices through PJRT (jaxlib, imported lazily: the `tf_gspmd[xla]` extra);
   `XlaShardedVariable` keeps variable shards resident as device buffers.
@@ -17,7 +17,12 @@ Both backends stand on `tf_gspmd.program` (the per-partition program contract); 
 """
 
 from tf_gspmd.xla_bridge.collectives import XlaCollectives
-from tf_gspmd.xla_bridge.export import Layout, XlaExport, XlaLoweringError, export_per_replica
+from tf_gspmd.xla_bridge.export import (
+  ExportedValue,
+  XlaExport,
+  XlaLoweringError,
+  export_per_replica,
+)
 from tf_gspmd.xla_bridge.hlo import (
   GraphCollective,
   HloCollective,
@@ -32,7 +37,7 @@ from tf_gspmd.xla_bridge.pjrt import PjrtExecutable, XlaShardedVariable, jax_dev
 __all__ = [
   'GraphCollective',
   'HloCollective',
-  'Layout',
+  'ExportedValue',
   'NativeCollectives',
   'PjrtExecutable',
   'XlaCollectives',

@@ -132,13 +132,13 @@ def call_module(
       f'{len(export.args)} parameters ({[a.name for a in export.args]}).'
     )
   args = []
-  for value, layout in zip(local_args, export.args):
+  for value, described in zip(local_args, export.args):
     value = tf.convert_to_tensor(value)
-    if tuple(value.shape) != tuple(layout.local_shape) or value.dtype != layout.dtype:
+    if tuple(value.shape) != tuple(described.local_shape) or value.dtype != described.dtype:
       raise ValueError(
-        f'call_module {export.name}: {layout.kind} {layout.name} is '
+        f'call_module {export.name}: {described.kind} {described.name} is '
         f'{value.dtype.name}{list(value.shape)} here, the module takes '
-        f'{layout.dtype.name}{list(layout.local_shape)}.'
+        f'{described.dtype.name}{list(described.local_shape)}.'
       )
     args.append(value)
   if module is None:

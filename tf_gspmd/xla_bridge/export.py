@@ -6,7 +6,7 @@ lowers it with tf2xla (`experimental_get_compiler_ir(stage='stablehlo')`), the
 route that also turns the variables the program assigns into results (the
 MLIR bridge route keeps resource ops and leaves `XlaAllReduce` unlowered; see
 shared/notes/xla-bridge-facts.md). The result is an `XlaExport`: the module
-text (entry `@main`), the mesh, and one `Layout` per argument and result
+text (entry `@main`), the mesh, and one `ExportedValue` per argument and result
 telling how the global value is spread over the replicas (replica r holds
 the shard of mesh device r, padded to the ceil shard shape).
 
@@ -37,7 +37,7 @@ class XlaLoweringError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class ExportedValue:
   """How one global argument or result of an exported program lies on the replicas.
 
   `sharding` is None for a value with no global form (a hand-written
@@ -72,8 +72,8 @@ class XlaExport:
 
   module: str
   mesh: Mesh
-  args: List[Layout]
-  results: List[Layout]
+  args: List[ExportedValue]
+  results: List[ExportedValue]
   name: str
   # The same module with tf2xla's input/output aliases kept: run through PJRT, each assigned
   # variable's old buffer is donated to its new value (no second copy of it during a step).
@@ -96,8 +96,8 @@ def export_per_replica(
   local_args: Sequence,
   *,
   name: str = 'per_replica',
-  arg_layouts: Optional[Sequence[Layout]] = None,
-  output_layouts: Optional[Sequence[Layout]] = None,
+  arg_values: Optional[Sequence[ExportedValue]] = None,
+  output_values: Optional[Sequence[ExportedValue]] = None,
 ) -> XlaExport:
   """Trace `fn(ctx, *local_args)` per replica and lower it to StableHLO with native collectives.
 
@@ -122,10 +122,10 @@ def export_per_replica(
   except (tf.errors.OpError, ValueError) as error:  # TF wraps tf2xla's refusal in a ValueError
     raise _lowering_error(error, name) from None
   args = (
-    list(arg_layouts)
-    if arg_layouts is not None
+    list(arg_values)
+    if arg_values is not None
     else [
-      _local_layout(f'arg{i}', 'variable' if isinstance(a, tf.Variable) else 'argument', a)
+      _local_value(f'arg{i}', 'variable' if isinstance(a, tf.Variable) else 'argument', a)
       for i, a in enumerate(local_args)
     ]
   )
@@ -135,14 +135,14 @@ def export_per_replica(
   donating = native.to_native(_clean_module(text, per_replica.__name__, keep_aliases=True))
   outputs = [tf.TensorSpec(t.shape, t.dtype) for t in concrete.outputs]
   results = (
-    list(output_layouts)
-    if output_layouts is not None
-    else [_local_layout(f'output{j}', 'output', spec) for j, spec in enumerate(outputs)]
+    list(output_values)
+    if output_values is not None
+    else [_local_value(f'output{j}', 'output', spec) for j, spec in enumerate(outputs)]
   )
   if len(args) != len(local_args) or len(results) != len(outputs):
     raise ValueError(
-      f'export {name}: {len(args)} argument layouts for {len(local_args)} '
-      f'arguments, {len(results)} output layouts for {len(outputs)} outputs.'
+      f'export {name}: {len(args)} argument descriptions for {len(local_args)} '
+      f'arguments, {len(results)} output descriptions for {len(outputs)} outputs.'
     )
   for output_index, param in sorted(aliases):
     if output_index != len(results):
@@ -204,9 +204,9 @@ def _check_parameters(text: str, local_args: Sequence, arg_names: Sequence[str],
   )
 
 
-def _local_layout(name: str, kind: str, value) -> Layout:
+def _local_value(name: str, kind: str, value) -> ExportedValue:
   shape = tuple(int(d) for d in value.shape)
-  return Layout(name, kind, shape, tf.as_dtype(value.dtype), None, shape)
+  return ExportedValue(name, kind, shape, tf.as_dtype(value.dtype), None, shape)
 
 
 # --- reading and cleaning tf2xla's module text -------------------------------------------------

@@ -14,7 +14,7 @@ The module runs as `num_replicas = N`, one partition per replica, replica r
 on `devices[r]`; a value is one single-device buffer per replica.
 `PjrtExecutable` compiles once and runs on buffers (no host copies);
 `put_global`/`assemble_global` convert global host values to and from those
-buffers by a `Layout`; `XlaShardedVariable` keeps a variable's shards as
+buffers by an `ExportedValue`; `XlaShardedVariable` keeps a variable's shards as
 device buffers between calls.
 """
 
@@ -32,7 +32,7 @@ import tensorflow as tf
 from tf_gspmd.runtime import sharded as sharded_lib
 from tf_gspmd.sharding import Sharding
 from tf_gspmd.tf_private import UninitializedVariable
-from tf_gspmd.xla_bridge.export import Layout, XlaExport
+from tf_gspmd.xla_bridge.export import ExportedValue, XlaExport
 from tf_gspmd.xla_bridge.hlo import hlo_collectives
 
 HOST_DEVICE_FLAG = '--xla_force_host_platform_device_count'
@@ -109,15 +109,17 @@ def put_local(values: Sequence, devices: Sequence) -> list:
     return [jax.device_put(np.asarray(v), d) for v, d in zip(values, devices)]
 
 
-def put_global(value, layout: Layout, devices: Sequence) -> list:
-  """Split a global host value by `layout.sharding` into one buffer per replica (on the host
+def put_global(value, exported: ExportedValue, devices: Sequence) -> list:
+  """Split a global host value by `exported.sharding` into one buffer per replica (on the host
   with numpy: the pieces never pass through TF's allocator, which would keep their memory)."""
-  if layout.sharding is None:
-    raise ValueError(f'{layout.name} has no global layout; give one value per replica.')
-  value = tf.convert_to_tensor(value, dtype=layout.dtype)
-  if tuple(value.shape) != tuple(layout.shape):
-    raise ValueError(f'{layout.name}: shape {tuple(value.shape)}, expected {layout.shape}.')
-  shards = sharded_lib.split_on_host(np.asarray(value), layout.sharding, len(devices), layout.name)
+  if exported.sharding is None:
+    raise ValueError(f'{exported.name} has no global sharding; give one value per replica.')
+  value = tf.convert_to_tensor(value, dtype=exported.dtype)
+  if tuple(value.shape) != tuple(exported.shape):
+    raise ValueError(f'{exported.name}: shape {tuple(value.shape)}, expected {exported.shape}.')
+  shards = sharded_lib.split_on_host(
+    np.asarray(value), exported.sharding, len(devices), exported.name
+  )
   # A copy per shard: split's pieces are views of one buffer of the whole value, and a device
   # buffer made from a view on the host's memory would keep that whole buffer alive.
   return put_local([np.array(s, copy=True) for s in shards], devices)
@@ -170,11 +172,11 @@ class PjrtExecutable:
     if len(inputs) != len(args):
       raise ValueError(f'{self.export.name}: {len(inputs)} inputs for {len(args)} parameters.')
     arrays = []
-    for layout, buffers in zip(args, inputs):
+    for described, buffers in zip(args, inputs):
       with self._jax.enable_x64(True):
         arrays.append(
           self._jax.make_array_from_single_device_arrays(
-            tuple(layout.local_shape), self._replicated, list(buffers)
+            tuple(described.local_shape), self._replicated, list(buffers)
           )
         )
     results = self.executable.execute_sharded(arrays)
@@ -218,9 +220,11 @@ class XlaShardedVariable:
     self.trainable = trainable
     self.local_shape = tuple(int(d) for d in sharding.shard_shape(self.shape))
     self.devices = list(devices) if devices is not None else jax_devices(sharding.mesh.size)
-    self.layout = Layout(name, 'variable', self.shape, self.dtype, sharding, self.local_shape)
+    self.exported = ExportedValue(
+      name, 'variable', self.shape, self.dtype, sharding, self.local_shape
+    )
     self.mirror: Optional[tf.Variable] = None  # see tf_mirror
-    self.shards = put_global(value, self.layout, self.devices)
+    self.shards = put_global(value, self.exported, self.devices)
     self._template = None
 
   @property
@@ -255,7 +259,7 @@ class XlaShardedVariable:
 
   def take_from_mirror(self, value) -> None:
     """The buffers := `value`, already written to the mirror (by a traced function)."""
-    self._shards = put_global(value, self.layout, self.devices)
+    self._shards = put_global(value, self.exported, self.devices)
 
   @property
   def template(self) -> tf.Variable:
@@ -282,7 +286,7 @@ class XlaShardedVariable:
     return self.assemble().numpy()
 
   def scatter(self, value) -> None:
-    self.shards = put_global(value, self.layout, self.devices)
+    self.shards = put_global(value, self.exported, self.devices)
 
   def __repr__(self):
     return (

@@ -2,7 +2,7 @@
 
 - `geometry`: uneven per-dim geometry and the local ops steps share;
 - `moves` and `exchange`: one class per kind of step, with its effect on the
-  layout, its cost and the data its lowering needs;
+  search state, its cost and the data its lowering needs;
 - `plan`: `ReshardPlan`, the steps of one reshard and their costs;
 - `search`: `plan_reshard`, the search for the cheapest plan;
 - `sim`: a numpy simulator of plans, the executable specification of every step.
@@ -17,7 +17,7 @@ from tf_gspmd.graph_rewrite.reshard.geometry import (
   pad_dim,
   refined_mesh,
   regroup_blocks,
-  same_layout,
+  same_geometry,
   shard_intervals,
   slice_window,
   split_trailing,
@@ -60,7 +60,7 @@ __all__ = [
   'refined_mesh',
   'regroup_blocks',
   'reorder_pairs',
-  'same_layout',
+  'same_geometry',
   'shard_intervals',
   'slice_window',
   'split_trailing',

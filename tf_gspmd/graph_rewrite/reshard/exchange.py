@@ -18,7 +18,7 @@ from tf_gspmd.graph_rewrite.reshard.geometry import (
   levels_chunk,
   normalize_levels,
   repad_exchange,
-  same_layout,
+  same_geometry,
   with_sizes,
 )
 from tf_gspmd.graph_rewrite.reshard.moves import (
@@ -48,31 +48,31 @@ class Permute(Step):
   shape_in: tuple
 
   @classmethod
-  def choices(cls, ctx, layout):
+  def choices(cls, ctx, state):
     # Any axis onto any dim with the same local shape: swapping two axes between dims
     # with one permute is often the cheapest move.
-    if layout.phase > PHASE_MIDDLE:
+    if state.phase > PHASE_MIDDLE:
       return
-    cur = tuple(axes for axes, _ in layout.dims)
+    cur = tuple(axes for axes, _ in state.dims)
     for spec in ctx.placements().get(tuple(ctx.count(a) for a in cur), ()):
-      if spec != cur and not any(a in layout.partial for axes in spec for a in axes):
+      if spec != cur and not any(a in state.partial for axes in spec for a in axes):
         yield (spec,)
 
   @classmethod
-  def effect(cls, ctx, layout, choice):
+  def effect(cls, ctx, state, choice):
     (new_axes,) = choice
-    new_dims = tuple((a, lv) for a, (_, lv) in zip(new_axes, layout.dims))
-    shape_in = ctx.local_shape(layout.dims)
+    new_dims = tuple((a, lv) for a, (_, lv) in zip(new_axes, state.dims))
+    shape_in = ctx.local_shape(state.dims)
     e_in = elems(shape_in)
-    return Effect(SearchState(new_dims, layout.partial, PHASE_MIDDLE), e_in, e_in, (shape_in,))
+    return Effect(SearchState(new_dims, state.partial, PHASE_MIDDLE), e_in, e_in, (shape_in,))
 
   @classmethod
-  def build(cls, ctx, layout, choice, details):
+  def build(cls, ctx, state, choice, details):
     (new_axes,) = choice
-    pairs = _permute_pairs(ctx, layout, new_axes)
+    pairs = _permute_pairs(ctx, state, new_axes)
     if not pairs:
       return None
-    return cls(pairs, tuple(a for a, _ in layout.dims), new_axes, details[0])
+    return cls(pairs, tuple(a for a, _ in state.dims), new_axes, details[0])
 
   @property
   def shape_out(self) -> tuple:  # type: ignore[override]
@@ -98,17 +98,17 @@ class Permute(Step):
     return f'permute {" ".join(moves) or "device order"} ({len(self.pairs)} pairs)'
 
 
-def _permute_pairs(ctx: PlanContext, layout: SearchState, new_axes) -> tuple:
+def _permute_pairs(ctx: PlanContext, state: SearchState, new_axes) -> tuple:
   """A device permutation, most devices keeping their buffer, that realizes the new axes."""
   mesh = ctx.mesh
-  partial_axes = tuple(sorted(layout.partial, key=ctx.axis_order.__getitem__))
+  partial_axes = tuple(sorted(state.partial, key=ctx.axis_order.__getitem__))
 
   def piece(axes_per_dim, device):
     return tuple(mesh.linear_index(device, axes) for axes in axes_per_dim) + (
       mesh.linear_index(device, partial_axes),
     )
 
-  old_axes = tuple(a for a, _ in layout.dims)
+  old_axes = tuple(a for a, _ in state.dims)
   have = {d: piece(old_axes, d) for d in mesh.devices}
   want = {d: piece(new_axes, d) for d in mesh.devices}
   senders: Dict[tuple, List[int]] = {}
@@ -166,34 +166,34 @@ class Repad(Step):
   shape_out: tuple
 
   @classmethod
-  def choices(cls, ctx, layout):
-    for d, (axes, lv) in enumerate(layout.dims):
+  def choices(cls, ctx, state):
+    for d, (axes, lv) in enumerate(state.dims):
       for new_lv in _repad_targets(ctx, d, axes):
-        if new_lv != lv:  # the same layout under other levels is a free relabel
+        if new_lv != lv:  # the same state under other levels is a free relabel
           yield (d, new_lv)
 
   @classmethod
-  def effect(cls, ctx, layout, choice):
+  def effect(cls, ctx, state, choice):
     d, new_lv = choice
-    n, (axes, lv) = ctx.shape[d], layout.dims[d]
+    n, (axes, lv) = ctx.shape[d], state.dims[d]
     local, rounds, rows = repad_exchange(n, lv, new_lv)
-    shape_in = ctx.local_shape(layout.dims)
+    shape_in = ctx.local_shape(state.dims)
     row = elems(with_sizes(shape_in, {d: 1}))
     shape_out = with_sizes(shape_in, {d: levels_chunk(n, new_lv)})
-    phase = PHASE_MIDDLE if layout.phase <= PHASE_MIDDLE else layout.phase
+    phase = PHASE_MIDDLE if state.phase <= PHASE_MIDDLE else state.phase
     return Effect(
-      SearchState(replace_dim(layout.dims, d, (axes, new_lv)), layout.partial, phase),
+      SearchState(replace_dim(state.dims, d, (axes, new_lv)), state.partial, phase),
       rows * row,
       max(elems(shape_in), elems(shape_out)),
       (local, rounds, shape_in, shape_out),
     )
 
   @classmethod
-  def build(cls, ctx, layout, choice, details):
+  def build(cls, ctx, state, choice, details):
     """The exchange's shard-level tables turned into device-level ones, group by group."""
     d, new_lv = choice
-    axes, lv = layout.dims[d]
-    if same_layout(ctx.shape[d], lv, new_lv):
+    axes, lv = state.dims[d]
+    if same_geometry(ctx.shape[d], lv, new_lv):
       return None  # same rows in the same places: only the bookkeeping changes
     local, rounds, shape_in, shape_out = details
     groups = ctx.mesh.groups(axes)

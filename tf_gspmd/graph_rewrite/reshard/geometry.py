@@ -15,10 +15,10 @@ matching `NamedSharding.shard_bounds`. Every step keeps the geometry exact:
   whose sizes multiply to the group size, then `regroup_blocks` moves each
   received block to its offset and drops the padding (a static reshape+slice);
 - a flat level splits into two whenever a gather takes only its minor axes:
-  (k, c) is the same layout as (k/h, h*c), (h, c).
+  (k, c) is the same geometry as (k/h, h*c), (h, c).
 
 Gathering the minor axes of a flat level therefore yields chunks of h*c rows,
-which for uneven sizes is not the canonical ceil(n/(k/h)) layout (10 rows over
+which for uneven sizes is not the canonical ceil(n/(k/h)) geometry (10 rows over
 2x2 gathered over the minor axis gives blocks [0,6), [6,10), not [0,5),
 [5,10)); `repad_exchange` says how a short exchange among the devices of a
 dim's group turns one geometry into another.
@@ -94,7 +94,7 @@ def levels_chunk(n: int, levels: Sequence[Level]) -> int:
 def shard_intervals(n: int, levels: Tuple[Level, ...]) -> Tuple[Tuple[int, int], ...]:
   """Per shard index: (global start, valid length); the valid rows sit at local [0, length).
 
-  Empty shards are reported as (0, 0) so that equal layouts compare equal.
+  Empty shards are reported as (0, 0) so that equal geometries compare equal.
   """
   cur = [(0, n)]
   for k, c in levels:
@@ -102,7 +102,7 @@ def shard_intervals(n: int, levels: Tuple[Level, ...]) -> Tuple[Tuple[int, int],
   return tuple((s, ln) if ln else (0, 0) for s, ln in cur)
 
 
-def same_layout(n: int, a: Tuple[Level, ...], b: Tuple[Level, ...]) -> bool:
+def same_geometry(n: int, a: Tuple[Level, ...], b: Tuple[Level, ...]) -> bool:
   """Whether two geometries put the same rows at the same local places with the same buffer."""
   return levels_chunk(n, a) == levels_chunk(n, b) and shard_intervals(n, a) == shard_intervals(n, b)
 
@@ -220,7 +220,7 @@ def refined_mesh(mesh: Mesh):
 
   Axis 'y' of size 4 becomes 'y#0' (major) and 'y#1' (minor), both of size 2:
   the same devices in the same row-major order, so a dim split over y is the
-  same layout as one split over ('y#0', 'y#1'). Planning on sub-axes finds
+  same geometry as one split over ('y#0', 'y#1'). Planning on sub-axes finds
   plans such as an all-to-all over half of an axis. Returns (mesh, {axis:
   sub-axes}); the mesh itself when no axis is composite or a name would clash.
   """

@@ -5,9 +5,9 @@ A plan is a list of steps; each kind of step is one frozen dataclass: `Slice`,
 `Repad` (exchanges between devices) in `reshard.exchange`, all subclasses of
 `Step`. A class holds everything about its kind:
 
-- which moves of its kind a layout allows (`choices`), as plain tuples of
+- which moves of its kind a state allows (`choices`), as plain tuples of
   what the move picks (a dim and axes, say);
-- what a move does to the layout and what it costs (`effect`): the new
+- what a move does to the state and what it costs (`effect`): the new
   `SearchState`, the elements the busiest device receives and the largest buffer;
 - the concrete step a move becomes in a plan (`build`): the instance's fields
   are exactly what a lowering needs (`graph_rewrite.lower_reshard` turns each
@@ -65,7 +65,7 @@ DimLayout = Tuple[Axes, Levels]  # a dim's mesh axes (major to minor) and geomet
 Dims = Tuple[DimLayout, ...]
 
 # Phases of a valley plan. A slice after the first phase, or a repad after the gathers,
-# is allowed but moves the layout out of the valley's order.
+# is allowed but moves the state out of the valley's order.
 PHASE_SLICE, PHASE_MIDDLE, PHASE_GATHER, PHASE_RESLICE = 0, 1, 2, 3
 
 
@@ -78,10 +78,10 @@ class SearchState(NamedTuple):
 
 
 class Effect(NamedTuple):
-  """What a move does: the layout after it, elements the busiest device receives, the
+  """What a move does: the state after it, elements the busiest device receives, the
   largest buffer any device holds, and what `build` needs beyond the move's choice."""
 
-  layout: SearchState
+  state: SearchState
   received: int
   peak: int
   details: tuple
@@ -127,15 +127,15 @@ def _onto_target_dims(ctx: PlanContext, candidates: Sequence[str]) -> Iterator[t
       yield (d, axes)
 
 
-def _free_axes(ctx: PlanContext, layout: SearchState) -> List[str]:
+def _free_axes(ctx: PlanContext, state: SearchState) -> List[str]:
   """Axes neither splitting a dim nor holding a pending reduction."""
-  used = {a for axes, _ in layout.dims for a in axes}
-  return [a for a in ctx.axes if a not in used and a not in layout.partial]
+  used = {a for axes, _ in state.dims for a in axes}
+  return [a for a in ctx.axes if a not in used and a not in state.partial]
 
 
-def _reducible(ctx: PlanContext, layout: SearchState) -> List[str]:
+def _reducible(ctx: PlanContext, state: SearchState) -> List[str]:
   """Axes whose pending reduction the target resolves, in mesh order."""
-  return sorted(layout.partial - ctx.goal_partial, key=ctx.axis_order.__getitem__)
+  return sorted(state.partial - ctx.goal_partial, key=ctx.axis_order.__getitem__)
 
 
 def _split(ctx: PlanContext, dims: Dims, d: int, axes: Axes) -> Tuple[Dims, int]:
@@ -171,22 +171,22 @@ class Step:
   shape_out: tuple
 
   @classmethod
-  def choices(cls, ctx: PlanContext, layout: SearchState) -> Iterator[tuple]:
-    """The moves of this kind worth trying from `layout`."""
+  def choices(cls, ctx: PlanContext, state: SearchState) -> Iterator[tuple]:
+    """The moves of this kind worth trying from `state`."""
     raise NotImplementedError
 
   @classmethod
-  def effect(cls, ctx: PlanContext, layout: SearchState, choice: tuple) -> Optional[Effect]:
-    """The move's effect, or None when it does not apply to `layout`."""
+  def effect(cls, ctx: PlanContext, state: SearchState, choice: tuple) -> Optional[Effect]:
+    """The move's effect, or None when it does not apply to `state`."""
     raise NotImplementedError
 
   @classmethod
-  def build(cls, ctx: PlanContext, layout: SearchState, choice: tuple, details: tuple):
+  def build(cls, ctx: PlanContext, state: SearchState, choice: tuple, details: tuple):
     """The step the move becomes in a plan, or None when it moves nothing."""
     raise NotImplementedError
 
   @classmethod
-  def off_valley(cls, layout: SearchState) -> bool:
+  def off_valley(cls, state: SearchState) -> bool:
     """Whether the move breaks the valley order (counted, so valley plans win ties)."""
     return False
 
@@ -212,8 +212,8 @@ class Move(NamedTuple):
   kind: Type[Step]
   choice: tuple
 
-  def effect(self, ctx: PlanContext, layout: SearchState) -> Optional[Effect]:
-    return self.kind.effect(ctx, layout, self.choice)
+  def effect(self, ctx: PlanContext, state: SearchState) -> Optional[Effect]:
+    return self.kind.effect(ctx, state, self.choice)
 
 
 # --- local ---------------------------------------------------------------------------------
@@ -236,32 +236,32 @@ class Slice(Step):
   shape_out: tuple
 
   @classmethod
-  def choices(cls, ctx, layout):
+  def choices(cls, ctx, state):
     # Only target axes, onto their target dim. Slices belong to the valley's first
     # phase; later ones count as off-valley and win only when strictly cheaper.
-    yield from _onto_target_dims(ctx, _free_axes(ctx, layout))
+    yield from _onto_target_dims(ctx, _free_axes(ctx, state))
 
   @classmethod
-  def effect(cls, ctx, layout, choice):
+  def effect(cls, ctx, state, choice):
     d, axes = choice
-    shape_in = ctx.local_shape(layout.dims)
-    new_dims, new_chunk = _split(ctx, layout.dims, d, axes)
-    phase = PHASE_RESLICE if layout.phase >= PHASE_GATHER else layout.phase
+    shape_in = ctx.local_shape(state.dims)
+    new_dims, new_chunk = _split(ctx, state.dims, d, axes)
+    phase = PHASE_RESLICE if state.phase >= PHASE_GATHER else state.phase
     shape_out = with_sizes(shape_in, {d: new_chunk})
     # A windowed slice: no buffer larger than its input.
     return Effect(
-      SearchState(new_dims, layout.partial, phase), 0, elems(shape_in), (shape_in, shape_out)
+      SearchState(new_dims, state.partial, phase), 0, elems(shape_in), (shape_in, shape_out)
     )
 
   @classmethod
-  def build(cls, ctx, layout, choice, details):
+  def build(cls, ctx, state, choice, details):
     d, axes = choice
     shape_in, shape_out = details
     return cls(d, axes, shape_out[d], shape_in, shape_out)
 
   @classmethod
-  def off_valley(cls, layout):
-    return layout.phase != PHASE_SLICE
+  def off_valley(cls, state):
+    return state.phase != PHASE_SLICE
 
   def received_elems(self, device: int) -> int:
     return 0
@@ -289,29 +289,29 @@ class ReduceScatter(Step):
   shape_out: tuple
 
   @classmethod
-  def choices(cls, ctx, layout):
+  def choices(cls, ctx, state):
     # Onto the dim the target shards over the reduced axes.
-    if layout.phase > PHASE_MIDDLE:
+    if state.phase > PHASE_MIDDLE:
       return
-    yield from _onto_target_dims(ctx, _reducible(ctx, layout))
+    yield from _onto_target_dims(ctx, _reducible(ctx, state))
 
   @classmethod
-  def effect(cls, ctx, layout, choice):
+  def effect(cls, ctx, state, choice):
     d, axes = choice
     g = ctx.count(axes)
-    shape_in = ctx.local_shape(layout.dims)
-    new_dims, new_chunk = _split(ctx, layout.dims, d, axes)
+    shape_in = ctx.local_shape(state.dims)
+    new_dims, new_chunk = _split(ctx, state.dims, d, axes)
     shape_out = with_sizes(shape_in, {d: new_chunk})
     padded = elems(with_sizes(shape_in, {d: g * new_chunk}))  # equal pieces for the collective
     return Effect(
-      SearchState(new_dims, layout.partial - set(axes), layout.phase),
+      SearchState(new_dims, state.partial - set(axes), state.phase),
       (g - 1) * elems(shape_out),
       max(elems(shape_in), padded),
       (g * new_chunk, shape_in, shape_out),
     )
 
   @classmethod
-  def build(cls, ctx, layout, choice, details):
+  def build(cls, ctx, state, choice, details):
     d, axes = choice
     padded, shape_in, shape_out = details
     return cls(d, axes, ctx.op, ctx.count(axes), padded, shape_in, shape_out)
@@ -338,25 +338,25 @@ class AllReduce(Step):
   shape_in: tuple
 
   @classmethod
-  def choices(cls, ctx, layout):
-    if layout.phase > PHASE_MIDDLE:
+  def choices(cls, ctx, state):
+    if state.phase > PHASE_MIDDLE:
       return
-    reducible = _reducible(ctx, layout)
+    reducible = _reducible(ctx, state)
     for r in range(1, len(reducible) + 1):
       for axes in itertools.combinations(reducible, r):
         yield (axes,)
 
   @classmethod
-  def effect(cls, ctx, layout, choice):
+  def effect(cls, ctx, state, choice):
     (axes,) = choice
     g = ctx.count(axes)
-    shape_in = ctx.local_shape(layout.dims)
+    shape_in = ctx.local_shape(state.dims)
     e_in = elems(shape_in)
-    new_layout = SearchState(layout.dims, layout.partial - set(axes), layout.phase)
-    return Effect(new_layout, 2 * (g - 1) * ceil_div(e_in, g), e_in, (shape_in,))
+    new_state = SearchState(state.dims, state.partial - set(axes), state.phase)
+    return Effect(new_state, 2 * (g - 1) * ceil_div(e_in, g), e_in, (shape_in,))
 
   @classmethod
-  def build(cls, ctx, layout, choice, details):
+  def build(cls, ctx, state, choice, details):
     (axes,) = choice
     return cls(axes, ctx.op, ctx.count(axes), details[0])
 
@@ -391,33 +391,33 @@ class AllGather(Step):
   shape_out: tuple
 
   @classmethod
-  def choices(cls, ctx, layout):
+  def choices(cls, ctx, state):
     # The last phase, once every pending reduction the target does not keep is resolved.
-    if layout.phase > PHASE_GATHER or layout.partial != ctx.goal_partial:
+    if state.phase > PHASE_GATHER or state.partial != ctx.goal_partial:
       return
-    for d, (axes, _) in enumerate(layout.dims):
+    for d, (axes, _) in enumerate(state.dims):
       for length in range(1, len(axes) + 1):
         yield (d, axes[-length:])
 
   @classmethod
-  def effect(cls, ctx, layout, choice):
+  def effect(cls, ctx, state, choice):
     d, axes = choice
-    unsplit = _unsplit(ctx, layout.dims, d, axes)
+    unsplit = _unsplit(ctx, state.dims, d, axes)
     if unsplit is None:
       return None
     new_dims, blocks, out_chunk = unsplit
-    shape_in = ctx.local_shape(layout.dims)
+    shape_in = ctx.local_shape(state.dims)
     e_in, g = elems(shape_in), ctx.count(axes)
     shape_out = with_sizes(shape_in, {d: out_chunk})
     return Effect(
-      SearchState(new_dims, layout.partial, PHASE_GATHER),
+      SearchState(new_dims, state.partial, PHASE_GATHER),
       (g - 1) * e_in,
       max(e_in * g, elems(shape_out)),
       (d, blocks, out_chunk, shape_in, shape_out),
     )
 
   @classmethod
-  def build(cls, ctx, layout, choice, details):
+  def build(cls, ctx, state, choice, details):
     d, axes = choice
     _, blocks, out_chunk, shape_in, shape_out = details
     return cls(d, axes, ctx.count(axes), blocks, out_chunk, shape_in, shape_out)
@@ -459,11 +459,11 @@ class AllToAll(Step):
   shape_out: tuple
 
   @classmethod
-  def choices(cls, ctx, layout):
+  def choices(cls, ctx, state):
     # Minor axes of a dim, all bound for one other dim of the target.
-    if layout.phase > PHASE_MIDDLE:
+    if state.phase > PHASE_MIDDLE:
       return
-    for c, (c_axes, _) in enumerate(layout.dims):
+    for c, (c_axes, _) in enumerate(state.dims):
       for length in range(1, len(c_axes) + 1):
         axes = c_axes[-length:]
         targets = {ctx.dst_dim.get(a) for a in axes}
@@ -471,26 +471,26 @@ class AllToAll(Step):
           yield (targets.pop(), c, axes)
 
   @classmethod
-  def effect(cls, ctx, layout, choice):
+  def effect(cls, ctx, state, choice):
     s, c, axes = choice
-    unsplit = _unsplit(ctx, layout.dims, c, axes)
+    unsplit = _unsplit(ctx, state.dims, c, axes)
     if unsplit is None:
       return None
     new_dims, blocks, out_chunk = unsplit
     new_dims, s_chunk = _split(ctx, new_dims, s, axes)
     g = ctx.count(axes)
-    shape_in = ctx.local_shape(layout.dims)
+    shape_in = ctx.local_shape(state.dims)
     padded = elems(with_sizes(shape_in, {s: g * s_chunk}))
     shape_out = with_sizes(shape_in, {s: s_chunk, c: out_chunk})
     return Effect(
-      SearchState(new_dims, layout.partial, PHASE_MIDDLE),
+      SearchState(new_dims, state.partial, PHASE_MIDDLE),
       (g - 1) * (padded // g),
       max(elems(shape_in), padded, elems(shape_out)),
       (g * s_chunk, blocks, out_chunk, shape_in, shape_out),
     )
 
   @classmethod
-  def build(cls, ctx, layout, choice, details):
+  def build(cls, ctx, state, choice, details):
     s, c, axes = choice
     split_padded, blocks, out_chunk, shape_in, shape_out = details
     return cls(s, c, axes, ctx.count(axes), split_padded, blocks, out_chunk, shape_in, shape_out)

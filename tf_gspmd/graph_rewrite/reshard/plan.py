@@ -50,7 +50,7 @@ class ReshardPlan:
       d: self.dtype_size * sum(s.received_elems(d) for s in self.steps) for d in self.mesh.devices
     }
 
-  @cached_property  # asked for every candidate layout of every op: 2048 devices each
+  @cached_property  # asked for every candidate sharding of every op: 2048 devices each
   def bytes_moved(self) -> int:
     """Max over devices of the bytes that device receives over the whole plan."""
     return max(self.bytes_moved_per_device().values(), default=0)

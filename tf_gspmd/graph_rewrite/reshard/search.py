@@ -11,10 +11,10 @@ reshape, static slice). Pure Python: no TensorFlow.
 Search. Plans follow the memory-efficient "valley" form of Rink et al. 2021:
 local slices and reductions first, then all-to-alls, permutes and repads, then
 gathers, so buffers shrink, stay, then grow to the target. A Dijkstra search
-over layouts (axes, geometry and pending reductions per dim, plus the phase)
+over states (axes, geometry and pending reductions per dim, plus the phase)
 finds the plan with the fewest bytes received per device, then the fewest
 non-valley steps, then the fewest steps, pruning any step whose buffers exceed
-`bound_bytes` (see `ReshardPlan`). Which moves a layout allows, and what each
+`bound_bytes` (see `ReshardPlan`). Which moves a state allows, and what each
 does and costs, is up to the move's class (`moves.MOVE_KINDS`). Pending
 reductions become reduce-scatters onto the dim the target shards over that
 axis, or all-reduces (after slicing, on the smaller buffer). Slicing later
@@ -63,7 +63,7 @@ from tf_gspmd.graph_rewrite.reshard.geometry import (
   levels_chunk,
   prod,
   refined_mesh,
-  same_layout,
+  same_geometry,
 )
 from tf_gspmd.graph_rewrite.reshard.moves import (
   PHASE_SLICE,
@@ -107,7 +107,7 @@ def plan_reshard(
   ['all_to_all', 'permute']
   """
   # Plans are immutable and a program asks the same questions many times (every layer of a
-  # model, every candidate layout's cost): one search each. Sharding equality is structural
+  # model, every candidate sharding's cost): one search each. Sharding equality is structural
   # (the mesh's axis names included), as a plan's steps name the axes of its own mesh.
   key = (src, dst, tuple(int(s) for s in shape), dtype_size)
   plan = _PLAN_CACHE.get(key)
@@ -172,14 +172,14 @@ def _evenly_padded(src: NamedSharding, dst: NamedSharding, shape) -> tuple:
 def _plan_across_orders(src: NamedSharding, dst: NamedSharding, shape, dtype_size) -> ReshardPlan:
   """A plan between two device orders of one mesh (same axis names and sizes).
 
-  The layouts differ in spec and in which device holds which piece. The plan
+  The shardings differ in spec and in which device holds which piece. The plan
   runs on one order and moves whole shards once, as a `Permute` (a
   collective-permute; each device receives at most one shard, so no buffer
   exceeds max(source, target)): either first (the source's spec onto the
   target's order, then plan there) or last (plan to the target's spec on the
   source's order, then move). The one moving fewer bytes wins: the smaller
   shard moves. Devices that already hold their piece in the other order (all
-  of them when the orders agree on the axes the layout uses) receive nothing.
+  of them when the orders agree on the axes the sharding uses) receive nothing.
   """
   if not dst.mesh.is_reordering_of(src.mesh):
     raise ValueError(
@@ -339,7 +339,7 @@ class _Planner:
     return n
 
   def local_shape(self, dims: Dims) -> tuple:
-    # Every move from one layout asks for the same shape: the last one is kept.
+    # Every move from one state asks for the same shape: the last one is kept.
     if dims is not self._last_dims:
       self._last_dims = dims
       self._last_shape = tuple(levels_chunk(n, lv) for n, (_, lv) in zip(self.shape, dims))
@@ -368,16 +368,16 @@ class _Planner:
     dst = prod(p // self.count(a) for p, a in zip(padded, self.dst_axes))
     return max(src, dst)
 
-  def _is_goal(self, layout: SearchState) -> bool:
-    return layout.partial == self.goal_partial and all(
-      axes == goal_axes and same_layout(n, lv, goal_lv)
+  def _is_goal(self, state: SearchState) -> bool:
+    return state.partial == self.goal_partial and all(
+      axes == goal_axes and same_geometry(n, lv, goal_lv)
       for (axes, lv), goal_axes, goal_lv, n in zip(
-        layout.dims, self.dst_axes, self.goal_levels, self.shape
+        state.dims, self.dst_axes, self.goal_levels, self.shape
       )
     )
 
   def search(self) -> List[Move]:
-    """Dijkstra over layouts; cost = (bytes received, non-valley steps, steps, elements
+    """Dijkstra over states; cost = (bytes received, non-valley steps, steps, elements
     copied after all-gathers)."""
     start = self.start
     best = {start: (0, 0, 0, 0)}
@@ -385,36 +385,36 @@ class _Planner:
     heap = [((0, 0, 0, 0), 0, start)]
     tie = itertools.count(1)
     while heap:
-      cost, _, layout = heapq.heappop(heap)
-      if best.get(layout) != cost:
+      cost, _, state = heapq.heappop(heap)
+      if best.get(state) != cost:
         continue
-      if self._is_goal(layout):
-        return self._path(parent, layout)
+      if self._is_goal(state):
+        return self._path(parent, state)
       for kind in MOVE_KINDS:
-        for choice in kind.choices(self, layout):
-          effect = kind.effect(self, layout, choice)
+        for choice in kind.choices(self, state):
+          effect = kind.effect(self, state, choice)
           if effect is None or effect.peak > self.bound_elems:
             continue
           new_cost = (
             cost[0] + effect.received * self.dtype_size,
-            cost[1] + int(kind.off_valley(layout)),
+            cost[1] + int(kind.off_valley(state)),
             cost[2] + 1,
             cost[3] + kind.copy_elems(effect.details),
           )
-          if new_cost < best.get(effect.layout, (math.inf,)):
-            best[effect.layout] = new_cost
-            parent[effect.layout] = (layout, Move(kind, choice))
-            heapq.heappush(heap, (new_cost, next(tie), effect.layout))
+          if new_cost < best.get(effect.state, (math.inf,)):
+            best[effect.state] = new_cost
+            parent[effect.state] = (state, Move(kind, choice))
+            heapq.heappush(heap, (new_cost, next(tie), effect.state))
     raise ValueError(
       f'plan_reshard: no plan from {self.src} to {self.dst} for shape {self.shape} on '
       f'{self.mesh} keeps every buffer within {self.bound_elems * self.dtype_size} bytes.'
     )
 
   @staticmethod
-  def _path(parent, layout: SearchState) -> List[Move]:
+  def _path(parent, state: SearchState) -> List[Move]:
     moves = []
-    while parent[layout] is not None:
-      layout, move = parent[layout]
+    while parent[state] is not None:
+      state, move = parent[state]
       moves.append(move)
     return moves[::-1]
 
@@ -429,17 +429,17 @@ class _Planner:
 
   # --- concrete steps -----------------------------------------------------------------
   def build(self, moves: Sequence[Move], strategy: str) -> ReshardPlan:
-    layout, steps = self.start, []
+    state, steps = self.start, []
     for move in moves:
-      effect = move.effect(self, layout)
+      effect = move.effect(self, state)
       if effect is None:
-        raise AssertionError(f'plan_reshard: move {move} does not apply to {layout}')
-      step = move.kind.build(self, layout, move.choice, effect.details)
+        raise AssertionError(f'plan_reshard: move {move} does not apply to {state}')
+      step = move.kind.build(self, state, move.choice, effect.details)
       if step is not None:
         steps.append(step)
-      layout = effect.layout
-    if not self._is_goal(layout):
-      raise AssertionError(f'plan_reshard: {strategy} plan ends in {layout}, not the target')
+      state = effect.state
+    if not self._is_goal(state):
+      raise AssertionError(f'plan_reshard: {strategy} plan ends in {state}, not the target')
     return ReshardPlan(
       self.src,
       self.dst,
