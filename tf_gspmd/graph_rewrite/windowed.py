@@ -102,7 +102,7 @@ def _emit_filter_gradient(node, inputs, name: str, attrs: Optional[dict] = None)
   strides 2, on a [3, 10, 8, 12] input; fine with TF_ENABLE_ONEDNN_OPTS=0), and a shard shape
   must not meet it."""
   x, sizes, g = inputs
-  if node.op == 'Conv2DBackpropFilter' and _strided_pointwise(node, sizes):
+  if local_params(node).get('strided_pointwise_as_matmul') and _strided_pointwise(node, sizes):
     return _pointwise_filter_gradient(node, x, g, name)
   return emit.emit_node(node, inputs, attrs=attrs, name=name).outputs[0]
 
@@ -308,9 +308,7 @@ def _filter_gradient(p, node, values, chosen, dims, layout, out_shape):
   window = gather_window(p, xt, x.sharding, dims, 0)
   local = chosen.results[0].shard_shape(out_shape)
   inputs = [window, _local_shape_const(sizes.dtype, local), gt]
-  if node.op == 'Conv2DBackpropFilter':
-    return _emit_filter_gradient(node, inputs, node.name + '/gspmd/window', _valid_attrs(node))
-  return _emit_valid(node, inputs)
+  return _emit_filter_gradient(node, inputs, node.name + '/gspmd/window', _valid_attrs(node))
 
 
 def _max_pool_grad(p, node, values, chosen, dims, layout, out_shape):
@@ -413,7 +411,7 @@ def _whole_images(p, node, values, chosen, layout, out_shape) -> tf.Tensor:
   if sizes is not None:
     local = _unpartial(chosen.results[0]).shard_shape(out_shape)
     inputs[sizes] = _local_shape_const(values[sizes].tensor.dtype, local)
-  if node.op == 'Conv2DBackpropFilter':
+  if local_params(node)['form'] == 'filter_gradient':
     return _emit_filter_gradient(node, inputs, node.name + '/gspmd/local')
   op = emit.emit_node(node, inputs, name=node.name + '/gspmd/local')
   return op.outputs[0]

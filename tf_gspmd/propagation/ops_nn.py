@@ -425,7 +425,8 @@ register(
 # Windowed local computations (`graph_rewrite/windowed.py`): the form, whether the image
 # (the tensor whose spatial dims are split with halos) is the result, the operand holding
 # the result's shape, and per operand the dims whose padding must read as zero when the
-# op runs on whole images ('c'/'o': only when that channel factor is split).
+# op runs on whole images ('c'/'o': only when that channel factor is split); whether a
+# strided 1x1 kernel's form is computed as a matmul instead.
 _ALL_DIMS = (0, 1, 2, 3)
 _WINDOWED = {
   'Conv2D': dict(form='conv', whole_image_masks={0: ('c', 'channel'), 1: ('c', (2,))}),
@@ -439,6 +440,9 @@ _WINDOWED = {
   ),
   'Conv2DBackpropFilter': dict(
     form='filter_gradient',
+    # A 1x1 kernel with a stride: computed as a matmul of the strided rows (TF 2.21's oneDNN
+    # kernel for that form corrupts the heap; graph_rewrite/windowed.py).
+    strided_pointwise_as_matmul=True,
     sizes_operand=1,
     whole_image_masks={0: (None, 'batch'), 2: (None, _ALL_DIMS)},
   ),
