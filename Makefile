@@ -7,10 +7,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup demo test test-fast lint bench clean
 
-# jax (XLA's own GSPMD, to compare against) lives in its own venv for the reference
-# tests. backend='xla' needs jax/jaxlib in .venv itself (the tf_gspmd[xla] extra,
+# backend='xla' needs jax/jaxlib in .venv itself (the tf_gspmd[xla] extra,
 # requirements-xla.lock: same numpy and ml_dtypes as TF); `make test` installs it there,
-# `make demo` does not need it.
+# `make demo` does not need it. The tests' JAX children (XLA's own partitioner to compare
+# against, Keras on JAX in the bench smoke tests) run on .venv's Python with
+# KERAS_BACKEND=jax: same jax and Keras. `make bench` runs its Keras-on-JAX peers from a venv
+# of their own (.jaxenv: jax and Keras only), so that TF's presence costs them nothing.
 JAXENV ?= .jaxenv
 JAXSTAMP := $(JAXENV)/.installed
 JAX_VERSION := 0.10.2
@@ -41,14 +43,18 @@ $(XLASTAMP): $(STAMP) requirements-xla.lock
 	$(PY) -m pip install -q -r requirements.lock -r requirements-xla.lock
 	touch $(XLASTAMP)
 
-# The second pass runs the Keras, architecture and workflow tests again on TF's other CPU
-# kernels (oneDNN off): sums land in another order there, and every test must hold on both.
-# The XLA-backend files are not in it: their partitioned programs run XLA's own CPU kernels,
-# which TF_ENABLE_ONEDNN_OPTS does not change. Its tests are spread one by one (worksteal):
-# by file, the architecture file alone set the pass's time (its module fixtures are cheap).
+# The second pass runs the tests whose numbers depend on which CPU kernels TF picks again on
+# its other kernels (oneDNN off): convolutions, batch norms, matmuls and bfloat16 in training
+# steps compared by the oracle (architectures, Keras fit and distribution, one device, mixed
+# bfloat16). Sums land in another order there, and every such comparison must hold on both.
+# Not in it: the XLA-backend files (XLA's own CPU kernels, which TF_ENABLE_ONEDNN_OPTS does
+# not change) and the workflow tests (export, save, callbacks, functions: what they check is
+# which value a variable holds, not the kernels' rounding). Its tests are spread one by one
+# (worksteal): by file, the architecture file alone set the pass's time.
 SECOND_PASS_TESTS := tests/test_keras_distribution.py tests/test_keras_fit.py \
-	tests/test_keras_workflow.py tests/test_architectures.py \
-	tests/test_one_device.py tests/test_workflows.py
+	tests/test_architectures.py tests/test_one_device.py \
+	tests/test_keras_workflow.py::test_mixed_bfloat16 \
+	tests/test_keras_workflow.py::test_unannotated_output_kernel_replicated_across_train_evaluate_predict
 
 # Lint and import order (ruff), the format check (ruff format) and types on the pure
 # modules (mypy, files listed in pyproject.toml). Configured in pyproject.toml.
@@ -64,10 +70,10 @@ lint: $(STAMP)
 # all the suite needs, so nothing may skip there (TF_GSPMD_NO_SKIPS=1 fails a skip, naming
 # why; tests/conftest.py); -rs reports the skips of other runs.
 PYTEST_WORKERS ?= 2
-test: $(STAMP) $(XLASTAMP) $(JAXSTAMP) lint
-	TF_GSPMD_NO_SKIPS=1 TF_GSPMD_JAX_PYTHON=$(JAXENV)/bin/python $(PY) -m pytest -q -rs \
+test: $(STAMP) $(XLASTAMP) lint
+	TF_GSPMD_NO_SKIPS=1 TF_GSPMD_JAX_PYTHON=$(PY) $(PY) -m pytest -q -rs \
 	  -n $(PYTEST_WORKERS) --dist loadfile --durations=25 tests
-	TF_GSPMD_NO_SKIPS=1 TF_ENABLE_ONEDNN_OPTS=0 TF_GSPMD_JAX_PYTHON=$(JAXENV)/bin/python \
+	TF_GSPMD_NO_SKIPS=1 TF_ENABLE_ONEDNN_OPTS=0 TF_GSPMD_JAX_PYTHON=$(PY) \
 	  $(PY) -m pytest -q -rs -n $(PYTEST_WORKERS) --dist worksteal $(SECOND_PASS_TESTS)
 
 # A quick loop for development: skips the tests marked slow (CI runs them all).

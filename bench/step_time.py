@@ -615,8 +615,8 @@ def run_child(args) -> None:
 
 # ================================ parent: spawn, check, print ================================
 def jax_python() -> Optional[str]:
-  """The Python of the JAX venv (jax + Keras, no TensorFlow), as tests/test_xla_reference.py
-  finds it: $TF_GSPMD_JAX_PYTHON, else the repository's .jaxenv (`make test` makes it)."""
+  """A Python with jax and Keras: $TF_GSPMD_JAX_PYTHON (`make test` passes .venv's), else the
+  repository's .jaxenv (jax and Keras without TensorFlow; `make bench` makes it)."""
   for candidate in (
     os.environ.get('TF_GSPMD_JAX_PYTHON'),
     os.path.join(ROOT, '.jaxenv', 'bin', 'python'),

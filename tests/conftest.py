@@ -79,7 +79,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
   """With TF_GSPMD_NO_SKIPS=1 (`make test`, which installs everything the suite needs: jax in
-  .venv and in .jaxenv) a skipped test fails, naming why it skipped: a missing dependency
+  .venv) a skipped test fails, naming why it skipped: a missing dependency
   there is a broken setup, not a test to leave out."""
   outcome = yield
   report = outcome.get_result()

@@ -3,8 +3,8 @@
 It checks that the bench runs and reports, not its speed: the partitioned step, the limit
 with its terms, the CPU floor, the first loss against the unpartitioned one (by the oracle;
 the run exits 1 on a mismatch), the first step's phases and the profile, the XLA backend
-beside XLA:CPU unpartitioned, and Keras-on-JAX's lines when the JAX venv (`make test` makes
-.jaxenv) is there.
+beside XLA:CPU unpartitioned, and Keras-on-JAX's lines when a Python with jax is there
+($TF_GSPMD_JAX_PYTHON: `make test` passes .venv's; or the bench's .jaxenv).
 """
 
 import os

@@ -1,8 +1,8 @@
 """Smoke test of bench/step_time.py: the --quick run (model (a), tiny sizes) prints its table.
 
 All four systems run (tf_gspmd, DTensor, the XLA backend, Keras 3 on JAX); the
-Keras-on-JAX child needs the JAX venv (.jaxenv, `make test`) and is skipped
-from the check when there is none.
+Keras-on-JAX child needs a Python with jax ($TF_GSPMD_JAX_PYTHON, which `make test` sets to
+.venv's, or the bench's .jaxenv) and is left out of the check when there is none.
 
 The run itself checks that tf_gspmd's losses equal the unpartitioned Keras
 step's, and DTensor's the unpartitioned plain-TF step's (exit status 1 and
