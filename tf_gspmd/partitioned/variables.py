@@ -173,6 +173,8 @@ class VariableStore:
     held.hold(
       var, _shards_of(var, sharding, sharded_cls, devices), annotation=variable_sharding(var)
     )
+    if tf.executing_eagerly():  # its shards were made from its value: nothing to copy in yet
+      held.note_in_sync([var])
 
   def byte_counts(self) -> Dict[str, Dict[str, int]]:
     """Per variable name: its total bytes and the bytes one device holds.
