@@ -292,7 +292,7 @@ def _baseline_layouts(baseline, model, mesh: Mesh) -> Tuple[Dict[str, P], str]:
   fixed = {}
   for variable in model.variables:
     layout = baseline.get_variable_layout(variable)
-    fixed[re.escape(_step_name(variable))] = translate.variable_spec(baseline, variable, layout)
+    fixed[re.escape(_step_name(variable))] = translate.variable_spec(variable, layout)
   return fixed, baseline.batch_dim_name or mesh.axis_names[0]
 
 

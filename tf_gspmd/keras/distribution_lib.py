@@ -147,8 +147,7 @@ def _variable_init(original):
     # its layout splits it, so its whole value never lives on a device.
     with tf.variable_creator_scope(functools.partial(_as_shards, self, current)):
       original(self, *args, **kwargs)
-    if hooks.layout_of(self) is None:
-      hooks.set_layout(self, current.get_variable_layout(self))
+    _record_layout(self, current)
     setattr(self, _MADE_UNDER, current)
     _remember(hooks.layout_of(self), current)
     if hooks.backing(self) is not None:
@@ -174,8 +173,7 @@ def _as_shards(variable, distribution, next_creator, **kwargs):
     return next_creator(**kwargs)  # made while a step is traced: annotated below instead
   if not _shape_known(variable):
     return next_creator(**kwargs)  # made from a value (a counter, a constant): its own shape
-  if hooks.layout_of(variable) is None:
-    hooks.set_layout(variable, distribution.get_variable_layout(variable))
+  _record_layout(variable, distribution)
   sharding = _sharding_of(variable, distribution)
   # Replicated ones too: their copies on the devices are their one state (a plain variable
   # would be copied into them and back at every step).
@@ -217,15 +215,23 @@ def distribution_of(model):
 
 
 def _layout_of(variable, distribution):
+  """The one place a Keras variable's layout is decided: the layout it was given (Keras
+  passes an optimizer slot its variable's), else the distribution's rule for its path."""
   layout = hooks.layout_of(variable)
   return distribution.get_variable_layout(variable) if layout is None else layout
+
+
+def _record_layout(variable, distribution) -> None:
+  """Give `variable` its layout (`_layout_of`), where Keras reads it back from (a slot made
+  from it takes it)."""
+  if hooks.layout_of(variable) is None:
+    hooks.set_layout(variable, _layout_of(variable, distribution))
 
 
 def _give_layouts(variables, distribution) -> None:
   """Give variables made outside any distribution the layout Keras' rules give them now."""
   for variable in variables:
-    if hooks.layout_of(variable) is None:
-      hooks.set_layout(variable, distribution.get_variable_layout(variable))
+    _record_layout(variable, distribution)
 
 
 def all_variables(model) -> list:
@@ -250,7 +256,7 @@ def _sharding_of(variable, distribution) -> NamedSharding:
   if isinstance(layout, NamedSharding):
     return layout
   device_mesh = layout.device_mesh if layout.device_mesh is not None else distribution.device_mesh
-  spec = translate.variable_spec(distribution, variable, layout)
+  spec = translate.variable_spec(variable, layout)
   try:
     return NamedSharding(translate.to_mesh(device_mesh), spec)
   except ValueError as error:  # an axis used twice: say which variable's layout

@@ -75,14 +75,8 @@ def to_sharding(layout, default_mesh=None) -> NamedSharding:
   return NamedSharding(to_mesh(device_mesh), to_spec(layout))
 
 
-def variable_spec(distribution, variable, layout=None) -> P:
-  """The spec Keras' rules give `variable`: its own layout, else the distribution's.
-
-  `Distribution.get_variable_layout` is Keras' rule: a layout map entry
-  matching the variable's path, else replicated.
-  """
-  if layout is None:
-    layout = distribution.get_variable_layout(variable)
+def variable_spec(variable, layout) -> P:
+  """`variable`'s Keras `layout` (decided by distribution_lib._layout_of) as a spec of its rank."""
   spec = to_spec(layout)
   if len(spec) != len(variable.shape):
     raise ValueError(
