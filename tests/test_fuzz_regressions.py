@@ -351,3 +351,45 @@ def test_fuzz_1414_917_strided_pointwise_filter_gradient_is_a_matmul():
   graph = compiled.prepared.per_partition.function.graph
   local_ops = {op.type for op in graph.get_operations()}
   assert 'Conv2DBackpropFilter' not in local_ops and 'Einsum' in local_ops, sorted(local_ops)
+
+
+def build_1414_1798(dtype=np.float32):
+  """[1414:1798] shrunk: a batch norm's gradient over a width of 1 split over 8 devices."""
+  mesh = tg.Mesh(np.array([0, 1, 2, 3, 4, 5, 6, 7]).reshape((8,)), ('x',))
+  rng = np.random.RandomState(3212)
+  x2 = (rng.standard_normal((1, 1, 1, 3)) * 1.0).astype(dtype)
+  v8_value = (rng.standard_normal((3,)) * 0.5 + 1.0).astype(dtype)
+  v9_value = (rng.standard_normal((3,)) * 1.0).astype(dtype)
+  loss_weight_t10 = rng.standard_normal((1, 1, 1, 3)).astype(dtype)
+
+  def make():
+    v8 = tf.Variable(v8_value)
+    v9 = tf.Variable(v9_value)
+
+    @tf.function(autograph=False)
+    def program(x2):
+      with tf.GradientTape() as tape:
+        x2 = tg.shard(x2, mesh, tg.P(None, None, 'x', None))
+        tape.watch([x2])
+        t3 = tf.nn.max_pool2d(x2, 3, 2, 'SAME')
+        t5 = tf.while_loop(
+          lambda i, y: i < 3,
+          lambda i, y: (i + 1, y * 0.5 + tf.reduce_mean(y, axis=-1, keepdims=True)),
+          [0, t3],
+        )[1]
+        t10 = fuzz.fused_batch_norm(t5, v8, v9)
+        loss = tf.reduce_sum(t10 * loss_weight_t10)
+      grads = tape.gradient(loss, [x2, v8, v9], unconnected_gradients=tf.UnconnectedGradients.ZERO)
+      grads = [tf.convert_to_tensor(g) for g in grads]
+      return [t10, grads[0], grads[1], grads[2]]
+
+    return program, [v8, v9]
+
+  return mesh, make, [x2]
+
+
+def test_fuzz_1414_1798_batch_norm_gradient_masks_the_padding_of_x():
+  """Seven of the eight width shards are padding, and the max pool before the batch norm
+  leaves -inf there: the gradient's per-channel sum of dy * (x - mean) was 0 * inf = NaN (only
+  dy's padding was zeroed). x's padding is zeroed too now."""
+  fuzz.check(build_1414_1798, backend='tf')

@@ -161,9 +161,11 @@ def fused_batch_norm_grad_handler(p, graph, node, operands):
     op = emit.emit_node(node, [v.tensor for v in values])
     return _finish(p, graph, node, op.outputs, chosen.results)
   reduced = [d for d in range(rank) if d != channel]
-  # Padding rows of dy must not reach the per-channel sums; with dy zero there, x's
-  # padding is harmless too.
+  # Padding rows must not reach the per-channel sums: dy's are zeroed, and x's too, since a
+  # padding row of x may hold inf or NaN (a max pool's -inf over a window of padding only),
+  # and 0 * inf is NaN in the sum of dy * (x - mean).
   dy_masked = _mask(p, dy, dy.tensor, reduced)
+  values = [values[0], Local(_mask(p, x, x.tensor, reduced), x.sharding, x.shape)] + values[2:]
   if not attr(node, 'is_training', True):
     # dx is per element; scale and offset gradients are sums: partial over `over`.
     op = emit.emit_node(node, [dy_masked] + [v.tensor for v in values[1:]])
