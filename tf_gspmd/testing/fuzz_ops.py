@@ -290,10 +290,11 @@ def draw_pad(g, x):
   mode = g.choice(['CONSTANT', 'CONSTANT', 'REFLECT', 'SYMMETRIC'])
   if len(shape) == 4:
     # TF 2.21's oneDNN rewrite fuses a Pad into the Conv2D reading it and pads only the
-    # spatial dims: a padded channel dim fails the plain program ("input depth must be evenly
-    # divisible by filter depth: 9 vs 10", fine with TF_ENABLE_ONEDNN_OPTS=0; campaign program
-    # 1414:1382). Drawn, then not used, so the programs after it stay the same.
-    pads = pads[:3] + ((0, 0),)
+    # spatial dims: a padded channel or batch dim fails the plain program ("input depth must
+    # be evenly divisible by filter depth: 9 vs 10"; a batch of 1 where the pad made 2, found
+    # by a concat after it), fine with TF_ENABLE_ONEDNN_OPTS=0 (campaign programs 1414:1382
+    # and 1414:1817). Drawn, then not used, so the programs after it stay the same.
+    pads = ((0, 0),) + pads[1:3] + ((0, 0),)
   return _op(g, 'pad', [x], pads=pads, mode=mode)
 
 
