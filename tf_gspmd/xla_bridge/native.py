@@ -30,6 +30,7 @@ import tensorflow as tf
 from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
 from tf_gspmd.collectives import tables
+from tf_gspmd.collectives.interface import merge_leading_into, split_leading_from
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.xla_bridge.collectives import XlaCollectives
 
@@ -78,33 +79,22 @@ class NativeCollectives(XlaCollectives):
     dims reached XLA:CPU's verifier with operands of one printed shape in two layouts ("HLO
     all-to-all has operands with different shapes ... Failed after simplification": three
     transposes of a [1, 2, 1, 2] tensor on a 2x2x2 mesh, fuzz program 1414:2330)."""
-    k = self.mesh.axes_size(axes)
-    shape = [int(d) for d in x.shape]
-    piece = list(shape)
-    piece[split_dim] //= k
-    pieces = tf.reshape(x, shape[:split_dim] + [k, piece[split_dim]] + shape[split_dim + 1 :])
-    pieces = _move_axis(pieces, split_dim, 0)
+    pieces = split_leading_from(x, split_dim, self.mesh.axes_size(axes))  # [k, ...piece]
     received = self._marker(
-      pieces, 'all_to_all', [k] + piece, split_dim=0, concat_dim=0, groups=self._groups(axes)
+      pieces,
+      'all_to_all',
+      pieces.shape.as_list(),
+      split_dim=0,
+      concat_dim=0,
+      groups=self._groups(axes),
     )
-    received = _move_axis(received, 0, concat_dim)  # member order, just before concat_dim
-    out = list(piece)
-    out[concat_dim] *= k
-    return tf.reshape(received, out)
+    return merge_leading_into(received, concat_dim)  # member order along concat_dim
 
   def _permute(self, x, pairs, family):
     del family
     return self._marker(
       x, 'collective_permute', x.shape.as_list(), pairs=np.asarray(pairs).tolist()
     )
-
-
-def _move_axis(x: tf.Tensor, source: int, destination: int) -> tf.Tensor:
-  if source == destination:
-    return x
-  order = [d for d in range(x.shape.rank) if d != source]
-  order.insert(destination, source)
-  return tf.transpose(x, order)
 
 
 # --- rewriting the markers of lowered StableHLO ------------------------------------------------
