@@ -13,11 +13,14 @@ what a layout costs. Each side runs in a fresh process:
   tg_xla      tf_gspmd through keras.distribution, backend='xla'
 
 Per side: `steady` = RSS after two `train_on_batch` (or step calls) minus the baseline (RSS
-after imports and device set-up, before the model), each taken after glibc's malloc_trim so
+after imports and device set-up, before the model; the two XLA sides, jax and tg_xla, start
+XLA's runtime before it alike), each taken after glibc's malloc_trim so
 that freed temporaries the allocator keeps do not count; `peak` = the process's high-water
 mark (VmHWM) minus the baseline, both in W; `step` = the median of --steps more steps. Steps time
 a memory-bound model: the goal is tf_gspmd within 1.2x of TF unpartitioned, its steady and
-peak within TF's + 0.25 W and no more than Keras-on-JAX's.
+peak within TF's + 0.25 W and no more than Keras-on-JAX's. With several --sizes, each side's
+steady and peak are also fitted as fixed MiB + slope x W: the slope is what the layout costs,
+the fixed part the runtime's and the traces' own memory, the same at every model size.
 
   python bench/memory.py [--sizes 2048 4096] [--steps 5] [--sides tf jax tg_keras ...]
 """
@@ -150,8 +153,15 @@ def run_side(side: str, hidden: int, steps: int) -> dict:
   rng = np.random.RandomState(0)
   x = rng.randn(BATCH, hidden).astype(np.float32)
   y = rng.randn(BATCH, hidden).astype(np.float32)
-  if side == 'jax':
-    import jax  # noqa: F401  (devices set up before the baseline)
+  if side in ('jax', 'tg_xla'):
+    # Both XLA sides start their runtime before the baseline alike (jax's devices and one tiny
+    # compiled program: XLA's CPU client and its compiler loaded), as the TF sides start TF's
+    # devices: a fixed cost of the runtime, not of the model's layout.
+    if side == 'tg_xla':
+      from tf_gspmd.xla_bridge import pjrt
+
+      pjrt.jax_devices(DEVICES)
+    import jax
 
     jax.numpy.zeros([1]).block_until_ready()
   _trim()
@@ -170,6 +180,8 @@ def run_side(side: str, hidden: int, steps: int) -> dict:
     'side': side,
     'hidden': hidden,
     'W_MiB': w_mib,
+    'steady_MiB': steady,
+    'peak_MiB': _hwm_mib() - base,
     'steady_W': steady / w_mib,
     'peak_W': (_hwm_mib() - base) / w_mib,
     'step_ms': 1e3 * sorted(times)[len(times) // 2],
@@ -195,6 +207,33 @@ def _child(side: str, hidden: int, steps: int) -> dict:
   return json.loads(lines[-1])
 
 
+def _fit(points: list) -> tuple:
+  """(fixed MiB, per-W slope) of MiB = fixed + slope * W, least squares over the sizes: the
+  slope is what the layout costs in units of the weights, the fixed part what the runtime and
+  its traces cost whatever the model's size."""
+  n = len(points)
+  mean_w = sum(w for w, _ in points) / n
+  mean_m = sum(m for _, m in points) / n
+  spread = sum((w - mean_w) ** 2 for w, _ in points)
+  slope = sum((w - mean_w) * (m - mean_m) for w, m in points) / spread
+  return mean_m - slope * mean_w, slope
+
+
+def _print_fits(all_results: list) -> None:
+  """Per side, steady and peak as fixed MiB + slope W, when more than one size ran."""
+  print('\nfit over the sizes, MiB = fixed + slope x W:')
+  print(f'  {"side":10s} {"steady":>22s} {"peak":>22s}')
+  for side in SIDES:
+    rows = [r for r in all_results if r.get('side') == side and 'error' not in r]
+    if len({r['hidden'] for r in rows}) < 2:
+      continue
+    cells = []
+    for key in ('steady_MiB', 'peak_MiB'):
+      fixed, slope = _fit([(r['W_MiB'], r[key]) for r in rows])
+      cells.append(f'{fixed:6.0f} MiB + {slope:4.2f}W')
+    print(f'  {side:10s} {cells[0]:>22s} {cells[1]:>22s}')
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--sizes', type=int, nargs='+', default=[2048, 4096])
@@ -207,8 +246,10 @@ def main() -> int:
     return 0
   print(f'cpu: {cpu_model()}, {os.cpu_count()} cores; {DEVICES} logical devices')
   print(f'model: {LAYERS} x Dense(H) no bias, SGD, batch {BATCH}; kernels split by columns')
+  all_results = []
   for hidden in args.sizes:
     results = {side: _child(side, hidden, args.steps) for side in args.sides}
+    all_results += results.values()
     w = LAYERS * hidden * hidden * 4 / 2**20
     print(f'\nH = {hidden}: W = {w:.0f} MiB')
     print(f'  {"side":10s} {"steady":>8s} {"peak":>8s} {"step":>10s}')
@@ -227,6 +268,8 @@ def main() -> int:
         f'steady - TF {r["steady_W"] - tf_side["steady_W"]:+.2f}W, '
         f'peak - TF {r["peak_W"] - tf_side["peak_W"]:+.2f}W (goal <= +0.25W)'
       )
+  if len(args.sizes) > 1:
+    _print_fits(all_results)
   return 0
 
 
