@@ -78,7 +78,8 @@ test: $(STAMP) $(XLASTAMP) lint
 
 # A quick loop for development: skips the tests marked slow (CI runs them all).
 test-fast: $(STAMP) $(XLASTAMP)
-	$(PY) -m pytest -q -rs tests -m "not slow"
+	TF_GSPMD_JAX_PYTHON=$(PY) $(PY) -m pytest -q -rs -n $(PYTEST_WORKERS) --dist worksteal \
+	  --durations=10 tests -m "not slow"
 
 # The benchmarks (their latest output goes in the closing notes). The full op sweep
 # (18,932 cases) takes two to three hours on 2 cores: `nice $(PY) bench/op_sweep.py`;

@@ -168,8 +168,34 @@ def iterators_without_autotuning() -> None:
   dataset_ops.DatasetV2._apply_debug_options = applied  # noqa: SLF001
 
 
+class _PerProgram:
+  """A Python function as a callable object of its own (see `own_function`)."""
+
+  def __init__(self, fn):
+    self.fn = fn
+    self.__name__ = getattr(fn, '__name__', 'function')
+
+  def __call__(self, *args, **kwargs):
+    return self.fn(*args, **kwargs)
+
+
+def own_function(fn, **function_kwargs):
+  """`tf.function(fn, **function_kwargs)`, counted by TF's retracing warning on its own.
+
+  TF warns that "N out of the last N calls ... triggered tf.function retracing" by counting
+  traces per Python code object (`Function._get_key_for_call_stats`, private). tf_gspmd makes
+  one launcher and one copier function per partitioned program from the same code, so a user
+  with five programs read a warning about retracing they never did. An object with no
+  `__code__` is counted by itself: one count per program, so tf_gspmd's own retracing of one
+  program still warns."""
+  import tensorflow as tf
+
+  return tf.function(_PerProgram(fn), **function_kwargs)
+
+
 __all__ = [
   'FuncGraph',
+  'own_function',
   'TFFunction',
   'UninitializedVariable',
   'VARIABLE_VALUE_KEY',

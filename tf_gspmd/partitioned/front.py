@@ -20,7 +20,12 @@ from tf_gspmd.partitioned import compile as compile_lib
 from tf_gspmd.partitioned import executors, xla_programs
 from tf_gspmd.partitioned import variables as variables_lib
 from tf_gspmd.partitioned.compile import Compiled
-from tf_gspmd.partitioned.signature import is_tensor_like, name_of, signature_key
+from tf_gspmd.partitioned.signature import (
+  name_of,
+  signature_key,
+  tensor_arguments,
+  with_variables_bound,
+)
 from tf_gspmd.partitioned.variables import VariableStore
 from tf_gspmd.program import held
 from tf_gspmd.runtime import grappler
@@ -103,7 +108,7 @@ class PartitionedFunction:
     self.store.check_annotations(compiled.variables)
     self._own_layouts(compiled)
     self._last = compiled
-    flat_args = [a for a in tf.nest.flatten(args) if is_tensor_like(a)]
+    flat_args = tensor_arguments(args)
     what = f'partition({name_of(self.fn)!r})'
     self._prepared(compiled)
     # A plain variable is its own state: copied into its shards, and what the call wrote back.
@@ -329,8 +334,9 @@ class PartitionedFunction:
     if key in self._compiled:
       return self._compiled[key]
     self._phase('capturing the step')
+    fn, args = with_variables_bound(self.fn, args)
     program, mesh = compile_lib.capture_annotated(
-      self.fn, args, self.mesh, self.in_shardings, self.out_shardings, name_of(self.fn)
+      fn, args, self.mesh, self.in_shardings, self.out_shardings, name_of(self.fn)
     )
     compile_lib.refuse_python_callbacks(program, self.executor, name_of(self.fn))
     self._phase('propagating shardings')

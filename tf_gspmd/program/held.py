@@ -49,6 +49,7 @@ from tf_gspmd.tf_private import (
   VARIABLE_VALUE_KEY,
   UninitializedVariable,
   handle_data_util,
+  own_function,
   record,
   save_context,
   variable_accessed,
@@ -249,7 +250,7 @@ def adopted_copier(variables: Iterable, copy: Callable) -> Callable[[], None]:
   adopted = [v for v in variables if not isinstance(v, SplitVariable) and is_held(v)]
   in_graph = [v for v in adopted if getattr(holder_of(v), 'assembles_in_graph', True)]
   eager = [v for v in adopted if not getattr(holder_of(v), 'assembles_in_graph', True)]
-  traced = tf.function(lambda: copy(in_graph), autograph=False) if in_graph else None
+  traced = own_function(lambda: copy(in_graph), autograph=False) if in_graph else None
 
   def run() -> None:
     if traced is not None:

@@ -51,6 +51,7 @@ from tf_gspmd.runtime.grappler import call_config, without_grappler
 from tf_gspmd.runtime.sharded import ShardedValue, ShardedVariable
 from tf_gspmd.runtime.watchdog import WATCHDOG, CallWatch, collective_error
 from tf_gspmd.sharding import NamedSharding, P, Sharding
+from tf_gspmd.tf_private import own_function
 
 DEFAULT_TIMEOUT = collectives_lib.DEFAULT_TIMEOUT
 
@@ -459,7 +460,7 @@ class SpmdProgram:
       return outputs
 
     launch.__name__ = f'{self.name}_launch'
-    outer = tf.function(launch, autograph=False)
+    outer = own_function(launch, autograph=False)
     self._outer[key] = (outer, bound)  # `bound` keeps the captured variables' ids unique
     return outer
 
