@@ -8,10 +8,13 @@ case checks values against the unpartitioned function (the oracle) and the bytes
 `step.collectives()` reports, against a bound the old choice (ids gathered) broke.
 """
 
+from unittest import mock
+
 import numpy as np
 import tensorflow as tf
 
 import tf_gspmd as tg
+from tf_gspmd.graph_rewrite import partitioner as partitioner_lib
 from tf_gspmd.propagation import pricing
 from tf_gspmd.propagation.rule import REDUCTION, OpRule
 from tf_gspmd.testing import assert_close
@@ -177,3 +180,49 @@ def test_few_ids_whose_rows_feed_a_dense_layer_keep_their_batch_split():
   assert_close(step(x), f(x), 'sum of squared outputs')
   assert not [r for r in step.collectives() if r['dtype'] == 'int32'], step.collectives()
   assert moved(step) <= TABLE_BYTES, step.collectives()
+
+
+def test_a_weight_gathered_for_the_forward_is_the_one_its_gradient_reads():
+  """FSDP: a kernel split over the batch axis is all-gathered once per step, not once for the
+  forward matmul and again for the backward matmul reading the same tensor (the gradient of
+  the first layer's output reads the second kernel), as XLA's partitioner caches its
+  reshards; values as the unpartitioned step."""
+  rng = np.random.RandomState(5)
+  starts = [rng.randn(64, 32).astype(np.float32), rng.randn(32, 8).astype(np.float32)]
+  x = rng.randn(16, 64).astype(np.float32)
+
+  def make(kernels, mesh=None):
+    @tf.function
+    def step(x):
+      if mesh is not None:
+        x = tg.shard(x, mesh, tg.P('batch', None))
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.tanh(tf.tanh(x @ kernels[0]) @ kernels[1]) ** 2)
+      for kernel, grad in zip(kernels, tape.gradient(loss, kernels)):
+        kernel.assign_sub(0.1 * grad)
+      return loss
+
+    return step
+
+  mine = [tf.Variable(s) for s in starts]
+  theirs = [tf.Variable(s) for s in starts]
+  for kernel in mine:
+    tg.shard_variable(kernel, MESH, tg.P('batch', 'model'))
+  partitioned = tg.partition(make(mine, MESH), MESH)
+  plain = make(theirs)
+  for i in range(2):
+    assert_close(partitioned(x), plain(x), f'loss {i}')
+  for j, (a, b) in enumerate(zip(mine, theirs)):
+    assert_close(a.read_value(), b.read_value(), f'kernel {j} after two steps')
+  gathered = [
+    r['op'] for r in partitioned.collectives() if r['kind'] == 'all_gather' and 'batch' in r['axes']
+  ]
+  assert len(gathered) == 2, gathered  # each kernel once (the old code gathered the second twice)
+
+  # Over the reuse bound (a large gathered weight) the backward gathers again, as FSDP does, so
+  # that no gathered weight is held from the forward to the backward.
+  with mock.patch.object(partitioner_lib, 'REUSED_RESHARD_BYTES', 0):
+    again = tg.partition(make(mine, MESH), MESH)
+    assert_close(again(x), plain(x), 'loss, nothing reused')
+  gathered = [r for r in again.collectives() if r['kind'] == 'all_gather' and 'batch' in r['axes']]
+  assert len(gathered) == 3, gathered

@@ -57,6 +57,16 @@ class OpRecord:
   collectives: List[dict] = dataclasses.field(default_factory=list)
 
 
+# A reshard's result of at most this many bytes per device is reused by every later read of
+# the same value in the same sharding (`Partitioner.reshard`); a larger one is made again.
+REUSED_RESHARD_BYTES = 2**20
+
+
+def _local_bytes(value: 'Local') -> int:
+  elements = value.tensor.shape.num_elements()
+  return value.dtype.size * (elements if elements is not None else 1 << 62)
+
+
 # Keys of `Partitioner.warn_once(..., per_process=True)` messages this process logged already.
 _WARNED_IN_PROCESS: set = set()
 
@@ -101,6 +111,8 @@ class Partitioner:
     # Pending sums resolved late, through linear ops, in buckets (graph_rewrite/coalesce.py).
     self._coalescer = coalescer
     self._manual: Optional[Dict[tuple, tuple]] = None
+    # (source tensor, its sharding, target sharding) -> the resharded value (see `reshard`).
+    self._reshards: Dict[tuple, Local] = {}
 
   # --- values ---------------------------------------------------------------
   def static_value(self, graph: ir.Graph, tensor: str) -> Optional[np.ndarray]:
@@ -138,7 +150,25 @@ class Partitioner:
   def reshard(self, value: Local, target: NamedSharding, why: str = '') -> Local:
     if value.sharding.is_equivalent_to(target) and not value.sharding.partial_axes:
       return value
-    return self._resharder(self, value, target, why)
+    if value.sharding.partial_axes or value.dtype == tf.resource:
+      return self._resharder(self, value, target, why)
+    # One value resharded to one sharding once per graph, as XLA's partitioner caches its
+    # reshards: a weight all-gathered for the forward matmul is the one its gradient matmul
+    # reads, instead of a second all-gather of the same shards (a Keras step's backward reads
+    # the forward's tensors). Only results of up to REUSED_RESHARD_BYTES per device: a
+    # collective that small costs its latency, not its bytes; a larger one is made again where
+    # it is read, as FSDP gathers a weight again for the backward, so that no gathered weight
+    # is held from the forward to the backward. Only within the graph being emitted: a value
+    # resharded inside a While body or a cond branch cannot be read outside it.
+    graph = tf.compat.v1.get_default_graph()
+    key = (value.tensor.ref(), value.sharding, target)
+    done = self._reshards.get(key)
+    if done is not None and done.tensor.graph is graph:
+      return done
+    done = self._resharder(self, value, target, why)
+    if value.tensor.graph is graph and _local_bytes(done) <= REUSED_RESHARD_BYTES:
+      self._reshards[key] = done
+    return done
 
   def replicate(self, value: Local, why: str = '') -> Local:
     return self.reshard(value, replicated(self.mesh, len(value.shape)), why)

@@ -426,7 +426,10 @@ def partition(
   """Partition an annotated tf.function over `mesh`; usable as a decorator.
 
   `in_shardings`/`out_shardings`: one Sharding (or None: leave it to
-  propagation) per flattened tensor argument / output, or one for all.
+  propagation) per flattened tensor argument / output, or one for all. A
+  `tf.Variable` argument (passed, or a parameter's default) is the step's state,
+  as a captured variable is: held as shards and updated in place, not a tensor
+  argument; a call with another variable builds anew.
   `backend`: 'tf' (default: TF collectives between TF devices) or 'xla' (the
   per-replica program exported to StableHLO, compiled by XLA and run on the
   mesh's devices through PJRT; needs the `tf_gspmd[xla]` extra).
