@@ -12,11 +12,14 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'bench'))
 import limit  # noqa: E402
 
 
+@pytest.mark.slow  # runs the bench in subprocesses: 35-45 s
 def test_quick_run_prints_the_limit_and_the_ratios():
   proc = subprocess.run(
     [sys.executable, os.path.join(ROOT, 'bench', 'limit.py'), '--quick', '--profile'],

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(ROOT, 'bench'))
 import step_time  # noqa: E402
 
 
+@pytest.mark.slow  # runs the bench in subprocesses: 25 s
 def test_quick_run_prints_the_table():
   proc = subprocess.run(
     [sys.executable, os.path.join(ROOT, 'bench', 'step_time.py'), '--quick'],

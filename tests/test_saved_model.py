@@ -303,6 +303,7 @@ def device_server(export_dir: str, wait: float = 120):
     server.wait(timeout=30)
 
 
+@pytest.mark.slow  # TF's saved_model_cli in subprocesses: 22 s
 def test_saved_model_cli_show_and_run(exports, tmp_path):
   path = exports['cnn']['dir']
   show = cli('show', '--dir', path, '--all')
