@@ -110,27 +110,6 @@ def keras_output_layout_of_wrong_rank():
   fit_under(model_parallel({'d2/output': ('data', None, None)}))
 
 
-def attention(num_heads):
-  def build():
-    keras.utils.set_random_seed(0)
-    tokens = keras.Input((8, 16))
-    h = keras.layers.MultiHeadAttention(num_heads, 4, name='mha')(tokens, tokens)
-    model = keras.Model(tokens, keras.layers.Dense(4, name='head')(h[:, 0]))
-    model.compile(
-      optimizer='sgd', loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    )
-    return model
-
-  return build
-
-
-def heads_not_divisible_by_the_model_axis():
-  x = np.random.RandomState(2).randn(32, 8, 16).astype(np.float32)
-  fit_under(
-    model_parallel({'mha/(query|key|value)/kernel': (None, 'model', None)}), build=attention(6), x=x
-  )
-
-
 def batch_not_divisible_by_the_batch_axis():
   fit_under(keras.distribution.DataParallel(), batch_size=12)  # 12 rows over 8 devices
 
@@ -235,11 +214,6 @@ CASES = {
     keras_output_layout_of_wrong_rank,
     ValueError,
     ['d2', "('data', None, None)", 'rank 2'],
-  ),
-  'heads_not_divisible_by_the_model_axis': (
-    heads_not_divisible_by_the_model_axis,
-    ValueError,
-    ['mha', '6 heads', "'model'", '4', 'divisible'],
   ),
   'batch_not_divisible_by_the_batch_axis': (
     batch_not_divisible_by_the_batch_axis,

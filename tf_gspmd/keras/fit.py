@@ -30,7 +30,6 @@ import keras
 import tensorflow as tf
 
 from tf_gspmd.annotations import shard, shard_variable, variable_sharding
-from tf_gspmd.errors import Unsupported
 from tf_gspmd.keras.hooks import backing
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.partitioned import PartitionedFunction, VariableStore
@@ -139,7 +138,6 @@ class _Launcher:
     """One partitioned call (the model's variables are views of the shards it reads)."""
     if id(fn) not in self._annotated_for:  # before its first trace makes shards
       self.annotate_unmatched()
-      _check_attention_heads(self.model)
       self._annotated_for.add(id(fn))
     try:
       out = fn(batch)
@@ -256,48 +254,6 @@ def _rows(data):
   flat = tf.nest.flatten(data) if not isinstance(data, tf.data.Dataset) else []
   shape = getattr(flat[0], 'shape', None) if flat else None
   return int(shape[0]) if shape is not None and len(shape) and shape[0] is not None else None
-
-
-# Per MultiHeadAttention weight (its path inside the layer): the dim that counts heads.
-_HEAD_DIM = {
-  'query/kernel': 1,
-  'key/kernel': 1,
-  'value/kernel': 1,
-  'query/bias': 0,
-  'key/bias': 0,
-  'value/bias': 0,
-  'attention_output/kernel': 0,
-}
-
-
-def _attention_layers(layers) -> list:
-  found = []
-  for layer in layers:
-    if isinstance(layer, keras.layers.MultiHeadAttention):
-      found.append(layer)
-    found += _attention_layers(getattr(layer, 'layers', ()))
-  return found
-
-
-def _check_attention_heads(model) -> None:
-  """Refuse a head dim split over axes whose size does not divide the head count: each
-  device would hold a different number of heads and pad the rest."""
-  for layer in _attention_layers(model.layers):
-    for weight in layer.weights:
-      dim = _HEAD_DIM.get(weight.path[len(layer.path) + 1 :])
-      sharding = variable_sharding(weight) if dim is not None else None
-      spec = getattr(sharding, 'spec', None)  # a NamedSharding's; other shardings are not checked
-      axes = spec[dim] if spec is not None and dim < len(spec) else None
-      if axes is None:
-        continue
-      size = sharding.mesh.axis_size(axes)
-      if layer.num_heads % size:
-        raise Unsupported(
-          f'{model.name}: MultiHeadAttention layer {layer.path!r} has {layer.num_heads} heads, '
-          f'but the layout {sharding.spec} of {weight.path} splits them over {axes!r} of '
-          f'{size} devices; {layer.num_heads} is not divisible by {size}. Use a head count '
-          f'divisible by {size}, or split another dim (the model dim) of this weight.'
-        )
 
 
 def layer_paths(model) -> set:
