@@ -183,6 +183,7 @@ def step_functions(model):
   return model._tf_gspmd_launcher.functions  # noqa: SLF001
 
 
+@pytest.mark.slow  # whole Keras fits: 11 s
 def test_fit_evaluate_predict_run_by_strategy_run_equal_plain_keras():
   """partition_model(strategy=): every step through strategy.run, TF collectives between the
   replicas' devices (what runs on CPUs), the shards per-replica components."""
@@ -252,6 +253,7 @@ def keras_distribution():
   tg.keras.disable()
 
 
+@pytest.mark.slow  # whole Keras fits: 23 s
 def test_keras_distribution_fit_inside_the_strategy_scope_runs_by_strategy_run(keras_distribution):
   """Built outside the scope, fit inside it: the strategy is picked up. Keras splits fit's
   batches over the replicas itself in the scope (its dataset distributed): they are put back

@@ -80,6 +80,7 @@ def counts(pf):
   return collections.Counter((c['kind'], tuple(c['axes'])) for c in pf.collectives())
 
 
+@pytest.mark.slow  # a model-level pipeline: 13 s
 def test_four_stages_with_data_parallelism_and_eight_microbatches():
   mesh = tg.Mesh.create((4, 2), ('stage', 'data'))
   stages, d, batch, microbatches = 4, 16, 32, 8
