@@ -176,14 +176,15 @@ def run_side(side: str, hidden: int, steps: int) -> dict:
     step()
     times.append(time.perf_counter() - start)
   w_mib = LAYERS * hidden * hidden * 4 / 2**20
+  peak = _hwm_mib() - base
   return {
     'side': side,
     'hidden': hidden,
     'W_MiB': w_mib,
     'steady_MiB': steady,
-    'peak_MiB': _hwm_mib() - base,
+    'peak_MiB': peak,
     'steady_W': steady / w_mib,
-    'peak_W': (_hwm_mib() - base) / w_mib,
+    'peak_W': peak / w_mib,
     'step_ms': 1e3 * sorted(times)[len(times) // 2],
   }
 

@@ -55,10 +55,9 @@ def with_variables_bound(fn, args):
     )
   rest = [None if i in variables else a for i, a in enumerate(flat)]
 
-  def bound(*positional):
-    values = tf.nest.flatten((positional, {}))
-    restored = [variables.get(i, a) for i, a in enumerate(values)]
-    return python_fn(*tf.nest.pack_sequence_as((positional, {}), restored)[0])
+  def bound(*positional):  # the positions of `flat`: `given`'s keyword half is empty
+    restored = [variables.get(i, a) for i, a in enumerate(tf.nest.flatten(positional))]
+    return python_fn(*tf.nest.pack_sequence_as(positional, restored))
 
   bound.__name__ = name_of(fn)
   return tf.function(bound), tf.nest.pack_sequence_as(given, rest)[0]
