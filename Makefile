@@ -78,7 +78,7 @@ test: $(STAMP) $(XLASTAMP) lint
 
 # A quick loop for development: skips the tests marked slow (CI runs them all).
 test-fast: $(STAMP) $(XLASTAMP)
-	TF_GSPMD_JAX_PYTHON=$(PY) $(PY) -m pytest -q -rs -n $(PYTEST_WORKERS) --dist loadfile \
+	TF_GSPMD_JAX_PYTHON=$(PY) $(PY) -m pytest -q -rs -n $(PYTEST_WORKERS) --dist worksteal \
 	  --durations=10 tests -m "not slow"
 
 # The benchmarks (their latest output goes in the closing notes). The full op sweep

@@ -386,6 +386,7 @@ def test_save_killed_midway_leaves_previous_checkpoint(tmp_path, phase):
   assert [os.path.basename(p) for p in kept] == ['ckpt-1', 'ckpt-2']
 
 
+@pytest.mark.slow  # a page or a fresh interpreter: `make test` runs it, the edit loop not
 def test_readme_checkpoint_example_runs(tmp_path):
   """docs/export.md's checkpoint example runs as is (and is the module docstring's)."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -431,6 +431,7 @@ _TIMEOUT_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a page or a fresh interpreter: `make test` runs it, the edit loop not
 def test_timed_out_collective_raises_a_clear_error_in_a_subprocess(tmp_path):
   script = tmp_path / 'timeout.py'
   script.write_text(_TIMEOUT_SCRIPT)

@@ -25,6 +25,9 @@ import pytest
 
 from helpers import run_python  # a fresh interpreter with the repo importable
 
+# Pages run verbatim: `make test` runs them, `make test-fast` (the edit loop) does not.
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / 'README.md'] + sorted((ROOT / 'docs').glob('*.md'))
 LANGUAGES = ('python', 'sh', '')

@@ -111,6 +111,7 @@ def _stop(process) -> None:
   process.communicate(timeout=30)
 
 
+@pytest.mark.slow  # a fresh interpreter: `make test` runs it, the edit loop not
 @exposed_here
 def test_serve_refuses_without_the_flag_and_names_it():
   process = _serve()
@@ -119,6 +120,7 @@ def test_serve_refuses_without_the_flag_and_names_it():
   assert '--expose-to-network' in err and 'not starting a TF gRPC server' in err, err
 
 
+@pytest.mark.slow  # a fresh interpreter: `make test` runs it, the edit loop not
 @exposed_here
 def test_serve_prints_the_address_it_is_bound_to():
   port = export_serve.free_port()
@@ -133,6 +135,7 @@ def test_serve_prints_the_address_it_is_bound_to():
 
 
 @pytest.mark.skipif(CONFINED is not None, reason=f'no loopback-only namespace here: {CONFINED}')
+@pytest.mark.slow  # a page or a fresh interpreter: `make test` runs it, the edit loop not
 def test_serve_in_a_loopback_only_namespace_needs_no_flag():
   """Under `python -m tf_gspmd.runtime.loopback`, the server's namespace has lo alone."""
   wrapper = _serve(wrap=(sys.executable, '-m', 'tf_gspmd.runtime.loopback', '--'))
@@ -158,6 +161,7 @@ def test_cluster_servers_refuse_without_the_keyword_and_name_it():
     cluster.connect(tf.train.ClusterSpec(addresses), 1)
 
 
+@pytest.mark.slow  # a fresh interpreter: `make test` runs it, the edit loop not
 def test_local_cluster_worker_prints_the_address_it_is_bound_to(capsys):
   with cluster.LocalCluster(1, 1, expose_to_network=True) as workers:
     what, addresses, scope, _ = printed(capsys.readouterr().err.strip().splitlines()[-1])

@@ -144,6 +144,7 @@ def test_a_planted_bug_of_each_kind_fails_the_budget(monkeypatch, local, status)
   assert f': {status} ' in lines[0] and len(failures) == 1, lines
 
 
+@pytest.mark.slow  # a whole shrink: `make test` runs it, the edit loop not
 def test_shrinker_finds_a_planted_bug(monkeypatch, tmp_path):
   program = _program_with_sin()
   assert fuzz.run(program).status == 'pass'

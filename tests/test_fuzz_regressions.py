@@ -246,6 +246,7 @@ def build_3535_115(dtype=np.float32):
   return mesh, make, [x1, x4, p13, x30, x39]
 
 
+@pytest.mark.slow  # float64 witnesses of batch norms: `make test` runs it, the edit loop not
 def test_fuzz_3535_115_broadcast_into_batch_norms_judged_by_float64():
   """Issue #35's campaign: x4 broadcast into a chain of batch normalizations, a cond and while
   loops, with the gradient. x4's gradient (0.018) is mostly cancellation: partitioned 3.6e-04

@@ -327,6 +327,7 @@ def test_wheel_requires_tensorflow_only_through_extras(wheelhouse):
   assert {'keras', 'test', 'jax', 'xla'} <= set(requires)
 
 
+@pytest.mark.slow  # a fresh interpreter: `make test` runs it, the edit loop not
 @pytest.mark.parametrize('user_tf', ['tensorflow-cpu', 'tensorflow'])
 def test_install_beside_the_users_tensorflow_adds_no_second_one(wheelhouse, tmp_path, user_tf):
   venv = tmp_path / 'venv'

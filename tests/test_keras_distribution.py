@@ -60,6 +60,7 @@ def test_importing_tf_gspmd_leaves_keras_alone():
   assert not ENABLED_AT_IMPORT and not BACKEND_HAD_DISTRIBUTE_TENSOR_AT_IMPORT
 
 
+@pytest.mark.slow  # a page or a fresh interpreter: `make test` runs it, the edit loop not
 def test_model_parallel_guide_code_matches_plain_keras():
   distribution = guide_distribution()
   reference = guide_model()
@@ -212,10 +213,12 @@ def test_disable_restores_keras_own_behaviour():
   assert module.distribute_tensor is distribution_lib.distribute_tensor
 
 
+@pytest.mark.slow  # a page or a fresh interpreter: `make test` runs it, the edit loop not
 def test_example_trains_model_parallel_with_keras_progress_bar(tmp_path):
   check_model_parallel_example(tmp_path)
 
 
+@pytest.mark.slow  # a page or a fresh interpreter: `make test` runs it, the edit loop not
 def test_readme_keras_distribution_section_runs(tmp_path):
   readme = (ROOT / 'docs' / 'keras.md').read_text()
   section = readme.split("## Keras 3's keras.distribution on TF", 1)[1]

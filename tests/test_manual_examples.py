@@ -4,6 +4,8 @@ attention), each against its automatic twin, run from the page itself."""
 import pathlib
 import re
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MARKER = '<!-- run by tests/test_manual_examples.py::test_manual_page_examples -->'
 
@@ -13,6 +15,7 @@ def page_blocks():
   return re.findall(re.escape(MARKER) + r'\n```python\n(.*?)```', text, re.S)
 
 
+@pytest.mark.slow  # a page run verbatim: `make test` runs it, the edit loop not
 def test_manual_page_examples():
   blocks = page_blocks()
   assert len(blocks) == 5

@@ -262,6 +262,7 @@ print('RETRACING', [m for m in said if 'retracing' in m])
 """
 
 
+@pytest.mark.slow  # a fresh interpreter: `make test` runs it, the edit loop not
 def test_six_programs_raise_no_retracing_warning_about_tf_gspmds_own_functions(tmp_path):
   """TF counts retracing per code object; tf_gspmd's launcher and copier are one code per
   program, so before the fix the fifth program warned of retracing the user never did."""

@@ -109,5 +109,6 @@ def test_partition_on_a_one_device_mesh():
 
 
 @pytest.mark.parametrize('kind', ['data_parallel', 'model_parallel_1x1'])
+@pytest.mark.slow  # a whole Keras fit per kind: `make test` runs it, the edit loop not
 def test_keras_distribution_on_one_device(kind):
   assert 'collectives 0' in _run(_KERAS, kind)

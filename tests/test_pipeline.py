@@ -153,6 +153,7 @@ def _run(script, timeout=300):
   return run_python(script, timeout)
 
 
+@pytest.mark.slow  # a page or a fresh interpreter: `make test` runs it, the edit loop not
 def test_readme_pipeline_section_runs(tmp_path):
   import re
 

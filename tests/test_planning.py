@@ -145,6 +145,7 @@ def test_abstract_variable_has_no_value_and_keeps_its_sharding():
   assert v.numpy().size == 0  # 8 GB that were never allocated: a read finds no buffer
 
 
+@pytest.mark.slow  # a page or a fresh interpreter: `make test` runs it, the edit loop not
 def test_readme_planning_at_scale_example_runs_verbatim(tmp_path):
   """docs/scaling_out.md, 'Planning at scale': its block runs and prints what the text says."""
   import pathlib

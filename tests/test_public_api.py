@@ -56,6 +56,7 @@ def test_auto_shard_is_the_package_and_the_search(monkeypatch):
   assert tg.auto_shard(1, mesh=2) == ('searched', (1,), {'mesh': 2})
 
 
+@pytest.mark.slow  # a page or a fresh interpreter: `make test` runs it, the edit loop not
 def test_importing_a_submodule_of_auto_shard_first_works():
   code = (
     'import tf_gspmd.auto_shard.groups as g; import tf_gspmd as tg; print(callable(tg.auto_shard))'

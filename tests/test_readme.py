@@ -11,6 +11,9 @@ import pytest
 
 from helpers import run_python
 
+# Pages run verbatim: `make test` runs them, `make test-fast` (the edit loop) does not.
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / 'README.md').read_text()
 API_PAGE = (ROOT / 'docs' / 'api.md').read_text()

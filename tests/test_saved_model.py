@@ -200,6 +200,7 @@ def test_collectives_are_in_the_served_graph(exports):
     assert {'cnn': 'permute', 'moe': 'all_to_all', 'transformer': 'all_reduce'}[name] in kinds
 
 
+@pytest.mark.slow  # a page or a fresh interpreter: `make test` runs it, the edit loop not
 def test_plain_tensorflow_serves_every_export_in_a_fresh_process(exports, tmp_path):
   """The fresh process (no tf_gspmd) writes what it served; the oracle compares it here."""
   cases = {
@@ -228,6 +229,7 @@ print(json.dumps({{'tf_gspmd_imported': any(m.startswith('tf_gspmd') for m in sy
   assert_close(served, {name: e['want'] for name, e in exports.items()}, 'served by plain TF')
 
 
+@pytest.mark.slow  # a fresh interpreter: `make test` runs it, the edit loop not
 def test_fewer_devices_fail_naming_both_counts(exports):
   path, inp = exports['moe']['dir'], str(pathlib.Path(exports['moe']['dir']).parent / 'moe_in.npy')
   script = f"""
@@ -423,6 +425,7 @@ def test_xla_export_recompiles_and_its_annotated_graph_reads_back(exports, tmp_p
 
 
 # --- docs/export.md's "Save, serve, restore" example ---------------------------------------------
+@pytest.mark.slow  # a page or a fresh interpreter: `make test` runs it, the edit loop not
 def test_readme_save_serve_restore_example_runs_verbatim(tmp_path):
   readme = (ROOT / 'docs' / 'export.md').read_text()
   section = readme.split('## Save, serve, restore', 1)[1].split('\n## ', 1)[0]

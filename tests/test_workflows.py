@@ -245,6 +245,7 @@ def _served_elsewhere(path, x, tmp_path) -> np.ndarray:
   return np.load(tmp_path / 'y.npy')
 
 
+@pytest.mark.slow  # a fresh interpreter: `make test` runs it, the edit loop not
 def test_model_export_is_served_by_plain_tensorflow_in_another_process(trained, tmp_path):
   _, model, reference = trained
   x, _ = _data()
