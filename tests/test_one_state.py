@@ -290,6 +290,64 @@ def test_model_parallel_keras_model_is_made_and_trained_as_shards(backend, keras
   assert slots and all(held.is_held(tg.keras.backing(v)) for v in slots)
 
 
+def _functional_model(seed=0):
+  """Layers that Keras traces symbolically to infer their output shape (EinsumDense, a layer
+  reading its own weight in `call`): each reads its split weights in a scratch graph."""
+
+  class Scale(keras.layers.Layer):
+    def build(self, shape):
+      self.scale = self.add_weight(shape=(shape[-1],), initializer='ones', name='scale')
+
+    def call(self, x):
+      return x * self.scale
+
+  keras.utils.set_random_seed(seed)
+  inputs = keras.Input((32,))
+  hidden = keras.layers.EinsumDense('bi,ih->bh', output_shape=64, name='e0')(inputs)
+  hidden = Scale(name='s0')(hidden)
+  outputs = keras.layers.EinsumDense('bh,ho->bo', output_shape=4, name='e1')(hidden)
+  model = keras.Model(inputs, outputs)
+  model.compile(optimizer=keras.optimizers.Adam(1e-2), loss='mse')
+  return model
+
+
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_a_functional_model_built_over_split_weights_keeps_no_whole_copy(
+  backend, keras_distribution
+):
+  """Keras builds a functional model by calling each layer in a scratch graph it never runs;
+  a split weight read there gives its shape. It made a whole TF copy of every such weight on
+  backend='xla' (a mirror for traced reads), refreshed from the devices after every step."""
+  if backend == 'xla':
+    pytest.importorskip('jax')
+  tg.keras.enable(backend)
+  rng = np.random.RandomState(0)
+  x, y = rng.randn(32, 32).astype(np.float32), rng.randn(32, 4).astype(np.float32)
+  reference = _functional_model()
+  device_mesh = keras.distribution.DeviceMesh(
+    (2, 4), ['batch', 'model'], keras.distribution.list_devices()
+  )
+  layout_map = keras.distribution.LayoutMap(device_mesh)
+  layout_map[r'e\d/kernel'] = (None, 'model')
+  layout_map[r's0/scale'] = ('model',)
+  keras.distribution.set_distribution(
+    keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name='batch')
+  )
+  model = _functional_model()
+  keras.distribution.set_distribution(None)
+  assert all(held.is_split(tg.keras.backing(v)) for v in model.weights)
+  reference.fit(x, y, batch_size=16, epochs=2, verbose=0)
+  model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+  for got, want, v in zip(model.get_weights(), reference.get_weights(), model.weights):
+    assert_close(got, want, v.path)
+  gc.collect()
+  exclude = [tg.keras.backing(v) for v in reference.weights + reference.optimizer.variables]
+  assert _whole_copies({(32, 64), (64,), (64, 4)}, exclude) == []
+  # A plain traced read still sees the trained value.
+  kernel = model.layers[1].kernel
+  assert_close(tf.function(lambda: tf.identity(kernel))(), model.get_weights()[0], 'traced')
+
+
 def test_restore_into_a_model_whose_optimizer_is_not_built_restores_its_slots(tmp_path):
   mesh = tg.Mesh.create(*MESH)
   rng = np.random.RandomState(0)

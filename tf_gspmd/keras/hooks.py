@@ -25,6 +25,11 @@ from typing import Callable, Dict, List, Optional, Tuple
 import keras
 import tensorflow as tf
 
+# Private: whether Keras is inferring output shapes in a scratch graph it never runs
+# (`compute_output_spec`, the functional API's symbolic calls); no public API says so. A split
+# variable read there needs its shape only (program.held.register_shape_only_graph).
+from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
 # Private: the base class of every Keras variable, whose constructor is where
 # Keras (on JAX) gives a variable its layout; `keras.Variable` is the TF backend's subclass,
 # patching its base reaches every backend's variables as Keras' own code sees them.
@@ -44,6 +49,7 @@ from keras.src.backend.tensorflow.core import Variable as KerasTFVariable
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
 from tf_gspmd import annotations
+from tf_gspmd.program import held
 
 # The trainer methods `patch` wraps: every public way into a model's steps.
 ENTRY_POINTS = (
@@ -96,6 +102,7 @@ def _built_tf_variable(value):
 
 
 annotations.register_variable_unwrapper(_built_tf_variable)
+held.register_shape_only_graph(in_symbolic_scope)
 
 
 def _with_saved_model_children(original):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, List, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import tensorflow as tf
 
@@ -16,11 +16,12 @@ from tf_gspmd.partitioned.compile import Compiled
 
 @dataclasses.dataclass
 class XlaRun:
-  """backend='xla': the exported module, compiled, and the device buffers of its captures."""
+  """backend='xla': the exported module, compiled, and its captures (each one array over the
+  replicas, made once: never donated, the same every step)."""
 
   export: Any  # xla_bridge.XlaExport
   executable: Any  # xla_bridge.PjrtExecutable
-  capture_buffers: List[list]
+  captures: list
 
 
 class XlaExecutor(executors.Executor):
@@ -113,11 +114,10 @@ def prepare(compiled: Compiled, sharded_variables: dict, devices: list, name: st
   exported = xla_programs.export(compiled, sharded_variables, name)
   executable = pjrt.PjrtExecutable(exported, devices, donate=True)
   n_args = len(compiled.program.arg_inputs)
+  capture_args = exported.args[n_args : n_args + len(compiled.capture_values)]
   captures = [
-    pjrt.put_global(value, layout, executable.devices)
-    for value, layout in zip(
-      compiled.capture_values, exported.args[n_args : n_args + len(compiled.capture_values)]
-    )
+    executable.array_of(layout, pjrt.put_global(value, layout, executable.devices))
+    for value, layout in zip(compiled.capture_values, capture_args)
   ]
   return XlaRun(exported, executable, captures)
 
@@ -130,16 +130,18 @@ def run(compiled: Compiled, xla_run: XlaRun, flat_args, sharded_variables: dict)
   inputs = [
     pjrt.put_global(value, layout, devices) for value, layout in zip(flat_args, xla_run.export.args)
   ]
-  inputs += xla_run.capture_buffers
-  inputs += [sharded_variables[id(v)].shards for v in compiled.variables]
-  first_variable = len(flat_args) + len(xla_run.capture_buffers)
+  inputs += xla_run.captures
+  holders = [sharded_variables[id(v)] for v in compiled.variables]
+  inputs += [holder.array if holder.array is not None else holder.shards for holder in holders]
+  first_variable = len(flat_args) + len(xla_run.captures)
+  executable = xla_run.executable
   flat = []
-  for layout, buffers in zip(xla_run.export.results, xla_run.executable.run(inputs)):
+  for layout, result in zip(xla_run.export.results, executable.run_arrays(inputs)):
     if layout.kind == 'output':
+      buffers = executable.buffers_of(result)
       flat.append(pjrt.assemble_global(buffers, layout.sharding, layout.shape, layout.name))
-    else:  # the new value of a variable: its device buffers replace the old ones
-      variable = compiled.variables[layout.updates - first_variable]
-      sharded_variables[id(variable)].shards = buffers
+    else:  # the new value of a variable: it replaces the old one (donated to this step)
+      holders[layout.updates - first_variable].array = result
   structure = compiled.program.structured_outputs
   if structure is None:
     return None

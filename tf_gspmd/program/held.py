@@ -59,6 +59,21 @@ from tf_gspmd.tf_private import (
 _ADOPTED: Dict[int, tuple] = {}
 # id(SplitVariable) -> weak reference (for `held_variables`, the memory tests).
 _SPLIT: Dict[int, weakref.ref] = {}
+# Predicates true while the graph being built only infers shapes and is never run (Keras'
+# compute_output_spec scratch graph, registered by tf_gspmd.keras): a split variable read there
+# needs a tensor of its shape, not its value, so it builds no TF mirror of PJRT buffers (a
+# whole copy of the variable, refreshed on every later write).
+_SHAPE_ONLY_GRAPHS: List[Callable[[], bool]] = []
+
+
+def register_shape_only_graph(predicate: Callable[[], bool]) -> None:
+  """Reads of split variables while `predicate()` holds give a shape, never a value."""
+  if predicate not in _SHAPE_ONLY_GRAPHS:
+    _SHAPE_ONLY_GRAPHS.append(predicate)
+
+
+def _building_shape_only_graph() -> bool:
+  return not tf.executing_eagerly() and any(holds() for holds in _SHAPE_ONLY_GRAPHS)
 
 
 def holder_of(variable) -> Optional[Any]:
@@ -463,6 +478,8 @@ class SplitVariable(tf.Variable):
     variable_accessed(self)  # gradient tapes watch it, as for any variable read
     if tracing_for_partition():
       value = tf.raw_ops.ReadVariableOp(resource=self.handle, dtype=self.dtype)
+    elif _building_shape_only_graph():
+      value = tf.zeros(self.shape, self.dtype, name='shape_only_read')
     else:
       value = read_global(self._holder, self.dtype)
     record.record_operation(

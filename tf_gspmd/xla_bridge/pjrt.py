@@ -106,7 +106,8 @@ def put_local(values: Sequence, devices: Sequence) -> list:
   jax = _import_jax(len(devices))
   # Under x64 jax keeps 64-bit dtypes as they are (TF programs use int64 step counters).
   with jax.enable_x64(True):
-    return [jax.device_put(np.asarray(v), d) for v, d in zip(values, devices)]
+    # One call for every replica (jax batches the transfers), not one per replica.
+    return jax.device_put([np.asarray(v) for v in values], list(devices))
 
 
 def put_global(value, exported: ExportedValue, devices: Sequence) -> list:
@@ -165,22 +166,59 @@ class PjrtExecutable:
       jax.sharding.Mesh(np.array(self.devices), ('replicas',)), jax.sharding.PartitionSpec()
     )
     self._jax = jax
+    self._handlers: Optional[list] = None
 
   def run(self, inputs: Sequence[Sequence]) -> List[list]:
     """`inputs[i][r]`: parameter i's buffer on replica r; returns `outputs[j][r]` alike."""
+    return [self.buffers_of(result) for result in self.run_arrays(inputs)]
+
+  def run_arrays(self, inputs: Sequence) -> list:
+    """`run` on arrays: `inputs[i]` is parameter i's buffers (one per replica) or an array
+    `array_of` made; returns one such array per result, with no per-replica list built (a
+    step's variables go from one step to the next as arrays)."""
     args = self.export.args
     if len(inputs) != len(args):
       raise ValueError(f'{self.export.name}: {len(inputs)} inputs for {len(args)} parameters.')
-    arrays = []
-    for described, buffers in zip(args, inputs):
-      with self._jax.enable_x64(True):
-        arrays.append(
-          self._jax.make_array_from_single_device_arrays(
-            tuple(described.local_shape), self._replicated, list(buffers)
-          )
-        )
+    arrays = [self.array_of(described, given) for described, given in zip(args, inputs)]
     results = self.executable.execute_sharded(arrays)
-    return [list(r) for r in results.disassemble_into_single_device_arrays()]
+    return results.consume_with_handlers(self._result_handlers())
+
+  def array_of(self, described: ExportedValue, given):
+    """One array over the replicas from per-replica buffers (`given` as is if it is one)."""
+    if isinstance(given, self._jax.Array):
+      if given.sharding == self._replicated:
+        return given
+      given = self.buffers_of(given)  # another program's: its buffers, by device
+    with self._jax.enable_x64(True):
+      return self._jax.make_array_from_single_device_arrays(
+        tuple(described.local_shape), self._replicated, list(given)
+      )
+
+  def buffers_of(self, array) -> list:
+    """An array over the replicas as its per-replica buffers, replica r's at index r."""
+    by_device = {shard.device: shard.data for shard in array.addressable_shards}
+    return [by_device[d] for d in self.devices]
+
+  def _result_handlers(self) -> list:
+    """Per result, what makes its array from the executable's buffers: jax's own handler
+    (what a jitted function's call uses), built once."""
+    if self._handlers is None:
+      # Private (jax._src): jax has no public way to wrap an executable's raw results in
+      # arrays; its handler does it in C++, where make_array_from_single_device_arrays checks
+      # every buffer in Python again on each call.
+      from jax._src import core
+      from jax._src.lib import xla_client
+
+      self._handlers = [
+        xla_client.array_result_handler(
+          core.ShapedArray(tuple(r.local_shape), np.dtype(r.dtype.as_numpy_dtype)),
+          self._replicated,
+          committed=True,
+          _skip_checks=True,
+        )
+        for r in self.export.results
+      ]
+    return self._handlers
 
   def compiled_hlo(self) -> str:
     """The optimized HLO XLA compiled (what runs, collectives included)."""
@@ -224,17 +262,36 @@ class XlaShardedVariable:
       name, 'variable', self.shape, self.dtype, sharding, self.local_shape
     )
     self.mirror: Optional[tf.Variable] = None  # see tf_mirror
+    # The value is held as per-replica buffers, or as the one array over the replicas a step
+    # returned (`array`, split into buffers only when something asks for them).
+    self._array = None
     self.shards = put_global(value, self.exported, self.devices)
     self._template = None
 
   @property
   def shards(self) -> list:
     """The device buffers, partition p's at index p."""
+    if self._shards is None:
+      by_device = {shard.device: shard.data for shard in self._array.addressable_shards}
+      self._shards = [by_device[d] for d in self.devices]
     return self._shards
 
   @shards.setter
   def shards(self, buffers) -> None:
-    self._shards = buffers
+    self._shards, self._array = buffers, None
+    self._refresh_mirror()
+
+  @property
+  def array(self):
+    """The array over the replicas a step left (None when the value is held as buffers)."""
+    return self._array
+
+  @array.setter
+  def array(self, array) -> None:
+    self._shards, self._array = None, array
+    self._refresh_mirror()
+
+  def _refresh_mirror(self) -> None:
     if self.mirror is not None:  # a traced function reads it: kept current with every write
       self.mirror.assign(self.assemble())
 
