@@ -26,6 +26,14 @@ def test_a_deprecated_name_warns_and_is_the_object_it_named(name):
   assert name not in tg.__all__
 
 
+def test_plan_report_plan_warns_and_is_its_propagation():
+  report = tg.PlanReport('f', tg.Mesh.create((2,), ('x',)), [], 0, 0, [], {}, propagation='p')
+  with pytest.warns(
+    DeprecationWarning, match='PlanReport.plan is deprecated.*PlanReport.propagation'
+  ):
+    assert report.plan == 'p'
+
+
 def test_every_public_name_resolves_without_a_warning():
   with warnings.catch_warnings():
     warnings.simplefilter('error')
