@@ -1,7 +1,7 @@
 """The public API: one name per concept at top level; old names warn for one release.
 
 TF's `xla_sharding` functions live in `tg.xla_sharding` under TF's names; internals of
-one stage (capture, rebuild, plan_reshard, SpmdProgram, OpSharding conversion) in their
+one stage (capture, rebuild, route_reshard, SpmdProgram, OpSharding conversion) in their
 modules. `tg.auto_shard` is both the package and the search (`import
 tf_gspmd.auto_shard.groups` works).
 """

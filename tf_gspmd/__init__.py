@@ -107,12 +107,17 @@ __all__ = [
 
 # Names kept one release for code written against them, each with the one to use instead:
 # TF's xla_sharding names live in `tg.xla_sharding`; internals of one stage in their module;
-# `Plan` is `Propagation` ("plan" is `tg.plan`'s word alone). (module, attribute, what to use
-# instead) of each.
+# `Plan` is `Propagation` and `plan_reshard` is `route_reshard` ("plan" is `tg.plan`'s word
+# alone). (module, attribute, what to use instead) of each.
 _DEPRECATED = {
   'annotate': ('tf_gspmd.annotations', 'annotate', 'tg.shard(x, sharding)'),
   'variable_sharding': ('tf_gspmd.annotations', 'variable_sharding', 'tg.get_sharding(variable)'),
   'Plan': ('tf_gspmd.propagation.api', 'Propagation', 'tg.Propagation'),
+  'plan_reshard': (
+    'tf_gspmd.graph_rewrite.reshard',
+    'route_reshard',
+    'tf_gspmd.graph_rewrite.reshard.route_reshard',
+  ),
 }
 for _module, _names in [
   ('xla_sharding', xla_sharding.__all__),
@@ -120,7 +125,6 @@ for _module, _names in [
   ('op_sharding', ['from_proto', 'to_proto']),
   ('graph.capture', ['capture']),
   ('graph.rebuild', ['rebuild']),
-  ('graph_rewrite.reshard', ['plan_reshard']),
   ('runtime', ['SpmdProgram']),
 ]:
   _home = 'tg.xla_sharding' if _module == 'xla_sharding' else f'tf_gspmd.{_module}'
