@@ -47,7 +47,7 @@ import tensorflow as tf
 
 from tf_gspmd.graph import emit
 from tf_gspmd.graph_rewrite import uneven
-from tf_gspmd.graph_rewrite.halo_exchange import SpatialDim, gather_window, trim_plan
+from tf_gspmd.graph_rewrite.halo_exchange import SpatialDim, gather_window, trimmed_halo
 from tf_gspmd.graph_rewrite.handlers import (
   _shape_input,
   check_local_shape,
@@ -253,8 +253,8 @@ def shift_window(p, tensor: tf.Tensor, x: Local, windows) -> tf.Tensor:
   """
   for d, (window, fill) in sorted(windows.items()):
     axes = tuple(x.sharding.spec.axes_of(d))
-    plan, tail = trim_plan(window, p.mesh.axes_size(axes))
-    tensor = gather_window(p, tensor, x.sharding, [SpatialDim(d, axes, window, plan, tail)], fill)
+    halo, tail = trimmed_halo(window, p.mesh.axes_size(axes))
+    tensor = gather_window(p, tensor, x.sharding, [SpatialDim(d, axes, window, halo, tail)], fill)
   return tensor
 
 
