@@ -10,7 +10,7 @@ phases it calls (so the rows add up to the total):
   unpartitioned reference         tracing and running the program plainly (2 calls)
   capture                          tracing the program for the partitioner
   propagation                      choosing every tensor's sharding
-  build                            sharded variables, the plan
+  build                            sharded variables, argument and output layouts
   per-partition trace              the partitioner writing the per-partition program
   launch trace                     the outer function (splits, 8 call ops, assembly)
   TF instantiation + first run     TF building the program on 8 devices, then its first call

@@ -1,16 +1,16 @@
-"""Reshard benchmark: bytes moved and peak per-device memory, planned vs naive (vs XLA).
+"""Reshard benchmark: bytes moved and peak per-device memory, searched vs naive (vs XLA).
 
 Cases: the shared list in `bench/reshard_cases.py` (the same names as
-`bench/xla_reference.py`, so results join by name) plus a few planner-specific
-ones below (uneven swaps, a pending max). For each case the planner's plan
-(`plan_reshard`) is compared with the naive plan (all-reduce pending
+`bench/xla_reference.py`, so results join by name) plus a few of tf_gspmd's
+own below (uneven swaps, a pending max). For each case the search's route
+(`route_reshard`) is compared with the naive route (all-reduce pending
 reductions, all-gather to replicated, slice), and both are run through the
 numpy simulator and checked shard by shard against the global array (skip with
 --no-check).
 
 Columns (per device, bytes): `bytes` = max over devices of bytes received over
-the plan; `peak` = the largest single buffer a device holds (source shard
-included); `bound` = the planner's memory bound (max of source and target
+the route; `peak` = the largest single buffer a device holds (source shard
+included); `bound` = the search's memory bound (max of source and target
 shard, plus ceil padding for uneven sizes). The cost rules are those of the
 `graph_rewrite.reshard` package docstrings, the same rules `xla_reference.py` applies to
 XLA's collectives.
@@ -18,10 +18,10 @@ XLA's collectives.
 Hooks for later measurements:
 - `--xla PATH` reads the JSON that `bench/xla_reference.py` prints and fills
   the `xla` (bytes received) and `xla_peak` columns by case name.
-- `register_column(name, fn)` adds a column computed as fn(case, plan, naive).
+- `register_column(name, fn)` adds a column computed as fn(case, route, naive).
 
-Wall time (`wall_ms`, `naive_ms`; skip with --no-wall): the plan, and the
-naive plan, lowered by `tf_gspmd.graph_rewrite.lower_reshard` into a
+Wall time (`wall_ms`, `naive_ms`; skip with --no-wall): the route, and the
+naive route, lowered by `tf_gspmd.graph_rewrite.lower_reshard` into a
 per-partition program and run by `tf_gspmd.runtime.SpmdProgram` on 8 logical
 CPU devices (this machine: 2 cores) at the case's full size. Inputs are
 per-device shards already on their devices, outputs stay sharded, so a call
@@ -53,7 +53,7 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # before TensorFlow is first
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reshard_cases  # noqa: E402  (sibling module, pure Python)
 
-from tf_gspmd.graph_rewrite.reshard import ReshardPlan, naive_plan, plan_reshard, sim  # noqa: E402
+from tf_gspmd.graph_rewrite.reshard import ReshardRoute, naive_route, route_reshard, sim  # noqa: E402
 from tf_gspmd.mesh import Mesh  # noqa: E402
 from tf_gspmd.sharding import NamedSharding, P  # noqa: E402
 
@@ -67,23 +67,23 @@ def _extra(name, mesh, src_spec, dst_spec, shape, src_partial=(), reduction='sum
   return case
 
 
-# Planner-specific cases (not in the XLA reference list: names start with 'plan_').
+# tf_gspmd's own cases (not in the XLA reference list: names start with 'tg_').
 EXTRA_CASES = [
-  _extra('plan_2x4_xy_to_yx_uneven', _MESH_2X4, ('x', 'y'), ('y', 'x'), (1000, 1000)),
-  _extra('plan_2x4_y_to_x_uneven', _MESH_2X4, ('y', None), ('x', None), (1000, 1024)),
-  _extra('plan_2x4_xy_minor_to_x_uneven', _MESH_2X4, (('x', 'y'), None), ('x', None), (1000, 512)),
+  _extra('tg_2x4_xy_to_yx_uneven', _MESH_2X4, ('x', 'y'), ('y', 'x'), (1000, 1000)),
+  _extra('tg_2x4_y_to_x_uneven', _MESH_2X4, ('y', None), ('x', None), (1000, 1024)),
+  _extra('tg_2x4_xy_minor_to_x_uneven', _MESH_2X4, (('x', 'y'), None), ('x', None), (1000, 512)),
   _extra(
-    'plan_2x4_batch_to_model_3d', _MESH_2X4, ('x', None, None), (None, None, 'y'), (64, 128, 256)
+    'tg_2x4_batch_to_model_3d', _MESH_2X4, ('x', None, None), (None, None, 'y'), (64, 128, 256)
   ),
   _extra(
-    'plan_2x4_partial_max_uneven', _MESH_2X4, (None, 'y'), ('x', 'y'), (999, 1000), ('x',), 'max'
+    'tg_2x4_partial_max_uneven', _MESH_2X4, (None, 'y'), ('x', 'y'), (999, 1000), ('x',), 'max'
   ),
-  _extra('plan_3d_uneven_swap', _MESH_2X2X2, ('a', ('b', 'c')), (('c', 'b'), 'a'), (1001, 999)),
+  _extra('tg_3d_uneven_swap', _MESH_2X2X2, ('a', ('b', 'c')), (('c', 'b'), 'a'), (1001, 999)),
 ]
 
 CASES = list(reshard_cases.CASES) + EXTRA_CASES
 
-# name -> fn(case, plan, naive) -> number or None; None: not measured in this run.
+# name -> fn(case, route, naive) -> number or None; None: not measured in this run.
 EXTRA_COLUMNS: Dict[str, Optional[Callable]] = {
   'wall_ms': None,
   'naive_ms': None,
@@ -92,7 +92,7 @@ EXTRA_COLUMNS: Dict[str, Optional[Callable]] = {
 
 
 def register_column(name: str, fn: Callable) -> None:
-  """Add (or fill) a result column computed as fn(case, plan, naive)."""
+  """Add (or fill) a result column computed as fn(case, route, naive)."""
   EXTRA_COLUMNS[name] = fn
 
 
@@ -106,27 +106,27 @@ def shardings(case: dict):
   )
 
 
-def check_plan(case: dict, plan: ReshardPlan, seed: int = 0) -> None:
-  """Simulate `plan` on random data and compare every device's valid region (raises if wrong)."""
+def check_route(case: dict, route: ReshardRoute, seed: int = 0) -> None:
+  """Simulate `route` on random data and compare every device's valid region (raises if wrong)."""
   src, _ = shardings(case)
   rng = np.random.default_rng(seed)
   x = rng.integers(1, 100, size=case['shape']).astype(np.float64)
-  sim.check_shards(x, plan.dst, sim.simulate(plan, sim.make_shards(x, src, rng)))
+  sim.check_shards(x, route.dst, sim.simulate(route, sim.make_shards(x, src, rng)))
 
 
 def run(cases=CASES, check: bool = True, xla: Optional[dict] = None):
-  """One row per case: the plan's and the naive plan's costs, XLA's when given."""
+  """One row per case: the route's and the naive route's costs, XLA's when given."""
   rows = []
   for case in cases:
     src, dst = shardings(case)
     dtype_size = reshard_cases.DTYPE_SIZES[case['dtype']]
     t0 = time.perf_counter()
-    plan = plan_reshard(src, dst, case['shape'], dtype_size)
-    plan_ms = (time.perf_counter() - t0) * 1e3
-    naive = naive_plan(src, dst, case['shape'], dtype_size)
+    route = route_reshard(src, dst, case['shape'], dtype_size)
+    search_ms = (time.perf_counter() - t0) * 1e3
+    naive = naive_route(src, dst, case['shape'], dtype_size)
     if check:
-      check_plan(case, plan)
-      check_plan(case, naive)
+      check_route(case, route)
+      check_route(case, naive)
     ref = (xla or {}).get(case['name'], {})
     row = {
       'case': case['name'],
@@ -134,26 +134,26 @@ def run(cases=CASES, check: bool = True, xla: Optional[dict] = None):
       'shape': list(case['shape']),
       'src': str(src),
       'dst': str(dst),
-      'steps': [s.kind for s in plan.steps],
-      'bytes': plan.bytes_moved,
+      'steps': [s.kind for s in route.steps],
+      'bytes': route.bytes_moved,
       'naive_bytes': naive.bytes_moved,
       'xla_bytes': ref.get('xla_bytes'),
-      'peak': plan.peak_bytes,
+      'peak': route.peak_bytes,
       'naive_peak': naive.peak_bytes,
       'xla_peak': ref.get('xla_peak'),
-      'bound': plan.bound_bytes,
-      'src_shard': plan.src_shard_bytes,
-      'dst_shard': plan.dst_shard_bytes,
-      'plan_ms': round(plan_ms, 2),
+      'bound': route.bound_bytes,
+      'src_shard': route.src_shard_bytes,
+      'dst_shard': route.dst_shard_bytes,
+      'search_ms': round(search_ms, 2),
       'checked': check,
     }
     for name, fn in EXTRA_COLUMNS.items():
-      row[name] = fn(case, plan, naive) if fn else None
+      row[name] = fn(case, route, naive) if fn else None
     rows.append(row)
   return rows
 
 
-# --- wall time of the lowered plans --------------------------------------------------------
+# --- wall time of the lowered routes --------------------------------------------------------
 NUM_DEVICES = 8
 
 
@@ -197,8 +197,8 @@ def _source_shards(case: dict, src: NamedSharding, seed: int = 0):
   return x, placed
 
 
-def lowered_program(case: dict, plan: Optional[ReshardPlan], check: bool = True):
-  """A zero-argument callable running `plan` lowered on logical CPUs (no plan: launch only).
+def lowered_program(case: dict, route: Optional[ReshardRoute], check: bool = True):
+  """A zero-argument callable running `route` lowered on logical CPUs (no route: launch only).
 
   Builds the per-partition program, makes the first call (trace and collective
   set-up) and, with `check`, compares its output with numpy.
@@ -209,13 +209,13 @@ def lowered_program(case: dict, plan: Optional[ReshardPlan], check: bool = True)
 
   src, dst = shardings(case)
   shape = tuple(case['shape'])
-  target = dst if plan is not None else src.without_partial()
+  target = dst if route is not None else src.without_partial()
 
   def per_partition(ctx, local):
-    if plan is None:
+    if route is None:
       return local
     stub = _Partitioner(src.mesh, ctx.collectives)
-    return lower_reshard.apply_plan(stub, Local(local, src, shape), plan, case['name']).tensor
+    return lower_reshard.apply_route(stub, Local(local, src, shape), route, case['name']).tensor
 
   program = SpmdProgram(
     src.mesh,
@@ -229,7 +229,7 @@ def lowered_program(case: dict, plan: Optional[ReshardPlan], check: bool = True)
   x, shards = _source_shards(case, src)
   value = ShardedValue(shards, src, shape)
   out = program(value)
-  if check and plan is not None:
+  if check and route is not None:
     got = {d: s.numpy().astype(np.float64) for d, s in enumerate(out.shards)}
     sim.check_shards(x, dst, got)
 
@@ -240,11 +240,11 @@ def lowered_program(case: dict, plan: Optional[ReshardPlan], check: bool = True)
 
 
 def time_lowered(
-  case: dict, plans: Dict[str, Optional[ReshardPlan]], reps: int = 10, check: bool = True
+  case: dict, routes: Dict[str, Optional[ReshardRoute]], reps: int = 10, check: bool = True
 ) -> Dict[str, float]:
-  """Median ms per call of each plan, timed in interleaved rounds (load drifts hit all alike)."""
-  calls = {name: lowered_program(case, plan, check) for name, plan in plans.items()}
-  times = {name: [] for name in plans}
+  """Median ms per call of each route, timed in interleaved rounds (load drifts hit all alike)."""
+  calls = {name: lowered_program(case, route, check) for name, route in routes.items()}
+  times = {name: [] for name in routes}
   for _ in range(reps):
     for name, call in calls.items():
       t0 = time.perf_counter()
@@ -254,15 +254,15 @@ def time_lowered(
 
 
 def register_wall_columns(reps: int = 10, check: bool = True) -> None:
-  """Fill wall_ms (the plan), naive_ms (the naive plan) and launch_ms (no reshard)."""
+  """Fill wall_ms (the route), naive_ms (the naive route) and launch_ms (no reshard)."""
   configure_devices()
   measured = {}
 
   def column(which):
-    def fn(case, plan, naive):
+    def fn(case, route, naive):
       if case['name'] not in measured:
         measured[case['name']] = time_lowered(
-          case, {'wall_ms': plan, 'naive_ms': naive, 'launch_ms': None}, reps, check
+          case, {'wall_ms': route, 'naive_ms': naive, 'launch_ms': None}, reps, check
         )
       return measured[case['name']][which]
 
@@ -364,9 +364,9 @@ def main(argv=None) -> int:
   parser.add_argument(
     '--no-wall',
     action='store_true',
-    help='skip running the lowered plans on 8 logical CPUs (wall_ms)',
+    help='skip running the lowered routes on 8 logical CPUs (wall_ms)',
   )
-  parser.add_argument('--reps', type=int, default=15, help='timed calls per plan (median)')
+  parser.add_argument('--reps', type=int, default=15, help='timed calls per route (median)')
   parser.add_argument('--case', default='', help='only cases whose name contains this')
   args = parser.parse_args(argv)
   cases = [c for c in CASES if args.case in c['name']]

@@ -1,7 +1,7 @@
-"""Reshard benchmark cases shared by the tf_gspmd planner benchmark and the XLA reference.
+"""Reshard benchmark cases shared by tf_gspmd's reshard search benchmark and the XLA reference.
 
 Pure Python (no TensorFlow, no JAX) so that both `bench/reshard.py` (tf_gspmd's
-planner, main venv) and `bench/xla_reference.py` (XLA through JAX, a separate
+reshard search, main venv) and `bench/xla_reference.py` (XLA through JAX, a separate
 venv) read the very same list.
 
 Each case is a dict:

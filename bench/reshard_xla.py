@@ -11,7 +11,7 @@ tensor from the case's source layout to its target layout:
 and is compiled twice, in one process, on the same 8 PJRT CPU devices:
 
   ours  `tg.partition(f, mesh, in_shardings=src, out_shardings=dst, backend='xla')`:
-        tf_gspmd's per-replica program (its reshard planner's collectives,
+        tf_gspmd's per-replica program (its reshard search's collectives,
         lowered by `graph_rewrite.lower_reshard`), exported to StableHLO and
         compiled by XLA with num_replicas=8.
   xla   `reference_partitioner.XlaPartitionedStep` on the same tf.function with the
@@ -48,7 +48,7 @@ outputs + temporaries, 'temp' = the temporaries alone, 'max buf' = the largest
 array any instruction of the optimized entry computation produces (parameters
 and results included). 'bound' = max(source shard, target shard) bytes of the
 program's parameter and result, each dim's size first rounded up to a multiple of its
-shard counts in source or target (the reshard planner's `bound_bytes`; exactly
+shard counts in source or target (the reshard search's `bound_bytes`; exactly
 max(source, target) for sizes that divide evenly). The memory goal (peak <= max(source, target))
 is read per buffer, as the guarantee of Rink et al. states it: 'mem ok' says
 max buf <= bound, and 'temp ok' whether the temporaries alone also fit in it.
@@ -201,13 +201,13 @@ def largest_buffer(hlo_text: str) -> int:
 
 def memory_bound(case: dict) -> int:
   """max(source shard, target shard) bytes, each dim first rounded up to a multiple of its
-  shard counts (the reshard planner's `bound_bytes`: exact for even sizes)."""
+  shard counts (the reshard search's `bound_bytes`: exact for even sizes)."""
   import reshard  # (sibling: the case's NamedShardings)
 
-  from tf_gspmd.graph_rewrite.reshard import plan_reshard
+  from tf_gspmd.graph_rewrite.reshard import route_reshard
 
   src, dst = reshard.shardings(case)
-  return plan_reshard(src, dst, case['shape'], 4).bound_bytes
+  return route_reshard(src, dst, case['shape'], 4).bound_bytes
 
 
 def measure(case: dict, reps: int) -> dict:

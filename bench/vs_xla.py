@@ -64,7 +64,7 @@ where XLA moves fewer bytes):
   * Both sides count what their compiled HLO moves, after XLA's own passes (its all-reduce
     combiner merges small all-reduces into one tuple all-reduce on either side).
 Measured at full sizes (docs/xla_and_tpu.md, "Side by side with XLA's own partitioner"):
-XLA never moved fewer bytes. MLP and transformer: the same plan on both sides, byte for byte.
+XLA never moved fewer bytes. MLP and transformer: the same collectives on both sides, byte for byte.
 CNN: XLA exchanges halos again in the backward pass (10 collective-permutes against 6) and reduces
 BatchNorm statistics over h and data in two steps (1.36 MB against 0.99 MB; tf_gspmd's
 halos of the image gradients carry output-gradient rows, 64 channels, since it computes

@@ -1,4 +1,4 @@
-"""XLA's own reshards, measured: the reference for tf_gspmd's reshard planner (issue #5, section 6).
+"""XLA's own reshards, measured: the reference for tf_gspmd's reshard search (issue #5, section 6).
 
 For every case in `bench/reshard_cases.py` this script asks XLA (through JAX on
 8 host CPU devices) to move a tensor from the case's source sharding to its
@@ -33,7 +33,7 @@ Stdout is a JSON list, one record per case:
                   sum: the oracle's normwise relative error against numpy's float64
                   sum, within its bound for the dtype; tf_gspmd/testing/oracle.py)
 
-Bytes received per device, per collective (identical to the planner in
+Bytes received per device, per collective (identical to the reshard search in
 tf_gspmd/graph_rewrite/reshard/moves.py; g is the replica-group size, operand
 and result bytes are one device's buffers):
   all-gather          result - operand bytes (the g-1 blocks it gets)

@@ -18,7 +18,7 @@ import pytest
 import tensorflow as tf
 
 import tf_gspmd as tg
-from tf_gspmd.graph_rewrite.reshard import collective_count, plan_reshard
+from tf_gspmd.graph_rewrite.reshard import collective_count, route_reshard
 from tf_gspmd.sharding import NamedSharding
 from tf_gspmd.testing import assert_close
 
@@ -68,12 +68,12 @@ def test_over_split_variable_read_keeps_its_layout():
 def test_gathering_an_over_split_dim_is_one_all_gather(shape):
   rest = (None,) * (len(shape) - 1)
   src, dst = NamedSharding(MESH8, tg.P('model', *rest)), NamedSharding(MESH8, tg.P(None, *rest))
-  plan = plan_reshard(src, dst, shape)
+  route = route_reshard(src, dst, shape)
   padded = (8,) + tuple(shape[1:])
-  even = plan_reshard(src, dst, padded)
-  assert collective_count(plan) == collective_count(even) == 1, str(plan)
-  assert plan.bytes_moved <= even.bytes_moved
-  assert plan.peak_bytes <= plan.bound_bytes
+  even = route_reshard(src, dst, padded)
+  assert collective_count(route) == collective_count(even) == 1, str(route)
+  assert route.bytes_moved <= even.bytes_moved
+  assert route.peak_bytes <= route.bound_bytes
 
 
 def test_over_split_dim_is_gathered_by_one_all_gather_in_a_program():
@@ -91,13 +91,13 @@ def test_over_split_dim_is_gathered_by_one_all_gather_in_a_program():
 
 def test_memory_bound_still_wins_over_fewer_collectives():
   # 2 rows over 8 devices to a 2-D layout: the naive gather would hold the whole tensor,
-  # over max(source, target); the planner keeps its bounded plan.
+  # over max(source, target); the search keeps its bounded route.
   mesh = tg.Mesh.create((2, 4), ('x', 'y'))
   src = NamedSharding(mesh, tg.P(('x', 'y'), None))
   dst = NamedSharding(mesh, tg.P('y', 'x'))
-  plan = plan_reshard(src, dst, (2, 4))
-  assert plan.peak_bytes <= plan.bound_bytes
-  assert 'all_gather' not in plan.collective_counts()
+  route = route_reshard(src, dst, (2, 4))
+  assert route.peak_bytes <= route.bound_bytes
+  assert 'all_gather' not in route.collective_counts()
 
 
 # --- the MoE layer with empty expert or capacity shards --------------------------------------

@@ -125,7 +125,7 @@ def test_fuzz_2026_195_gradient_of_a_gather_through_a_cond():
   """The gradient of a gather after a cond enters the cond's gradient branches as sparse parts
   (indices, values, dense shape); each branch sizes its dense gradient by the shape argument,
   which it cannot fold, so its ops have run-time shapes. A rule op there of static result and
-  dynamic operand crashed laying out shapes with None (TypeError in the reshard planner), and a
+  dynamic operand crashed laying out shapes with None (TypeError in the reshard search), and a
   branch result of run-time shape failed the If's local shape check ('This is a bug'). Fixed in
   graph_rewrite/dispatch.py (such ops are replicated, as dynamic-shape ops are; handlers.
   dynamic_handler keeps the static result shape) and control_flow._run_body (a replicated body

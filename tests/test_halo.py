@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from tf_gspmd.propagation.halo import (
   HaloPiece,
   WindowDim,
+  halo_geometry,
   halo_pieces,
-  plan_halo,
-  plan_input_gradient,
+  input_gradient_geometry,
   same_padding,
 )
 
@@ -46,33 +46,33 @@ def borrowed(local, i, pieces, side):
 
 
 def simulate(x, dim, shards):
-  """Run the halo plan shard by shard and stitch the outputs."""
-  plan = plan_halo(dim, shards)
-  ci, n = plan.input_chunk, dim.input_size
+  """Run the halo geometry shard by shard and stitch the outputs."""
+  halo = halo_geometry(dim, shards)
+  ci, n = halo.input_chunk, dim.input_size
   padded = np.concatenate([x, np.full(ci * shards - n, np.nan)])  # padding is garbage
   local = padded.reshape(shards, ci)
   out = []
   for i in range(shards):
     ext = np.concatenate(
       [
-        borrowed(local, i, plan.left_pieces, 'left'),
+        borrowed(local, i, halo.left_pieces, 'left'),
         local[i],
-        borrowed(local, i, plan.right_pieces, 'right'),
+        borrowed(local, i, halo.right_pieces, 'right'),
       ]
     )
     # [left | local | right] holds global rows [i*ci - left, (i+1)*ci + right) in order.
-    rows_held = i * ci - plan.left + np.arange(len(ext))
+    rows_held = i * ci - halo.left + np.arange(len(ext))
     real = (rows_held >= 0) & (rows_held < n)
     np.testing.assert_array_equal(ext[real], x[rows_held[real]])
-    start = plan.window_starts[i]
-    window = ext[start : start + plan.span].copy()
-    if len(window) < plan.span:  # trailing shards without output rows may read past the end
-      window = np.concatenate([window, np.zeros(plan.span - len(window))])
-    rows = plan.window_global_starts[i] + np.arange(plan.span)
+    start = halo.window_starts[i]
+    window = ext[start : start + halo.span].copy()
+    if len(window) < halo.span:  # trailing shards without output rows may read past the end
+      window = np.concatenate([window, np.zeros(halo.span - len(window))])
+    rows = halo.window_global_starts[i] + np.arange(halo.span)
     window[(rows < 0) | (rows >= n)] = 0.0  # mask outside the image and padding
-    sub = WindowDim(plan.span, dim.window, dim.stride, dim.dilation)
-    out.append(windowed_sum(window, sub)[: plan.output_chunk])
-  return np.concatenate(out)[: dim.output_size], plan
+    sub = WindowDim(halo.span, dim.window, dim.stride, dim.dilation)
+    out.append(windowed_sum(window, sub)[: halo.output_chunk])
+  return np.concatenate(out)[: dim.output_size], halo
 
 
 @settings(max_examples=300, deadline=None)
@@ -84,15 +84,15 @@ def simulate(x, dim, shards):
   shards=st.integers(1, 8),
   same=st.booleans(),
 )
-def test_halo_plan_reproduces_windowed_sum(n, window, stride, dilation, shards, same):
+def test_halo_geometry_reproduces_windowed_sum(n, window, stride, dilation, shards, same):
   lo, hi = same_padding(n, window, stride, dilation) if same else (0, 0)
   dim = WindowDim(n, window, stride, dilation, lo, hi)
   if dim.output_size == 0:
     return
   x = np.arange(1, n + 1, dtype=np.float64)
-  got, plan = simulate(x, dim, shards)
+  got, halo = simulate(x, dim, shards)
   # Exact, so no real output row read garbage (NaN), whatever the number of hops.
-  np.testing.assert_array_equal(got, windowed_sum(x, dim), err_msg=str(plan))
+  np.testing.assert_array_equal(got, windowed_sum(x, dim), err_msg=str(halo))
 
 
 @settings(max_examples=200, deadline=None)
@@ -115,17 +115,17 @@ def test_same_padding_matches_tf_formula():
 
 
 def test_stride_one_same_conv_borrows_one_row_each_side():
-  plan = plan_halo(WindowDim(16, 3, 1, 1, 1, 1), 4)
-  assert (plan.left, plan.right, plan.span) == (1, 1, 6)
-  assert plan.fits_neighbours and plan.hops == 1
+  halo = halo_geometry(WindowDim(16, 3, 1, 1, 1, 1), 4)
+  assert (halo.left, halo.right, halo.span) == (1, 1, 6)
+  assert halo.fits_neighbours and halo.hops == 1
 
 
 def test_five_by_five_on_one_row_shards_reaches_two_neighbours():
-  plan = plan_halo(WindowDim(8, 5, 1, 1, 2, 2), 8)
-  assert (plan.left, plan.right, plan.input_chunk) == (2, 2, 1)
-  assert not plan.fits_neighbours and plan.hops == 2
-  assert plan.left_pieces == (HaloPiece(2, 0, 1), HaloPiece(1, 0, 1))
-  assert plan.right_pieces == (HaloPiece(1, 0, 1), HaloPiece(2, 0, 1))
+  halo = halo_geometry(WindowDim(8, 5, 1, 1, 2, 2), 8)
+  assert (halo.left, halo.right, halo.input_chunk) == (2, 2, 1)
+  assert not halo.fits_neighbours and halo.hops == 2
+  assert halo.left_pieces == (HaloPiece(2, 0, 1), HaloPiece(1, 0, 1))
+  assert halo.right_pieces == (HaloPiece(1, 0, 1), HaloPiece(2, 0, 1))
 
 
 def test_wide_halo_takes_whole_shards_then_a_partial_one():
@@ -167,34 +167,34 @@ def windowed_sum_adjoint(g, dim):
 
 
 def simulate_input_gradient(g, dim, shards):
-  """`plan_input_gradient` shard by shard: the output-gradient halo (NaN in every row a
+  """`input_gradient_geometry` shard by shard: the output-gradient halo (NaN in every row a
   partition must not read), then the backprop of a local op with explicit padding that
   yields the shard's own rows."""
-  grad = plan_input_gradient(dim, shards)
-  plan, ci, m = grad.halo, -(-dim.input_size // shards), dim.output_size
-  assert plan.input_chunk == -(-m // shards) and plan.output_chunk == ci
-  co = plan.input_chunk
+  grad = input_gradient_geometry(dim, shards)
+  halo, ci, m = grad.halo, -(-dim.input_size // shards), dim.output_size
+  assert halo.input_chunk == -(-m // shards) and halo.output_chunk == ci
+  co = halo.input_chunk
   local = np.concatenate([g, np.full(co * shards - m, np.nan)]).reshape(shards, co)
   padded = grad.pad_lo + grad.rows + grad.pad_hi
-  assert (padded - dim.effective_window) // dim.stride + 1 == plan.span  # the op's shape check
+  assert (padded - dim.effective_window) // dim.stride + 1 == halo.span  # the op's shape check
   assert min(grad.pad_lo, grad.pad_hi) >= 0 and 0 <= min(grad.offsets)
   out = []
   for i in range(shards):
     ext = np.concatenate(
       [
-        borrowed(local, i, plan.left_pieces, 'left'),
+        borrowed(local, i, halo.left_pieces, 'left'),
         local[i],
-        borrowed(local, i, plan.right_pieces, 'right'),
+        borrowed(local, i, halo.right_pieces, 'right'),
         np.zeros(grad.tail),
       ]
     )
-    start = plan.window_starts[i]
-    window = ext[start : start + plan.span].copy()
-    assert len(window) == plan.span
-    rows = plan.window_global_starts[i] + np.arange(plan.span)
+    start = halo.window_starts[i]
+    window = ext[start : start + halo.span].copy()
+    assert len(window) == halo.span
+    rows = halo.window_global_starts[i] + np.arange(halo.span)
     window[(rows < 0) | (rows >= m)] = 0.0  # outside the gradient (and its padding)
     dlocal = np.zeros(padded)
-    for k in range(plan.span):
+    for k in range(halo.span):
       for t in range(dim.window):
         dlocal[k * dim.stride + t * dim.dilation] += window[k]
     own = dlocal[grad.pad_lo : grad.pad_lo + grad.rows]
@@ -211,7 +211,9 @@ def simulate_input_gradient(g, dim, shards):
   shards=st.integers(1, 8),
   same=st.booleans(),
 )
-def test_input_gradient_plan_gives_each_shard_its_rows(n, window, stride, dilation, shards, same):
+def test_input_gradient_geometry_gives_each_shard_its_rows(
+  n, window, stride, dilation, shards, same
+):
   lo, hi = same_padding(n, window, stride, dilation) if same else (0, 0)
   dim = WindowDim(n, window, stride, dilation, lo, hi)
   if dim.output_size == 0:
@@ -227,15 +229,15 @@ def test_input_gradient_plan_gives_each_shard_its_rows(n, window, stride, dilati
 def test_input_gradient_of_a_same_conv_reads_one_gradient_row_each_side():
   # The CNN's 3x3 SAME convolution of 32 rows over 4 shards: 10 gradient rows give the 8
   # own rows directly (the forward op's window would be 10 rows, then sliced to 8).
-  grad = plan_input_gradient(WindowDim(32, 3, 1, 1, 1, 1), 4)
+  grad = input_gradient_geometry(WindowDim(32, 3, 1, 1, 1, 1), 4)
   assert (grad.halo.left, grad.halo.right, grad.halo.span) == (1, 1, 10)
   assert (grad.pad_lo, grad.pad_hi, grad.rows, grad.offsets) == (2, 2, 8, (0, 0, 0, 0))
-  whole = plan_input_gradient(WindowDim(32, 3, 1, 1, 1, 1), 1)  # an unsplit dim: the op's own
+  whole = input_gradient_geometry(WindowDim(32, 3, 1, 1, 1, 1), 1)  # an unsplit dim: the op's own
   assert (whole.halo.span, whole.pad_lo, whole.pad_hi, whole.rows) == (32, 1, 1, 32)
 
 
 def test_input_gradient_with_odd_shards_and_stride_two_starts_at_two_phases():
-  grad = plan_input_gradient(WindowDim(10, 3, 2, 1, *same_padding(10, 3, 2)), 2)  # ci = 5
+  grad = input_gradient_geometry(WindowDim(10, 3, 2, 1, *same_padding(10, 3, 2)), 2)  # ci = 5
   assert grad.rows == 6 and sorted(set(grad.offsets)) == [0, 1]
   got, _ = simulate_input_gradient(np.arange(1.0, 6), WindowDim(10, 3, 2, 1, 0, 1), 2)
   np.testing.assert_array_equal(

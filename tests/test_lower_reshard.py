@@ -5,7 +5,7 @@ filled with NaN, or a sentinel for ints, so that padding leaking into valid
 data fails), runs `lower_reshard.reshard` inside a per-partition program
 (`SpmdProgram`) with a minimal stand-in for the partitioner, and compares every
 device's valid region with numpy (`reshard.sim.check_shards`, exact). It also
-checks that the collectives emitted, in order, are the plan's steps (a Repad
+checks that the collectives emitted, in order, are the route's steps (a Repad
 counts one permute per round; a Slice none), both in the records noted on the
 partitioner and in the runtime backend's own records.
 
@@ -118,7 +118,7 @@ M32 = Mesh.create((3, 2), ('x', 'y'))
 # Device ids out of row-major order: positions along axes differ from TF's device-name order.
 MPERM = Mesh(np.array([[3, 1, 0, 2], [7, 5, 6, 4]]), ('x', 'y'))
 
-# The chosen cases of tests/test_reshard_plan.py and bench/reshard.py's extra cases (shrunk),
+# The chosen cases of tests/test_reshard_route.py and bench/reshard.py's extra cases (shrunk),
 # plus other dtypes and targets that keep a pending reduction.
 CHOSEN = [
   _case('xy_to_yx_10x7', M24, ('x', 'y'), ('y', 'x'), (10, 7)),
@@ -137,11 +137,11 @@ CHOSEN = [
   _case('3d_partial_yz', M222, (None, 'x'), ('y', ('z', 'x')), (6, 10), ('y', 'z')),
   _case('3x2_y_to_x', M32, ('x', None), ('y', None), (9, 6)),
   _case('3x2_prod', M32, ('y',), ('x',), (3,), ('x',), 'prod'),
-  _case('plan_y_to_x_uneven', M24, ('y', None), ('x', None), (10, 16)),
-  _case('plan_xy_minor_to_x_uneven', M24, (('x', 'y'), None), ('x', None), (10, 8)),
-  _case('plan_batch_to_model_3d', M24, ('x', None, None), (None, None, 'y'), (4, 3, 8)),
-  _case('plan_partial_max_uneven', M24, (None, 'y'), ('x', 'y'), (9, 10), ('x',), 'max'),
-  _case('plan_3d_uneven_swap', M222, ('x', ('y', 'z')), (('z', 'y'), 'x'), (11, 9)),
+  _case('tg_y_to_x_uneven', M24, ('y', None), ('x', None), (10, 16)),
+  _case('tg_xy_minor_to_x_uneven', M24, (('x', 'y'), None), ('x', None), (10, 8)),
+  _case('tg_batch_to_model_3d', M24, ('x', None, None), (None, None, 'y'), (4, 3, 8)),
+  _case('tg_partial_max_uneven', M24, (None, 'y'), ('x', 'y'), (9, 10), ('x',), 'max'),
+  _case('tg_3d_uneven_swap', M222, ('x', ('y', 'z')), (('z', 'y'), 'x'), (11, 9)),
   _case('scalar_partial_over_8', M8, (), (), (), ('x',)),
   _case('tiny_partial_max_over_8', M8, (None,), (None,), (4,), ('x',), 'max'),
   _case('permuted_mesh_swap_uneven', MPERM, ('x', 'y'), ('y', 'x'), (10, 7)),
@@ -214,9 +214,9 @@ def _input_shards(case: Case, x: np.ndarray):
   return out
 
 
-def _plan(case: Case) -> rp.ReshardPlan:
+def _route(case: Case) -> rp.ReshardRoute:
   size = {'float32': 4, 'int32': 4, 'bool': 1}[case.dtype]
-  return rp.plan_reshard(case.src, case.dst, case.shape, size)
+  return rp.route_reshard(case.src, case.dst, case.shape, size)
 
 
 def run_cases(cases):
@@ -274,10 +274,10 @@ def results():
   return out
 
 
-def expected_kinds(plan: rp.ReshardPlan):
-  """Collectives the plan's steps emit; consecutive all-reduces run as one."""
+def expected_kinds(route: rp.ReshardRoute):
+  """Collectives the route's steps emit; consecutive all-reduces run as one."""
   kinds = []
-  for step in plan.steps:
+  for step in route.steps:
     if step.kind == 'repad':
       kinds += ['permute'] * len(step.rounds)
     elif step.kind == 'all_reduce' and kinds[-1:] == ['all_reduce']:
@@ -289,15 +289,15 @@ def expected_kinds(plan: rp.ReshardPlan):
 
 # --- tests -------------------------------------------------------------------------------------
 @pytest.mark.parametrize('name', [c.name for c in CASES])
-def test_lowered_plan_is_exact(results, name):
+def test_lowered_route_is_exact(results, name):
   case = BY_NAME[name]
   shards, noted, emitted = results[name]
-  plan = _plan(case)
+  route = _route(case)
   x = _global_value(case, [c.name for c in CASES if c.mesh == case.mesh].index(name))
   sim.check_shards(x, case.dst, dict(enumerate(shards)))
-  want = expected_kinds(plan)
-  assert [r['kind'] for r in noted] == want, plan
-  assert [r.kind for r in emitted] == want, plan
+  want = expected_kinds(route)
+  assert [r['kind'] for r in noted] == want, route
+  assert [r.kind for r in emitted] == want, route
   for r in noted:
     assert r['why'] == name
     assert r['dtype'] == {'float32': 'float32', 'int32': 'int32', 'bool': 'bool'}[case.dtype]
@@ -305,9 +305,9 @@ def test_lowered_plan_is_exact(results, name):
 
 
 def test_cases_cover_every_step_kind():
-  kinds = {s.kind for c in CASES for s in _plan(c).steps}
+  kinds = {s.kind for c in CASES for s in _route(c).steps}
   assert kinds == {t.kind for t in rp.STEP_TYPES}
-  assert any(_plan(c).mesh != c.mesh for c in CASES)  # some plans run on sub-axes
+  assert any(_route(c).mesh != c.mesh for c in CASES)  # some routes run on sub-axes
 
 
 def test_records_name_user_axes_and_sub_axes(results):
@@ -331,8 +331,8 @@ def test_partial_sum_to_replicated_is_one_all_reduce(results):
 
 
 def test_tiny_all_reduces_run_as_one(results):
-  # The planner reduces a scalar over x#0, x#1, x#2 (its byte model rounds up); one runs.
-  assert len(_plan(BY_NAME['scalar_partial_over_8']).steps) > 1
+  # The search reduces a scalar over x#0, x#1, x#2 (its byte model rounds up); one runs.
+  assert len(_route(BY_NAME['scalar_partial_over_8']).steps) > 1
   for name in ('scalar_partial_over_8', 'tiny_partial_max_over_8'):
     _, noted, emitted = results[name]
     assert [(r['kind'], r['axes']) for r in noted] == [('all_reduce', ('x',))]
@@ -380,12 +380,12 @@ def test_errors_name_the_shardings():
 
 def test_sub_axis_steps_on_the_xla_backend():
   # Traced only (XLA collectives do not run on CPU): the all-to-all over half of y gets the
-  # sub-axis replica groups, the permute the plan's pairs.
+  # sub-axis replica groups, the permute the route's pairs.
   from tf_gspmd.runtime import trace_per_partition
   from tf_gspmd.xla_bridge import XlaCollectives
 
   case = BY_NAME['2x4_xy_to_yx']
-  plan = _plan(case)
+  route = _route(case)
 
   def per_partition(ctx, local):
     stub = StubPartitioner(case.mesh, ctx.collectives)
@@ -397,7 +397,7 @@ def test_sub_axis_steps_on_the_xla_backend():
   )
   assert [(r.kind, r.axes) for r in program.records] == [('all_to_all', ('y#1',)), ('permute', ())]
   assert program.records[0].groups.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
-  assert sorted(map(tuple, program.records[1].groups.tolist())) == sorted(plan.steps[1].pairs)
+  assert sorted(map(tuple, program.records[1].groups.tolist())) == sorted(route.steps[1].pairs)
 
 
 @pytest.mark.parametrize('shape, rolls', [((16, 16), 0), ((10, 13), 1)])

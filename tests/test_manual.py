@@ -392,12 +392,12 @@ def _psum_region(x):
 
 
 def test_explain_marks_a_region_and_its_boundaries_and_plan_costs_its_collectives():
-  plan = tg.propagate(tf.function(_psum_region), _rand(16, 4), mesh=MESH8)
-  rows = {(r['node'], r['tensor'].rsplit(':', 1)[1]): r for r in plan.records()}
+  propagation = tg.propagate(tf.function(_psum_region), _rand(16, 4), mesh=MESH8)
+  rows = {(r['node'], r['tensor'].rsplit(':', 1)[1]): r for r in propagation.records()}
   enter = rows[('XlaSpmdFullToShardShape', '0')]
   assert enter['kind'] == 'manual' and 'manual over mesh axes' in enter['detail']
   assert rows[('CrossReplicaSum', '0')]['sharding'] == "P(None, None) manual('x')"
   assert 'manual region boundary' in rows[('XlaSpmdShardToFullShape', '0')]['detail']
-  assert "manual('x')" in plan.explain()
+  assert "manual('x')" in propagation.explain()
   report = tg.plan(tf.function(_psum_region), tf.TensorSpec([16, 4]), mesh=MESH8)
   assert [(c['kind'], tuple(c['axes'])) for c in report.collectives()] == [('all_reduce', ('x',))]

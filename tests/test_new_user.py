@@ -133,8 +133,8 @@ def test_an_op_type_without_rule_is_named_once_per_process(caplog):
   about = [m for m in said if "'TensorListFromTensor'" in m or ' TensorListFromTensor ' in m]
   assert len(about) == 1, about
   assert 'no sharding rule' in about[0] and 'said once per op type' in about[0]
-  plan = tg.propagate(_tensor_array_step(), tf.TensorSpec((8, 4), tf.float32), mesh=MESH)
-  assert [w for w in plan.warnings if "'TensorListFromTensor'" in w]  # each plan still says it
+  propagation = tg.propagate(_tensor_array_step(), tf.TensorSpec((8, 4), tf.float32), mesh=MESH)
+  assert [w for w in propagation.warnings if "'TensorListFromTensor'" in w]  # each still says it
 
 
 # --- an abstract variable in a real partition --------------------------------------------------

@@ -157,10 +157,10 @@ def test_compare_tolerates_rounding_but_not_errors():
   assert op_sweep.compare(small * np.float32(1.01), small, max_error=2e-2)[0]
 
 
-# --- slice plans (pure geometry, checked against TensorFlow) ------------------------------------
-def _apply_plan(x: np.ndarray, plan):
+# --- what a slice does to each dim (pure geometry, checked against TensorFlow) -----------------
+def _apply_slices(x: np.ndarray, slices):
   index = []
-  for e in plan:
+  for e in slices:
     if e.kind == 'new':
       index.append(np.newaxis)
     elif e.kind == 'keep':
@@ -186,7 +186,7 @@ def _apply_plan(x: np.ndarray, plan):
   return out
 
 
-def test_strided_slice_plan_matches_tensorflow():
+def test_strided_dim_slices_match_tensorflow():
   rng = np.random.RandomState(0)
   shape = (7, 10, 3)
   x = np.arange(np.prod(shape), dtype=np.int32).reshape(shape)
@@ -210,19 +210,19 @@ def test_strided_slice_plan_matches_tensorflow():
       ).numpy()
     except (tf.errors.InvalidArgumentError, ValueError):
       continue
-    plan = shape_ops.strided_slice_plan(shape, begin, end, strides, **masks)
+    slices = shape_ops.strided_dim_slices(shape, begin, end, strides, **masks)
     np.testing.assert_array_equal(
-      _apply_plan(x, plan), want, err_msg=f'{begin} {end} {strides} {masks}'
+      _apply_slices(x, slices), want, err_msg=f'{begin} {end} {strides} {masks}'
     )
     checked += 1
   assert checked > 100
 
 
-def test_slice_plan_matches_numpy():
+def test_dim_slices_match_numpy():
   x = np.arange(70).reshape(10, 7)
-  plan = shape_ops.slice_plan(x.shape, [1, 0], [8, -1])
-  assert [e.kind for e in plan] == ['range', 'keep']
-  np.testing.assert_array_equal(_apply_plan(x, plan), x[1:9])
+  slices = shape_ops.dim_slices(x.shape, [1, 0], [8, -1])
+  assert [e.kind for e in slices] == ['range', 'keep']
+  np.testing.assert_array_equal(_apply_slices(x, slices), x[1:9])
 
 
 # --- what the shape-op handlers move ---------------------------------------------------------

@@ -173,9 +173,9 @@ def _as_lists(sharding):
 @pytest.mark.parametrize('case', sorted(CASES))
 def test_matches_xla_propagation(case, xla_shardings):
   fn, args = CASES[case]()
-  plan = propagate(fn, *args, mesh=MESH)
+  propagation = propagate(fn, *args, mesh=MESH)
   expected = xla_shardings[case]
-  ours = {name: _as_lists(plan.sharding(name + ':0')) for name in expected}
+  ours = {name: _as_lists(propagation.sharding(name + ':0')) for name in expected}
   for name, spec in expected.items():
     if (case, name) in KNOWN_DIFFERENCES:
       our_spec, xla_spec, _ = KNOWN_DIFFERENCES[(case, name)]
@@ -185,4 +185,4 @@ def test_matches_xla_propagation(case, xla_shardings):
         'documented difference changed: update docs/propagation.md',
       )
       continue
-    assert ours[name] == spec, (case, name, ours[name], spec, plan.provenance(name + ':0'))
+    assert ours[name] == spec, (case, name, ours[name], spec, propagation.provenance(name + ':0'))

@@ -40,19 +40,19 @@ def test_megatron_mlp_with_adam():
     opt.apply_gradients(zip([g1, g2], [w1, w2]))
     return loss
 
-  plan = propagate(step, tf.zeros((8, 16)), tf.zeros((8, 16)), mesh=MESH)
-  assert plan.sharding('hidden:0').spec == P('data', 'model')
-  assert plan.sharding('out:0').spec == P('data', None)
-  assert plan.provenance('out:0').kind == FORWARD
-  assert plan.sharding('grad_w1').spec == P(None, 'model')
-  assert plan.sharding('grad_w2').spec == P('model', None)
-  slots = {v.name: plan.variable_sharding(v) for v in opt.variables if len(v.shape) == 2}
+  propagation = propagate(step, tf.zeros((8, 16)), tf.zeros((8, 16)), mesh=MESH)
+  assert propagation.sharding('hidden:0').spec == P('data', 'model')
+  assert propagation.sharding('out:0').spec == P('data', None)
+  assert propagation.provenance('out:0').kind == FORWARD
+  assert propagation.sharding('grad_w1').spec == P(None, 'model')
+  assert propagation.sharding('grad_w2').spec == P('model', None)
+  slots = {v.name: propagation.variable_sharding(v) for v in opt.variables if len(v.shape) == 2}
   assert len(slots) == 4
   for name, sharding in slots.items():
     expected = P(None, 'model') if 'w1' in name else P('model', None)
     assert sharding.spec == expected, name
-  assert not plan.warnings
-  assert 'hidden' in plan.explain()
+  assert not propagation.warnings
+  assert 'hidden' in propagation.explain()
 
 
 def test_spatially_split_image_through_conv_batchnorm_pooling():
@@ -71,9 +71,9 @@ def test_spatially_split_image_through_conv_batchnorm_pooling():
   def forward(x):
     return model(shard(x, None, 'data', None, None), training=True)
 
-  plan = propagate(forward, tf.zeros((4, 16, 16, 3)), mesh=MESH)
+  propagation = propagate(forward, tf.zeros((4, 16, 16, 3)), mesh=MESH)
   by_op = collections.defaultdict(list)
-  for rec in plan.records():
+  for rec in propagation.records():
     by_op[rec['op']].append(rec)
   for op in ('Conv2D', 'MaxPool', 'Relu'):
     assert by_op[op], op
@@ -81,9 +81,13 @@ def test_spatially_split_image_through_conv_batchnorm_pooling():
       assert rec['sharding'] == "P(None, 'data', None, None)", rec
   # BatchNorm statistics reduce over batch and space: replicated; the normalized output
   # keeps the spatial split.
-  bn = [r for r in plan.records() if '/bn' in r['node'] and r['node'].endswith('batchnorm/add_1')]
+  bn = [
+    r for r in propagation.records() if '/bn' in r['node'] and r['node'].endswith('batchnorm/add_1')
+  ]
   assert bn and bn[0]['sharding'] == "P(None, 'data', None, None)"
-  means = [r for r in plan.records() if '/bn' in r['node'] and r['node'].endswith('moments/mean')]
+  means = [
+    r for r in propagation.records() if '/bn' in r['node'] and r['node'].endswith('moments/mean')
+  ]
   assert means and means[0]['sharding'] == 'P(None, None, None, None)'
 
 
@@ -98,23 +102,28 @@ def test_while_loop_body_keeps_the_loop_sharding():
     )
     return y
 
-  plan = propagate(f, tf.zeros((8, 16)), mesh=MESH)
-  whiles = [n for n in plan.program.main.nodes if n.op in ('While', 'StatelessWhile')]
+  propagation = propagate(f, tf.zeros((8, 16)), mesh=MESH)
+  whiles = [n for n in propagation.program.main.nodes if n.op in ('While', 'StatelessWhile')]
   assert len(whiles) == 1
   loop = whiles[0]
   called = loop.called_functions()
-  body = plan.program.functions[called['body'][0]]
-  cond = plan.program.functions[called['cond'][0]]
-  k = 1 + [i for i, t in enumerate(loop.inputs[1:]) if plan.program.main.tensor(t).rank == 2][0]
+  body = propagation.program.functions[called['body'][0]]
+  cond = propagation.program.functions[called['cond'][0]]
+  k = (
+    1
+    + [i for i, t in enumerate(loop.inputs[1:]) if propagation.program.main.tensor(t).rank == 2][0]
+  )
   for graph, tensor in (
     (body.name, body.inputs[k]),
     (body.name, body.outputs[k]),
     (cond.name, cond.inputs[k]),
     (None, f'{loop.name}:{k}'),
   ):
-    assert plan.sharding(tensor, graph).spec == P('data', None), (graph, tensor)
+    assert propagation.sharding(tensor, graph).spec == P('data', None), (graph, tensor)
   matmuls = [n for n in body.nodes if n.op == 'MatMul']
-  assert matmuls and plan.sharding(matmuls[0].outputs[0].name, body.name).spec == P('data', None)
+  assert matmuls and propagation.sharding(matmuls[0].outputs[0].name, body.name).spec == P(
+    'data', None
+  )
 
 
 def _keras_step(model, x_spec, variable_specs=None):
@@ -138,15 +147,17 @@ def _keras_step(model, x_spec, variable_specs=None):
   return step, opt
 
 
-def _assert_all_decided(plan):
-  kinds = collections.Counter(r['kind'] for r in plan.records())
-  undecided = [(r['node'], r['op'], r['kind']) for r in plan.records() if r['kind'] in UNDECIDED]
+def _assert_all_decided(propagation):
+  kinds = collections.Counter(r['kind'] for r in propagation.records())
+  undecided = [
+    (r['node'], r['op'], r['kind']) for r in propagation.records() if r['kind'] in UNDECIDED
+  ]
   assert not undecided, undecided[:10]
-  assert not plan.warnings
+  assert not propagation.warnings
   assert kinds['forward'] > 20 and kinds['backward'] > 5
-  for graph in plan.program.graphs():
+  for graph in propagation.program.graphs():
     for t in graph.tensors():
-      _assert_fits(plan.sharding(t.name, graph.name), t, graph.name)
+      _assert_fits(propagation.sharding(t.name, graph.name), t, graph.name)
 
 
 def _assert_fits(sharding, tensor, graph):
@@ -168,18 +179,18 @@ def test_keras_mlp_step_megatron():
   step, opt = _keras_step(
     model, P('data', None), [(d1.kernel, P(None, 'model')), (d2.kernel, P('model', None))]
   )
-  plan = propagate(step, tf.zeros((8, 16)), tf.zeros((8,), tf.int32), mesh=MESH)
-  _assert_all_decided(plan)
-  hidden = [r for r in plan.records() if r['op'] == 'Relu']
+  propagation = propagate(step, tf.zeros((8, 16)), tf.zeros((8,), tf.int32), mesh=MESH)
+  _assert_all_decided(propagation)
+  hidden = [r for r in propagation.records() if r['op'] == 'Relu']
   assert hidden and hidden[0]['sharding'] == "P('data', 'model')"
-  logits = [r for r in plan.records() if r['op'] == 'BiasAdd' and 'd2' in r['node']]
+  logits = [r for r in propagation.records() if r['op'] == 'BiasAdd' and 'd2' in r['node']]
   assert logits[0]['sharding'] == "P('data', None)"
   # The first layer's bias takes the hidden activation's 'model' split; slots follow.
-  assert plan.variable_sharding(d1.bias).spec == P('model')
+  assert propagation.variable_sharding(d1.bias).spec == P('model')
   for v in opt.variables:
     if len(v.shape) == 2:
       expected = P(None, 'model') if tuple(v.shape) == (16, 32) else P('model', None)
-      assert plan.variable_sharding(v.value).spec == expected, v.path
+      assert propagation.variable_sharding(v.value).spec == expected, v.path
 
 
 def test_keras_transformer_block_step():
@@ -192,11 +203,11 @@ def test_keras_transformer_block_step():
   h = layers.LayerNormalization()(h + layers.Dropout(0.1)(f))
   model = keras.Model(inp, layers.Dense(5)(layers.GlobalAveragePooling1D()(h)))
   step, _ = _keras_step(model, P('data', None))
-  plan = propagate(step, tf.zeros((4, 10), tf.int32), tf.zeros((4,), tf.int32), mesh=MESH)
-  _assert_all_decided(plan)
-  softmax = [r for r in plan.records() if r['op'] == 'Softmax']
+  propagation = propagate(step, tf.zeros((4, 10), tf.int32), tf.zeros((4,), tf.int32), mesh=MESH)
+  _assert_all_decided(propagation)
+  softmax = [r for r in propagation.records() if r['op'] == 'Softmax']
   assert softmax and softmax[0]['sharding'].startswith("P('data'")
-  gathers = [r for r in plan.records() if r['op'] == 'GatherV2' and r['sharding'] != 'P()']
+  gathers = [r for r in propagation.records() if r['op'] == 'GatherV2' and r['sharding'] != 'P()']
   assert gathers and gathers[0]['sharding'] == "P('data', None, None)"
 
 
@@ -214,9 +225,9 @@ def test_keras_cnn_step():
     ]
   )
   step, _ = _keras_step(model, P('data', 'model', None, None))
-  plan = propagate(step, tf.zeros((4, 16, 16, 3)), tf.zeros((4,), tf.int32), mesh=MESH)
-  _assert_all_decided(plan)
-  for rec in plan.records():
+  propagation = propagate(step, tf.zeros((4, 16, 16, 3)), tf.zeros((4,), tf.int32), mesh=MESH)
+  _assert_all_decided(propagation)
+  for rec in propagation.records():
     if rec['op'] in ('Conv2D', 'MaxPool', 'MaxPoolGrad', 'Conv2DBackpropInput'):
       assert rec['sharding'] == "P('data', 'model', None, None)", rec
     if rec['op'] == 'Conv2DBackpropFilter':

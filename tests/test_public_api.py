@@ -1,7 +1,7 @@
 """The public API: one name per concept at top level; old names warn for one release.
 
 TF's `xla_sharding` functions live in `tg.xla_sharding` under TF's names; internals of
-one stage (capture, rebuild, plan_reshard, SpmdProgram, OpSharding conversion) in their
+one stage (capture, rebuild, route_reshard, SpmdProgram, OpSharding conversion) in their
 modules. `tg.auto_shard` is both the package and the search (`import
 tf_gspmd.auto_shard.groups` works).
 """
@@ -24,6 +24,14 @@ def test_a_deprecated_name_warns_and_is_the_object_it_named(name):
     old = getattr(tg, name)
   assert old is getattr(importlib.import_module(module), attr)
   assert name not in tg.__all__
+
+
+def test_plan_report_plan_warns_and_is_its_propagation():
+  report = tg.PlanReport('f', tg.Mesh.create((2,), ('x',)), [], 0, 0, [], {}, propagation='p')
+  with pytest.warns(
+    DeprecationWarning, match='PlanReport.plan is deprecated.*PlanReport.propagation'
+  ):
+    assert report.plan == 'p'
 
 
 def test_every_public_name_resolves_without_a_warning():

@@ -5,7 +5,7 @@ is a valid layout: a spec on a reordering of the program mesh (same axes, the
 assignment's order). Inside the program every op computes in the mesh's order;
 inputs and outputs annotated in another order keep it, at the cost of one
 permute of whole shards each. Checked at three levels: conversion (pure),
-reshard plans between orders (numpy simulator, exact), and partitioned
+reshard routes between orders (numpy simulator, exact), and partitioned
 functions on 8 logical CPUs against the unpartitioned run, collectives counted
 against the same function annotated in the mesh's order.
 """
@@ -118,7 +118,7 @@ def test_tile_dims_no_axis_grouping_gives_are_refused_clearly():
     propagate_captured(capture(f, np.zeros((2, 2, 2), np.float32)), mesh)
 
 
-# --- plans between device orders (numpy simulator) -------------------------------------------
+# --- routes between device orders (numpy simulator) -------------------------------------------
 def _random_spec(rng, mesh, rank):
   dims = [[] for _ in range(rank)]
   for a in rng.permutation(mesh.axis_names):
@@ -133,7 +133,7 @@ def _reordered(rng, mesh):
 
 
 @pytest.mark.parametrize('mesh', [M8, M24, M222], ids=['1d', '2d', '3d'])
-def test_plans_between_orders_are_exact_and_cost_at_most_one_permute(mesh):
+def test_routes_between_orders_are_exact_and_cost_at_most_one_permute(mesh):
   rng = np.random.default_rng(mesh.size + len(mesh.axis_names))
   for case in range(25):
     rank = int(rng.integers(1, 3))
@@ -145,30 +145,30 @@ def test_plans_between_orders_are_exact_and_cost_at_most_one_permute(mesh):
     src_mesh, dst_mesh = orders[case % 2], orders[1 - case % 2] if case % 3 else orders[1]
     src = NamedSharding(src_mesh, src_spec, partial)
     dst = NamedSharding(dst_mesh, dst_spec)
-    plan = rp.plan_reshard(src, dst, shape)
+    route = rp.route_reshard(src, dst, shape)
     x = rng.integers(1, 100, size=shape).astype(np.float64)
-    sim.check_shards(x, dst, sim.simulate(plan, sim.make_shards(x, src, rng)))
-    assert plan.peak_bytes <= plan.bound_bytes, plan
-    same_order = rp.plan_reshard(
+    sim.check_shards(x, dst, sim.simulate(route, sim.make_shards(x, src, rng)))
+    assert route.peak_bytes <= route.bound_bytes, route
+    same_order = rp.route_reshard(
       NamedSharding(mesh, src_spec, partial), NamedSharding(mesh, dst_spec), shape
     )
-    extra = plan.bytes_moved - same_order.bytes_moved
-    assert extra <= min(plan.src_shard_bytes, plan.dst_shard_bytes), (plan, same_order)
-    reorders = [s for s in plan.steps if s.kind == 'permute' and s.from_axes == s.to_axes]
-    assert len(reorders) <= 1, plan
+    extra = route.bytes_moved - same_order.bytes_moved
+    assert extra <= min(route.src_shard_bytes, route.dst_shard_bytes), (route, same_order)
+    reorders = [s for s in route.steps if s.kind == 'permute' and s.from_axes == s.to_axes]
+    assert len(reorders) <= 1, route
 
 
 def test_same_order_costs_nothing_and_order_only_is_one_permute():
   d24 = M24.reordered(np.reshape(ISSUE_ORDER, (2, 4)))
   src, dst = NamedSharding(M24, P('x', 'y')), NamedSharding(d24, P('x', 'y'))
-  assert rp.plan_reshard(src, NamedSharding(M24, P('x', 'y')), (8, 8)).steps == ()
-  plan = rp.plan_reshard(src, dst, (8, 8))
-  assert [s.kind for s in plan.steps] == ['permute']
-  assert len(plan.steps[0].pairs) == 6  # devices 0 and 4 keep their shard
+  assert rp.route_reshard(src, NamedSharding(M24, P('x', 'y')), (8, 8)).steps == ()
+  route = rp.route_reshard(src, dst, (8, 8))
+  assert [s.kind for s in route.steps] == ['permute']
+  assert len(route.steps[0].pairs) == 6  # devices 0 and 4 keep their shard
   # Orders that agree on the axes a layout uses need no move at all.
   rows_kept = M24.reordered([[1, 0, 3, 2], [5, 4, 7, 6]])
   assert (
-    rp.plan_reshard(
+    rp.route_reshard(
       NamedSharding(M24, P('x', None)), NamedSharding(rows_kept, P('x', None)), (8, 8)
     ).steps
     == ()
@@ -252,14 +252,14 @@ def test_lowered_reshards_between_orders_are_exact(mesh):
     got = {d: np.asarray(s.numpy(), np.float64) for d, s in enumerate(out.shards)}
     sim.check_shards(x, dst, got)
     np.testing.assert_array_equal(out.numpy(), x)
-    plan = rp.plan_reshard(src, dst, shape)
+    route = rp.route_reshard(src, dst, shape)
     want = [
       k
-      for s in lower_reshard.merged_steps(plan)
+      for s in lower_reshard.merged_steps(route)
       if s.kind != 'slice'
       for k in (['permute'] * len(s.rounds) if s.kind == 'repad' else [s.kind])
     ]
-    assert noted[name][0] == want and noted[name][1] == want, (name, noted[name], str(plan))
+    assert noted[name][0] == want and noted[name][1] == want, (name, noted[name], str(route))
   if mesh == M24:
     assert noted['order_only'][0] == ['permute']
 

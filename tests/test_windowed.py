@@ -4,7 +4,7 @@ Each partitioned function is compared with the unpartitioned tf.function
 (by the oracle, tf_gspmd.testing), and its collectives are checked: a halo exchange
 moves rows with permutes and never gathers the image, also when a halo is
 wider than a neighbour's shard (it then comes from several neighbours, one
-permute per hop). The halo geometry itself (trimmed plans, multi-hop pieces,
+permute per hop). The halo geometry itself (trimmed halos, multi-hop pieces,
 the reverse exchange of gradients) is checked against numpy.
 """
 
@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tf_gspmd as tg
-from tf_gspmd.graph_rewrite.halo_exchange import trim_plan
+from tf_gspmd.graph_rewrite.halo_exchange import trimmed_halo
 from tf_gspmd.partitioned import partition
-from tf_gspmd.propagation.halo import WindowDim, plan_input_gradient, same_padding
+from tf_gspmd.propagation.halo import WindowDim, input_gradient_geometry, same_padding
 from tf_gspmd.runtime import trace_per_partition
 from tf_gspmd.testing import assert_close
 
@@ -62,16 +62,16 @@ def valid_taps_matrix(dim, span):
 
 def simulate(x, g, dim, shards):
   """The partitioner's recipe shard by shard: forward windows and reverse halo exchange."""
-  plan, tail = trim_plan(dim, shards)
-  ci, co, n, m = plan.input_chunk, plan.output_chunk, dim.input_size, dim.output_size
+  geometry, tail = trimmed_halo(dim, shards)
+  ci, co, n, m = geometry.input_chunk, geometry.output_chunk, dim.input_size, dim.output_size
   local_x = np.concatenate([x, np.full(ci * shards - n, np.nan)]).reshape(shards, ci)
   local_g = np.concatenate([g, np.full(co * shards - m, np.nan)]).reshape(shards, co)
 
   def rows_of(i):
-    return plan.window_global_starts[i] + np.arange(plan.span)
+    return geometry.window_global_starts[i] + np.arange(geometry.span)
 
-  left_at = _laid_out(plan.left_pieces, -1, 0)
-  right_at = _laid_out(plan.right_pieces, 1, plan.left + ci)
+  left_at = _laid_out(geometry.left_pieces, -1, 0)
+  right_at = _laid_out(geometry.right_pieces, 1, geometry.left + ci)
   out, ext_grads = [], []
   for i in range(shards):
 
@@ -84,28 +84,28 @@ def simulate(x, g, dim, shards):
       ]
 
     ext = np.concatenate(halo(left_at) + [local_x[i]] + halo(right_at) + [np.zeros(tail)])
-    start = plan.window_starts[i]
-    assert 0 <= start and start + plan.span <= len(ext)
-    window = ext[start : start + plan.span].copy()
+    start = geometry.window_starts[i]
+    assert 0 <= start and start + geometry.span <= len(ext)
+    window = ext[start : start + geometry.span].copy()
     rows = rows_of(i)
     window[(rows < 0) | (rows >= n)] = 0.0
-    matrix = valid_taps_matrix(dim, plan.span)
+    matrix = valid_taps_matrix(dim, geometry.span)
     real = i * co + np.arange(co) < m
     # Row by row, so garbage (NaN) read by padding output rows stays in those rows.
     out.append(np.array([window[row > 0].sum() for row in matrix]))
     gi = np.where(real, local_g[i], 0.0)  # padding of the gradient is masked
     ext_grad = np.zeros(len(ext))
-    ext_grad[start : start + plan.span] = matrix.T @ gi
+    ext_grad[start : start + geometry.span] = matrix.T @ gi
     ext_grads.append(ext_grad)
   dx = []
   for i in range(shards):  # reverse exchange: each halo piece back the hops it came
-    own = ext_grads[i][plan.left : plan.left + ci].copy()
+    own = ext_grads[i][geometry.left : geometry.left + ci].copy()
     for pc, sign, pos in left_at + right_at:
       j = i - sign * pc.hop  # the shard that borrowed these rows of mine
       if 0 <= j < shards:
         own[pc.start : pc.start + pc.rows] += ext_grads[j][pos : pos + pc.rows]
     dx.append(own)
-  return np.concatenate(out)[:m], np.concatenate(dx)[:n], plan
+  return np.concatenate(out)[:m], np.concatenate(dx)[:n], geometry
 
 
 def _laid_out(pieces, sign, first):
@@ -126,7 +126,7 @@ def _laid_out(pieces, sign, first):
   shards=st.integers(1, 8),
   same=st.booleans(),
 )
-def test_trimmed_plan_and_reverse_exchange_match_numpy(n, window, stride, dilation, shards, same):
+def test_trimmed_halo_and_reverse_exchange_match_numpy(n, window, stride, dilation, shards, same):
   lo, hi = same_padding(n, window, stride, dilation) if same else (0, 0)
   dim = WindowDim(n, window, stride, dilation, lo, hi)
   if dim.output_size == 0:
@@ -138,12 +138,12 @@ def test_trimmed_plan_and_reverse_exchange_match_numpy(n, window, stride, dilati
   np.testing.assert_array_equal(dx, windowed_sum_adjoint(g, dim))
 
 
-def test_trimmed_plan_ignores_windows_of_padding_output_rows():
+def test_trimmed_halo_ignores_windows_of_padding_output_rows():
   # ResNet's stem pooling (3x3, stride 2, SAME) of 10 rows over 4 shards: the last shard
   # holds no output row, so its far-reaching window must not widen the halo.
   dim = WindowDim(10, 3, 2, 1, *same_padding(10, 3, 2))
-  plan, _ = trim_plan(dim, 4)
-  assert plan.fits_neighbours and (plan.left, plan.right) == (0, 3)
+  halo, _ = trimmed_halo(dim, 4)
+  assert halo.fits_neighbours and (halo.left, halo.right) == (0, 3)
 
 
 # --- end to end -----------------------------------------------------------------------------
@@ -188,10 +188,10 @@ def halo_of(name, shape, mesh, spec):
       continue
     n = shape[dim]
     lo, hi = same_padding(n, k, s, d) if pad == 'SAME' else (0, 0)
-    plan, _ = trim_plan(WindowDim(n, k, s, d, lo, hi), mesh.axes_size(axes))
-    pieces = plan.left_pieces + plan.right_pieces
-    permutes += sum(1 for piece in pieces if piece.hop < plan.shards)
-    hops = max(hops, plan.hops)
+    halo, _ = trimmed_halo(WindowDim(n, k, s, d, lo, hi), mesh.axes_size(axes))
+    pieces = halo.left_pieces + halo.right_pieces
+    permutes += sum(1 for piece in pieces if piece.hop < halo.shards)
+    hops = max(hops, halo.hops)
   return permutes, hops
 
 
@@ -532,7 +532,7 @@ IMAGE_GRAD_CASES = [  # mesh, image spec, image shape, kernel, stride, padding
 ]
 
 
-def _spatial_plans(shape, mesh, spec, k, s, pad):
+def _spatial_windows(shape, mesh, spec, k, s, pad):
   out = []
   for d in (1, 2):
     lo, hi = same_padding(shape[d], k, s) if pad == 'SAME' else (0, 0)
@@ -564,7 +564,7 @@ def test_image_gradients_compute_only_the_own_rows(mesh_name, spec, shape, k, s,
   pf = partition(step, mesh)
   for name, got, want in zip(('loss', 'dx'), pf(x, w, dw), step(x, w, dw)):
     assert_close(got, want, name=name)
-  plans = _spatial_plans(shape, mesh, spec, k, s, pad)
+  windows = _spatial_windows(shape, mesh, spec, k, s, pad)
   for op in ('Conv2DBackpropInput', 'DepthwiseConv2dNativeBackpropInput'):
     records = [r for r in pf.collectives() if r['op_type'] == op]
     assert all(r['kind'] == 'permute' and 'of the output gradient' in r['why'] for r in records), (
@@ -573,12 +573,12 @@ def test_image_gradients_compute_only_the_own_rows(mesh_name, spec, shape, k, s,
     # One permute per halo piece of the output gradient; never more than the reverse
     # exchange of the forward window's halo took.
     want, before = 0, 0
-    for _, window, shards in plans:
+    for _, window, shards in windows:
       if shards == 1:
         continue
-      halo = plan_input_gradient(window, shards).halo
+      halo = input_gradient_geometry(window, shards).halo
       want += sum(1 for pc in halo.left_pieces + halo.right_pieces if pc.hop < shards)
-      fwd, _ = trim_plan(window, shards)
+      fwd, _ = trimmed_halo(window, shards)
       before += sum(1 for pc in fwd.left_pieces + fwd.right_pieces if pc.hop < shards)
     assert len(records) == want <= before, (op, records)
   # The local backprop ops produce the shard's rows (a stride that does not divide the
@@ -592,6 +592,6 @@ def test_image_gradients_compute_only_the_own_rows(mesh_name, spec, shape, k, s,
   ]
   assert len(local) == 2 and all(o.name.endswith('/gspmd/own_rows') for o in local), local
   for o in local:
-    for d, window, shards in plans:
-      assert o.outputs[0].shape[d] == plan_input_gradient(window, shards).rows, (o, d)
+    for d, window, shards in windows:
+      assert o.outputs[0].shape[d] == input_gradient_geometry(window, shards).rows, (o, d)
     assert o.get_attr('padding') == b'EXPLICIT'

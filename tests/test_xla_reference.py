@@ -1,4 +1,4 @@
-"""Tests for bench/xla_reference.py: XLA's own reshards as the planner's reference.
+"""Tests for bench/xla_reference.py: XLA's own reshards as the reshard search's reference.
 
 Two parts. The HLO reader (replica-group forms, bytes rules, async pairs) is
 pure Python and runs here, in the TensorFlow venv, on hand-written HLO with

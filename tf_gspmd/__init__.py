@@ -41,7 +41,7 @@ from tf_gspmd.pipeline import bubble_fraction as pipeline_bubble_fraction
 from tf_gspmd.pipeline import pipeline
 from tf_gspmd.planning import PlanReport, abstract_variable, plan
 from tf_gspmd.program.held import SplitVariable
-from tf_gspmd.propagation.api import Plan, propagate
+from tf_gspmd.propagation.api import Propagation, propagate
 from tf_gspmd.runtime import CollectiveError, ShardedValue, ShardedVariable
 from tf_gspmd.shard_map import (
   all_gather,
@@ -69,7 +69,7 @@ __all__ = [
   'LayoutMap',
   'partition_model',
   'unpartition_model',
-  'Plan',
+  'Propagation',
   'propagate',
   'plan',
   'PlanReport',
@@ -106,11 +106,18 @@ __all__ = [
 ]
 
 # Names kept one release for code written against them, each with the one to use instead:
-# TF's xla_sharding names live in `tg.xla_sharding`; internals of one stage in their module.
-# (module, attribute, what to use instead) of each.
+# TF's xla_sharding names live in `tg.xla_sharding`; internals of one stage in their module;
+# `Plan` is `Propagation` and `plan_reshard` is `route_reshard` ("plan" is `tg.plan`'s word
+# alone). (module, attribute, what to use instead) of each.
 _DEPRECATED = {
   'annotate': ('tf_gspmd.annotations', 'annotate', 'tg.shard(x, sharding)'),
   'variable_sharding': ('tf_gspmd.annotations', 'variable_sharding', 'tg.get_sharding(variable)'),
+  'Plan': ('tf_gspmd.propagation.api', 'Propagation', 'tg.Propagation'),
+  'plan_reshard': (
+    'tf_gspmd.graph_rewrite.reshard',
+    'route_reshard',
+    'tf_gspmd.graph_rewrite.reshard.route_reshard',
+  ),
 }
 for _module, _names in [
   ('xla_sharding', xla_sharding.__all__),
@@ -118,7 +125,6 @@ for _module, _names in [
   ('op_sharding', ['from_proto', 'to_proto']),
   ('graph.capture', ['capture']),
   ('graph.rebuild', ['rebuild']),
-  ('graph_rewrite.reshard', ['plan_reshard']),
   ('runtime', ['SpmdProgram']),
 ]:
   _home = 'tg.xla_sharding' if _module == 'xla_sharding' else f'tf_gspmd.{_module}'

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -43,7 +44,7 @@ from tf_gspmd.mesh import Mesh
 from tf_gspmd.partitioned.variables import mark_abstract
 from tf_gspmd.propagation import registry
 from tf_gspmd.sharding import NamedSharding
-from tf_gspmd.step_cost import HardwareProfile, StepFeatures, StepTime, features_of_plan, step_time
+from tf_gspmd.step_cost import HardwareProfile, StepFeatures, StepTime, step_features, step_time
 
 # UninitializedVariable is the only TF variable that has a shape and a dtype but never
 # allocates its value (tf.Variable's public constructor always materializes an initial
@@ -93,18 +94,28 @@ class PlanReport:
   collective_records: List[dict]
   seconds: Dict[str, float]  # build time per phase: capture, propagate, partition
   op_records: List[OpRecord] = dataclasses.field(default_factory=list, repr=False)
-  plan: Any = dataclasses.field(default=None, repr=False)  # the propagation Plan
+  propagation: Any = dataclasses.field(default=None, repr=False)  # tg.propagate's Propagation
   profile: Optional[HardwareProfile] = None  # what `step_time()` prices on by default
 
   def features(self) -> StepFeatures:
     """What one device does in the step: ops, contraction flops, other ops' bytes,
-    collectives (`tf_gspmd.step_cost.features_of_plan`)."""
+    collectives (`tf_gspmd.step_cost.step_features`)."""
     found = self.__dict__.get('_features')
     if found is None:
-      found = self.__dict__['_features'] = features_of_plan(
-        self.plan, self.mesh, self.collective_records
+      found = self.__dict__['_features'] = step_features(
+        self.propagation, self.mesh, self.collective_records
       )
     return found
+
+  @property
+  def plan(self):
+    """Deprecated: the step's `Propagation` is `propagation`."""
+    warnings.warn(
+      'PlanReport.plan is deprecated and goes in the next release; use PlanReport.propagation.',
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    return self.propagation
 
   def step_time(self, profile: Optional[HardwareProfile] = None) -> StepTime:
     """The step's predicted seconds, by term, on `profile` (default: the plan's own)."""
@@ -259,7 +270,7 @@ def plan(
     planner.collectives(),
     seconds,
     planner.op_records(),
-    compiled.plan,
+    compiled.propagation,
     profile,
   )
 

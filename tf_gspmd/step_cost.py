@@ -3,7 +3,7 @@
 A step is described by what one device does (`StepFeatures`): the ops its program runs,
 the flops of its contractions (matmuls, einsums, convolutions) per dtype, the bytes its
 other ops (elementwise, reductions, the optimizer's update) read and write, and its
-collectives (kind, group size, mesh axes, local operand bytes). `features_of_plan` reads
+collectives (kind, group size, mesh axes, local operand bytes). `step_features` reads
 them off a propagated program (the same rules the partitioner applies: an op's iteration
 space is split over the mesh axes its tensors' shardings give its factors), and
 `auto_shard`'s simulator counts them alike while it walks a layout.
@@ -252,17 +252,18 @@ def space_weights(rule, spaces: List[List[str]], sizes: Sequence[int]) -> List[T
   return out
 
 
-def features_of_plan(
-  propagation_plan, mesh: Mesh, records: Sequence[dict], work: Optional['Work'] = None
+def step_features(
+  propagation, mesh: Mesh, records: Sequence[dict], work: Optional['Work'] = None
 ) -> StepFeatures:
-  """A planned step's features: every ruled op's iteration space split as its tensors'
-  shardings split its factors (`work`, when already computed), and the plan's collectives."""
-  work = work or work_of_plan(propagation_plan, mesh)
+  """A step's features: every ruled op's iteration space split as its tensors' shardings
+  (`propagation`) split its factors (`work`, when already computed), and its collectives
+  (`records`)."""
+  work = work or work_of_propagation(propagation, mesh)
   collectives = tuple(
     (r['kind'], axes_size(mesh, r['axes']), len(r['axes']) or len(mesh.axis_names), r['bytes'])
     for r in records
   )
-  ops, small = op_counts(propagation_plan.program)
+  ops, small = op_counts(propagation.program)
   return StepFeatures(
     mesh.size, ops, tuple(sorted(work.flops.items())), work.elementwise_bytes, collectives, small
   )
@@ -287,12 +288,12 @@ class Work:
       self.elementwise_bytes += nbytes * local
 
 
-def work_of_plan(propagation_plan, mesh: Mesh) -> Work:
+def work_of_propagation(propagation, mesh: Mesh) -> Work:
   """Every ruled op's iteration space, split over the mesh axes its operands' and results'
   shardings give its factors (`OpRule.factor_axes`, the partitioner's own merge); a factor
   nobody splits is computed whole on every device."""
-  result, work = propagation_plan.result, Work()
-  for graph in propagation_plan.program.graphs():
+  result, work = propagation.result, Work()
+  for graph in propagation.program.graphs():
     shardings = result.shardings.get(graph.name, {})
     for node in graph.nodes:
       rule = result.rule(node.name, graph.name)

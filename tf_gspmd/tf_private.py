@@ -89,7 +89,7 @@ from tensorflow.python.ops import collective_ops
 # say so, and TF has no public registry of py_functions.
 from tensorflow.python.ops import script_ops
 
-# A resource variable that has a shape and dtype but never allocates its value (a plan of a
+# A resource variable that has a shape and dtype but never allocates its value (`tg.plan` of a
 # model too large to build; a SplitVariable's logical handle, program/held.py); tf.Variable
 # always initializes.
 from tensorflow.python.ops.resource_variable_ops import UninitializedVariable

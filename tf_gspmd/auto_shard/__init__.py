@@ -5,7 +5,7 @@ the cheapest one whose per-device bytes (parameters + optimizer state +
 activation peak, as `PlanReport` counts them) fit `memory_budget` wins. The
 step is traced and captured once; the search prices each candidate on that
 program with the fast model (`simulate`: the partitioner's rules and reshard
-plans walked op by op, milliseconds a layout), and the layout it ends on is
+routes walked op by op, milliseconds a layout), and the layout it ends on is
 planned with `tg.plan` (exact bytes and collectives, from the same
 partitioner `tg.partition` runs). The plan's price replaces the fast
 model's and the search runs again, until it ends on a planned layout (at

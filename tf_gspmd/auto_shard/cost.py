@@ -14,9 +14,9 @@ from tf_gspmd.step_cost import (
   HardwareProfile,
   StepFeatures,
   StepTime,
-  features_of_plan,
+  step_features,
   step_time,
-  work_of_plan,
+  work_of_propagation,
 )
 
 
@@ -75,10 +75,10 @@ def collective_cost(report: PlanReport, constants: Constants) -> Tuple[float, Di
   return evaluation.collective_seconds, evaluation.collective_bytes
 
 
-def work_per_device(propagation_plan, mesh) -> Tuple[int, int]:
+def work_per_device(propagation, mesh) -> Tuple[int, int]:
   """(points, repeated points) of iteration space one device computes, over every ruled op
-  (`tf_gspmd.step_cost.work_of_plan`)."""
-  work = work_of_plan(propagation_plan, mesh)
+  (`tf_gspmd.step_cost.work_of_propagation`)."""
+  work = work_of_propagation(propagation, mesh)
   return int(work.points), int(work.repeated)
 
 
@@ -87,7 +87,7 @@ def estimate(
 ) -> Evaluation:
   """The cost model's terms for one planned step (see the package doc)."""
   constants = constants or load_constants()
-  work = work_of_plan(report.plan, report.mesh)
-  features = features_of_plan(report.plan, report.mesh, report.collective_records, work)
+  work = work_of_propagation(report.propagation, report.mesh)
+  features = step_features(report.propagation, report.mesh, report.collective_records, work)
   memory = report.parameter_bytes + report.optimizer_bytes + report.activation_peak
   return Evaluation(choice, report, memory, features, constants.profile(), int(work.repeated))

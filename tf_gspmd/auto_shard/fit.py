@@ -360,13 +360,13 @@ def prepare(mesh: Mesh, build, specs, batch_axes, warmup: int = 1) -> Tuple[Step
   """(features of the planned step, a callable running one partitioned step), warmed up."""
   from tf_gspmd.partitioned import partition
   from tf_gspmd.planning import plan
-  from tf_gspmd.step_cost import features_of_plan
+  from tf_gspmd.step_cost import step_features
 
   step, data, axes = build(mesh, specs, batch_axes)
   shardings = _shardings(mesh, axes, data)
   specs_of = [tf.TensorSpec(np.shape(d), tf.as_dtype(np.asarray(d).dtype)) for d in data]
   report = plan(step, *specs_of, mesh=mesh, in_shardings=shardings)
-  features = features_of_plan(report.plan, mesh, report.collective_records)
+  features = step_features(report.propagation, mesh, report.collective_records)
   step, data, axes = build(mesh, specs, batch_axes)  # fresh weights for the run
   partitioned = partition(step, mesh, in_shardings=shardings, progress=False)
 

@@ -4,8 +4,8 @@
 program traced op by op); the search asks about hundreds. `Simulator` walks the captured
 program once per layout instead, in milliseconds, with the pieces the partitioner uses:
 each op's propagation rule (`OpRule.factor_candidates`: the mesh axes its operands give its
-factors, a variable's own layout winning over its value's), the reshard planner for every
-operand moved to the layout the op needs (`plan_reshard`: the same collectives, kinds and
+factors, a variable's own layout winning over its value's), the reshard search for every
+operand moved to the layout the op needs (`route_reshard`: the same collectives, kinds and
 bytes), pending sums kept through linear ops and resolved in fused buckets, the optimizer's
 updates last (as `graph_rewrite/coalesce.py` orders them), and a liveness pass over local
 bytes in that order. It leaves out propagation's backward flow (an op's layout comes from
@@ -347,12 +347,12 @@ class Simulator:
     key = (layout, want, shape, size)
     found = self._moves.get(key)
     if found is None:
-      from tf_gspmd.graph_rewrite.reshard import plan_reshard
+      from tf_gspmd.graph_rewrite.reshard import route_reshard
 
-      plan = plan_reshard(self.sharding(*layout), self.sharding(want), shape, size)
+      route = route_reshard(self.sharding(*layout), self.sharding(want), shape, size)
       records = tuple(
         (step.kind, tuple(getattr(step, 'axes', ())), size * _elems(step.shape_in))
-        for step in plan.steps
+        for step in route.steps
         if step.kind != 'slice'
       )
       found = self._moves[key] = (records, self.local_bytes(want, shape, size))

@@ -150,7 +150,7 @@ def _node_shardings(compiled: Compiled) -> Dict[str, Any]:
   inputs), XlaSharding ops (they keep the user's annotation) and ops with
   resource or variant outputs are left as they are.
   """
-  main, plan = compiled.program.main, compiled.plan
+  main, propagation = compiled.program.main, compiled.propagation
   out = {}
   for node in main.nodes:
     if node.op in ('Placeholder', 'XlaSharding') or not node.outputs:
@@ -158,7 +158,7 @@ def _node_shardings(compiled: Compiled) -> Dict[str, Any]:
     if any(t.dtype in (tf.resource, tf.variant) for t in node.outputs):
       continue
     try:
-      shardings = [resolved(plan.target(main, t.name)) for t in node.outputs]
+      shardings = [resolved(propagation.target(main, t.name)) for t in node.outputs]
     except KeyError:
       continue
     out[node.name] = shardings[0] if len(shardings) == 1 else tuple(shardings)

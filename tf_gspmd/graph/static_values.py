@@ -94,7 +94,7 @@ def _foldable(node: ir.Node) -> bool:
 def fold(graph: ir.Graph) -> Dict[str, np.ndarray]:
   """Every small int/bool tensor of `graph` computable from constants and static shapes."""
   known: Dict[str, np.ndarray] = {}
-  plan = []  # nodes to evaluate in TF, in topological order
+  to_evaluate = []  # nodes to evaluate in TF, in topological order
   pending = set()
   for node in graph.nodes:
     if node.op in _SHAPE_OPS:
@@ -108,10 +108,10 @@ def fold(graph: ir.Graph) -> Dict[str, np.ndarray]:
     if not _foldable(node) or not node.outputs:
       continue
     if all(t in known or t in pending for t in node.inputs):
-      plan.append(node)
+      to_evaluate.append(node)
       pending.update(t.name for t in node.outputs)
-  if plan:
-    known.update(_evaluate(plan, known))
+  if to_evaluate:
+    known.update(_evaluate(to_evaluate, known))
   return known
 
 

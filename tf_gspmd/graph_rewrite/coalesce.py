@@ -7,7 +7,7 @@ builds TF ops as it goes, and a finished TF graph is not rewritten).
    `NamedSharding`, e.g. a weight gradient whose batch dim is split over
    'data') and the only thing between it and the layout propagation chose
    is one all-reduce over its partial axes (same spec, same device order, the
-   planner's plan is that single all-reduce), `Partitioner.finish` hands it
+   search's route is that single all-reduce), `Partitioner.finish` hands it
    here instead of resolving it. It stays in the frame of the graph being
    emitted (`Frame.pending`), still partial.
 
@@ -244,7 +244,7 @@ def _all_reduce_bucket(p, bucket: List[Pending]) -> List[Local]:
   """The members' pending sums resolved together (`Collectives.all_reduce_many`: one
   all-reduce of their concatenated blocks, or, on XLA, one each side by side, which its
   combiner fuses without a copy); each collective emitted is recorded."""
-  if len(bucket) == 1:  # the planner's own path, as without coalescing
+  if len(bucket) == 1:  # one reshard's own route, as without coalescing
     entry = bucket[0]
     return [p.reshard(entry.value, entry.target, f'result {entry.tensor}')]
   axes, op, dtype = bucket[0].group
@@ -282,9 +282,9 @@ def _single_all_reduce(p, value: Local, target: NamedSharding) -> bool:
     return False
   from tf_gspmd.graph_rewrite import lower_reshard, reshard
 
-  plan = lower_reshard._plan(s, target, tuple(int(d) for d in value.shape), value.dtype.size)  # noqa: SLF001
-  steps = lower_reshard.merged_steps(plan)
-  # The plan may name prime-factor sub-axes of the partial axes (all of them: the same groups).
+  route = lower_reshard._route(s, target, tuple(int(d) for d in value.shape), value.dtype.size)  # noqa: SLF001
+  steps = lower_reshard.merged_steps(route)
+  # The route may name prime-factor sub-axes of the partial axes (all of them: the same groups).
   return (
     len(steps) == 1
     and isinstance(steps[0], reshard.AllReduce)

@@ -154,8 +154,8 @@ def choose_layouts(
 
   options = [{f: (a if keep(f) else ()) for f, a in c.items()} for c in options]
   if any(dims is not None and not _static(op.shape) for dims, op in zip(rule.operands, operands)):
-    # A value of run-time shape is replicated and cannot be resharded (the planner needs every
-    # dim): the assignment splitting nothing keeps it as it is.
+    # A value of run-time shape is replicated and cannot be resharded (the reshard search needs
+    # every dim): the assignment splitting nothing keeps it as it is.
     options.append({f: () for f in rule.factors()})
   layouts = [layouts_of(p, rule, c, operands, shapes, reduction) for c in options]
   return min(layouts, key=lambda lay: _cost(p, lay, operands, shapes, targets))

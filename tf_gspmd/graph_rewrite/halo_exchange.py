@@ -8,7 +8,7 @@ rows its output window reaches beyond its own shard from its neighbours
 (collective-permutes along those axes, one per hop when a halo is wider than a
 neighbour's shard), concatenates [left | local | right] and cuts out its window
 with a slice whose start comes from a table indexed by partition id. The
-geometry is `trim_plan`: `halo.plan_halo` with halos cut to the rows that real
+geometry is `trimmed_halo`: `halo.halo_geometry` with halos cut to the rows that real
 output rows read. `windowed.py` runs the ops on these windows.
 """
 
@@ -25,11 +25,11 @@ from tf_gspmd.collectives import slice_dim
 from tf_gspmd.graph import emit
 from tf_gspmd.graph_rewrite.partitioner import Local
 from tf_gspmd.propagation.halo import (
-  HaloPlan,
-  InputGradientPlan,
+  HaloGeometry,
+  InputGradientGeometry,
   WindowDim,
-  plan_halo,
-  plan_input_gradient,
+  halo_geometry,
+  input_gradient_geometry,
 )
 from tf_gspmd.sharding import NamedSharding, P
 
@@ -69,68 +69,68 @@ class ImageDims:
     )
 
 
-def trim_plan(window: WindowDim, shards: int) -> Tuple[HaloPlan, int]:
-  """`plan_halo(window, shards)` with halos cut to the rows that real output rows read.
+def trimmed_halo(window: WindowDim, shards: int) -> Tuple[HaloGeometry, int]:
+  """`halo_geometry(window, shards)` with halos cut to the rows that real output rows read.
 
   Output shards are ceil-sized, so trailing shards hold output rows past the
   end (padding) or none at all; their windows may reach far past their
   neighbours (a 3x3/2 pooling of 10 rows over 4 shards). What they compute
   is padding, so only shards holding real output rows decide the halo
-  widths; the others read any window. Returns (plan, tail): `tail` zero rows
+  widths; the others read any window. Returns (halo, tail): `tail` zero rows
   appended after the right halo keep every window inside the extended shard.
   """
-  plan = plan_halo(window, shards)
-  m, co, ci, s = window.output_size, plan.output_chunk, plan.input_chunk, window.stride
+  halo = halo_geometry(window, shards)
+  m, co, ci, s = window.output_size, halo.output_chunk, halo.input_chunk, window.stride
   real = [i for i in range(shards) if i * co < m]
   if not real:
-    return plan, 0
+    return halo, 0
   lefts, rights = {}, {}
   for i in real:
     rows = min(co, m - i * co)
     need = (rows - 1) * s + window.effective_window
-    start = plan.window_global_starts[i]
+    start = halo.window_global_starts[i]
     lefts[i], rights[i] = i * ci - start, start + need - (i + 1) * ci
   left, right = max(0, max(lefts.values())), max(0, max(rights.values()))
   starts = tuple(left - lefts[i] if i in lefts else 0 for i in range(shards))
-  tail = max(0, max(st + plan.span for st in starts) - (left + ci + right))
-  return dataclasses.replace(plan, left=left, right=right, window_starts=starts), tail
+  tail = max(0, max(st + halo.span for st in starts) - (left + ci + right))
+  return dataclasses.replace(halo, left=left, right=right, window_starts=starts), tail
 
 
 @dataclasses.dataclass(frozen=True)
 class SpatialDim:
-  """One spatial dim as partitioned: its tensor dim, the mesh axes splitting it, its halo plan.
+  """One spatial dim as partitioned: its tensor dim, the mesh axes splitting it, its halo.
 
-  With no axes the dim is whole on every partition and `plan` is the
-  one-shard plan (explicit padding, no neighbours). `tail` zero rows follow
-  the right halo (see `trim_plan`).
+  With no axes the dim is whole on every partition and `halo` is the
+  one-shard geometry (explicit padding, no neighbours). `tail` zero rows follow
+  the right halo (see `trimmed_halo`).
   """
 
   dim: int
   axes: Axes
   window: WindowDim
-  plan: HaloPlan
+  halo: HaloGeometry
   tail: int = 0
 
 
-def plan_dims(
+def spatial_dims(
   p, node, spec: P, layout: ImageDims, windows: List[WindowDim], tensor: str
 ) -> List[SpatialDim]:
-  """Halo plans for the spatial dims as `spec` splits them; a split dim that yields no
-  output rows is planned whole (the caller gathers it) with a warning."""
+  """The halos of the spatial dims as `spec` splits them; a split dim that yields no
+  output rows is taken whole (the caller gathers it) with a warning."""
   dims = []
   for d, window in zip(layout.spatial, windows):
     axes = spec.axes_of(d)
-    plan, tail = trim_plan(window, p.mesh.axes_size(axes))
+    halo, tail = trimmed_halo(window, p.mesh.axes_size(axes))
     if axes and window.output_size == 0:
       p.warn_once(
         f'halo:{node.name}:{d}',
         f'tf_gspmd: {node.op} {node.name}: dim {d} of {tensor} (size '
-        f'{window.input_size}, split {plan.shards} ways over mesh axes {axes}; window '
+        f'{window.input_size}, split {halo.shards} ways over mesh axes {axes}; window '
         f'{window.window}, stride {window.stride}, dilation {window.dilation}) gives '
         'no output rows; that dim is all-gathered to compute the op.',
       )
-      (plan, tail), axes = trim_plan(window, 1), ()
-    dims.append(SpatialDim(d, axes, window, plan, tail))
+      (halo, tail), axes = trimmed_halo(window, 1), ()
+    dims.append(SpatialDim(d, axes, window, halo, tail))
   return dims
 
 
@@ -150,12 +150,12 @@ def _per_partition(p, sd: SpatialDim, sharding: NamedSharding, per_shard: Sequen
 
 def valid_rows(p, sd: SpatialDim, sharding: NamedSharding):
   """Bool [span] vector: rows of this partition's window inside the image; None if all are."""
-  plan, n = sd.plan, sd.window.input_size
-  starts = np.asarray(plan.window_global_starts)
-  if np.all(starts >= 0) and np.all(starts + plan.span <= n):
+  halo, n = sd.halo, sd.window.input_size
+  starts = np.asarray(halo.window_global_starts)
+  if np.all(starts >= 0) and np.all(starts + halo.span <= n):
     return None
   start = _per_partition(p, sd, sharding, starts, f'window_global_start_dim{sd.dim}')
-  rows = tf.range(plan.span, dtype=tf.int32) + start
+  rows = tf.range(halo.span, dtype=tf.int32) + start
   return tf.logical_and(rows >= 0, rows < n)
 
 
@@ -211,7 +211,7 @@ def _borrow(p, x: tf.Tensor, sd: SpatialDim, piece, side: str, of: str = '') -> 
   """One halo piece: rows of the shard `piece.hop` positions away on `side` (zeros when no
   shard is that far away: those rows lie outside the image everywhere)."""
   d = sd.dim
-  if piece.hop >= sd.plan.shards:
+  if piece.hop >= sd.halo.shards:
     return _zero_rows(x, d, piece.rows)
   offset = piece.hop if side == 'left' else -piece.hop
   return _exchange(
@@ -228,12 +228,12 @@ def _extend(
 ) -> tf.Tensor:
   """This partition's input window along `sd`: halo rows borrowed (from as many neighbours
   as the halo spans), rows outside the image replaced by `fill`."""
-  d, plan = sd.dim, sd.plan
+  d, halo = sd.dim, sd.halo
   if sd.axes:
     parts = (
-      [_borrow(p, x, sd, piece, 'left', of) for piece in plan.left_pieces]
+      [_borrow(p, x, sd, piece, 'left', of) for piece in halo.left_pieces]
       + [x]
-      + [_borrow(p, x, sd, piece, 'right', of) for piece in plan.right_pieces]
+      + [_borrow(p, x, sd, piece, 'right', of) for piece in halo.right_pieces]
     )
     ext = tf.concat(parts, axis=d) if len(parts) > 1 else x
     if sd.tail:
@@ -242,10 +242,10 @@ def _extend(
       ext = tf.pad(ext, paddings)
   else:
     paddings = [[0, 0]] * x.shape.rank
-    paddings[d] = [plan.left, plan.right + sd.tail]
-    ext = tf.pad(x, paddings) if plan.left or plan.right or sd.tail else x
-  start = _per_partition(p, sd, sharding, plan.window_starts, f'window_start_dim{d}')
-  window = _slice(ext, d, start, plan.span)
+    paddings[d] = [halo.left, halo.right + sd.tail]
+    ext = tf.pad(x, paddings) if halo.left or halo.right or sd.tail else x
+  start = _per_partition(p, sd, sharding, halo.window_starts, f'window_start_dim{d}')
+  window = _slice(ext, d, start, halo.span)
   valid = valid_rows(p, sd, sharding)
   if valid is None:
     return window
@@ -267,26 +267,26 @@ def gather_window(
 def _retract(p, w: tf.Tensor, sd: SpatialDim, sharding: NamedSharding) -> tf.Tensor:
   """Adjoint of `_extend`: window rows back to this shard, halo rows added into the
   neighbours' shards they were borrowed from."""
-  d, plan = sd.dim, sd.plan
-  ci = plan.input_chunk
-  length = plan.left + ci + plan.right + sd.tail
-  start = _per_partition(p, sd, sharding, plan.window_starts, f'window_start_dim{d}')
+  d, halo = sd.dim, sd.halo
+  ci = halo.input_chunk
+  length = halo.left + ci + halo.right + sd.tail
+  start = _per_partition(p, sd, sharding, halo.window_starts, f'window_start_dim{d}')
   paddings = [[0, 0]] * w.shape.rank
   if isinstance(start, int):
-    paddings[d] = [start, length - start - plan.span]
+    paddings[d] = [start, length - start - halo.span]
     ext = tf.pad(w, paddings)
   else:  # place the window at a per-partition offset: pad at the end, then rotate zeros in
-    paddings[d] = [0, length - plan.span]
+    paddings[d] = [0, length - halo.span]
     ext = tf.roll(tf.pad(w, paddings), start, axis=d)
-  local = _slice(ext, d, plan.left, ci)
+  local = _slice(ext, d, halo.left, ci)
   if not sd.axes:
     return local
   # Each halo piece goes back the hops it came (to the shard it was borrowed from), which
   # adds it to the rows it was cut from.
-  for piece, side, pos in _laid_out(plan.left_pieces, 'left', 0) + _laid_out(
-    plan.right_pieces, 'right', plan.left + ci
+  for piece, side, pos in _laid_out(halo.left_pieces, 'left', 0) + _laid_out(
+    halo.right_pieces, 'right', halo.left + ci
   ):
-    if piece.hop >= plan.shards:
+    if piece.hop >= halo.shards:
       continue  # rows outside the image everywhere: their gradient is dropped
     offset = -piece.hop if side == 'left' else piece.hop
     got = _exchange(
@@ -324,23 +324,25 @@ def scatter_window(
 class GradientDim:
   """One spatial dim of an image gradient computed directly on the own rows: `image` is the
   dim as the result is split, `gradient` the output-gradient halo (as a `SpatialDim` of
-  the output gradient, rows outside it masked) and `plan` the local op's padding."""
+  the output gradient, rows outside it masked) and `geometry` the local op's padding."""
 
   image: SpatialDim
   gradient: SpatialDim
-  plan: InputGradientPlan
+  geometry: InputGradientGeometry
 
 
 def gradient_dims(dims: Sequence[SpatialDim]) -> Optional[List[GradientDim]]:
-  """`plan_input_gradient` for each spatial dim; None when a dim yields no output rows
+  """`input_gradient_geometry` for each spatial dim; None when a dim yields no output rows
   (its gradient is all zeros: the reverse halo exchange of `scatter_window` handles it)."""
   out = []
   for sd in dims:
     if sd.window.output_size == 0:
       return None
-    plan = plan_input_gradient(sd.window, sd.plan.shards)
-    grad = SpatialDim(sd.dim, sd.axes, WindowDim(sd.window.output_size, 1), plan.halo, plan.tail)
-    out.append(GradientDim(sd, grad, plan))
+    geometry = input_gradient_geometry(sd.window, sd.halo.shards)
+    grad = SpatialDim(
+      sd.dim, sd.axes, WindowDim(sd.window.output_size, 1), geometry.halo, geometry.tail
+    )
+    out.append(GradientDim(sd, grad, geometry))
   return out
 
 
@@ -378,8 +380,8 @@ def own_rows_gradient(
   paddings = [0] * (2 * len(sizes))
   for gd in gdims:
     d = gd.image.dim
-    sizes[d] = gd.plan.rows
-    paddings[2 * d : 2 * d + 2] = [gd.plan.pad_lo, gd.plan.pad_hi]
+    sizes[d] = gd.geometry.rows
+    paddings[2 * d : 2 * d + 2] = [gd.geometry.pad_lo, gd.geometry.pad_hi]
   attrs = {
     'padding': attr_value_pb2.AttrValue(s=b'EXPLICIT'),
     'explicit_paddings': attr_value_pb2.AttrValue(
@@ -390,8 +392,8 @@ def own_rows_gradient(
     node, make_inputs(sizes, window), attrs=attrs, name=node.name + '/gspmd/own_rows'
   ).outputs[0]
   for gd in gdims:
-    d, ci = gd.image.dim, gd.image.plan.input_chunk
-    if gd.plan.rows != ci:
-      start = _per_partition(p, gd.image, result, gd.plan.offsets, f'own_rows_start_dim{d}')
+    d, ci = gd.image.dim, gd.image.halo.input_chunk
+    if gd.geometry.rows != ci:
+      start = _per_partition(p, gd.image, result, gd.geometry.offsets, f'own_rows_start_dim{d}')
       dx = _slice(dx, d, start, ci)
   return dx

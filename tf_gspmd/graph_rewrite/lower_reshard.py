@@ -1,7 +1,7 @@
-"""Lowering reshard plans onto the runtime's collective interface ("how", not "what").
+"""Lowering reshard routes onto the runtime's collective interface ("how", not "what").
 
 `reshard(p, value, target, why)` moves a `Local` to `target`: it asks the
-planner (`reshard.plan_reshard`) for the steps and emits each one inside
+reshard search (`reshard.route_reshard`) for the steps and emits each one inside
 the per-partition program being traced, mirroring the numpy simulator
 (`reshard.sim`), which is the executable specification of every step;
 each step class of `reshard.moves` has one method here (`_Lowering.EMIT`):
@@ -13,7 +13,7 @@ each step class of `reshard.moves` has one method here (`_Lowering.EMIT`):
   reshapes and slices) puts uneven blocks at their offsets.
 - ReduceScatter / AllReduce: the collective on the (padded) buffer.
 - Permute: the collective permute; devices that receive nothing keep their
-  buffer (`tf.where` on a per-partition table), as the plan says.
+  buffer (`tf.where` on a per-partition table), as the route says.
 - Repad: a zero buffer, a masked write of the rows a device keeps, then per
   round one permute of fixed-size messages and a masked write of the received
   rows. Offsets and lengths come from per-partition tables (0 rows where a
@@ -21,9 +21,9 @@ each step class of `reshard.moves` has one method here (`_Lowering.EMIT`):
 
 Everything that differs between partitions is a row of a constant table
 indexed by the partition id (`backend.table`); partition ids are mesh device
-ids, which is also what the plans' permute pairs name.
+ids, which is also what the routes' permute pairs name.
 
-Sub-axes. The planner may plan on a refined mesh (`ReshardPlan.mesh`) whose
+Sub-axes. The search may route on a refined mesh (`ReshardRoute.mesh`) whose
 axes split a mesh axis into prime-factor sub-axes ('y' of 4 = 'y#0' x 'y#1',
 same devices in the same row-major order). A step whose axes cover whole mesh
 axes in order (('y#0', 'y#1') is 'y') runs on the runtime's backend with the
@@ -37,17 +37,17 @@ sub-axis groups get keys of their own. The second backend shares the first
 one's `records` list, so record indices (and the TF backend's progress
 markers, which name a collective by its index) stay one sequence. This is
 simpler than re-expressing sub-axis groups as permutes, and it keeps
-all-to-all/all-gather over half an axis one collective, as the plan costs it.
+all-to-all/all-gather over half an axis one collective, as the route costs it.
 
 Device orders. A value may live on another device order of the backend's
-mesh (a tile assignment in a TPU program's own order): the plan then runs on
-one of the two orders (`ReshardPlan.mesh`, or its refinement) and moves whole
+mesh (a tile assignment in a TPU program's own order): the route then runs on
+one of the two orders (`ReshardRoute.mesh`, or its refinement) and moves whole
 shards once with a Permute by device pairs; collectives over that order's
 axes run on a backend of the same kind built over it (`_backend_on`), whose
 groups come from that order's `Mesh.groups`.
 
 Runs of all-reduces with the same op are emitted as one all-reduce over the
-union of their axes (`merged_steps`): the planner splits tiny all-reduces over
+union of their axes (`merged_steps`): the search splits tiny all-reduces over
 sub-axes because its byte model rounds per-device pieces up.
 
 Every collective is reported with `p.note_collective` (kind, axes, shape,
@@ -87,54 +87,56 @@ def _record(p, kind, axes, tensor, why):
   )
 
 
-def _plan(src: NamedSharding, dst: NamedSharding, shape: tuple, dtype_size: int) -> rp.ReshardPlan:
-  """The planner's plan (`plan_reshard` caches it, keyed by the shardings themselves)."""
-  return rp.plan_reshard(src, dst, shape, dtype_size)
+def _route(
+  src: NamedSharding, dst: NamedSharding, shape: tuple, dtype_size: int
+) -> rp.ReshardRoute:
+  """The search's route (`route_reshard` caches it, keyed by the shardings themselves)."""
+  return rp.route_reshard(src, dst, shape, dtype_size)
 
 
 @tf.autograph.experimental.do_not_convert  # library code emitting ops: no autograph
 def reshard(p, value: Local, target: NamedSharding, why: str = '') -> Local:
-  """`value` laid out as `target`, by the planner's plan.
+  """`value` laid out as `target`, by the search's route.
 
-  `target` may keep some of the source's pending reductions (the planner
+  `target` may keep some of the source's pending reductions (the search
   resolves the others); it cannot add new ones.
   """
   _check_value(p, value, target, why)
   shape = tuple(int(s) for s in value.shape)
   if 0 in shape:  # nothing to move: every shard is all padding
     return Local(tf.zeros(target.shard_shape(shape), value.dtype), target, shape)
-  return apply_plan(p, value, _plan(value.sharding, target, shape, value.dtype.size), why)
+  return apply_route(p, value, _route(value.sharding, target, shape, value.dtype.size), why)
 
 
 @tf.autograph.experimental.do_not_convert
-def apply_plan(p, value: Local, plan: rp.ReshardPlan, why: str = '') -> Local:
-  """Emit the steps of a given `plan` (e.g. `reshard.naive_plan`) on `value`."""
-  _check_value(p, value, plan.dst)
+def apply_route(p, value: Local, route: rp.ReshardRoute, why: str = '') -> Local:
+  """Emit the steps of a given `route` (e.g. `reshard.naive_route`) on `value`."""
+  _check_value(p, value, route.dst)
   if (
-    tuple(int(s) for s in value.shape) != tuple(plan.shape)
-    or not value.sharding.is_equivalent_to(plan.src)
-    or value.sharding.mesh != plan.src.mesh
+    tuple(int(s) for s in value.shape) != tuple(route.shape)
+    or not value.sharding.is_equivalent_to(route.src)
+    or value.sharding.mesh != route.src.mesh
   ):
     raise ValueError(
-      f'apply_plan: the plan is for {plan.src} of {plan.shape}, the value is '
+      f'apply_route: the route is for {route.src} of {route.shape}, the value is '
       f'{value.sharding} of {tuple(value.shape)}.'
     )
   x = value.tensor
-  lowering = _Lowering(p, plan, why)
-  for step in merged_steps(plan):
+  lowering = _Lowering(p, route, why)
+  for step in merged_steps(route):
     x = lowering.run(step, x)
     if tuple(x.shape) != tuple(step.shape_out):
       raise AssertionError(
         f'lower_reshard: {step.describe()} produced local shape '
-        f'{tuple(x.shape)}, the plan says {step.shape_out}\n{plan}'
+        f'{tuple(x.shape)}, the route says {step.shape_out}\n{route}'
       )
-  want_out = tuple(plan.dst.shard_shape(plan.shape))
+  want_out = tuple(route.dst.shard_shape(route.shape))
   if tuple(x.shape) != want_out:
     raise AssertionError(
-      f'lower_reshard: plan ends with local shape {tuple(x.shape)}, the '
-      f'target {plan.dst} has shard shape {want_out}\n{plan}'
+      f'lower_reshard: route ends with local shape {tuple(x.shape)}, the '
+      f'target {route.dst} has shard shape {want_out}\n{route}'
     )
-  return Local(x, plan.dst, tuple(plan.shape))
+  return Local(x, route.dst, tuple(route.shape))
 
 
 def _check_value(p, value: Local, target: NamedSharding, why: str = '') -> None:
@@ -160,18 +162,18 @@ def _check_value(p, value: Local, target: NamedSharding, why: str = '') -> None:
     )
 
 
-def merged_steps(plan: rp.ReshardPlan) -> list:
-  """The plan's steps, with runs of all-reduces (same op) merged into one over their axes.
+def merged_steps(route: rp.ReshardRoute) -> list:
+  """The route's steps, with runs of all-reduces (same op) merged into one over their axes.
 
   Reducing over axes a, then over disjoint axes b, is one reduction over a and
-  b. The planner's byte model (ring all-reduce, 2(g-1) pieces of ceil(E/g)
+  b. The search's byte model (ring all-reduce, 2(g-1) pieces of ceil(E/g)
   elements) rounds up for tensors with fewer elements than the group, so for a
   scalar it prices reducing over 'x#0' then 'x#1' below reducing over 'x';
   one collective is never slower, so that is what runs.
   """
-  order = {a: i for i, a in enumerate(plan.mesh.axis_names)}
+  order = {a: i for i, a in enumerate(route.mesh.axis_names)}
   out = []
-  for step in plan.steps:
+  for step in route.steps:
     last = out[-1] if out else None
     if (
       isinstance(step, rp.AllReduce)
@@ -203,25 +205,25 @@ def _backend_on(backend, mesh):
 
 
 class _AxisNames:
-  """Translate a plan's (sub-)axes to the user's mesh axes."""
+  """Translate a route's (sub-)axes to the user's mesh axes."""
 
-  def __init__(self, user_meshes, plan_mesh):
-    """`user_meshes`: the meshes of the plan's source and target (two device orders of one
-    mesh, or one mesh twice); the plan runs on one of them or on its refinement, `self.base`."""
+  def __init__(self, user_meshes, route_mesh):
+    """`user_meshes`: the meshes of the route's source and target (two device orders of one
+    mesh, or one mesh twice); the route runs on one of them or on its refinement, `self.base`."""
     for user_mesh in user_meshes:
-      if plan_mesh == user_mesh:
+      if route_mesh == user_mesh:
         self.base = user_mesh
         self.owner = {a: a for a in user_mesh.axis_names}
         self.parts = {a: (a,) for a in user_mesh.axis_names}
         return
       refined, parts = rp.refined_mesh(user_mesh)
-      if refined == plan_mesh:
+      if refined == route_mesh:
         self.base = user_mesh
         self.parts = parts
         self.owner = {s: a for a, subs in parts.items() for s in subs}
         return
     raise ValueError(
-      f'lower_reshard: the plan runs on {plan_mesh!r}, which is neither of the '
+      f'lower_reshard: the route runs on {route_mesh!r}, which is neither of the '
       f'meshes {user_meshes!r} nor a prime-factor refinement of one.'
     )
 
@@ -252,25 +254,25 @@ class _AxisNames:
 
 # --- steps -----------------------------------------------------------------------------------
 class _Lowering:
-  """Emits the steps of one plan inside the per-partition program being traced."""
+  """Emits the steps of one route inside the per-partition program being traced."""
 
-  def __init__(self, p, plan: rp.ReshardPlan, why: str):
+  def __init__(self, p, route: rp.ReshardRoute, why: str):
     self.p = p
-    self.plan = plan
+    self.route = route
     self.why = why
     self.backend = p.backend
-    self.mesh = plan.mesh  # the mesh the steps' axes name
-    self.names = _AxisNames((plan.src.mesh, plan.dst.mesh), plan.mesh)
-    self.num_partitions = plan.src.mesh.size  # partition ids are its device ids
+    self.mesh = route.mesh  # the mesh the steps' axes name
+    self.names = _AxisNames((route.src.mesh, route.dst.mesh), route.mesh)
+    self.num_partitions = route.src.mesh.size  # partition ids are its device ids
 
   def run(self, step, x: tf.Tensor) -> tf.Tensor:
     return self.EMIT[type(step)](self, step, x)
 
   # --- plumbing ------------------------------------------------------------------------
   def _on(self, axes):
-    """(backend, axes) to run a collective over the plan's `axes`."""
+    """(backend, axes) to run a collective over the route's `axes`."""
     user = self.names.user(axes)
-    if user is not None:  # whole axes: on the plan's device order (the backend's, usually)
+    if user is not None:  # whole axes: on the route's device order (the backend's, usually)
       return _backend_on(self.backend, self.names.base), user
     return _backend_on(self.backend, self.mesh), tuple(axes)
 

@@ -4,7 +4,7 @@ Inside the per-partition function being traced, every IR node becomes local
 op(s) on this partition's shards. A `Local` pairs a local tensor with its
 sharding (which may hold a pending reduction) and its global shape. Before an
 op runs, each operand is resharded to what the op's handler requires; the
-reshard planner decides how, and `lower_reshard` emits the collectives.
+reshard search decides how, and `lower_reshard` emits the collectives.
 
 Handlers are chosen by `lookup` (`dispatch.lookup`: hand-written handlers,
 named by the op's registry entry, for shape-carrying ops, variables, control
@@ -142,10 +142,10 @@ class Partitioner:
     if src.is_equivalent_to(dst) and not src.partial_axes:
       return 0, 0, 0
     from tf_gspmd.graph_rewrite import reshard
-    from tf_gspmd.graph_rewrite.reshard.plan import collective_count
+    from tf_gspmd.graph_rewrite.reshard.route import collective_count
 
-    plan = reshard.plan_reshard(src, dst, tuple(shape), dtype_size)
-    return plan.bytes_moved, collective_count(plan), plan.peak_bytes
+    route = reshard.route_reshard(src, dst, tuple(shape), dtype_size)
+    return route.bytes_moved, collective_count(route), route.peak_bytes
 
   def reshard(self, value: Local, target: NamedSharding, why: str = '') -> Local:
     if value.sharding.is_equivalent_to(target) and not value.sharding.partial_axes:

@@ -47,7 +47,7 @@ import tensorflow as tf
 
 from tf_gspmd.graph import emit
 from tf_gspmd.graph_rewrite import uneven
-from tf_gspmd.graph_rewrite.halo_exchange import SpatialDim, gather_window, trim_plan
+from tf_gspmd.graph_rewrite.halo_exchange import SpatialDim, gather_window, trimmed_halo
 from tf_gspmd.graph_rewrite.handlers import (
   _shape_input,
   check_local_shape,
@@ -143,17 +143,17 @@ class DimSlice:
     return np.arange(self.count, dtype=np.int64) * self.stride + self.start
 
 
-def slice_plan(shape, begin, size) -> List[DimSlice]:
-  """The plan of `Slice(x, begin, size)` (size -1: to the end)."""
-  plan = []
+def dim_slices(shape, begin, size) -> List[DimSlice]:
+  """What `Slice(x, begin, size)` does to each dim (size -1: to the end)."""
+  slices = []
   for d, (n, b, s) in enumerate(zip(shape, begin, size)):
     b, s = int(b), int(s)
     s = n - b if s == -1 else s
-    plan.append(DimSlice('keep', d) if (b, s) == (0, n) else DimSlice('range', d, b, s, 1))
-  return plan
+    slices.append(DimSlice('keep', d) if (b, s) == (0, n) else DimSlice('range', d, b, s, 1))
+  return slices
 
 
-def strided_slice_plan(
+def strided_dim_slices(
   shape,
   begin,
   end,
@@ -164,7 +164,7 @@ def strided_slice_plan(
   new_axis_mask=0,
   shrink_axis_mask=0,
 ) -> List[DimSlice]:
-  """The plan of a StridedSlice, with TensorFlow's (= Python's) index semantics.
+  """What a StridedSlice does to each dim, with TensorFlow's (= Python's) index semantics.
 
   Covers every input dim: dims past the spec (or under the ellipsis) are kept.
   """
@@ -172,17 +172,17 @@ def strided_slice_plan(
   n_spec = len(begin)
   ellipsis = next((k for k in range(n_spec) if (ellipsis_mask >> k) & 1), None)
   consuming = sum(1 for k in range(n_spec) if k != ellipsis and not (new_axis_mask >> k) & 1)
-  plan, d = [], 0
+  slices, d = [], 0
   specs = list(range(n_spec)) + ([] if ellipsis is not None else ['rest'])
   for k in specs:
     if k == 'rest' or k == ellipsis:
       for _ in range(rank - consuming):
-        plan.append(DimSlice('keep', d))
+        slices.append(DimSlice('keep', d))
         d += 1
       continue
     bit = 1 << k
     if new_axis_mask & bit:
-      plan.append(DimSlice('new'))
+      slices.append(DimSlice('new'))
       continue
     n = shape[d]
     if shrink_axis_mask & bit:
@@ -190,7 +190,7 @@ def strided_slice_plan(
       index = index + n if index < 0 else index
       if not 0 <= index < n:
         raise ValueError(f'StridedSlice: index {begin[k]} is out of range for a dim of {n}.')
-      plan.append(DimSlice('index', d, index, 1, 1))
+      slices.append(DimSlice('index', d, index, 1, 1))
       d += 1
       continue
     stride = int(strides[k])
@@ -198,24 +198,24 @@ def strided_slice_plan(
     e = None if end_mask & bit else int(end[k])
     rng = range(n)[slice(b, e, stride)]
     if len(rng) == n and stride == 1:
-      plan.append(DimSlice('keep', d))
+      slices.append(DimSlice('keep', d))
     else:
-      plan.append(DimSlice('range', d, rng.start if len(rng) else 0, len(rng), stride))
+      slices.append(DimSlice('range', d, rng.start if len(rng) else 0, len(rng), stride))
     d += 1
   if d != rank:
     raise ValueError(f'StridedSlice: the slice spec covers {d} dims of a rank-{rank} tensor.')
-  return plan
+  return slices
 
 
-def _local_strided_slice_args(plan: Sequence[DimSlice], whole: Sequence[bool]):
+def _local_strided_slice_args(slices: Sequence[DimSlice], whole: Sequence[bool]):
   """begin, end, strides and masks of the local StridedSlice.
 
-  `whole[i]`: plan entry i is taken whole locally (kept, or already reduced
+  `whole[i]`: entry i is taken whole locally (kept, or already reduced
   to its rows). Ranges on dims held whole use their global indices.
   """
   begin, end, strides = [], [], []
   masks = dict(begin_mask=0, end_mask=0, new_axis_mask=0, shrink_axis_mask=0)
-  for i, e in enumerate(plan):
+  for i, e in enumerate(slices):
     bit = 1 << i
     if e.kind == 'new':
       masks['new_axis_mask'] |= bit
@@ -253,8 +253,8 @@ def shift_window(p, tensor: tf.Tensor, x: Local, windows) -> tf.Tensor:
   """
   for d, (window, fill) in sorted(windows.items()):
     axes = tuple(x.sharding.spec.axes_of(d))
-    plan, tail = trim_plan(window, p.mesh.axes_size(axes))
-    tensor = gather_window(p, tensor, x.sharding, [SpatialDim(d, axes, window, plan, tail)], fill)
+    halo, tail = trimmed_halo(window, p.mesh.axes_size(axes))
+    tensor = gather_window(p, tensor, x.sharding, [SpatialDim(d, axes, window, halo, tail)], fill)
   return tensor
 
 
@@ -263,8 +263,8 @@ def _factor_of(rule, dim: int) -> str:
   return f
 
 
-def partitioned_slice(p, graph, node, operands: Sequence[Local], plan: Sequence[DimSlice]):
-  """(local tensor, sharding) of `operands[0]` sliced by `plan`, in the layouts of the rule.
+def partitioned_slice(p, graph, node, operands: Sequence[Local], slices: Sequence[DimSlice]):
+  """(local tensor, sharding) of `operands[0]` sliced by `slices`, in the layouts of the rule.
 
   The rule's factor of each sliced dim says how (`ops_indexing.slice_rule`,
   `strided_slice`): a kept dim passes through; a range is a width-1 window
@@ -280,27 +280,27 @@ def partitioned_slice(p, graph, node, operands: Sequence[Local], plan: Sequence[
     p, graph, node, operands, windowed=True, combinable=operands[0].dtype in _SUMMABLE
   )
   x = p.reshard(operands[0], chosen.operands[0], f'{node.op} {node.name}: sliced operand')
-  tensor, windows, local_plan = x.tensor, {}, list(plan)
-  for i, e in enumerate(plan):
+  tensor, windows, local_slices = x.tensor, {}, list(slices)
+  for i, e in enumerate(slices):
     if e.kind in ('new', 'keep') or not x.sharding.spec.axes_of(e.dim):
       continue
     f = _factor_of(chosen.rule, e.dim)
     if e.kind == 'index':
       tensor = _take_rows(p, tensor, x.sharding, x.shape, e.dim, e.rows())
-      local_plan[i] = DimSlice('index', e.dim, 0, 1, 1)
+      local_slices[i] = DimSlice('index', e.dim, 0, 1, 1)
     elif e.count:  # an empty range is empty locally too: nothing to move
       windows[e.dim] = (chosen.rule.windows[f], 0)
       rows = chosen.results[0].shard_shape(global_shape(graph, node.outputs[0].name))
-      local_plan[i] = DimSlice('range', e.dim, 0, _local_rows(rows, plan, i), e.stride)
+      local_slices[i] = DimSlice('range', e.dim, 0, _local_rows(rows, slices, i), e.stride)
   tensor = shift_window(p, tensor, x, windows)
-  begin, end, strides, masks = _local_strided_slice_args(local_plan, [False] * len(plan))
+  begin, end, strides, masks = _local_strided_slice_args(local_slices, [False] * len(slices))
   local = tf.strided_slice(tensor, begin, end, strides, name=node.name, **masks)
   return local, chosen.results[0]
 
 
-def _local_rows(out_local_shape, plan: Sequence[DimSlice], i: int) -> int:
-  """Rows of plan entry i in the local result (result dims: every entry but 'index')."""
-  return out_local_shape[sum(1 for e in plan[:i] if e.kind != 'index')]
+def _local_rows(out_local_shape, slices: Sequence[DimSlice], i: int) -> int:
+  """Rows of entry i of `slices` in the local result (result dims: every entry but 'index')."""
+  return out_local_shape[sum(1 for e in slices[:i] if e.kind != 'index')]
 
 
 def _masks(node) -> dict:
@@ -314,8 +314,8 @@ def _masks(node) -> dict:
 @_static_first
 def slice_handler(p, graph, node, operands):
   x = operands[0]
-  plan = slice_plan(x.shape, _shape_input(p, graph, node, 1), _shape_input(p, graph, node, 2))
-  local, sharding = partitioned_slice(p, graph, node, operands, plan)
+  slices = dim_slices(x.shape, _shape_input(p, graph, node, 1), _shape_input(p, graph, node, 2))
+  local, sharding = partitioned_slice(p, graph, node, operands, slices)
   return [_result(p, graph, node, local, sharding)]
 
 
@@ -324,8 +324,8 @@ def slice_handler(p, graph, node, operands):
 def strided_slice_handler(p, graph, node, operands):
   x = operands[0]
   begin, end, strides = (_shape_input(p, graph, node, i) for i in (1, 2, 3))
-  plan = strided_slice_plan(x.shape, begin, end, strides, **_masks(node))
-  local, sharding = partitioned_slice(p, graph, node, operands, plan)
+  slices = strided_dim_slices(x.shape, begin, end, strides, **_masks(node))
+  local, sharding = partitioned_slice(p, graph, node, operands, slices)
   return [_result(p, graph, node, local, sharding)]
 
 
@@ -338,12 +338,12 @@ def strided_slice_grad_handler(p, graph, node, operands):
 
   shape = tuple(int(s) for s in _shape_input(p, graph, node, 0))
   begin, end, strides = (_shape_input(p, graph, node, i) for i in (1, 2, 3))
-  plan = strided_slice_plan(shape, begin, end, strides, **_masks(node))
+  slices = strided_dim_slices(shape, begin, end, strides, **_masks(node))
   chosen = factors.choose_layouts(p, graph, node, operands)
   dy = p.reshard(operands[4], chosen.operands[4], f'StridedSliceGrad {node.name}: sliced dims')
   out_sharding = chosen.results[0]
   local_shape = out_sharding.shard_shape(shape)
-  begin, end, strides, masks = _local_strided_slice_args(plan, [False] * len(plan))
+  begin, end, strides, masks = _local_strided_slice_args(slices, [False] * len(slices))
   local = tf.raw_ops.StridedSliceGrad(
     shape=tf.constant(local_shape, dtype=operands[0].dtype),
     begin=tf.constant(begin, dtype=operands[1].dtype),

@@ -7,24 +7,24 @@ cuts out its window with a slice whose start comes from a table indexed by
 partition id, replaces the rows outside the image (padding of the op, the
 padding of ceil-sized shards) by the op's identity (0 for sums, -inf for
 max), and runs the op with VALID padding on the window. The geometry is
-`trim_plan`: `halo.plan_halo` with halos cut to the rows that real output
-rows read. A spatial dim that is not split is padded explicitly the same way
+`trimmed_halo`: `halo.halo_geometry` with halos cut to the rows that real
+output rows read. A spatial dim that is not split is padded explicitly the same way
 (one shard, no neighbours), so every local op runs VALID.
 
 Image gradients of convolutions (Conv2DBackpropInput, the depthwise one)
 compute only this partition's own rows: an image row collects the
 output-gradient rows whose windows cover it, so those rows come from the
-neighbours (a halo exchange of the output gradient, `halo.plan_input_gradient`)
-and one backprop op with explicit padding yields the shard directly -- not
-the gradient of the whole haloed input window, a third more rows for a 3x3
-convolution on 8-row shards. Pooling gradients (MaxPoolGrad needs the
-forward window's argmax; AvgPoolGrad its real counts) are the exact adjoint
-of the forward recipe: the backprop op VALID on the local output-gradient
-rows gives the gradient of the input window; the own rows are kept and the
-halo rows sent back to the neighbours they were borrowed from, which add
-them to theirs (a reverse halo exchange). Filter gradients are local
-contributions of the haloed input window and the local output-gradient rows:
-a partial sum over the batch and spatial axes, resolved by the result's
+neighbours (a halo exchange of the output gradient,
+`halo.input_gradient_geometry`) and one backprop op with explicit padding
+yields the shard directly -- not the gradient of the whole haloed input
+window, a third more rows for a 3x3 convolution on 8-row shards. Pooling
+gradients (MaxPoolGrad needs the forward window's argmax; AvgPoolGrad its real
+counts) are the exact adjoint of the forward recipe: the backprop op VALID on
+the local output-gradient rows gives the gradient of the input window; the own
+rows are kept and the halo rows sent back to the neighbours they were borrowed
+from, which add them to theirs (a reverse halo exchange). Filter gradients are
+local contributions of the haloed input window and the local output-gradient
+rows: a partial sum over the batch and spatial axes, resolved by the result's
 reshard.
 
 AvgPool with SAME padding divides by the number of real elements in each
@@ -33,8 +33,8 @@ pooled the same way, so edges stay exact after the image is cut.
 
 A halo wider than a neighbour's shard (small late feature maps, wide
 kernels, strides) is assembled from several neighbours: one permute per hop
-(`HaloPlan.left_pieces` / `right_pieces`), and its gradient goes back the same
-hops; the buffer stays the local shard plus the halo. Only a split dim that
+(`HaloGeometry.left_pieces` / `right_pieces`), and its gradient goes back the
+same hops; the buffer stays the local shard plus the halo. Only a split dim that
 yields no output at all is gathered whole first (an all-gather) with one
 warning.
 
@@ -63,8 +63,8 @@ from tf_gspmd.graph_rewrite.halo_exchange import (
   gradient_dims,
   node_attr,
   own_rows_gradient,
-  plan_dims,
   scatter_window,
+  spatial_dims,
   valid_rows,
 )
 from tf_gspmd.graph_rewrite.handlers import (
@@ -143,7 +143,7 @@ def _count_fraction(
   mask = tf.ones([1, 1, 1, 1], dtype)
   for sd in dims:
     valid = valid_rows(p, sd, sharding)
-    vector = tf.ones([sd.plan.span], dtype) if valid is None else tf.cast(valid, dtype)
+    vector = tf.ones([sd.halo.span], dtype) if valid is None else tf.cast(valid, dtype)
     mask = mask * along(vector, sd.dim, 4)
   return _emit_valid(node, [mask], op_type='AvgPool')
 
@@ -159,7 +159,7 @@ _SPATIAL_FACTORS = ('h', 'w')
 
 
 def _image_is_result(node) -> bool:
-  """Whether the op's image (the tensor whose spatial dims the halo plan splits) is its
+  """Whether the op's image (the tensor whose spatial dims the halos split) is its
   result (image gradients), not its operand 0."""
   return bool(local_params(node).get('image_is_result'))
 
@@ -189,8 +189,8 @@ def _check_haloable(p, graph, node, operands) -> ImageDims:
 
 def _rule_layouts(p, graph, node, operands, layout: ImageDims):
   """The rule's layouts (`factors.choose_layouts`, spatial factors split with halos) and the
-  halo plan of each spatial dim. A spatial dim `plan_dims` cannot halo-partition (no
-  output rows) is chosen whole instead (`plan_dims` warns)."""
+  halo of each spatial dim. A spatial dim `spatial_dims` cannot halo-partition (no
+  output rows) is chosen whole instead (`spatial_dims` warns)."""
   from tf_gspmd.graph_rewrite import factors
 
   rule = factors.rule_for(p, node, graph)
@@ -201,7 +201,7 @@ def _rule_layouts(p, graph, node, operands, layout: ImageDims):
   while True:
     chosen = factors.choose_layouts(p, graph, node, operands, rule, windowed=True, whole=whole)
     spec = (chosen.results[0] if on_result else chosen.operands[0]).spec
-    dims = plan_dims(p, node, spec, layout, windows, image)
+    dims = spatial_dims(p, node, spec, layout, windows, image)
     unfit = [n for n, sd in zip(_SPATIAL_FACTORS, dims) if sd.axes != chosen.axes(n)]
     if not unfit:
       return chosen, dims
@@ -230,7 +230,7 @@ def _local_shape_const(dtype, shape) -> tf.Tensor:
 def _window_shape(local_shape, dims: Sequence[SpatialDim]) -> list:
   shape = [int(s) for s in local_shape]
   for sd in dims:
-    shape[sd.dim] = sd.plan.span
+    shape[sd.dim] = sd.halo.span
   return shape
 
 
@@ -239,7 +239,7 @@ def _unpartial(layout: NamedSharding) -> NamedSharding:
 
 
 # --- the local computation of each op -------------------------------------------------------
-# Each takes the operands in the rule's layouts, the chosen layouts and the halo plans, and
+# Each takes the operands in the rule's layouts, the chosen layouts and the halos, and
 # returns the local result (in layout `chosen.results[0]`).
 def _conv(p, node, values, chosen, dims, layout, out_shape):
   """Conv2D: the haloed input window, VALID. Split input channels sum partially: their

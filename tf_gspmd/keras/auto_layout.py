@@ -306,8 +306,8 @@ def _model_specs(model, result: AutoShardResult, paths: Dict[str, str]) -> Dict[
     entries = list(spec) + [None] * (len(variable.shape) - len(spec))
     if any(isinstance(e, tuple) and len(e) > 1 for e in entries):
       raise ValueError(
-        f'auto_layout: the plan splits a dim of {variable.path} over several axes ({spec}); '
-        'a Keras TensorLayout names one axis a dim.'
+        f'auto_layout: the chosen layout splits a dim of {variable.path} over several axes '
+        f'({spec}); a Keras TensorLayout names one axis a dim.'
       )
     out[variable.path] = P(*[e[0] if isinstance(e, tuple) else e for e in entries])
   return out

@@ -2,7 +2,7 @@
 
 The data flow, one stage per package:
 capture (`graph.capture`) -> propagate (`propagation`) -> partition
-(`graph_rewrite.partitioner` and its handlers, with reshards planned by
+(`graph_rewrite.partitioner` and its handlers, with reshards routed by
 `graph_rewrite.reshard` and lowered by `graph_rewrite.lower_reshard`) ->
 run (`runtime.SpmdProgram`: one per-partition program launched on every device;
 or, with backend='xla', the program exported to StableHLO and run through PJRT).

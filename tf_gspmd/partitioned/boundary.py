@@ -166,7 +166,7 @@ def _spelled_on(sharding: Sharding, mesh: Mesh, rank: int) -> bool:
     return False
 
 
-def working_order(graph: ir.Graph, plan, mesh: Mesh, args, variables) -> Mesh:
+def working_order(graph: ir.Graph, propagation, mesh: Mesh, args, variables) -> Mesh:
   """The device order the program computes in: `mesh`'s, or one the annotations name.
 
   When the inputs, outputs and variables annotated in an order other than the
@@ -179,12 +179,12 @@ def working_order(graph: ir.Graph, plan, mesh: Mesh, args, variables) -> Mesh:
   outputs then need no permute at all.
   """
   layouts = [
-    (_in_given_order(variable_sharding(var), plan.target(graph, name), mesh), True)
+    (_in_given_order(variable_sharding(var), propagation.target(graph, name), mesh), True)
     for name, var in variables.items()
   ]
   layouts += [
     (
-      boundary_layout(graph, name, plan.target(graph, name), mesh),
+      boundary_layout(graph, name, propagation.target(graph, name), mesh),
       _annotation(graph, name) is not None,
     )
     for name in list(args) + list(graph.outputs)

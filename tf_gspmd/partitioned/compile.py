@@ -26,7 +26,7 @@ class Compiled:
   """One call signature's program: captured, propagated and partitioned (not yet run)."""
 
   program: ir.Program
-  plan: Any  # propagation.api.Plan
+  propagation: Any  # propagation.api.Propagation
   # The executor's program made ready to run (`Executor.prepare`): a runtime.SpmdProgram on
   # the TF backend, an XlaRun (export, executable, capture buffers) on XLA; None until then.
   prepared: Any
@@ -135,7 +135,7 @@ def refuse_python_callbacks(program: ir.Program, executor, name: str) -> None:
 
 def build(
   program: ir.Program,
-  plan,
+  propagation,
   program_mesh: Mesh,
   *,
   executor,
@@ -145,7 +145,8 @@ def build(
   name: str,
   check_fits: Optional[Callable[[list], None]] = None,
 ) -> Compiled:
-  """The per-partition program of `program` as `plan` lays it out (`prepared` left to the caller).
+  """The per-partition program of `program` as `propagation` lays it out (`prepared` left to
+  the caller).
 
   `shard_variable(var, sharding)` gives a variable its shards (kept in
   `sharded_variables`, keyed by the variable's id); `executor`: the backend's
@@ -158,8 +159,10 @@ def build(
   var_names = list(program.variables)
   variables = [program.variables[n] for n in var_names]
   mesh = program_mesh
-  mesh = executor.working_mesh(main, plan, mesh, arg_names, program.variables)
-  target = plan.target if mesh == program_mesh else boundary.in_order(plan.target, mesh)
+  mesh = executor.working_mesh(main, propagation, mesh, arg_names, program.variables)
+  target = (
+    propagation.target if mesh == program_mesh else boundary.in_order(propagation.target, mesh)
+  )
   arg_targets = [target(main, n) for n in arg_names]
   # Inputs and outputs keep the device order their annotation names (see boundary_layout).
   arg_shardings = [
@@ -198,7 +201,7 @@ def build(
   ]
   return Compiled(
     program,
-    plan,
+    propagation,
     None,
     arg_shardings,
     [program.captures[n] for n in capture_names],

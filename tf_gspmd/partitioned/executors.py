@@ -78,10 +78,10 @@ class Executor:
   def run(self, compiled, flat_args, sharded_variables: dict, what: str):
     raise NotImplementedError
 
-  def working_mesh(self, main, plan, mesh, arg_names, variables):
+  def working_mesh(self, main, propagation, mesh, arg_names, variables):
     """The device order the program computes in: `mesh` itself, unless the backend moves to
     the order most of the layouts name (`boundary.working_order`)."""
-    del main, plan, arg_names, variables
+    del main, propagation, arg_names, variables
     return mesh
 
   def dtensor_devices(self, mesh) -> Optional[list]:

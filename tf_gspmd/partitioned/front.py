@@ -274,7 +274,7 @@ class PartitionedFunction:
   def explain(self) -> str:
     """Propagated shardings of every op and where they came from."""
     self._require_compiled('explain')
-    return self._last.plan.explain()
+    return self._last.propagation.explain()
 
   def collectives(self) -> List[dict]:
     """One record per collective the program runs per call: kind, axes, shape, bytes, op."""
@@ -340,18 +340,18 @@ class PartitionedFunction:
     )
     compile_lib.refuse_python_callbacks(program, self.executor, name_of(self.fn))
     self._phase('propagating shardings')
-    plan = propagate_captured(program, mesh)
+    propagation = propagate_captured(program, mesh)
     self._phase('making the sharded variables')
-    compiled = self._build(program, plan, mesh)
+    compiled = self._build(program, propagation, mesh)
     self._compiled[key] = compiled
     return compiled
 
-  def _build(self, program: ir.Program, plan, program_mesh: Mesh) -> Compiled:
+  def _build(self, program: ir.Program, propagation, program_mesh: Mesh) -> Compiled:
     """The per-partition program, prepared to run when its executor prepares at build."""
     sharded_cls = self.executor.sharded_variable_class()
     compiled = compile_lib.build(
       program,
-      plan,
+      propagation,
       program_mesh,
       executor=self.executor,
       shard_variable=lambda var, sharding: self._shard_variable(var, sharding, sharded_cls),

@@ -42,11 +42,11 @@ class TFExecutor(executors.Executor):
   def run(self, compiled, flat_args, sharded_variables: dict, what: str):
     return run(compiled, flat_args, sharded_variables, what)
 
-  def working_mesh(self, main, plan, mesh, arg_names, variables):
+  def working_mesh(self, main, propagation, mesh, arg_names, variables):
     """The order most layouts name: fewer boundary moves (TF devices take any order)."""
     from tf_gspmd.partitioned import boundary
 
-    return boundary.working_order(main, plan, mesh, arg_names, variables)
+    return boundary.working_order(main, propagation, mesh, arg_names, variables)
 
   def dtensor_devices(self, mesh) -> Optional[list]:
     """A DTensor mesh names TF devices: the program runs on them."""

@@ -48,7 +48,7 @@ def export(compiled: Compiled, sharded_variables: dict, name: str):
         kind,
         tuple(main.tensor(tensor).shape),
         spec.dtype,
-        compiled.plan.target(main, tensor),
+        compiled.propagation.target(main, tensor),
         tuple(spec.shape),
       )
     )

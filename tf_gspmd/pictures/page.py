@@ -1,6 +1,6 @@
 """What one report page shows, as plain data (`Page`), and writing it out.
 
-A `Page` is filled from a partitioned function or a plan (`sources`) and drawn
+A `Page` is filled from a partitioned function or a `tg.plan` report (`sources`) and drawn
 by `html.render`; it holds no TF object, so a page can be drawn from anything
 that knows its variables' layouts, its collectives and its bytes.
 """

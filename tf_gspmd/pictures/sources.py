@@ -1,7 +1,7 @@
-"""Pictures of a partitioned function or a plan: the layouts propagation chose, by name.
+"""Pictures of a partitioned function or a `tg.plan` report: the layouts propagation chose.
 
-Reads a `PartitionedFunction` (its variables, last compiled program and
-propagation plan) or a `PlanReport` by their attributes only: both live above
+Reads a `PartitionedFunction` (its variables, last compiled program and its
+`Propagation`) or a `PlanReport` by their attributes only: both live above
 this package, which must not import them.
 """
 
@@ -53,7 +53,7 @@ def named_layouts(pf) -> Dict[str, Callable[[], tuple]]:
     if _drawable(tensor):
 
       def entry(t=tensor):
-        return (compiled.plan.target(main, t.name), t.shape, t.name)
+        return (compiled.propagation.target(main, t.name), t.shape, t.name)
 
       found.setdefault(tensor.name, entry)
       if tensor.index == 0:
@@ -72,8 +72,8 @@ def _drawable(tensor) -> bool:
 def function_page(pf) -> Page:
   """The page of a partitioned function's last compiled program."""
   compiled = pf._last  # noqa: SLF001
-  plan = compiled.plan
-  why = _variable_provenance(plan)
+  propagation = compiled.propagation
+  why = _variable_provenance(propagation)
   entries = [
     TensorEntry(
       key,
@@ -97,17 +97,19 @@ def function_page(pf) -> Page:
     entries,
     pf.collectives(),
     memory_of(entries, None),
-    plan.records(),
+    propagation.records(),
     notes,
-    _boundary(plan),
+    _boundary(propagation),
   )
 
 
 def plan_page(report) -> Page:
   """The page of a `tg.plan` report (with its activation peak)."""
-  plan = report.plan
-  why = _variable_provenance(plan)
-  by_name = {v.name: v for v in plan.program.variables.values()} if plan is not None else {}
+  propagation = report.propagation
+  why = _variable_provenance(propagation)
+  by_name = (
+    {v.name: v for v in propagation.program.variables.values()} if propagation is not None else {}
+  )
   entries = [
     TensorEntry(
       key,
@@ -131,9 +133,9 @@ def plan_page(report) -> Page:
     entries,
     report.collectives(),
     memory_of(entries, report.activation_peak),
-    plan.records() if plan is not None else [],
+    propagation.records() if propagation is not None else [],
     notes,
-    _boundary(plan),
+    _boundary(propagation),
   )
 
 
@@ -141,16 +143,16 @@ def _role(trainable: bool) -> str:
   return VARIABLE_ROLES[0] if trainable else VARIABLE_ROLES[1]
 
 
-def _boundary(plan) -> List[TensorEntry]:
+def _boundary(propagation) -> List[TensorEntry]:
   """The main graph's arguments and outputs, laid out as propagation chose."""
-  if plan is None:
+  if propagation is None:
     return []
-  main, out = plan.program.main, []
-  for role, names in (('argument', plan.program.arg_inputs), ('output', main.outputs)):
+  main, out = propagation.program.main, []
+  for role, names in (('argument', propagation.program.arg_inputs), ('output', main.outputs)):
     for name in names:
       tensor = main.tensor(name)
       if _drawable(tensor):
-        sharding = plan.target(main, name)
+        sharding = propagation.target(main, name)
         size = tensor.dtype.size
         out.append(
           TensorEntry(
@@ -161,7 +163,7 @@ def _boundary(plan) -> List[TensorEntry]:
             role,
             int(np.prod(sharding.shard_shape(tensor.shape), dtype=np.int64)) * size,
             int(np.prod(tensor.shape, dtype=np.int64)) * size,
-            _provenance(plan, name),
+            _provenance(propagation, name),
           )
         )
   return out
@@ -173,17 +175,19 @@ def write_report(source, path, kind: str) -> str:
   return html.write(page, path)
 
 
-def _variable_provenance(plan) -> Callable[[Any], str]:
+def _variable_provenance(propagation) -> Callable[[Any], str]:
   """tf.Variable (or None) -> how propagation got its sharding ('' when it did not see it)."""
-  tensors = {} if plan is None else {id(v): t for t, v in plan.program.variables.items()}
-  return lambda var: '' if var is None else _provenance(plan, tensors.get(id(var)))
+  tensors = (
+    {} if propagation is None else {id(v): t for t, v in propagation.program.variables.items()}
+  )
+  return lambda var: '' if var is None else _provenance(propagation, tensors.get(id(var)))
 
 
-def _provenance(plan, tensor: Optional[str]) -> str:
-  if plan is None or tensor is None:
+def _provenance(propagation, tensor: Optional[str]) -> str:
+  if propagation is None or tensor is None:
     return ''
   try:
-    return plan.provenance(tensor).describe()
+    return propagation.provenance(tensor).describe()
   except KeyError:
     return ''
 

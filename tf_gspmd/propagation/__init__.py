@@ -1,11 +1,11 @@
 """Sharding propagation: op rules (`registry`, `OpRule`) and the fixpoint algorithm.
 
 `propagate(fn, *example_args, mesh=...)` captures a function and returns a
-`Plan` with every tensor's `NamedSharding` and where it came from.
+`Propagation` with every tensor's `NamedSharding` and where it came from.
 """
 
 from tf_gspmd.propagation import registry
-from tf_gspmd.propagation.api import Plan, propagate, propagate_captured
+from tf_gspmd.propagation.api import Propagation, propagate, propagate_captured
 from tf_gspmd.propagation.propagate import (
   PropagationResult,
   PropagationWarning,
@@ -15,7 +15,7 @@ from tf_gspmd.propagation.propagate import (
 from tf_gspmd.propagation.rule import NEED_REPLICATION, PASS_THROUGH, REDUCTION, OpRule
 
 __all__ = [
-  'Plan',
+  'Propagation',
   'propagate',
   'propagate_captured',
   'PropagationResult',

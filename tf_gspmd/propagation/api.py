@@ -1,9 +1,9 @@
 """Public entry point: `tf_gspmd.propagate(fn, *example_args, mesh=...)`.
 
->>> plan = propagate(step, x, y, mesh=mesh)          # doctest: +SKIP
->>> plan.sharding('dense/MatMul:0')                   # doctest: +SKIP
+>>> propagation = propagate(step, x, y, mesh=mesh)   # doctest: +SKIP
+>>> propagation.sharding('dense/MatMul:0')            # doctest: +SKIP
 NamedSharding(Mesh.create((2, 4), ('data', 'model')), P('data', 'model'))
->>> print(plan.explain())                             # doctest: +SKIP
+>>> print(propagation.explain())                      # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from tf_gspmd.propagation.propagate import PropagationResult, Provenance, propag
 from tf_gspmd.sharding import NamedSharding
 
 
-class Plan:
-  """The propagated shardings of one captured function.
+class Propagation:
+  """The propagated shardings of one captured function (what `propagate` returns).
 
   `sharding(name)` gives a tensor's NamedSharding (names as in the captured
   graph, 'node:0' or 'node'; inside a library function 'function::node:0'),
@@ -70,7 +70,7 @@ class Plan:
     return list(self.result.warnings)
 
 
-def propagate(fn, *example_args, mesh: Mesh, **example_kwargs) -> Plan:
+def propagate(fn, *example_args, mesh: Mesh, **example_kwargs) -> Propagation:
   """Capture `fn` on the example arguments and propagate its annotations over `mesh`.
 
   `fn` is a tf.function, a ConcreteFunction or a plain Python function;
@@ -82,9 +82,9 @@ def propagate(fn, *example_args, mesh: Mesh, **example_kwargs) -> Plan:
   if not isinstance(mesh, Mesh):
     raise TypeError(f'propagate: mesh must be a tf_gspmd.Mesh, got {type(mesh).__name__}.')
   program = capture(fn, *example_args, **example_kwargs)
-  return Plan(program, propagate_program(program, mesh))
+  return Propagation(program, propagate_program(program, mesh))
 
 
-def propagate_captured(program: ir.Program, mesh: Mesh) -> Plan:
+def propagate_captured(program: ir.Program, mesh: Mesh) -> Propagation:
   """Propagate over an already captured (or hand-built) program."""
-  return Plan(program, propagate_program(program, mesh))
+  return Propagation(program, propagate_program(program, mesh))

@@ -91,8 +91,9 @@ def halo_pieces(width: int, chunk: int, side: str) -> Tuple[HaloPiece, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class HaloPlan:
-  """How one partition assembles the input window for its output shard."""
+class HaloGeometry:
+  """How each partition assembles the input window of its output shard: the rows it borrows
+  from its neighbours (`left`, `right`) and where its window lies (`span`, starts)."""
 
   shards: int
   input_chunk: int  # ci: padded input rows per shard
@@ -122,7 +123,7 @@ class HaloPlan:
     return max([p.hop for p in self.left_pieces + self.right_pieces], default=0)
 
 
-def plan_halo(dim: WindowDim, shards: int) -> HaloPlan:
+def halo_geometry(dim: WindowDim, shards: int) -> HaloGeometry:
   """The halo exchange that lets each of `shards` partitions compute its output rows."""
   ci = -(-dim.input_size // shards)
   co = -(-dim.output_size // shards)
@@ -132,17 +133,17 @@ def plan_halo(dim: WindowDim, shards: int) -> HaloPlan:
   rights = [s + span - (i + 1) * ci for i, s in enumerate(starts)]
   left, right = max(0, max(lefts)), max(0, max(rights))
   window_starts = tuple(left - lo for lo in lefts)
-  return HaloPlan(shards, ci, co, left, right, span, window_starts, tuple(starts))
+  return HaloGeometry(shards, ci, co, left, right, span, window_starts, tuple(starts))
 
 
 @dataclasses.dataclass(frozen=True)
-class InputGradientPlan:
+class InputGradientGeometry:
   """How one partition computes the image gradient of its own shard rows directly.
 
   The image gradient of a windowed op is a transposed window op: input row x
   collects the output-gradient rows whose windows cover it. Shard i reads
   output-gradient rows [halo.window_global_starts[i], + halo.span) (a halo
-  exchange of the output gradient, chunk co: `halo` is a `HaloPlan` over the
+  exchange of the output gradient, chunk co: `halo` is a `HaloGeometry` over the
   gradient's shards) and runs the backprop of a local forward op with
   explicit padding (`pad_lo`, `pad_hi`) over `rows` image rows; its own rows
   are rows [offsets[i], offsets[i] + ci) of that result. `rows` exceeds ci
@@ -150,7 +151,7 @@ class InputGradientPlan:
   shards start at different phases of the stride.
   """
 
-  halo: HaloPlan
+  halo: HaloGeometry
   pad_lo: int
   pad_hi: int
   rows: int
@@ -158,7 +159,7 @@ class InputGradientPlan:
   tail: int  # zero rows after the gradient's right halo (trailing shards' windows)
 
 
-def plan_input_gradient(dim: WindowDim, shards: int) -> InputGradientPlan:
+def input_gradient_geometry(dim: WindowDim, shards: int) -> InputGradientGeometry:
   """The output-gradient halo and local padding that give each shard its own image rows.
 
   Output row r covers image rows [r*s - pad_lo, r*s - pad_lo + window). For
@@ -169,12 +170,12 @@ def plan_input_gradient(dim: WindowDim, shards: int) -> InputGradientPlan:
   must be the same on every shard (an attribute), so shards whose phase
   (r_min * s - a - pad_lo + window - 1) is smaller start their local window
   earlier (`offsets`). Only shards holding real image rows decide the halo
-  widths (as in the forward `trim_plan`). One shard reads the whole gradient
+  widths (as in the forward `trimmed_halo`). One shard reads the whole gradient
   with the op's own padding.
   """
   n, m, s, eff = dim.input_size, dim.output_size, dim.stride, dim.effective_window
   if m == 0:
-    raise ValueError(f'plan_input_gradient: {dim} has no output rows.')
+    raise ValueError(f'input_gradient_geometry: {dim} has no output rows.')
   ci, co = -(-n // shards), -(-m // shards)
   real = [i for i in range(shards) if i * ci < n]
   if shards == 1:
@@ -200,5 +201,5 @@ def plan_input_gradient(dim: WindowDim, shards: int) -> InputGradientPlan:
   window_starts = tuple(left - lefts[i] if i in lefts else 0 for i in range(shards))
   global_starts = tuple(starts[i] if i in starts else i * co - left for i in range(shards))
   tail = max(0, max(st + span for st in window_starts) - (left + co + right))
-  halo = HaloPlan(shards, co, ci, left, right, span, window_starts, global_starts)
-  return InputGradientPlan(halo, pad_lo, pad_hi, rows, offsets, tail)
+  halo = HaloGeometry(shards, co, ci, left, right, span, window_starts, global_starts)
+  return InputGradientGeometry(halo, pad_lo, pad_hi, rows, offsets, tail)

@@ -8,10 +8,10 @@ the axis). Rule order alone would keep the table's split and gather the ids,
 moving the whole batch; here each settlement is priced and the cheapest wins
 (rule order among equals, and whenever a shape is unknown).
 
-Prices follow the reshard planner's cost model (`graph_rewrite.reshard.moves`:
+Prices follow the reshard search's cost model (`graph_rewrite.reshard.moves`:
 bytes the busiest device receives; an all-gather over g devices receives g-1
 blocks, an all-reduce 2(g-1) pieces of E/g elements), on plain per-dim block
-sizes: the planner sits above propagation, and a conflict is between
+sizes: the reshard search sits above propagation, and a conflict is between
 all-gathers and pending sums, which this prices exactly for even shardings.
 """
 

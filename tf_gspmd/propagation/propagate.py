@@ -128,7 +128,7 @@ class Propagator:
     return self.program.main if name == self.program.main.name else self.program.functions[name]
 
   def _warn(self, op_type: str, message: str, once_per_process: bool = False):
-    """Record `message` in this plan once per op type; show it as a warning too, or (with
+    """Record `message` in this propagation once per op type; show it as a warning too, or (with
     `once_per_process`) only the first time this process meets the op type: a Keras `fit`
     propagates each step function and signature anew, which would repeat it for each."""
     if op_type in self._warned:
@@ -155,7 +155,7 @@ class Propagator:
             node.op,
             f'tf_gspmd propagation: no sharding rule for op type {node.op!r} '
             f'(first seen at node {node.name!r} in graph {graph.name!r}); its results '
-            "are replicated (said once per op type; Plan.warnings lists each program's).",
+            "are replicated (said once per op type; Propagation.warnings lists each program's).",
             once_per_process=True,
           )
           continue

@@ -16,7 +16,7 @@ values come back as results aliased to their parameters) and reads, from the
 partitioned HLO, every collective with the bytes each device receives.
 
 Bytes received per device, per collective (g = replica-group size; the rules
-of tf_gspmd's reshard planner and of bench/xla_reference.py):
+of tf_gspmd's reshard search and of bench/xla_reference.py):
   all-gather          result - operand bytes
   all-to-all          operand bytes * (g-1)/g
   reduce-scatter      operand bytes * (g-1)/g

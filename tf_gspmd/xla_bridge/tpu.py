@@ -338,7 +338,7 @@ class TPUStrategyStep:
     self._compiled = compiled
     self.arg_shardings = list(compiled.arg_shardings)
     self.capture_shardings = [
-      compiled.plan.target(compiled.program.main, n) for n in compiled.program.captures
+      compiled.propagation.target(compiled.program.main, n) for n in compiled.program.captures
     ]
     self.local_specs = list(compiled.local_specs)
     self._n_args = len(compiled.program.arg_inputs)

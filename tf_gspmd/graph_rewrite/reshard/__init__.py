@@ -1,11 +1,11 @@
-"""The reshard planner: which steps turn one sharding of a tensor into another (no TensorFlow).
+"""The reshard search: which steps turn one sharding of a tensor into another (no TensorFlow).
 
 - `geometry`: uneven per-dim geometry and the local ops steps share;
 - `moves` and `exchange`: one class per kind of step, with its effect on the
   search state, its cost and the data its lowering needs;
-- `plan`: `ReshardPlan`, the steps of one reshard and their costs;
-- `search`: `plan_reshard`, the search for the cheapest plan;
-- `sim`: a numpy simulator of plans, the executable specification of every step.
+- `route`: `ReshardRoute`, the steps of one reshard and their costs;
+- `search`: `route_reshard`, the search for the cheapest route;
+- `sim`: a numpy simulator of routes, the executable specification of every step.
 
 `graph_rewrite.lower_reshard` is the one module that turns steps into TF ops.
 """
@@ -29,12 +29,12 @@ from tf_gspmd.graph_rewrite.reshard.moves import (
   ReduceScatter,
   Slice,
 )
-from tf_gspmd.graph_rewrite.reshard.plan import ReshardPlan, collective_count
+from tf_gspmd.graph_rewrite.reshard.route import ReshardRoute, collective_count
 from tf_gspmd.graph_rewrite.reshard.search import (
   MOVE_KINDS,
-  naive_plan,
-  plan_reshard,
+  naive_route,
   reorder_pairs,
+  route_reshard,
 )
 
 STEP_TYPES = (Slice, AllGather, AllToAll, ReduceScatter, AllReduce, Permute, Repad)
@@ -49,17 +49,17 @@ __all__ = [
   'ReduceScatter',
   'Repad',
   'RepadRound',
-  'ReshardPlan',
+  'ReshardRoute',
   'Slice',
   'canonical_levels',
   'collective_count',
-  'naive_plan',
+  'naive_route',
   'normalize_levels',
   'pad_dim',
-  'plan_reshard',
   'refined_mesh',
   'regroup_blocks',
   'reorder_pairs',
+  'route_reshard',
   'same_geometry',
   'shard_intervals',
   'slice_window',

@@ -25,7 +25,7 @@ from tf_gspmd.graph_rewrite.reshard.moves import (
   PHASE_MIDDLE,
   Axes,
   Effect,
-  PlanContext,
+  SearchContext,
   SearchState,
   Step,
   fmt_axes,
@@ -98,7 +98,7 @@ class Permute(Step):
     return f'permute {" ".join(moves) or "device order"} ({len(self.pairs)} pairs)'
 
 
-def _permute_pairs(ctx: PlanContext, state: SearchState, new_axes) -> tuple:
+def _permute_pairs(ctx: SearchContext, state: SearchState, new_axes) -> tuple:
   """A device permutation, most devices keeping their buffer, that realizes the new axes."""
   mesh = ctx.mesh
   partial_axes = tuple(sorted(state.partial, key=ctx.axis_order.__getitem__))
@@ -229,12 +229,12 @@ class Repad(Step):
     )
 
 
-def _repad_targets(ctx: PlanContext, d: int, axes: Axes) -> List[Levels]:
+def _repad_targets(ctx: SearchContext, d: int, axes: Axes) -> List[Levels]:
   """Geometries worth re-laying dim d out to: flat over its axes, and target-refined.
 
   Target-refined (when the target's axes are a prefix of the current ones):
   the target's flat level, then one level for the extra minor axes, so that
-  gathering those axes yields exactly the target shards. The planner puts such
+  gathering those axes yields exactly the target shards. The search puts such
   a repad at the bottom of the valley, where buffers are smallest.
   """
   n, goal = ctx.shape[d], ctx.dst_axes[d]

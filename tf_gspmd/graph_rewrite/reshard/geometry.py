@@ -1,7 +1,7 @@
 """Uneven per-dim geometry of sharded dims, and the local ops every reshard step shares.
 
 A dim split over mesh axes (a, b) has shard index idx_a * size_b + idx_b.
-Sizes that do not divide evenly are why the planner keeps more than axes per
+Sizes that do not divide evenly are why the search keeps more than axes per
 dim: it keeps the dim's *geometry*, a mixed-radix list of levels (k, c). The
 shard index is decomposed over the levels' k (row-major); level j places its
 sub-block i_j at offset i_j * c_j inside the chunk of the level above, and a
@@ -24,7 +24,7 @@ which for uneven sizes is not the canonical ceil(n/(k/h)) geometry (10 rows over
 dim's group turns one geometry into another.
 
 `refined_mesh` splits composite mesh axes into prime-factor sub-axes, the
-finer grid the planner may plan on. Pure Python and numpy: no TensorFlow.
+finer grid the search may route on. Pure Python and numpy: no TensorFlow.
 """
 
 from __future__ import annotations
@@ -220,8 +220,8 @@ def refined_mesh(mesh: Mesh):
 
   Axis 'y' of size 4 becomes 'y#0' (major) and 'y#1' (minor), both of size 2:
   the same devices in the same row-major order, so a dim split over y is the
-  same geometry as one split over ('y#0', 'y#1'). Planning on sub-axes finds
-  plans such as an all-to-all over half of an axis. Returns (mesh, {axis:
+  same geometry as one split over ('y#0', 'y#1'). Searching on sub-axes finds
+  routes such as an all-to-all over half of an axis. Returns (mesh, {axis:
   sub-axes}); the mesh itself when no axis is composite or a name would clash.
   """
   names: List[str] = []

@@ -1,6 +1,6 @@
-"""The reshard planner's moves: one class per kind of step, with its effect, cost and lowering data.
+"""The reshard search's moves: one class per kind of step, with its effect, cost and lowering data.
 
-A plan is a list of steps; each kind of step is one frozen dataclass: `Slice`,
+A route is a list of steps; each kind of step is one frozen dataclass: `Slice`,
 `AllGather`, `AllToAll`, `ReduceScatter` and `AllReduce` here, `Permute` and
 `Repad` (exchanges between devices) in `reshard.exchange`, all subclasses of
 `Step`. A class holds everything about its kind:
@@ -9,18 +9,18 @@ A plan is a list of steps; each kind of step is one frozen dataclass: `Slice`,
   what the move picks (a dim and axes, say);
 - what a move does to the state and what it costs (`effect`): the new
   `SearchState`, the elements the busiest device receives and the largest buffer;
-- the concrete step a move becomes in a plan (`build`): the instance's fields
+- the concrete step a move becomes in a route (`build`): the instance's fields
   are exactly what a lowering needs (`graph_rewrite.lower_reshard` turns each
   class into ops; `reshard.sim` runs it on numpy arrays);
 - per-device costs of a built step (`received_elems`, `peak_elems`).
 
 The search (`reshard.search`) asks every class in its `MOVE_KINDS` for its
 moves and never looks inside one; what a move needs of the search (the shape, the
-target's axes, the mesh, ...) it reads from a `PlanContext`.
+target's axes, the mesh, ...) it reads from a `SearchContext`.
 
 Layouts work in mesh-axis terms: per tensor dim an ordered tuple of mesh axes
 (major to minor) with the dim's geometry (`reshard.geometry`), the set of axes
-holding a pending reduction, and the phase of the valley plan (local slices
+holding a pending reduction, and the phase of the valley route (local slices
 and reductions first, then all-to-alls, permutes and repads, then gathers).
 
 Costs are per device and assume bandwidth-optimal algorithms: all-gather and
@@ -64,7 +64,7 @@ Axes = Tuple[str, ...]
 DimLayout = Tuple[Axes, Levels]  # a dim's mesh axes (major to minor) and geometry
 Dims = Tuple[DimLayout, ...]
 
-# Phases of a valley plan. A slice after the first phase, or a repad after the gathers,
+# Phases of a valley route. A slice after the first phase, or a repad after the gathers,
 # is allowed but moves the state out of the valley's order.
 PHASE_SLICE, PHASE_MIDDLE, PHASE_GATHER, PHASE_RESLICE = 0, 1, 2, 3
 
@@ -87,14 +87,14 @@ class Effect(NamedTuple):
   details: tuple
 
 
-class PlanContext(Protocol):
-  """What moves ask of the search about the reshard being planned."""
+class SearchContext(Protocol):
+  """What moves ask of the search about the reshard being routed."""
 
   shape: Tuple[int, ...]
   rank: int
   mesh: Mesh
   op: str  # the pending reduction's op
-  axes: List[str]  # the planning mesh's axes of size > 1, in mesh order
+  axes: List[str]  # the search mesh's axes of size > 1, in mesh order
   axis_order: Dict[str, int]
   dst_axes: Tuple[Axes, ...]
   dst_dim: Dict[str, int]  # target dim of each axis the target shards over
@@ -120,25 +120,25 @@ def _ordered_subsets(items: Sequence[str]) -> Iterator[Axes]:
     yield from itertools.permutations(items, r)
 
 
-def _onto_target_dims(ctx: PlanContext, candidates: Sequence[str]) -> Iterator[tuple]:
+def _onto_target_dims(ctx: SearchContext, candidates: Sequence[str]) -> Iterator[tuple]:
   """(dim, axes): every ordered choice of `candidates` the target puts on one dim, per dim."""
   for d in range(ctx.rank):
     for axes in _ordered_subsets([a for a in candidates if ctx.dst_dim.get(a) == d]):
       yield (d, axes)
 
 
-def _free_axes(ctx: PlanContext, state: SearchState) -> List[str]:
+def _free_axes(ctx: SearchContext, state: SearchState) -> List[str]:
   """Axes neither splitting a dim nor holding a pending reduction."""
   used = {a for axes, _ in state.dims for a in axes}
   return [a for a in ctx.axes if a not in used and a not in state.partial]
 
 
-def _reducible(ctx: PlanContext, state: SearchState) -> List[str]:
+def _reducible(ctx: SearchContext, state: SearchState) -> List[str]:
   """Axes whose pending reduction the target resolves, in mesh order."""
   return sorted(state.partial - ctx.goal_partial, key=ctx.axis_order.__getitem__)
 
 
-def _split(ctx: PlanContext, dims: Dims, d: int, axes: Axes) -> Tuple[Dims, int]:
+def _split(ctx: SearchContext, dims: Dims, d: int, axes: Axes) -> Tuple[Dims, int]:
   """Dim d split further over `axes` (a new minor level): the new dims and local rows."""
   cur_axes, lv = dims[d]
   g = ctx.count(axes)
@@ -148,7 +148,7 @@ def _split(ctx: PlanContext, dims: Dims, d: int, axes: Axes) -> Tuple[Dims, int]
   ), new_chunk
 
 
-def _unsplit(ctx: PlanContext, dims: Dims, d: int, axes: Axes):
+def _unsplit(ctx: SearchContext, dims: Dims, d: int, axes: Axes):
   """Dim d with its trailing `axes` gathered: (new dims, blocks, out chunk), or None when
   the geometry's trailing levels do not match the group (see `split_trailing`)."""
   cur_axes, lv = dims[d]
@@ -161,33 +161,33 @@ def _unsplit(ctx: PlanContext, dims: Dims, d: int, axes: Axes):
 
 
 class Step:
-  """A kind of move; its instances are the concrete steps of a plan.
+  """A kind of move; its instances are the concrete steps of a route.
 
   Subclasses are frozen dataclasses whose fields are what a lowering needs.
   """
 
-  kind: ClassVar[str]  # the name plans count steps by (`ReshardPlan.collective_counts`)
+  kind: ClassVar[str]  # the name routes count steps by (`ReshardRoute.collective_counts`)
   shape_in: tuple
   shape_out: tuple
 
   @classmethod
-  def choices(cls, ctx: PlanContext, state: SearchState) -> Iterator[tuple]:
+  def choices(cls, ctx: SearchContext, state: SearchState) -> Iterator[tuple]:
     """The moves of this kind worth trying from `state`."""
     raise NotImplementedError
 
   @classmethod
-  def effect(cls, ctx: PlanContext, state: SearchState, choice: tuple) -> Optional[Effect]:
+  def effect(cls, ctx: SearchContext, state: SearchState, choice: tuple) -> Optional[Effect]:
     """The move's effect, or None when it does not apply to `state`."""
     raise NotImplementedError
 
   @classmethod
-  def build(cls, ctx: PlanContext, state: SearchState, choice: tuple, details: tuple):
-    """The step the move becomes in a plan, or None when it moves nothing."""
+  def build(cls, ctx: SearchContext, state: SearchState, choice: tuple, details: tuple):
+    """The step the move becomes in a route, or None when it moves nothing."""
     raise NotImplementedError
 
   @classmethod
   def off_valley(cls, state: SearchState) -> bool:
-    """Whether the move breaks the valley order (counted, so valley plans win ties)."""
+    """Whether the move breaks the valley order (counted, so valley routes win ties)."""
     return False
 
   @classmethod
@@ -212,7 +212,7 @@ class Move(NamedTuple):
   kind: Type[Step]
   choice: tuple
 
-  def effect(self, ctx: PlanContext, state: SearchState) -> Optional[Effect]:
+  def effect(self, ctx: SearchContext, state: SearchState) -> Optional[Effect]:
     return self.kind.effect(ctx, state, self.choice)
 
 
@@ -425,7 +425,7 @@ class AllGather(Step):
   @classmethod
   def copy_elems(cls, details):
     """The gathered pieces arrive stacked in front of the dim and are transposed into place
-    when a dim before it is not trivial. Between plans equal in bytes and steps this prefers
+    when a dim before it is not trivial. Between routes equal in bytes and steps this prefers
     gathering minor dims first, while the buffer is small, so the last and largest gather
     lands in place."""
     d, _, _, shape_in, shape_out = details

@@ -1,6 +1,6 @@
-"""The reshard planner's search: which steps turn one sharding of a tensor into another.
+"""The reshard search: which steps turn one sharding of a tensor into another.
 
-`plan_reshard(src, dst, shape)` returns a `ReshardPlan`: a list of steps (the
+`route_reshard(src, dst, shape)` returns a `ReshardRoute`: a list of steps (the
 classes of `reshard.moves`) that `graph_rewrite.lower_reshard` maps onto a
 collective interface whose methods take mesh axes (`all_gather(x, axes,
 dim)`, `all_to_all(x, axes, split_dim, concat_dim)`, `reduce_scatter(x, axes,
@@ -8,44 +8,44 @@ dim, op)`, `all_reduce(x, axes, op)`, `permute(x, pairs)`) plus local ops
 (pad, dynamic slice at this partition's row-major index along some axes,
 reshape, static slice). Pure Python: no TensorFlow.
 
-Search. Plans follow the memory-efficient "valley" form of Rink et al. 2021:
+Search. Routes follow the memory-efficient "valley" form of Rink et al. 2021:
 local slices and reductions first, then all-to-alls, permutes and repads, then
 gathers, so buffers shrink, stay, then grow to the target. A Dijkstra search
 over states (axes, geometry and pending reductions per dim, plus the phase)
-finds the plan with the fewest bytes received per device, then the fewest
+finds the route with the fewest bytes received per device, then the fewest
 non-valley steps, then the fewest steps, pruning any step whose buffers exceed
-`bound_bytes` (see `ReshardPlan`). Which moves a state allows, and what each
+`bound_bytes` (see `ReshardRoute`). Which moves a state allows, and what each
 does and costs, is up to the move's class (`moves.MOVE_KINDS`). Pending
 reductions become reduce-scatters onto the dim the target shards over that
 axis, or all-reduces (after slicing, on the smaller buffer). Slicing later
-(after an all-to-all, or after gathers as the naive plan does) is explored too
+(after an all-to-all, or after gathers as the naive route does) is explored too
 but wins only when strictly cheaper; with uneven sizes that happens for tiny
-dims where padding dominates. When every dim divides evenly the plan is a
-valley plan whose buffers never exceed max(source shard, target shard), and
-it never moves more bytes than the naive gather-then-slice plan; with uneven
-sizes the naive plan can be cheaper only when it breaks the memory bound,
-which the planner keeps instead. Uneven dims may need a `Repad` (see
-`reshard.geometry`): the planner puts it at the bottom of the valley (where
+dims where padding dominates. When every dim divides evenly the route is a
+valley route whose buffers never exceed max(source shard, target shard), and
+it never moves more bytes than the naive gather-then-slice route; with uneven
+sizes the naive route can be cheaper only when it breaks the memory bound,
+which the search keeps instead. Uneven dims may need a `Repad` (see
+`reshard.geometry`): the search puts it at the bottom of the valley (where
 buffers are smallest) by re-laying out to the target-refined geometry that
 the remaining gathers turn into the target exactly.
 
-Sub-axes. `plan_reshard` also plans on `refined_mesh(mesh)`, where every
+Sub-axes. `route_reshard` also routes on `refined_mesh(mesh)`, where every
 composite axis is split into prime-factor sub-axes ('y' of size 4 becomes
 'y#0', 'y#1'; same devices, same row-major order, so a dim over y is a dim
-over ('y#0', 'y#1')), and keeps that plan when it is cheaper: P('x', 'y') ->
+over ('y#0', 'y#1')), and keeps that route when it is cheaper: P('x', 'y') ->
 P('y', 'x') on a 2x4 mesh becomes an all-to-all over y#1 and one permute (half
-the bytes of whole-axis plans, as XLA does it). The steps' axes then name the
-plan's `mesh` (`ReshardPlan.mesh`), which a lowering must use to form groups
+the bytes of whole-axis routes, as XLA does it). The steps' axes then name the
+route's `mesh` (`ReshardRoute.mesh`), which a lowering must use to form groups
 and indices; `src.mesh` and `dst.mesh` stay the caller's.
 
 Device orders. `src` and `dst` may live on two device orders of one mesh
 (`Mesh.is_reordering_of`: same axis names and sizes, devices in another
-order), as tile assignments in a TPU program's own device order do. The plan
+order), as tile assignments in a TPU program's own device order do. The route
 then runs on one of the two orders and adds one `Permute` of whole shards
 (`reorder_pairs`), first or last, whichever moves fewer bytes; the steps'
-axes name that order's mesh (`ReshardPlan.mesh`).
+axes name that order's mesh (`ReshardRoute.mesh`).
 
-A plan's `bytes_moved` is the maximum over devices of the sum over steps of
+A route's `bytes_moved` is the maximum over devices of the sum over steps of
 the bytes each step's class says the device receives.
 """
 
@@ -78,11 +78,11 @@ from tf_gspmd.graph_rewrite.reshard.moves import (
   Slice,
   Step,
 )
-from tf_gspmd.graph_rewrite.reshard.plan import ReshardPlan, collective_count
+from tf_gspmd.graph_rewrite.reshard.route import ReshardRoute, collective_count
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.sharding import NamedSharding
 
-# The order the search tries moves in (it decides between plans of equal cost).
+# The order the search tries moves in (it decides between routes of equal cost).
 MOVE_KINDS: Tuple[Type[Step], ...] = (
   Slice,
   ReduceScatter,
@@ -94,68 +94,68 @@ MOVE_KINDS: Tuple[Type[Step], ...] = (
 )
 
 
-def plan_reshard(
+def route_reshard(
   src: NamedSharding, dst: NamedSharding, shape: Sequence[int], dtype_size: int = 4
-) -> ReshardPlan:
-  """The cheapest valley plan (bytes received per device) from `src` to `dst` within the bound.
+) -> ReshardRoute:
+  """The cheapest valley route (bytes received per device) from `src` to `dst` within the bound.
 
   >>> from tf_gspmd.sharding import P
   >>> mesh = Mesh.create((2, 4), ('x', 'y'))
   >>> src, dst = NamedSharding(mesh, P('x', 'y')), NamedSharding(mesh, P('y', 'x'))
-  >>> plan = plan_reshard(src, dst, (8, 8))
-  >>> sorted(plan.collective_counts())
+  >>> route = route_reshard(src, dst, (8, 8))
+  >>> sorted(route.collective_counts())
   ['all_to_all', 'permute']
   """
-  # Plans are immutable and a program asks the same questions many times (every layer of a
+  # Routes are immutable and a program asks the same questions many times (every layer of a
   # model, every candidate sharding's cost): one search each. Sharding equality is structural
-  # (the mesh's axis names included), as a plan's steps name the axes of its own mesh.
+  # (the mesh's axis names included), as a route's steps name the axes of its own mesh.
   key = (src, dst, tuple(int(s) for s in shape), dtype_size)
-  plan = _PLAN_CACHE.get(key)
-  if plan is None:
-    if len(_PLAN_CACHE) >= 4096:
-      _PLAN_CACHE.clear()
-    plan = _PLAN_CACHE[key] = _plan_reshard(src, dst, shape, dtype_size)
-  return plan
+  route = _ROUTE_CACHE.get(key)
+  if route is None:
+    if len(_ROUTE_CACHE) >= 4096:
+      _ROUTE_CACHE.clear()
+    route = _ROUTE_CACHE[key] = _route_reshard(src, dst, shape, dtype_size)
+  return route
 
 
-_PLAN_CACHE: dict = {}
+_ROUTE_CACHE: dict = {}
 
 
-def _plan_reshard(src, dst, shape, dtype_size: int) -> ReshardPlan:
+def _route_reshard(src, dst, shape, dtype_size: int) -> ReshardRoute:
   if isinstance(src, NamedSharding) and isinstance(dst, NamedSharding) and src.mesh != dst.mesh:
-    return _plan_across_orders(src, dst, shape, dtype_size)
-  planner = _Planner(src, dst, shape, dtype_size)
-  best = planner.build(planner.search(), 'valley')
-  refined = _Planner(src, dst, shape, dtype_size, refine=True)
+    return _route_across_orders(src, dst, shape, dtype_size)
+  searcher = _Search(src, dst, shape, dtype_size)
+  best = searcher.build(searcher.search(), 'valley')
+  refined = _Search(src, dst, shape, dtype_size, refine=True)
   if (
-    refined.mesh != planner.mesh
+    refined.mesh != searcher.mesh
     and (refined.rank + 1) ** len(refined.axes) <= _MAX_REFINED_PLACEMENTS
   ):
     candidate = refined.build(refined.search(), 'valley')
-    if _plan_key(candidate) < _plan_key(best):
+    if _route_key(candidate) < _route_key(best):
       best = candidate
   return _no_more_collectives_than_even(best, src, dst, shape, dtype_size)
 
 
-def _no_more_collectives_than_even(best: ReshardPlan, src, dst, shape, dtype_size) -> ReshardPlan:
-  """`best`, or the naive plan when best saves only padding with extra collectives.
+def _no_more_collectives_than_even(best: ReshardRoute, src, dst, shape, dtype_size) -> ReshardRoute:
+  """`best`, or the naive route when best saves only padding with extra collectives.
 
-  With short or empty shards (4 rows over 8 devices) the cheapest plan in
+  With short or empty shards (4 rows over 8 devices) the cheapest route in
   bytes can gather the non-empty shards first, repad and gather again: three
-  or more collectives where the naive plan runs one, to avoid receiving
+  or more collectives where the naive route runs one, to avoid receiving
   padding rows. The same reshard with every split dim padded to divide
-  evenly moves as many bytes as that naive plan (its padding is real data
-  there), so the naive plan is taken when it runs fewer collectives, moves no
+  evenly moves as many bytes as that naive route (its padding is real data
+  there), so the naive route is taken when it runs fewer collectives, moves no
   more bytes than that even reshard and stays within the memory bound: an
   uneven split then costs no more collectives than the even one.
   """
   padded = _evenly_padded(src, dst, shape)
   if padded == tuple(int(n) for n in shape):
     return best
-  naive = naive_plan(src, dst, shape, dtype_size)
+  naive = naive_route(src, dst, shape, dtype_size)
   if collective_count(naive) >= collective_count(best) or naive.peak_bytes > best.bound_bytes:
     return best
-  even = plan_reshard(src, dst, padded, dtype_size)
+  even = route_reshard(src, dst, padded, dtype_size)
   return naive if naive.bytes_moved <= even.bytes_moved else best
 
 
@@ -169,45 +169,45 @@ def _evenly_padded(src: NamedSharding, dst: NamedSharding, shape) -> tuple:
   return tuple(out)
 
 
-def _plan_across_orders(src: NamedSharding, dst: NamedSharding, shape, dtype_size) -> ReshardPlan:
-  """A plan between two device orders of one mesh (same axis names and sizes).
+def _route_across_orders(src: NamedSharding, dst: NamedSharding, shape, dtype_size) -> ReshardRoute:
+  """A route between two device orders of one mesh (same axis names and sizes).
 
-  The shardings differ in spec and in which device holds which piece. The plan
+  The shardings differ in spec and in which device holds which piece. The route
   runs on one order and moves whole shards once, as a `Permute` (a
   collective-permute; each device receives at most one shard, so no buffer
   exceeds max(source, target)): either first (the source's spec onto the
-  target's order, then plan there) or last (plan to the target's spec on the
+  target's order, then route there) or last (route to the target's spec on the
   source's order, then move). The one moving fewer bytes wins: the smaller
   shard moves. Devices that already hold their piece in the other order (all
   of them when the orders agree on the axes the sharding uses) receive nothing.
   """
   if not dst.mesh.is_reordering_of(src.mesh):
     raise ValueError(
-      f'plan_reshard: source {src!r} and target {dst!r} use different meshes, not two '
+      f'route_reshard: source {src!r} and target {dst!r} use different meshes, not two '
       'device orders of one mesh (same axis names and sizes, same devices).'
     )
   shape = tuple(int(s) for s in shape)
   candidates = []
   src_there = _same_spec_on(src, dst.mesh)
-  inner = plan_reshard(src_there, dst, shape, dtype_size)
+  inner = route_reshard(src_there, dst, shape, dtype_size)
   candidates.append(_with_reorder(inner, src, dst, _reorder_step(src, src_there, shape), True))
   dst_here = _same_spec_on(dst, src.mesh)
-  inner = plan_reshard(src, dst_here, shape, dtype_size)
+  inner = route_reshard(src, dst_here, shape, dtype_size)
   candidates.append(_with_reorder(inner, src, dst, _reorder_step(dst_here, dst, shape), False))
-  return min(candidates, key=_plan_key)
+  return min(candidates, key=_route_key)
 
 
 def _same_spec_on(s: NamedSharding, mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, s.spec, s.partial_axes, s.partial or 'sum')
 
 
-def _with_reorder(inner: ReshardPlan, src, dst, step, first: bool) -> ReshardPlan:
+def _with_reorder(inner: ReshardRoute, src, dst, step, first: bool) -> ReshardRoute:
   steps = inner.steps
   if step is not None and first:
     steps = _merge_permutes(step, steps[0]) + steps[1:] if steps else (step,)
   elif step is not None:
     steps = steps[:-1] + _merge_permutes(steps[-1], step) if steps else (step,)
-  return ReshardPlan(
+  return ReshardRoute(
     src, dst, inner.shape, inner.dtype_size, steps, inner.bound_bytes, inner.strategy, inner.mesh
   )
 
@@ -260,38 +260,38 @@ def reorder_pairs(src: NamedSharding, dst: NamedSharding) -> tuple:
   return tuple((senders[want[d]].pop(0), d) for d in devices if have[d] != want[d])
 
 
-def _plan_key(plan: ReshardPlan):
-  return plan.bytes_moved, plan.peak_bytes, len(plan.steps)
+def _route_key(route: ReshardRoute):
+  return route.bytes_moved, route.peak_bytes, len(route.steps)
 
 
-# Planning on factor sub-axes enumerates (rank+1)**axes placements for permutes;
-# above this many it is skipped (the plain plan is still optimal over whole axes).
+# Searching on factor sub-axes enumerates (rank+1)**axes placements for permutes;
+# above this many it is skipped (the plain route is still optimal over whole axes).
 _MAX_REFINED_PLACEMENTS = 2048
 
 
-def naive_plan(
+def naive_route(
   src: NamedSharding, dst: NamedSharding, shape: Sequence[int], dtype_size: int = 4
-) -> ReshardPlan:
+) -> ReshardRoute:
   """All-reduce pending reductions, all-gather every dim to replicated, then slice."""
-  planner = _Planner(src, dst, shape, dtype_size)
-  return planner.build(planner.naive_path(), 'naive')
+  searcher = _Search(src, dst, shape, dtype_size)
+  return searcher.build(searcher.naive_path(), 'naive')
 
 
-# --- planner -------------------------------------------------------------------------------
-class _Planner:
-  """One reshard's search over `SearchState`s; the `PlanContext` its moves read."""
+# --- one search ------------------------------------------------------------------------------
+class _Search:
+  """One reshard's search over `SearchState`s; the `SearchContext` its moves read."""
 
   def __init__(self, src, dst, shape, dtype_size, refine=False):
     for name, s in (('src', src), ('dst', dst)):
       if not isinstance(s, NamedSharding):
-        raise TypeError(f'plan_reshard: {name} must be a NamedSharding, got {s!r}.')
+        raise TypeError(f'route_reshard: {name} must be a NamedSharding, got {s!r}.')
     if src.mesh != dst.mesh:
-      raise ValueError(f'plan_reshard: source {src!r} and target {dst!r} use different meshes.')
+      raise ValueError(f'route_reshard: source {src!r} and target {dst!r} use different meshes.')
     shape = tuple(int(s) for s in shape)
-    src.check_shape(shape, 'plan_reshard source')
-    dst.check_shape(shape, 'plan_reshard target')
+    src.check_shape(shape, 'route_reshard source')
+    dst.check_shape(shape, 'route_reshard target')
     if any(s < 0 for s in shape):
-      raise ValueError(f'plan_reshard: negative size in shape {shape}.')
+      raise ValueError(f'route_reshard: negative size in shape {shape}.')
     mesh, parts = refined_mesh(src.mesh) if refine else (src.mesh, None)
     self.src, self.dst, self.mesh = src, dst, mesh
     self.shape, self.rank, self.dtype_size = shape, len(shape), int(dtype_size)
@@ -301,17 +301,17 @@ class _Planner:
     self._last_shape: tuple = ()
     big = [a for a in mesh.axis_names if self.size[a] > 1]  # size-1 axes change nothing
 
-    def plan_axes(axes) -> Axes:  # the planning mesh's (sub-)axes, size-1 ones dropped
+    def search_axes(axes) -> Axes:  # the search mesh's (sub-)axes, size-1 ones dropped
       return tuple(s for a in axes for s in (parts[a] if parts else (a,)) if s in big)
 
     self.axis_order = {a: i for i, a in enumerate(mesh.axis_names)}
-    self.src_axes = tuple(plan_axes(src.spec.axes_of(d)) for d in range(self.rank))
-    self.dst_axes = tuple(plan_axes(dst.spec.axes_of(d)) for d in range(self.rank))
-    src_partial = frozenset(plan_axes(src.partial_axes))
-    goal_partial = frozenset(plan_axes(dst.partial_axes))
+    self.src_axes = tuple(search_axes(src.spec.axes_of(d)) for d in range(self.rank))
+    self.dst_axes = tuple(search_axes(dst.spec.axes_of(d)) for d in range(self.rank))
+    src_partial = frozenset(search_axes(src.partial_axes))
+    goal_partial = frozenset(search_axes(dst.partial_axes))
     if not goal_partial <= src_partial or (goal_partial and src.partial != dst.partial):
       raise ValueError(
-        f'plan_reshard: target {dst} holds a pending reduction the source {src} does not; '
+        f'route_reshard: target {dst} holds a pending reduction the source {src} does not; '
         f'a reshard can resolve pending reductions but not create them.'
       )
     self.src_partial, self.goal_partial = src_partial, goal_partial
@@ -329,9 +329,9 @@ class _Planner:
     self.bound_elems = self._bound_elems()
     self._placements: Optional[Dict[tuple, List[Tuple[Axes, ...]]]] = None
 
-  # --- what moves ask (PlanContext) -----------------------------------------------------
+  # --- what moves ask (SearchContext) -----------------------------------------------------
   def count(self, axes: Sequence[str]) -> int:
-    # Asked several times per move: a table per planner.
+    # Asked several times per move: a table per search.
     key = tuple(axes)
     n = self._counts.get(key)
     if n is None:
@@ -406,7 +406,7 @@ class _Planner:
             parent[effect.state] = (state, Move(kind, choice))
             heapq.heappush(heap, (new_cost, next(tie), effect.state))
     raise ValueError(
-      f'plan_reshard: no plan from {self.src} to {self.dst} for shape {self.shape} on '
+      f'route_reshard: no route from {self.src} to {self.dst} for shape {self.shape} on '
       f'{self.mesh} keeps every buffer within {self.bound_elems * self.dtype_size} bytes.'
     )
 
@@ -428,19 +428,19 @@ class _Planner:
     return moves
 
   # --- concrete steps -----------------------------------------------------------------
-  def build(self, moves: Sequence[Move], strategy: str) -> ReshardPlan:
+  def build(self, moves: Sequence[Move], strategy: str) -> ReshardRoute:
     state, steps = self.start, []
     for move in moves:
       effect = move.effect(self, state)
       if effect is None:
-        raise AssertionError(f'plan_reshard: move {move} does not apply to {state}')
+        raise AssertionError(f'route_reshard: move {move} does not apply to {state}')
       step = move.kind.build(self, state, move.choice, effect.details)
       if step is not None:
         steps.append(step)
       state = effect.state
     if not self._is_goal(state):
-      raise AssertionError(f'plan_reshard: {strategy} plan ends in {state}, not the target')
-    return ReshardPlan(
+      raise AssertionError(f'route_reshard: {strategy} route ends in {state}, not the target')
+    return ReshardRoute(
       self.src,
       self.dst,
       self.shape,

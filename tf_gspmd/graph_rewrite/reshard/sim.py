@@ -1,4 +1,4 @@
-"""A numpy simulator of reshard plans on per-device arrays (tests and benchmarks; no TF).
+"""A numpy simulator of reshard routes on per-device arrays (tests and benchmarks; no TF).
 
 Each step is executed exactly as its class's docstring in `reshard.moves` tells a
 lowering to execute it, with the collectives' mesh-axis semantics:
@@ -9,7 +9,7 @@ piece j, permute moves whole buffers along (src, dst) pairs. Groups are
 `Mesh.groups(axes)`, ordered row-major over the axes, major first.
 
 Shards are padded to the sharding's ceil shard shape. `make_shards` fills
-padding with NaN so that a plan that lets padding leak into valid data fails
+padding with NaN so that a route that lets padding leak into valid data fails
 `check_shards`, which compares only the valid region of each shard.
 """
 
@@ -28,7 +28,7 @@ from tf_gspmd.graph_rewrite.reshard.moves import (
   ReduceScatter,
   Slice,
 )
-from tf_gspmd.graph_rewrite.reshard.plan import ReshardPlan
+from tf_gspmd.graph_rewrite.reshard.route import ReshardRoute
 from tf_gspmd.sharding import NamedSharding
 
 _REDUCERS = {'sum': np.add, 'max': np.maximum, 'min': np.minimum, 'prod': np.multiply}
@@ -114,21 +114,21 @@ def check_shards(x: np.ndarray, sharding: NamedSharding, shards: Dict[int, np.nd
       )
 
 
-def simulate(plan: ReshardPlan, shards: Dict[int, np.ndarray]) -> Dict[int, np.ndarray]:
-  """Run every step of `plan` on per-device arrays; returns the new per-device arrays."""
-  mesh = plan.mesh
+def simulate(route: ReshardRoute, shards: Dict[int, np.ndarray]) -> Dict[int, np.ndarray]:
+  """Run every step of `route` on per-device arrays; returns the new per-device arrays."""
+  mesh = route.mesh
   cur = {d: np.asarray(a) for d, a in shards.items()}
-  for step in plan.steps:
+  for step in route.steps:
     for d, a in cur.items():
       if a.shape != tuple(step.shape_in):
         raise AssertionError(
-          f'{step.describe()}: device {d} holds shape {a.shape}, the plan says {step.shape_in}'
+          f'{step.describe()}: device {d} holds shape {a.shape}, the route says {step.shape_in}'
         )
     cur = _RUNNERS[type(step)](step, cur, mesh)
     for d, a in cur.items():
       if a.shape != tuple(step.shape_out):
         raise AssertionError(
-          f'{step.describe()}: device {d} produced shape {a.shape}, the plan says {step.shape_out}'
+          f'{step.describe()}: device {d} produced shape {a.shape}, the route says {step.shape_out}'
         )
   return cur
 

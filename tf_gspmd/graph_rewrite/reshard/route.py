@@ -1,4 +1,4 @@
-"""`ReshardPlan`: the steps of one reshard, with what they cost per device."""
+"""`ReshardRoute`: the steps of one reshard, with what they cost per device."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ def _fmt_shape(shape) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class ReshardPlan:
+class ReshardRoute:
   """Steps that turn `src`-sharded shards of a `shape` tensor into `dst`-sharded shards.
 
-  bound_bytes: the memory bound the planner guarantees: max(source shard,
+  bound_bytes: the memory bound the search guarantees: max(source shard,
   target shard) bytes with each dim's global size first rounded up to a
   multiple of the product of the mesh axes that split it in the source or the
   target (the "ceil padding"); for sizes that divide evenly it is exactly
@@ -45,14 +45,14 @@ class ReshardPlan:
     return self.step_mesh if self.step_mesh is not None else self.src.mesh
 
   def bytes_moved_per_device(self) -> Dict[int, int]:
-    """Bytes each device receives over the whole plan."""
+    """Bytes each device receives over the whole route."""
     return {
       d: self.dtype_size * sum(s.received_elems(d) for s in self.steps) for d in self.mesh.devices
     }
 
   @cached_property  # asked for every candidate sharding of every op: 2048 devices each
   def bytes_moved(self) -> int:
-    """Max over devices of the bytes that device receives over the whole plan."""
+    """Max over devices of the bytes that device receives over the whole route."""
     return max(self.bytes_moved_per_device().values(), default=0)
 
   @property
@@ -78,7 +78,7 @@ class ReshardPlan:
 
   def __str__(self):
     head = (
-      f'ReshardPlan[{self.strategy}] {_fmt_shape(self.shape)} x{self.dtype_size}B on '
+      f'ReshardRoute[{self.strategy}] {_fmt_shape(self.shape)} x{self.dtype_size}B on '
       f'{self.src.mesh}: {self.src} -> {self.dst}'
     )
     if self.mesh != self.src.mesh:
@@ -100,8 +100,8 @@ class ReshardPlan:
     return '\n'.join(lines)
 
 
-def collective_count(plan: ReshardPlan) -> int:
-  """Collectives a plan runs: every step but local slices, a repad once per round."""
+def collective_count(route: ReshardRoute) -> int:
+  """Collectives a route runs: every step but local slices, a repad once per round."""
   return sum(
-    len(s.rounds) if isinstance(s, Repad) else int(not isinstance(s, Slice)) for s in plan.steps
+    len(s.rounds) if isinstance(s, Repad) else int(not isinstance(s, Slice)) for s in route.steps
   )

@@ -1,6 +1,6 @@
-"""Tests of the reshard planner and its numpy simulator (no TensorFlow in the code under test).
+"""Tests of the reshard search and its numpy simulator (no TensorFlow in the code under test).
 
-Every plan is checked by running it on per-device numpy shards (padding filled
+Every route is checked by running it on per-device numpy shards (padding filled
 with NaN) and comparing each device's valid region with the numpy slice of the
 global array that `NamedSharding.shard_bounds` names.
 """
@@ -24,11 +24,11 @@ from tf_gspmd.sharding import NamedSharding, P, shard_bounds
 AXES = ('x', 'y', 'z')
 
 
-def _run(plan, x, rng=None):
-  """Simulate `plan` on shards of `x`; raise if any target shard is wrong."""
+def _run(route, x, rng=None):
+  """Simulate `route` on shards of `x`; raise if any target shard is wrong."""
   rng = rng or np.random.default_rng(0)
-  out = sim.simulate(plan, sim.make_shards(x, plan.src, rng))
-  sim.check_shards(x, plan.dst, out)
+  out = sim.simulate(route, sim.make_shards(x, route.src, rng))
+  sim.check_shards(x, route.dst, out)
   return out
 
 
@@ -36,26 +36,26 @@ def _data(shape, seed=0):
   return np.random.default_rng(seed).integers(1, 100, size=shape).astype(np.float64)
 
 
-def _plans(mesh, src_spec, dst_spec, shape, partial=(), reduction='sum', dst_partial=()):
+def _routes(mesh, src_spec, dst_spec, shape, partial=(), reduction='sum', dst_partial=()):
   src = NamedSharding(mesh, src_spec, partial, reduction=reduction)
   dst = NamedSharding(mesh, dst_spec, dst_partial, reduction=reduction)
-  return rp.plan_reshard(src, dst, shape), rp.naive_plan(src, dst, shape)
+  return rp.route_reshard(src, dst, shape), rp.naive_route(src, dst, shape)
 
 
-def _is_valley(plan):
+def _is_valley(route):
   """No slice, reduction, all-to-all or permute after the first all-gather."""
-  kinds = [s.kind for s in plan.steps]
+  kinds = [s.kind for s in route.steps]
   if 'all_gather' not in kinds:
     return True
   tail = kinds[kinds.index('all_gather') :]
   return not set(tail) & {'slice', 'reduce_scatter', 'all_reduce', 'all_to_all', 'permute'}
 
 
-def _evenly_divided(plan):
+def _evenly_divided(route):
   """Every dim's size is a multiple of the mesh axes splitting it in the source or target."""
-  mesh = plan.src.mesh
-  for d, n in enumerate(plan.shape):
-    axes = set(plan.src.spec.axes_of(d)) | set(plan.dst.spec.axes_of(d))
+  mesh = route.src.mesh
+  for d, n in enumerate(route.shape):
+    axes = set(route.src.spec.axes_of(d)) | set(route.dst.spec.axes_of(d))
     if n % mesh.axes_size(axes):
       return False
   return True
@@ -103,7 +103,7 @@ def test_slice_window_stays_inside_buffer():
   assert rp.slice_window(5, 2, 9) == (7, 3)  # an empty shard still reads inside the buffer
 
 
-# --- simulated plans on chosen cases ------------------------------------------------------
+# --- simulated routes on chosen cases ------------------------------------------------------
 M24 = Mesh.create((2, 4), ('x', 'y'))
 M222 = Mesh.create((2, 2, 2), ('x', 'y', 'z'))
 M8 = Mesh.create((8,), ('x',))
@@ -137,25 +137,25 @@ CASES = [
 
 
 @pytest.mark.parametrize('mesh,src,dst,shape,partial,reduction', CASES)
-def test_plans_are_exact(mesh, src, dst, shape, partial, reduction):
-  plan, naive = _plans(mesh, src, dst, shape, partial, reduction)
+def test_routes_are_exact(mesh, src, dst, shape, partial, reduction):
+  route, naive = _routes(mesh, src, dst, shape, partial, reduction)
   x = _data(shape)
-  _run(plan, x)
+  _run(route, x)
   _run(naive, x)
-  assert plan.peak_bytes <= plan.bound_bytes, plan
+  assert route.peak_bytes <= route.bound_bytes, route
 
 
 def test_swap_axes_uses_all_to_all_over_half_of_y_and_a_permute():
-  plan, naive = _plans(M24, P('x', 'y'), P('y', 'x'), (8, 8))
+  route, naive = _routes(M24, P('x', 'y'), P('y', 'x'), (8, 8))
   # y (4) splits into y#0, y#1 (2 each): all-to-all over y#1, then swap x and y#0.
-  assert plan.mesh == Mesh(np.arange(8).reshape(2, 2, 2), ('x', 'y#0', 'y#1'))
-  assert [s.kind for s in plan.steps] == ['all_to_all', 'permute'], plan
-  assert plan.steps[0].axes == ('y#1',)
-  assert plan.peak_bytes == plan.src_shard_bytes == plan.dst_shard_bytes == 32
+  assert route.mesh == Mesh(np.arange(8).reshape(2, 2, 2), ('x', 'y#0', 'y#1'))
+  assert [s.kind for s in route.steps] == ['all_to_all', 'permute'], route
+  assert route.steps[0].axes == ('y#1',)
+  assert route.peak_bytes == route.src_shard_bytes == route.dst_shard_bytes == 32
   # Half of a 32-byte shard, then the whole shard on devices that move.
-  assert plan.bytes_moved == 16 + 32
+  assert route.bytes_moved == 16 + 32
   assert naive.bytes_moved == 7 * 32
-  _run(plan, _data((8, 8)))
+  _run(route, _data((8, 8)))
 
 
 def test_refined_mesh_splits_composite_axes():
@@ -170,98 +170,98 @@ def test_refined_mesh_splits_composite_axes():
 
 
 def test_replicated_to_sharded_is_local():
-  plan, _ = _plans(M24, P(None, None), P('x', 'y'), (8, 8))
-  assert [s.kind for s in plan.steps] == ['slice', 'slice']
-  assert plan.bytes_moved == 0
-  _run(plan, _data((8, 8)))
+  route, _ = _routes(M24, P(None, None), P('x', 'y'), (8, 8))
+  assert [s.kind for s in route.steps] == ['slice', 'slice']
+  assert route.bytes_moved == 0
+  _run(route, _data((8, 8)))
 
 
 def test_sharded_to_replicated_gathers_once_per_dim():
-  plan, naive = _plans(M24, P('x', 'y'), P(None, None), (8, 8))
-  assert sorted(s.kind for s in plan.steps) == ['all_gather', 'all_gather']
-  assert plan.bytes_moved == naive.bytes_moved == 4 * (8 * 8 - 8)
-  _run(plan, _data((8, 8)))
+  route, naive = _routes(M24, P('x', 'y'), P(None, None), (8, 8))
+  assert sorted(s.kind for s in route.steps) == ['all_gather', 'all_gather']
+  assert route.bytes_moved == naive.bytes_moved == 4 * (8 * 8 - 8)
+  _run(route, _data((8, 8)))
 
 
 def test_moving_a_sharded_dim_is_one_all_to_all():
-  plan, naive = _plans(M24, P('y', None), P(None, 'y'), (8, 8))
-  assert [s.kind for s in plan.steps] == ['all_to_all']
-  assert plan.bytes_moved == 4 * 3 * 4 < naive.bytes_moved  # 3 of 4 pieces of 4 elements each
-  _run(plan, _data((8, 8)))
+  route, naive = _routes(M24, P('y', None), P(None, 'y'), (8, 8))
+  assert [s.kind for s in route.steps] == ['all_to_all']
+  assert route.bytes_moved == 4 * 3 * 4 < naive.bytes_moved  # 3 of 4 pieces of 4 elements each
+  _run(route, _data((8, 8)))
 
 
 def test_partial_sum_to_sharded_reduce_scatters():
-  plan, naive = _plans(M24, P(None, None), P(('x', 'y'), None), (8, 3), partial=('x', 'y'))
-  assert 'all_reduce' not in plan.collective_counts(), plan
-  assert plan.collective_counts().get('reduce_scatter') == 1
-  assert plan.bytes_moved < naive.bytes_moved
-  _run(plan, _data((8, 3)))
+  route, naive = _routes(M24, P(None, None), P(('x', 'y'), None), (8, 3), partial=('x', 'y'))
+  assert 'all_reduce' not in route.collective_counts(), route
+  assert route.collective_counts().get('reduce_scatter') == 1
+  assert route.bytes_moved < naive.bytes_moved
+  _run(route, _data((8, 3)))
 
 
 def test_partial_sum_to_replicated_all_reduces():
-  plan, _ = _plans(M24, P(None, None), P(None, None), (4, 4), partial=('x',))
-  assert [s.kind for s in plan.steps] == ['all_reduce']
-  _run(plan, _data((4, 4)))
+  route, _ = _routes(M24, P(None, None), P(None, None), (4, 4), partial=('x',))
+  assert [s.kind for s in route.steps] == ['all_reduce']
+  _run(route, _data((4, 4)))
 
 
 def test_partial_sum_slices_before_all_reduce():
   # Target sharded over y only: slice by y first, then reduce the smaller piece.
-  plan, naive = _plans(M24, P(None, None), P('y', None), (8, 8), partial=('x',))
-  assert [s.kind for s in plan.steps] == ['slice', 'all_reduce']
-  assert plan.bytes_moved == 4 * 2 * 1 * 8 < naive.bytes_moved
-  _run(plan, _data((8, 8)))
+  route, naive = _routes(M24, P(None, None), P('y', None), (8, 8), partial=('x',))
+  assert [s.kind for s in route.steps] == ['slice', 'all_reduce']
+  assert route.bytes_moved == 4 * 2 * 1 * 8 < naive.bytes_moved
+  _run(route, _data((8, 8)))
 
 
 def test_pending_reduction_kept_when_target_is_partial_too():
-  plan, _ = _plans(M24, P('x', None), P(None, 'x'), (4, 4), partial=('y',), dst_partial=('y',))
-  assert not {'all_reduce', 'reduce_scatter'} & set(plan.collective_counts())
-  _run(plan, _data((4, 4)))
+  route, _ = _routes(M24, P('x', None), P(None, 'x'), (4, 4), partial=('y',), dst_partial=('y',))
+  assert not {'all_reduce', 'reduce_scatter'} & set(route.collective_counts())
+  _run(route, _data((4, 4)))
 
 
 def test_uneven_gather_of_minor_axis_repads_first():
   # 10 over (x,y)=8 -> over x=2: gathering y alone would give blocks [0,6), [6,10).
-  plan, _ = _plans(M24, P(('x', 'y')), P('x'), (10,))
-  kinds = [s.kind for s in plan.steps]
-  assert kinds == ['repad', 'all_gather'], plan
-  _run(plan, _data((10,)))
+  route, _ = _routes(M24, P(('x', 'y')), P('x'), (10,))
+  kinds = [s.kind for s in route.steps]
+  assert kinds == ['repad', 'all_gather'], route
+  _run(route, _data((10,)))
 
 
 def test_same_device_order_needs_nothing():
-  plan, _ = _plans(M24, P('x', 'y'), P('x', 'y'), (5, 7))
-  assert plan.steps == () and plan.bytes_moved == 0
+  route, _ = _routes(M24, P('x', 'y'), P('x', 'y'), (5, 7))
+  assert route.steps == () and route.bytes_moved == 0
 
 
-def test_plan_str_lists_steps_and_totals():
-  plan, _ = _plans(M24, P('x', 'y'), P('y', 'x'), (8, 8))
-  text = str(plan)
+def test_route_str_lists_steps_and_totals():
+  route, _ = _routes(M24, P('x', 'y'), P('y', 'x'), (8, 8))
+  text = str(route)
   assert "P('x', 'y') -> P('y', 'x')" in text
   assert 'all_to_all' in text and 'permute' in text
-  assert f'bytes moved/device: {plan.bytes_moved}' in text
-  assert f'bound {plan.bound_bytes} B' in text
+  assert f'bytes moved/device: {route.bytes_moved}' in text
+  assert f'bound {route.bound_bytes} B' in text
 
 
-def test_naive_plan_shape():
-  _, naive = _plans(M24, P('x', None), P(None, 'y'), (8, 8), partial=('y',))
+def test_naive_route_shape():
+  _, naive = _routes(M24, P('x', None), P(None, 'y'), (8, 8), partial=('y',))
   assert [s.kind for s in naive.steps] == ['all_reduce', 'all_gather', 'slice']
 
 
 def test_bytes_moved_counts_received_blocks():
   src, dst = NamedSharding(M24, P('y')), NamedSharding(M24, P(None))
-  plan = rp.plan_reshard(src, dst, (8,), dtype_size=2)
-  assert plan.bytes_moved == 3 * 2 * 2  # 3 blocks of 2 elements of 2 bytes
-  assert set(plan.bytes_moved_per_device().values()) == {12}
+  route = rp.route_reshard(src, dst, (8,), dtype_size=2)
+  assert route.bytes_moved == 3 * 2 * 2  # 3 blocks of 2 elements of 2 bytes
+  assert set(route.bytes_moved_per_device().values()) == {12}
 
 
 # --- the checks can fail -----------------------------------------------------------------
 def test_simulator_detects_a_wrong_permutation():
-  plan, _ = _plans(M24, P('x', 'y'), P('y', 'x'), (8, 8))
-  i = next(i for i, s in enumerate(plan.steps) if s.kind == 'permute')
-  pairs = plan.steps[i].pairs
+  route, _ = _routes(M24, P('x', 'y'), P('y', 'x'), (8, 8))
+  i = next(i for i, s in enumerate(route.steps) if s.kind == 'permute')
+  pairs = route.steps[i].pairs
   dsts = [t for _, t in pairs]
   bad_pairs = tuple((s, t) for (s, _), t in zip(pairs, dsts[1:] + dsts[:1]))  # rotated targets
-  steps = list(plan.steps)
+  steps = list(route.steps)
   steps[i] = dataclasses.replace(steps[i], pairs=bad_pairs)
-  bad = dataclasses.replace(plan, steps=tuple(steps))
+  bad = dataclasses.replace(route, steps=tuple(steps))
   with pytest.raises(AssertionError):
     _run(bad, _data((8, 8)))
 
@@ -270,7 +270,7 @@ def test_simulator_detects_gathering_a_major_axis():
   # Gathering x out of (x, y) by plain concatenation is the classic wrong reshard.
   src, dst = NamedSharding(M24, P(('x', 'y'))), NamedSharding(M24, P('y'))
   step = rp.AllGather(0, ('x',), 2, ((2, 1),), 2, (1,), (2,))
-  bad = rp.ReshardPlan(src, dst, (8,), 4, (step,), 0)
+  bad = rp.ReshardRoute(src, dst, (8,), 4, (step,), 0)
   with pytest.raises(AssertionError):
     _run(bad, _data((8,)))
 
@@ -290,13 +290,13 @@ def test_check_shards_sees_leaked_padding():
 def test_errors_name_the_problem():
   other = Mesh.create((4, 2), ('x', 'y'))
   with pytest.raises(ValueError, match='different meshes'):
-    rp.plan_reshard(NamedSharding(M24, P('x')), NamedSharding(other, P('x')), (8,))
+    rp.route_reshard(NamedSharding(M24, P('x')), NamedSharding(other, P('x')), (8,))
   with pytest.raises(ValueError, match='pending reduction'):
-    rp.plan_reshard(NamedSharding(M24, P('x')), NamedSharding(M24, P(None), partial=('y',)), (8,))
+    rp.route_reshard(NamedSharding(M24, P('x')), NamedSharding(M24, P(None), partial=('y',)), (8,))
   with pytest.raises(ValueError, match='rank'):
-    rp.plan_reshard(NamedSharding(M24, P('x')), NamedSharding(M24, P('y')), (8, 8))
+    rp.route_reshard(NamedSharding(M24, P('x')), NamedSharding(M24, P('y')), (8, 8))
   with pytest.raises(TypeError, match='NamedSharding'):
-    rp.plan_reshard(NamedSharding(M24, P('x')).without_partial(), P('y'), (8,))
+    rp.route_reshard(NamedSharding(M24, P('x')).without_partial(), P('y'), (8,))
 
 
 def test_modules_do_not_import_tensorflow():
@@ -353,24 +353,24 @@ def reshard_cases(draw):
 @given(reshard_cases())
 def test_random_reshards(case):
   src, dst, shape, seed = case
-  plan = rp.plan_reshard(src, dst, shape)
-  naive = rp.naive_plan(src, dst, shape)
+  route = rp.route_reshard(src, dst, shape)
+  naive = rp.naive_route(src, dst, shape)
   # Memory: never above max(source, target) shard (plus ceil padding); exactly that when even.
-  assert plan.peak_bytes <= plan.bound_bytes, plan
-  if _evenly_divided(plan):
-    assert plan.peak_bytes <= max(plan.src_shard_bytes, plan.dst_shard_bytes), plan
-    assert _is_valley(plan), plan
+  assert route.peak_bytes <= route.bound_bytes, route
+  if _evenly_divided(route):
+    assert route.peak_bytes <= max(route.src_shard_bytes, route.dst_shard_bytes), route
+    assert _is_valley(route), route
   # Bytes: never more than gather-then-slice. The one exception is uneven
-  # sizes where the naive plan itself breaks the memory bound: there the
-  # planner keeps the bound and pays some padding rows instead.
-  if _evenly_divided(plan) or naive.peak_bytes <= plan.bound_bytes:
-    assert plan.bytes_moved <= naive.bytes_moved, (str(plan), str(naive))
+  # sizes where the naive route itself breaks the memory bound: there the
+  # search keeps the bound and pays some padding rows instead.
+  if _evenly_divided(route) or naive.peak_bytes <= route.bound_bytes:
+    assert route.bytes_moved <= naive.bytes_moved, (str(route), str(naive))
   else:
-    assert plan.bytes_moved <= 2 * naive.bytes_moved, (str(plan), str(naive))
+    assert route.bytes_moved <= 2 * naive.bytes_moved, (str(route), str(naive))
   # Exactness, padding (NaN in every input shard's padding) never reaching valid data.
   rng = np.random.default_rng(seed)
   x = rng.integers(1, 100, size=shape).astype(np.float64)
-  _run(plan, x, rng)
+  _run(route, x, rng)
   _run(naive, x, rng)
 
 
@@ -378,8 +378,8 @@ def test_gathers_the_minor_dim_first_so_the_largest_gather_lands_in_place():
   # (x, y) -> replicated on 2x4: both orders receive the same bytes in two steps; gathering
   # dim 0 last needs no transposing copy of the full result (XLA's order too).
   mesh = Mesh.create((2, 4), ('x', 'y'))
-  plan = rp.plan_reshard(
+  route = rp.route_reshard(
     NamedSharding(mesh, P('x', 'y')), NamedSharding(mesh, P(None, None)), (1024, 1024), 4
   )
-  assert [(s.kind, s.dim) for s in plan.steps] == [('all_gather', 1), ('all_gather', 0)]
-  _run(plan, _data((1024, 1024)))  # and it is exact
+  assert [(s.kind, s.dim) for s in route.steps] == [('all_gather', 1), ('all_gather', 0)]
+  _run(route, _data((1024, 1024)))  # and it is exact
