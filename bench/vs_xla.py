@@ -309,16 +309,11 @@ def _ours_arrays(ours, batch):
   run = ours._prepared(compiled)  # noqa: SLF001
   devices = run.executable.devices
   inputs = [pjrt.put_global(v, layout, devices) for v, layout in zip(batch, run.export.args)]
-  inputs += run.capture_buffers
+  inputs += run.captures
   inputs += [ours.store.sharded[id(v)].shards for v in compiled.variables]
-  jax = run.executable._jax  # noqa: SLF001
-  with jax.enable_x64(True):
-    return run.executable.executable, [
-      jax.make_array_from_single_device_arrays(
-        tuple(layout.local_shape), run.executable._replicated, list(buffers)
-      )  # noqa: SLF001
-      for layout, buffers in zip(run.export.args, inputs)
-    ]
+  executable = run.executable
+  arrays = [executable.array_of(layout, given) for layout, given in zip(run.export.args, inputs)]
+  return executable.executable, arrays
 
 
 def _xla_arrays(xla, batch):
