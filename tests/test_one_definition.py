@@ -1,7 +1,7 @@
 """One definition per op type: hand-written handlers take their layouts from the op's rule.
 
 - Every op type with a hand-written handler has a propagation rule (or, for
-  control flow, a registry handler): a handler alone would partition an op
+  control flow, the registry's call ties): a handler alone would partition an op
   that propagation knows nothing about.
 - For op types with both, the layouts a handler actually uses (what it
   reshards each operand to, what layout it gives each result) are one factor
@@ -33,7 +33,7 @@ MESH = tg.Mesh.create((2, 4), ('a', 'b'))
 
 def _has_rule(op_type):
   entry = registry.lookup(op_type)
-  return entry is not None and (entry.rule is not None or entry.handler is not None)
+  return entry is not None and (entry.rule is not None or entry.call_ties is not None)
 
 
 def test_every_op_type_with_a_handler_has_a_rule():

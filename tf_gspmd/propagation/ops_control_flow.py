@@ -23,8 +23,10 @@ from tf_gspmd.propagation.registry import declare, op_types_of, register
 Key = Tuple[str, str]  # (graph name, tensor name)
 
 
-class ControlFlowHandler:
-  """Ties of one control-flow op type."""
+class CallTies:
+  """How one control-flow op type ties tensors across graphs (its operands to the called
+  functions' arguments, their results to its own): each group shares one sharding. Not a
+  handler: that word is the partitioner's, for an op type's local computation."""
 
   def __init__(self, kind: str):
     self.kind = kind  # 'while', 'if', 'case', 'call'
@@ -92,11 +94,11 @@ class ControlFlowHandler:
     }[self.kind]
 
 
-register(['While', 'StatelessWhile'], 'control_flow', handler=ControlFlowHandler('while'))
-register(['If', 'StatelessIf'], 'control_flow', handler=ControlFlowHandler('if'))
-register(['Case', 'StatelessCase'], 'control_flow', handler=ControlFlowHandler('case'))
+register(['While', 'StatelessWhile'], 'control_flow', call_ties=CallTies('while'))
+register(['If', 'StatelessIf'], 'control_flow', call_ties=CallTies('if'))
+register(['Case', 'StatelessCase'], 'control_flow', call_ties=CallTies('case'))
 register(
-  ['PartitionedCall', 'StatefulPartitionedCall'], 'control_flow', handler=ControlFlowHandler('call')
+  ['PartitionedCall', 'StatefulPartitionedCall'], 'control_flow', call_ties=CallTies('call')
 )
 
 

@@ -82,7 +82,7 @@ class _NodeInfo:
   graph: ir.Graph
   node: ir.Node
   rule: Optional[OpRule] = None
-  handler: Optional[object] = None
+  call_ties: Optional[object] = None
   ties: Optional[List[List[Key]]] = None
   shapes: Optional[List] = None  # operand shapes then result shapes (value shapes for resources)
   sizes: Optional[List[int]] = None  # bytes per element, the same order (a conflict's price)
@@ -159,9 +159,9 @@ class Propagator:
             once_per_process=True,
           )
           continue
-        if entry.handler is not None:
-          info.handler = entry.handler
-          info.ties = entry.handler.ties(node, graph, self.program)
+        if entry.call_ties is not None:
+          info.call_ties = entry.call_ties
+          info.ties = entry.call_ties.ties(node, graph, self.program)
           continue
         try:
           rule = entry.rule(node, ctx)

@@ -14,7 +14,7 @@ The family modules (every `ops_*` module of this package: `ops_elementwise`,
 `ops_random`, `ops_rnn`, `ops_variables`, `ops_control_flow`, `ops_sources`)
 register their op types here (`register`) and then declare their properties
 (`declare`): adding an op touches its family module only. Most rules are a
-function `(node, ctx) -> OpRule`; control-flow entries carry a handler that
+function `(node, ctx) -> OpRule`; control-flow entries carry call ties (`CallTies`) that
 ties tensors of the caller and the called functions together instead. Every
 entry has an example node, so the rule text of every op type can be printed
 (the support table, the golden test).
@@ -78,7 +78,7 @@ REDUCTION_KINDS = ('sum', 'max', 'min', 'prod', 'mean')
 class Entry:
   """Everything tf_gspmd knows about one op type.
 
-  `rule` says how shardings flow through it (`handler` instead for control
+  `rule` says how shardings flow through it (`call_ties` instead for control
   flow, which ties tensors across graphs). `local` names its hand-written
   local computation in `graph_rewrite` (resolved by `graph_rewrite.handlers.local`;
   `local_params` are what that computation reads about this op type); None means
@@ -107,7 +107,7 @@ class Entry:
   op_type: str
   family: str
   rule: Optional[Callable] = None  # (node, ctx) -> OpRule
-  handler: Optional[Any] = None  # control flow: ties tensors across graphs
+  call_ties: Optional[Any] = None  # control flow: ties tensors across graphs
   example: Optional[Callable] = None  # (GraphBuilder) -> node name
   note: str = ''
   local: Optional[str] = None
@@ -153,11 +153,11 @@ class Entry:
     return self.rule(node, RuleContext(graph, b.resource_shapes))
 
   def text(self) -> str:
-    """The rule text of the example node (or the handler's description)."""
+    """The rule text of the example node (or the call ties' description)."""
     rule = self.example_rule()
     if rule is not None:
       return rule.text()
-    return self.handler.text(self.op_type) if self.handler is not None else self.note
+    return self.call_ties.text(self.op_type) if self.call_ties is not None else self.note
 
 
 def _op_type_list(op_types) -> List[str]:
@@ -177,7 +177,7 @@ class Registry:
     family: str,
     rule=None,
     example=None,
-    handler=None,
+    call_ties=None,
     note='',
     module=None,
     **props,
@@ -190,9 +190,9 @@ class Registry:
           f'Registry: op type {op_type!r} is registered twice (families '
           f'{self._entries[op_type].family!r} and {family!r}).'
         )
-      if rule is None and handler is None:
-        raise ValueError(f'Registry: {op_type!r} needs a rule function or a handler.')
-      self._entries[op_type] = Entry(op_type, family, rule, handler, example, note, **props)
+      if rule is None and call_ties is None:
+        raise ValueError(f'Registry: {op_type!r} needs a rule function or call ties.')
+      self._entries[op_type] = Entry(op_type, family, rule, call_ties, example, note, **props)
 
   def _claim(self, family: str, module: str) -> None:
     """One family, one module, named as it (`ops_<family>`): what a family holds then does not
@@ -243,7 +243,7 @@ def _ensure_loaded():
       importlib.import_module(f'tf_gspmd.propagation.{mod}')
 
 
-def register(op_types, family, rule=None, example=None, handler=None, note='', **props):
+def register(op_types, family, rule=None, example=None, call_ties=None, note='', **props):
   """Register op types of one family (props: `Entry`'s properties).
 
   A family belongs to the module registering it (the caller, `ops_<family>`): a second
@@ -251,7 +251,7 @@ def register(op_types, family, rule=None, example=None, handler=None, note='', *
   """
   caller = inspect.currentframe().f_back  # the family's module
   module = caller.f_globals.get('__name__') if caller is not None else None
-  REGISTRY.register(op_types, family, rule, example, handler, note, module=module, **props)
+  REGISTRY.register(op_types, family, rule, example, call_ties, note, module=module, **props)
 
 
 def declare(op_types, **props):

@@ -58,10 +58,10 @@ def _shapes_in(program: ir.Program, graph: ir.Graph, rs: Dict[Key, tuple]) -> No
       rs.setdefault((g, node.outputs[0].name), rs[first])
   for node in graph.nodes:
     entry = registry.lookup(node.op)
-    if entry is None or entry.handler is None:
+    if entry is None or entry.call_ties is None:
       continue
     try:
-      groups = entry.handler.ties(node, graph, program)
+      groups = entry.call_ties.ties(node, graph, program)
     except ValueError:
       continue
     for group in groups:
