@@ -97,9 +97,7 @@ class CallTies:
 register(['While', 'StatelessWhile'], 'control_flow', call_ties=CallTies('while'))
 register(['If', 'StatelessIf'], 'control_flow', call_ties=CallTies('if'))
 register(['Case', 'StatelessCase'], 'control_flow', call_ties=CallTies('case'))
-register(
-  ['PartitionedCall', 'StatefulPartitionedCall'], 'control_flow', call_ties=CallTies('call')
-)
+register(['PartitionedCall', 'StatefulPartitionedCall'], 'control_flow', call_ties=CallTies('call'))
 
 
 # --- properties ---------------------------------------------------------------------

@@ -166,7 +166,7 @@ class PjrtExecutable:
       jax.sharding.Mesh(np.array(self.devices), ('replicas',)), jax.sharding.PartitionSpec()
     )
     self._jax = jax
-    self._handlers: Optional[list] = None
+    self._makers: Optional[list] = None
 
   def run(self, inputs: Sequence[Sequence]) -> List[list]:
     """`inputs[i][r]`: parameter i's buffer on replica r; returns `outputs[j][r]` alike."""
@@ -181,7 +181,7 @@ class PjrtExecutable:
       raise ValueError(f'{self.export.name}: {len(inputs)} inputs for {len(args)} parameters.')
     arrays = [self.array_of(described, given) for described, given in zip(args, inputs)]
     results = self.executable.execute_sharded(arrays)
-    return results.consume_with_handlers(self._result_handlers())
+    return results.consume_with_handlers(self._array_makers())
 
   def array_of(self, described: ExportedValue, given):
     """One array over the replicas from per-replica buffers (`given` as is if it is one)."""
@@ -199,17 +199,17 @@ class PjrtExecutable:
     by_device = {shard.device: shard.data for shard in array.addressable_shards}
     return [by_device[d] for d in self.devices]
 
-  def _result_handlers(self) -> list:
-    """Per result, what makes its array from the executable's buffers: jax's own handler
-    (what a jitted function's call uses), built once."""
-    if self._handlers is None:
+  def _array_makers(self) -> list:
+    """Per result, what makes its array from the executable's buffers: jax's own (a jitted
+    function's call uses it, calling it a result handler), built once."""
+    if self._makers is None:
       # Private (jax._src): jax has no public way to wrap an executable's raw results in
       # arrays; its handler does it in C++, where make_array_from_single_device_arrays checks
       # every buffer in Python again on each call.
       from jax._src import core
       from jax._src.lib import xla_client
 
-      self._handlers = [
+      self._makers = [
         xla_client.array_result_handler(
           core.ShapedArray(tuple(r.local_shape), np.dtype(r.dtype.as_numpy_dtype)),
           self._replicated,
@@ -218,7 +218,7 @@ class PjrtExecutable:
         )
         for r in self.export.results
       ]
-    return self._handlers
+    return self._makers
 
   def compiled_hlo(self) -> str:
     """The optimized HLO XLA compiled (what runs, collectives included)."""
