@@ -348,6 +348,42 @@ def test_a_functional_model_built_over_split_weights_keeps_no_whole_copy(
   assert_close(tf.function(lambda: tf.identity(kernel))(), model.get_weights()[0], 'traced')
 
 
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_a_tf_function_traced_while_keras_builds_reads_the_weight(backend, keras_distribution):
+  """A layer whose call is a tf.function is traced inside Keras' scratch graph when the
+  functional model is built; TF keeps that trace and a later call reuses it. Its reads must
+  read the weight: a shape-only read there gave 0.0 for every later call, silently."""
+  if backend == 'xla':
+    pytest.importorskip('jax')
+  tg.keras.enable(backend)
+
+  class Scale(keras.layers.Layer):
+    def build(self, shape):
+      self.scale = self.add_weight(shape=(shape[-1],), initializer='ones', name='scale')
+
+    @tf.function
+    def call(self, x):
+      return x * self.scale
+
+  def made(distribution):
+    keras.distribution.set_distribution(distribution)
+    inputs = keras.Input((8,))
+    model = keras.Model(inputs, Scale(name='s0')(inputs))
+    keras.distribution.set_distribution(None)
+    model.layers[1].scale.assign(np.arange(8, dtype=np.float32))
+    return model
+
+  device_mesh = keras.distribution.DeviceMesh(
+    (2, 4), ['batch', 'model'], keras.distribution.list_devices()
+  )
+  layout_map = keras.distribution.LayoutMap(device_mesh)
+  layout_map['s0/scale'] = ('model',)
+  model = made(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name='batch'))
+  assert held.is_split(tg.keras.backing(model.layers[1].scale))
+  x = np.ones((4, 8), np.float32)
+  assert_close(model(x), made(None)(x), 'the layer traced while Keras built the model')
+
+
 def test_restore_into_a_model_whose_optimizer_is_not_built_restores_its_slots(tmp_path):
   mesh = tg.Mesh.create(*MESH)
   rng = np.random.RandomState(0)

@@ -102,7 +102,17 @@ def _built_tf_variable(value):
 
 
 annotations.register_variable_unwrapper(_built_tf_variable)
-held.register_shape_only_graph(in_symbolic_scope)
+
+
+def _building_keras_scratch_graph() -> bool:
+  """Whether the graph being built is Keras' shape-inference scratch graph itself. Not a
+  `tf.function` traced inside it: TF keeps that trace and a later call of the same function
+  would reuse it, so its reads must read the variable. Keras names the graph
+  `scratch_graph...` (`compute_output_spec`; private, as the scope is)."""
+  return in_symbolic_scope() and tf.compat.v1.get_default_graph().name.startswith('scratch_graph')
+
+
+held.register_shape_only_graph(_building_keras_scratch_graph)
 
 
 def _with_saved_model_children(original):
