@@ -201,6 +201,32 @@ def test_gradients_of_a_plain_function_over_held_variables(as_shards):
   assert_close(train(x, y), plain_train(x, y), 'partitioned step after them')
 
 
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_a_traced_write_between_partitioned_steps_is_what_the_next_step_reads(backend):
+  """Split variables written by a plain tf.function between two partitioned steps: the next
+  step and every read see the write (on backend='xla' the write goes through the mirror to
+  new buffers, and the array the first step left must not be taken for the value)."""
+  if backend == 'xla':
+    pytest.importorskip('jax')
+  (train, _, (w1, w2)), (plain_train, _, (p1, p2)) = _pair(backend, as_shards=True)
+
+  def nudge(a, b):
+    @tf.function
+    def write():
+      a.assign_add(tf.ones_like(a))
+      b.assign(b * 0.5)
+
+    return write
+
+  x, y = _data()
+  assert_close(train(x, y), plain_train(x, y), 'first step')
+  nudge(w1, w2)()
+  nudge(p1, p2)()
+  assert_close([w1.numpy(), w2.numpy()], [p1.numpy(), p2.numpy()], 'after the traced write')
+  assert_close(train(x, y), plain_train(x, y), 'the step after the write')
+  assert_close([w1.numpy(), w2.numpy()], [p1.numpy(), p2.numpy()], 'after that step')
+
+
 def _split_shapes(variables):
   return {
     tuple(v.shape)
@@ -209,9 +235,17 @@ def _split_shapes(variables):
   }
 
 
-def _whole_copies(shapes, exclude=()):
-  """Live tf.Variables (other than those made as shards and `exclude`) of any of these shapes."""
-  skip = {id(v) for v in exclude} | {id(v.logical) for v in held.held_variables()}
+def _live_variables() -> list:
+  """Every live tf.Variable: what a test's `_whole_copies` leaves out as not its own (other
+  tests' leftovers). Held by the test, so no id among them is reused while it runs."""
+  return [o for o in gc.get_objects() if isinstance(o, tf.Variable)]
+
+
+def _whole_copies(shapes, exclude=(), before=()):
+  """Live tf.Variables (other than those made as shards, `exclude` and those alive `before`)
+  of any of these shapes."""
+  skip = {id(v) for v in list(exclude) + list(before)}
+  skip |= {id(v.logical) for v in held.held_variables()}
   return [
     o.name
     for o in gc.get_objects()
@@ -223,6 +257,8 @@ def _whole_copies(shapes, exclude=()):
 
 
 def test_no_whole_copy_of_a_variable_made_as_shards_after_partition():
+  gc.collect()
+  before = _live_variables()
   (train, _, (w1, w2)), _ = _pair(as_shards=True)
   shapes = {(16, 64), (64, 4)}
   x, y = _data()
@@ -230,7 +266,7 @@ def test_no_whole_copy_of_a_variable_made_as_shards_after_partition():
   gc.collect()
   assert held.is_held(w1) and held.is_held(w2)
   # The twins (the plain run's variables) are the only whole variables of these shapes.
-  assert len(_whole_copies(shapes)) == 2
+  assert len(_whole_copies(shapes, before=before)) == 2
   for holder in (held.holder_of(w1), held.holder_of(w2)):
     assert all(tuple(s.shape) != tuple(holder.shape) for s in holder.shards)
 
@@ -263,6 +299,8 @@ def test_model_parallel_keras_model_is_made_and_trained_as_shards(backend, keras
   if backend == 'xla':
     pytest.importorskip('jax')
   tg.keras.enable(backend)
+  gc.collect()
+  before = _live_variables()
   rng = np.random.RandomState(0)
   x, y = rng.randn(32, 32).astype(np.float32), rng.randn(32, 4).astype(np.float32)
   reference = _keras_model()
@@ -284,7 +322,7 @@ def test_model_parallel_keras_model_is_made_and_trained_as_shards(backend, keras
     assert_close(got, want, v.path)
   gc.collect()
   exclude = [tg.keras.backing(v) for v in reference.weights + reference.optimizer.variables]
-  assert _whole_copies({(32, 64), (64, 64)}, exclude) == []
+  assert _whole_copies({(32, 64), (64, 64)}, exclude, before) == []
   # Optimizer slots of split kernels are held too (they inherit the kernel's layout).
   slots = [v for v in model.optimizer.variables if tuple(v.shape) == (64, 64)]
   assert slots and all(held.is_held(tg.keras.backing(v)) for v in slots)
@@ -321,6 +359,8 @@ def test_a_functional_model_built_over_split_weights_keeps_no_whole_copy(
   if backend == 'xla':
     pytest.importorskip('jax')
   tg.keras.enable(backend)
+  gc.collect()
+  before = _live_variables()
   rng = np.random.RandomState(0)
   x, y = rng.randn(32, 32).astype(np.float32), rng.randn(32, 4).astype(np.float32)
   reference = _functional_model()
@@ -342,7 +382,7 @@ def test_a_functional_model_built_over_split_weights_keeps_no_whole_copy(
     assert_close(got, want, v.path)
   gc.collect()
   exclude = [tg.keras.backing(v) for v in reference.weights + reference.optimizer.variables]
-  assert _whole_copies({(32, 64), (64,), (64, 4)}, exclude) == []
+  assert _whole_copies({(32, 64), (64,), (64, 4)}, exclude, before) == []
   # A plain traced read still sees the trained value.
   kernel = model.layers[1].kernel
   assert_close(tf.function(lambda: tf.identity(kernel))(), model.get_weights()[0], 'traced')
@@ -402,6 +442,8 @@ def test_restore_into_a_model_whose_optimizer_is_not_built_restores_its_slots(tm
 
 
 def test_variables_made_as_shards_with_tg_variable_and_sharded_variables():
+  gc.collect()
+  before = _live_variables()
   mesh = tg.Mesh.create(*MESH)
   value = np.random.RandomState(3).randn(16, 64).astype(np.float32)
   w = tg.Variable(value, tg.NamedSharding(mesh, tg.P(None, 'model')), name='w')
@@ -420,7 +462,7 @@ def test_variables_made_as_shards_with_tg_variable_and_sharded_variables():
   x = np.random.RandomState(4).randn(8, 16).astype(np.float32)
   want = float(tf.reduce_sum(x @ value * 2))
   assert_close(tg.partition(f, mesh)(x), np.float32(want), 'partitioned over variables made so')
-  assert _whole_copies({(16, 64)}) == []
+  assert _whole_copies({(16, 64)}, before=before) == []
 
 
 def test_sync_and_scatter_variables_are_deprecated_no_ops():

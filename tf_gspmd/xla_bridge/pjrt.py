@@ -265,6 +265,7 @@ class XlaShardedVariable:
     # The value is held as per-replica buffers, or as the one array over the replicas a step
     # returned (`array`, split into buffers only when something asks for them).
     self._array = None
+    self._needed: Optional[set] = None  # the replicas assemble reads (see _buffers_needed)
     self.shards = put_global(value, self.exported, self.devices)
     self._template = None
 
@@ -316,7 +317,8 @@ class XlaShardedVariable:
 
   def take_from_mirror(self, value) -> None:
     """The buffers := `value`, already written to the mirror (by a traced function)."""
-    self._shards = put_global(value, self.exported, self.devices)
+    # Not through the setter (the mirror holds `value` already), but the step's array goes.
+    self._shards, self._array = put_global(value, self.exported, self.devices), None
 
   @property
   def template(self) -> tf.Variable:
@@ -335,9 +337,22 @@ class XlaShardedVariable:
         f'XlaShardedVariable {self.label!r}: its shards are device buffers '
         'outside TF; assemble() runs eagerly, not inside a tf.function.'
       )
-    return assemble_global(
-      self.shards, self.sharding, self.shape, f'XlaShardedVariable {self.label!r}'
-    )
+    what = f'XlaShardedVariable {self.label!r}'
+    return assemble_global(self._buffers_needed(what), self.sharding, self.shape, what)
+
+  def _buffers_needed(self, what: str) -> list:
+    """The per-replica buffers, or, for a value whose replica 0 holds all of it (replicated),
+    a list holding that one buffer: split out of a step's array without listing every
+    replica's (building jax's shard list of each array cost a copy-back of a hundred
+    variables several ms)."""
+    array = self._array
+    if self._needed is None:  # fixed by the sharding: computed once
+      self._needed = sharded_lib.needed_partitions(self.sharding, len(self.devices), what)
+    if array is None or self._needed != {0}:
+      return self.shards
+    if array.sharding.mesh.devices.flat[0] != self.devices[0]:
+      return self.shards  # another device order: found by device
+    return [array.addressable_data(0)] + [None] * (len(self.devices) - 1)
 
   def numpy(self) -> np.ndarray:
     return self.assemble().numpy()
