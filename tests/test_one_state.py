@@ -294,6 +294,36 @@ def keras_distribution():
   tg.keras.disable()
 
 
+def _model_parallel(layouts: dict):
+  """Keras' ModelParallel on the 2x4 ('batch', 'model') mesh, `layouts` (path -> axes) its map."""
+  device_mesh = keras.distribution.DeviceMesh(
+    (2, 4), ['batch', 'model'], keras.distribution.list_devices()
+  )
+  layout_map = keras.distribution.LayoutMap(device_mesh)
+  for path, axes in layouts.items():
+    layout_map[path] = axes
+  return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name='batch')
+
+
+def _made_under(distribution, make):
+  """`make()` with `distribution` current, and none after."""
+  keras.distribution.set_distribution(distribution)
+  try:
+    return make()
+  finally:
+    keras.distribution.set_distribution(None)
+
+
+def _fit_beside(model, reference):
+  """Both models fit on the same data; the partitioned one's weights equal the plain one's."""
+  rng = np.random.RandomState(0)
+  x, y = rng.randn(32, 32).astype(np.float32), rng.randn(32, 4).astype(np.float32)
+  reference.fit(x, y, batch_size=16, epochs=2, verbose=0)
+  model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+  for got, want, v in zip(model.get_weights(), reference.get_weights(), model.weights):
+    assert_close(got, want, v.path)
+
+
 @pytest.mark.parametrize('backend', BACKENDS)
 def test_model_parallel_keras_model_is_made_and_trained_as_shards(backend, keras_distribution):
   if backend == 'xla':
@@ -301,25 +331,11 @@ def test_model_parallel_keras_model_is_made_and_trained_as_shards(backend, keras
   tg.keras.enable(backend)
   gc.collect()
   before = _live_variables()
-  rng = np.random.RandomState(0)
-  x, y = rng.randn(32, 32).astype(np.float32), rng.randn(32, 4).astype(np.float32)
   reference = _keras_model()
-  device_mesh = keras.distribution.DeviceMesh(
-    (2, 4), ['batch', 'model'], keras.distribution.list_devices()
-  )
-  layout_map = keras.distribution.LayoutMap(device_mesh)
-  layout_map[r'.*/d\d/kernel'] = (None, 'model')
-  keras.distribution.set_distribution(
-    keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name='batch')
-  )
-  model = _keras_model()
-  keras.distribution.set_distribution(None)
+  model = _made_under(_model_parallel({r'.*/d\d/kernel': (None, 'model')}), _keras_model)
   kernel = tg.keras.backing(model.layers[0].kernel)
   assert held.is_held(kernel)  # made as shards: never whole on a device
-  reference.fit(x, y, batch_size=16, epochs=2, verbose=0)
-  model.fit(x, y, batch_size=16, epochs=2, verbose=0)
-  for got, want, v in zip(model.get_weights(), reference.get_weights(), model.weights):
-    assert_close(got, want, v.path)
+  _fit_beside(model, reference)
   gc.collect()
   exclude = [tg.keras.backing(v) for v in reference.weights + reference.optimizer.variables]
   assert _whole_copies({(32, 64), (64, 64)}, exclude, before) == []
@@ -361,25 +377,11 @@ def test_a_functional_model_built_over_split_weights_keeps_no_whole_copy(
   tg.keras.enable(backend)
   gc.collect()
   before = _live_variables()
-  rng = np.random.RandomState(0)
-  x, y = rng.randn(32, 32).astype(np.float32), rng.randn(32, 4).astype(np.float32)
   reference = _functional_model()
-  device_mesh = keras.distribution.DeviceMesh(
-    (2, 4), ['batch', 'model'], keras.distribution.list_devices()
-  )
-  layout_map = keras.distribution.LayoutMap(device_mesh)
-  layout_map[r'e\d/kernel'] = (None, 'model')
-  layout_map[r's0/scale'] = ('model',)
-  keras.distribution.set_distribution(
-    keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name='batch')
-  )
-  model = _functional_model()
-  keras.distribution.set_distribution(None)
+  layouts = {r'e\d/kernel': (None, 'model'), r's0/scale': ('model',)}
+  model = _made_under(_model_parallel(layouts), _functional_model)
   assert all(held.is_split(tg.keras.backing(v)) for v in model.weights)
-  reference.fit(x, y, batch_size=16, epochs=2, verbose=0)
-  model.fit(x, y, batch_size=16, epochs=2, verbose=0)
-  for got, want, v in zip(model.get_weights(), reference.get_weights(), model.weights):
-    assert_close(got, want, v.path)
+  _fit_beside(model, reference)
   gc.collect()
   exclude = [tg.keras.backing(v) for v in reference.weights + reference.optimizer.variables]
   assert _whole_copies({(32, 64), (64,), (64, 4)}, exclude, before) == []
@@ -405,20 +407,16 @@ def test_a_tf_function_traced_while_keras_builds_reads_the_weight(backend, keras
     def call(self, x):
       return x * self.scale
 
-  def made(distribution):
-    keras.distribution.set_distribution(distribution)
+  def model_of_one_layer():
     inputs = keras.Input((8,))
-    model = keras.Model(inputs, Scale(name='s0')(inputs))
-    keras.distribution.set_distribution(None)
+    return keras.Model(inputs, Scale(name='s0')(inputs))
+
+  def made(distribution):
+    model = _made_under(distribution, model_of_one_layer)
     model.layers[1].scale.assign(np.arange(8, dtype=np.float32))
     return model
 
-  device_mesh = keras.distribution.DeviceMesh(
-    (2, 4), ['batch', 'model'], keras.distribution.list_devices()
-  )
-  layout_map = keras.distribution.LayoutMap(device_mesh)
-  layout_map['s0/scale'] = ('model',)
-  model = made(keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name='batch'))
+  model = made(_model_parallel({'s0/scale': ('model',)}))
   assert held.is_split(tg.keras.backing(model.layers[1].scale))
   x = np.ones((4, 8), np.float32)
   assert_close(model(x), made(None)(x), 'the layer traced while Keras built the model')

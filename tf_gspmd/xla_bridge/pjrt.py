@@ -134,6 +134,12 @@ def assemble_global(buffers: Sequence, sharding: Sharding, shape, what: str) -> 
   return tf.convert_to_tensor(sharded_lib.assemble_on_host(arrays, sharding, shape, what))
 
 
+def buffers_by_device(array, devices: Sequence) -> list:
+  """An array over the replicas as one buffer per device of `devices`, in that order."""
+  by_device = {shard.device: shard.data for shard in array.addressable_shards}
+  return [by_device[d] for d in devices]
+
+
 class PjrtExecutable:
   """An `XlaExport` compiled for its mesh's devices; `run` maps per-replica buffers to buffers."""
 
@@ -196,8 +202,7 @@ class PjrtExecutable:
 
   def buffers_of(self, array) -> list:
     """An array over the replicas as its per-replica buffers, replica r's at index r."""
-    by_device = {shard.device: shard.data for shard in array.addressable_shards}
-    return [by_device[d] for d in self.devices]
+    return buffers_by_device(array, self.devices)
 
   def _array_makers(self) -> list:
     """Per result, what makes its array from the executable's buffers: jax's own (a jitted
@@ -273,8 +278,7 @@ class XlaShardedVariable:
   def shards(self) -> list:
     """The device buffers, partition p's at index p."""
     if self._shards is None:
-      by_device = {shard.device: shard.data for shard in self._array.addressable_shards}
-      self._shards = [by_device[d] for d in self.devices]
+      self._shards = buffers_by_device(self._array, self.devices)
     return self._shards
 
   @shards.setter
