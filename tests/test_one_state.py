@@ -542,3 +542,59 @@ def test_functions_wanting_other_layouts_of_one_variable_share_its_one_state():
   assert held.holder_of(w).sharding.mesh == mesh4
   assert_close(rows(x), plain_bump(x), 'bump on 8 again (the shards move back)')
   assert_close(w.numpy(), twin.numpy(), 'the one state')
+
+
+def _allocator_peak(make):
+  """(what `make()` returns, the peak bytes TF's CPU allocator held while it ran), or
+  (result, None) where the allocator keeps no statistics (oneDNN off)."""
+  gc.collect()
+  try:
+    tf.config.experimental.reset_memory_stats('CPU:0')
+  except ValueError:
+    return make(), None
+  held_before = tf.config.experimental.get_memory_info('CPU:0')['current']  # earlier tests'
+  made = make()
+  return made, tf.config.experimental.get_memory_info('CPU:0')['peak'] - held_before
+
+
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_a_large_initial_value_is_one_whole_buffer_on_the_host(backend, keras_distribution):
+  # Keras' uniform initializers scale and shift a draw: eagerly three whole buffers at once,
+  # and TF's CPU allocator keeps them for the life of the process (on backend='xla' nothing
+  # else ever reuses them). Computed as one graph, each op writes into its input's buffer.
+  if backend == 'xla':
+    pytest.importorskip('jax')
+  tg.keras.enable(backend)
+  units = 2048  # a kernel of 1024 x 2048 float32: 8 MiB, the size from which a graph is used
+
+  def make(seed):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((1024,)), keras.layers.Dense(units, name='d')])
+
+  mp = _model_parallel({r'.*/d/kernel': (None, 'model')})
+  model, peak = _allocator_peak(lambda: _made_under(mp, lambda: make(5)))
+  reference = make(5)
+  assert held.is_held(model.layers[0].kernel.value)
+  assert_close(model.get_weights()[0], reference.get_weights()[0], 'kernel made as shards')
+  kernel_bytes = 1024 * units * 4
+  # xla: the whole value, and the draw it was scaled from (eagerly one more); tf: the whole value
+  # and the TF split's own copies (its tile grid, a shard per device: two kernels over 2x4).
+  allowed = {'xla': 2, 'tf': 4}[backend]
+  if peak is not None:
+    held_kernels = peak / kernel_bytes
+    assert held_kernels <= allowed, f'TF held {held_kernels:.2f} kernels while building'
+
+
+def test_an_initializer_that_makes_a_variable_is_computed_eagerly():
+  mesh = tg.Mesh.create(*MESH)
+  made = []
+
+  def initial_value():
+    made.append(tf.Variable(2.0))  # a variable made by the initializer: not in a graph
+    return tf.ones([1024, 2048]) * made[-1]
+
+  w = tg.Variable(
+    initial_value, tg.NamedSharding(mesh, tg.P(None, 'model')), name='w', shape=(1024, 2048)
+  )
+  assert len(made) == 1
+  assert_close(w.numpy(), np.full((1024, 2048), 2.0, np.float32), 'made eagerly')

@@ -187,6 +187,7 @@ def _as_shards(variable, distribution, next_creator, **kwargs):
     dtype=kwargs.get('dtype'),
     backend=_backend[0],
     devices=devices,
+    shape=tuple(variable.shape),
   )
 
 

@@ -280,10 +280,51 @@ def making_shards() -> int:
   return getattr(_MAKING, 'depth', 0)
 
 
-def _whole_value(initial_value, dtype) -> tf.Tensor:
-  """The initial value, computed on the host (a callable is called here, once)."""
+# An initial value at least this large, from a callable whose shape is known, is computed in
+# one TF graph: there each op may write into its input's buffer (a uniform draw scaled and
+# shifted is one whole buffer), where eagerly every op's result is a new whole buffer (three
+# for Keras' uniform initializers) and TF's CPU allocator (oneDNN's pool) keeps what it once
+# held for the rest of the process. Below it, a trace costs more than the buffers it saves.
+GRAPH_INITIAL_VALUE_BYTES = 8 * 2**20
+
+
+class _MadeAVariable(Exception):
+  """Raised when an initializer traced in a graph makes a variable (a seed generator's state):
+  that initializer is then called eagerly, as TF would."""
+
+
+def _refuse_variables(next_creator, **kwargs):
+  raise _MadeAVariable
+
+
+def _computed_in_a_graph(initial_value):
+  """`initial_value()` run as one TF graph (its Python called once, by the trace), or None
+  if computing it makes a variable."""
+  traced = tf.function(initial_value, autograph=False)
+  try:
+    with tf.variable_creator_scope(_refuse_variables):
+      concrete = traced.get_concrete_function()
+  except _MadeAVariable:
+    return None
+  return concrete()
+
+
+def _graph_worthy(initial_value, shape, dtype) -> bool:
+  if not callable(initial_value) or shape is None or None in tuple(shape):
+    return False
+  itemsize = tf.as_dtype(dtype or tf.float32).size
+  return int(np.prod(tuple(shape), dtype=np.int64)) * itemsize >= GRAPH_INITIAL_VALUE_BYTES
+
+
+def _whole_value(initial_value, dtype, shape=None) -> tf.Tensor:
+  """The initial value, computed on the host (a callable is called here, once; a large one of
+  known `shape` in one graph, see GRAPH_INITIAL_VALUE_BYTES)."""
   with tf.init_scope(), tf.device('/device:CPU:0'):
-    value = initial_value() if callable(initial_value) else initial_value
+    value = None
+    if _graph_worthy(initial_value, shape, dtype):
+      value = _computed_in_a_graph(initial_value)
+    if value is None:
+      value = initial_value() if callable(initial_value) else initial_value
     return tf.convert_to_tensor(value, dtype=dtype)
 
 
@@ -296,6 +337,7 @@ def Variable(  # noqa: N802  (a constructor, named as tf.Variable)
   dtype=None,
   backend: str = executors.DEFAULT,
   devices=None,
+  shape=None,
 ) -> tf.Variable:
   """A `tf.Variable` made as shards of `sharding` (a `SplitVariable`): its whole value is
   never kept on a device.
@@ -304,10 +346,12 @@ def Variable(  # noqa: N802  (a constructor, named as tf.Variable)
   the shards of `sharding` on `devices` (default: the backend's first `mesh.size` devices) and
   dropped. The variable is annotated with `sharding` and reads (assembling the shards) and
   writes (scattering) like any variable; every function partitioned over it runs on its shards.
+  `shape`, when the caller knows it before computing a callable `initial_value`, lets a large
+  one be computed as one TF graph (one whole buffer on the host where eager ops make several).
 
   >>> w = Variable(np.zeros((8, 4)), NamedSharding(mesh, P('x', None)))  # doctest: +SKIP
   """
-  value = _whole_value(initial_value, dtype)
+  value = _whole_value(initial_value, dtype, shape)
   if not isinstance(sharding, Sharding):
     raise TypeError(f'tg.Variable: sharding must be a Sharding, got {type(sharding).__name__}.')
   sharding.check_shape(value.shape.as_list(), what=f'tg.Variable({name or "Variable"})')
@@ -370,7 +414,7 @@ def sharded_variables(
     name = kwargs.get('name') or 'Variable'
     if making_shards() or (tf.inside_function() and not tf.executing_eagerly()):
       return next_creator(**kwargs)  # made while a function is traced: TF lifts it as usual
-    value = _whole_value(kwargs['initial_value'], kwargs.get('dtype'))
+    value = _whole_value(kwargs['initial_value'], kwargs.get('dtype'), _known_shape(kwargs))
     scoped = _scoped_name(name)
     sharding = rule(scoped, tuple(value.shape))
     if sharding is None or not _splits(sharding):
@@ -386,6 +430,15 @@ def sharded_variables(
 
   with tf.variable_creator_scope(creator):
     yield
+
+
+def _known_shape(kwargs):
+  """The shape a variable's creator was told, when fully known (else None)."""
+  shape = kwargs.get('shape')
+  if shape is None:
+    return None
+  shape = tf.TensorShape(shape)
+  return tuple(shape.as_list()) if shape.is_fully_defined() else None
 
 
 def _scoped_name(name: str) -> str:

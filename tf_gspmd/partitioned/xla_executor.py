@@ -119,7 +119,24 @@ def prepare(compiled: Compiled, sharded_variables: dict, devices: list, name: st
     executable.array_of(layout, pjrt.put_global(value, layout, executable.devices))
     for value, layout in zip(compiled.capture_values, capture_args)
   ]
+  _return_freed_heap()
   return XlaRun(exported, executable, captures)
+
+
+def _return_freed_heap() -> None:
+  """Give the heap the build freed back to the OS before the program first runs.
+
+  Capturing, lowering and compiling a program is a one-time burst of host memory (tens of MiB
+  for a small model) that glibc keeps cached after it is freed; the program's temporaries are
+  then allocated on top of it, so a process's peak would carry the build's memory into the
+  first step. Measured on bench/memory.py's MLP: about 30 MiB less at the peak.
+  """
+  try:
+    import ctypes
+
+    ctypes.CDLL('libc.so.6').malloc_trim(0)
+  except (OSError, AttributeError):  # not glibc: nothing to return this way
+    pass
 
 
 def run(compiled: Compiled, xla_run: XlaRun, flat_args, sharded_variables: dict):
