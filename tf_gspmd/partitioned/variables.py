@@ -22,6 +22,7 @@ import tensorflow as tf
 from tf_gspmd.annotations import shard_variable, variable_sharding
 from tf_gspmd.partitioned import executors
 from tf_gspmd.program import held
+from tf_gspmd.runtime import grappler
 from tf_gspmd.sharding import NamedSharding, Sharding
 
 # Set by `tg.abstract_variable` on the variables it makes: a shape and a dtype, no value.
@@ -306,7 +307,10 @@ def _computed_in_a_graph(initial_value):
       concrete = traced.get_concrete_function()
   except _MadeAVariable:
     return None
-  return concrete()
+  # Without Grappler: its constant folding of the draw's scale (max - min) leaves the draw's
+  # buffer unforwarded (measured: two whole buffers at once, one without it); and it runs once.
+  with grappler.without_grappler():
+    return concrete()
 
 
 def _graph_worthy(initial_value, shape, dtype) -> bool:
