@@ -10,8 +10,10 @@ edited body can never be confused with the original.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Dict, Optional, Sequence
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
@@ -42,6 +44,32 @@ def emit_node(
   return graph._create_op_internal(  # noqa: SLF001
     op_type or node.op, list(inputs), attrs=merged, name=name or node.name
   )
+
+
+# Per graph being traced: (dtype, shape, bytes) -> the one Const op holding that value.
+_CONSTANTS: 'weakref.WeakKeyDictionary' = weakref.WeakKeyDictionary()
+
+
+def constant(value, dtype=None, name: str = 'Const') -> tf.Tensor:
+  """`value` as a constant of the graph being traced, one op per distinct value and graph.
+
+  A partitioned program reads the same small constants in many places (shapes, slice
+  bounds, replica groups, a layer's epsilon once per variable): made once each, the
+  per-partition graph of a small decoder has 1,178 Const ops of 120 values, and every op is
+  paid for again in TF's tracing, XLA's lowering and, on the TF backend, each device's
+  instantiation. Made outside any control dependencies, so a shared constant never orders
+  one consumer after another's dependencies (a constant needs none of its own).
+  """
+  array = np.asarray(value, dtype=None if dtype is None else tf.as_dtype(dtype).as_numpy_dtype)
+  if array.dtype.kind not in 'biufc':  # strings, objects: TF's own conversion, not cached
+    return tf.constant(value, dtype=dtype, name=name)
+  graph = tf.compat.v1.get_default_graph()
+  made = _CONSTANTS.setdefault(graph, {})
+  key = (array.dtype.str, array.shape, array.tobytes())
+  if key not in made:
+    with tf.control_dependencies(None):
+      made[key] = tf.constant(array, name=name)
+  return made[key]
 
 
 def func_attr(function_name: str) -> attr_value_pb2.AttrValue:

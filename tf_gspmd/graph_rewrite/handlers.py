@@ -108,7 +108,7 @@ def check_local_shape(node: ir.Node, value: Local) -> None:
 
 def static_local(p: Partitioner, graph: ir.Graph, tensor: str, value: np.ndarray) -> Local:
   """A value known before run time, emitted as a replicated constant."""
-  return Local(tf.constant(value), replicated(p.mesh, np.ndim(value)), tuple(np.shape(value)))
+  return Local(emit.constant(value), replicated(p.mesh, np.ndim(value)), tuple(np.shape(value)))
 
 
 # --- values known statically, and pure data movement ------------------------------
@@ -118,13 +118,22 @@ def static_handler(p, graph, node, operands):
   then sliced to its sharding."""
   values = [p.static_value(graph, t.name) for t in node.outputs]
   if any(v is None for v in values):
-    if not node.inputs:  # a Const of a non-foldable dtype (float, string): emit it as it is
+    if _float_constant(node):  # one op per value and graph (emit.constant)
+      tensor = node.outputs[0].name
+      value = tf.make_ndarray(node.attrs['value'].tensor)
+      return [_finish_static(p, graph, static_local(p, graph, tensor, value), tensor)]
+    if not node.inputs:  # a Const of a non-foldable dtype (string): emit it as it is
       return emit_outputs(p, graph, node, [], [replicated(p.mesh, t.rank) for t in node.outputs])
     raise Unsupported(f'{node.op} {node.name}: input shape is not static.')
   return [
     _finish_static(p, graph, static_local(p, graph, t.name, v), t.name)
     for t, v in zip(node.outputs, values)
   ]
+
+
+def _float_constant(node) -> bool:
+  """A constant (no inputs, its value an attr) of a float dtype, which folding leaves alone."""
+  return not node.inputs and 'value' in node.attrs and node.outputs[0].dtype.is_floating
 
 
 def _finish_static(p, graph, value: Local, tensor: str) -> Local:

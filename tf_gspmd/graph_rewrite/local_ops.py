@@ -17,6 +17,7 @@ from __future__ import annotations
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
+from tf_gspmd.graph import emit
 from tf_gspmd.graph_rewrite import factors, uneven
 from tf_gspmd.graph_rewrite.handlers import check_local_shape, computes, emit_outputs, global_shape
 from tf_gspmd.graph_rewrite.partitioner import Local
@@ -31,7 +32,7 @@ def reshape_handler(p, graph, node, operands):
   chosen = factors.choose_layouts(p, graph, node, operands)
   src = p.reshard(operands[0], chosen.operands[0], 'reshape operand')
   out_shape = global_shape(graph, node.outputs[0].name)
-  local = tf.constant(chosen.results[0].shard_shape(out_shape), dtype=operands[1].dtype)
+  local = emit.constant(chosen.results[0].shard_shape(out_shape), dtype=operands[1].dtype)
   return emit_outputs(p, graph, node, [src.tensor, local], list(chosen.results))
 
 

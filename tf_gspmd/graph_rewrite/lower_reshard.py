@@ -67,6 +67,7 @@ import tensorflow as tf
 
 from tf_gspmd import collectives as collectives_lib
 from tf_gspmd.errors import Unsupported
+from tf_gspmd.graph import emit
 from tf_gspmd.graph_rewrite import reshard as rp
 from tf_gspmd.graph_rewrite.partitioner import Local
 from tf_gspmd.sharding import NamedSharding
@@ -289,7 +290,7 @@ class _Lowering:
     constant = (rows == rows[0]).all(axis=0)
     if constant.all():
       return [int(v) for v in rows[0]]
-    looked_up = self.backend.table(rows, name=name)
+    looked_up = tf.unstack(self.backend.table(rows, name=name), num=width)  # one op, no bounds
     return [int(rows[0, i]) if constant[i] else looked_up[i] for i in range(width)]
 
   def _positions(self, axes) -> Dict[int, int]:
@@ -312,14 +313,14 @@ class _Lowering:
     backend, axes = self._on(step.axes)
     self._note('all_gather', step.axes, x)
     y = backend.all_gather(x, axes, step.dim)
-    return rp.regroup_blocks(y, step.dim, step.blocks, step.out_chunk, reshape=tf.reshape)
+    return rp.regroup_blocks(y, step.dim, step.blocks, step.out_chunk, reshape=_reshape)
 
   def _all_to_all(self, step: rp.AllToAll, x):
     backend, axes = self._on(step.axes)
     x = collectives_lib.pad_dim(x, step.split_dim, step.split_padded)
     self._note('all_to_all', step.axes, x)
     y = backend.all_to_all(x, axes, step.split_dim, step.concat_dim)
-    return rp.regroup_blocks(y, step.concat_dim, step.blocks, step.out_chunk, reshape=tf.reshape)
+    return rp.regroup_blocks(y, step.concat_dim, step.blocks, step.out_chunk, reshape=_reshape)
 
   def _reduce_scatter(self, step: rp.ReduceScatter, x):
     backend, axes = self._on(step.axes)
@@ -390,11 +391,16 @@ class _Lowering:
     return tf.where(tf.reshape(inside, shape), moved, out)
 
 
+def _reshape(x: tf.Tensor, shape) -> tf.Tensor:
+  """tf.reshape to a static `shape`, its shape constant shared within the graph."""
+  return tf.reshape(x, emit.constant(np.asarray(shape, np.int32)))
+
+
 def _window(x: tf.Tensor, dim: int, start, size: int) -> tf.Tensor:
   """Rows [start, start+size) of `dim` (start may be a scalar tensor), with a static shape."""
   if isinstance(start, int):
     return collectives_lib.slice_dim(x, dim, start, size)
-  begin = tf.one_hot(dim, x.shape.rank, dtype=tf.int32) * start
+  begin = emit.constant(np.eye(x.shape.rank, dtype=np.int32)[dim]) * start
   sizes = [int(s) for s in x.shape]
   sizes[dim] = size
-  return tf.slice(x, begin, sizes)
+  return tf.slice(x, begin, emit.constant(np.asarray(sizes, np.int32)))

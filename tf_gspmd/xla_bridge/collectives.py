@@ -34,6 +34,7 @@ from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
 from tf_gspmd.collectives import tables
 from tf_gspmd.collectives.interface import Collectives
+from tf_gspmd.graph import emit
 from tf_gspmd.mesh import Mesh
 
 _XLA_REDUCE_OPS = {'sum': 'Add', 'prod': 'Mul', 'max': 'Max', 'min': 'Min'}
@@ -68,7 +69,7 @@ class XlaCollectives(Collectives):
     return XlaCollectives(mesh, self.partition_id, name=self.name, mode=self.mode)
 
   def _group_assignment(self, axes) -> tf.Tensor:
-    return tf.constant(tables.groups(self.mesh, axes).astype(np.int32), name='group_assignment')
+    return emit.constant(tables.groups(self.mesh, axes).astype(np.int32), name='group_assignment')
 
   def _xla_all_reduce(self, x, axes, op):
     """The one place an XlaAllReduce is made (all-reduce, all-gather and broadcast use it)."""
@@ -83,12 +84,16 @@ class XlaCollectives(Collectives):
     k = self.mesh.axes_size(axes)
     shape = x.shape.as_list()
     buffer_shape = shape[:dim] + [k * shape[dim]] + shape[dim + 1 :]
-    start = tf.one_hot(dim, len(shape), dtype=tf.int32) * (self.axis_index(axes) * shape[dim])
+    start = emit.constant(np.eye(len(shape), dtype=np.int32)[dim]) * (
+      self.axis_index(axes) * shape[dim]
+    )
     placed = gen_xla_ops.xla_dynamic_update_slice(tf.zeros(buffer_shape, x.dtype), x, start)
     return self._xla_all_reduce(placed, axes, 'sum')
 
   def _reduce_scatter(self, x, axes, dim, op):
-    return gen_xla_ops.xla_reduce_scatter(x, self._group_assignment(axes), dim, _XLA_REDUCE_OPS[op])
+    return gen_xla_ops.xla_reduce_scatter(
+      x, self._group_assignment(axes), emit.constant(np.int32(dim)), _XLA_REDUCE_OPS[op]
+    )
 
   def _all_to_all(self, x, axes, split_dim, concat_dim):
     return tf.raw_ops.AllToAll(
