@@ -34,6 +34,11 @@ other's numbers):
             with the same model trained unpartitioned on one device.
             STEP_TIME_KERAS_JAX_CNN=data runs the CNN data parallel over all 8 devices
             instead (Keras-JAX's own simplest layout; not tf_gspmd's).
+  keras_tg  the Keras-JAX child's own code on Keras with TF under `tf_gspmd.keras` (the same
+            keras.distribution, weights and batch; `train_on_batch`; variables split from
+            birth, as on JAX), once per backend, interleaved: tf_gspmd's Keras path against
+            Keras-JAX's with nothing but the framework changed (the systems above partition
+            a hand-written step over adopted plain variables, copied back after each call).
 Each ratio is partitioned / unpartitioned from the same process, same cores, the
 calls taken round-robin so that load from other processes hits both alike.
 Ratios across systems (tf_gspmd / DTensor, tf_gspmd / Keras-JAX: the 'vs peers' lines
@@ -111,13 +116,16 @@ INPUT_SPECS = {
   'transformer': ('data', None),
   'cnn': ('data', 'h', None, None),
 }
-SYSTEMS = ('tf_gspmd', 'dtensor', 'xla', 'keras_jax')
+SYSTEMS = ('tf_gspmd', 'dtensor', 'xla', 'keras_jax', 'keras_tg')
 RUNNERS = {
   'tf_gspmd': ('unpartitioned', 'tf_gspmd'),
   'dtensor': ('plain', 'dtensor'),
   'xla': ('xla_unpartitioned', 'tf_gspmd_xla'),
   'keras_jax': ('keras_jax_unpartitioned', 'keras_jax'),
+  'keras_tg': ('keras_tg', 'keras_tg_xla'),
 }
+# The systems that run on the tf_gspmd child's saved weights and batch (keras.distribution).
+KERAS_INPUT_SYSTEMS = ('tf_gspmd', 'keras_jax', 'keras_tg')
 # The CNN under keras.distribution: its activations laid out like its input (Keras matches
 # `<layer path>/output` against the LayoutMap); the height split tf_gspmd propagates from
 # the input annotation, written out per layer since Keras propagates no input layout.
@@ -534,7 +542,7 @@ def keras_model(name: str, cfg: dict):
   return keras.Model(tokens, logits)
 
 
-def _compiled_keras_model(name: str, cfg: dict, weights: dict):
+def _compiled_keras_model(name: str, cfg: dict, weights: dict, jit_compile: bool = True):
   import keras
 
   model = keras_model(name, cfg)
@@ -551,14 +559,15 @@ def _compiled_keras_model(name: str, cfg: dict, weights: dict):
     v.assign(weights[path])
   model.compile(
     optimizer=keras.optimizers.Adam(1e-3),
-    jit_compile=True,
+    jit_compile=jit_compile,
     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
   )
   return model
 
 
-def child_keras_jax(name: str, cfg: dict, inputs_path: str, steps: int, warmup: int) -> dict:
-  """Keras 3 on JAX with keras.distribution, beside the same model on one device."""
+def _keras_distribution_inputs(name: str, inputs_path: str):
+  """(weights by path, x, y, the keras.distribution) saved by the tf_gspmd child: the same
+  layouts for every system that runs the model through keras.distribution."""
   import keras
   import numpy as np
 
@@ -575,6 +584,48 @@ def child_keras_jax(name: str, cfg: dict, inputs_path: str, steps: int, warmup: 
     distribution = dist_lib.ModelParallel(layout_map=layout_map, batch_dim_name='data')
   else:
     distribution = dist_lib.DataParallel(devices=devices)
+  return weights, x, y, distribution
+
+
+def child_keras_tg(name: str, cfg: dict, inputs_path: str, steps: int, warmup: int) -> dict:
+  """The Keras-JAX child's code on Keras 3 with TF under tf_gspmd.keras (`keras.distribution`
+  with the same layouts, `train_on_batch`): the TF backend and backend='xla', one model
+  each, interleaved. The variables are split from birth, as Keras on JAX makes them."""
+  import tf_gspmd
+
+  def distributed(backend: str):
+    tf_gspmd.keras.enable(backend)
+    try:
+      _, x, y, distribution = _keras_distribution_inputs(name, inputs_path)
+      with distribution.scope():
+        model = _compiled_keras_model(name, cfg, weights, jit_compile=False)
+    finally:
+      tf_gspmd.keras.disable()
+
+    def step():
+      tf_gspmd.keras.enable(backend)
+      try:
+        with distribution.scope():
+          return model.train_on_batch(x, y)
+      finally:
+        tf_gspmd.keras.disable()
+
+    return step
+
+  weights, *_ = _keras_distribution_inputs(name, inputs_path)
+  runs = measure(
+    {'keras_tg': distributed('tf'), 'keras_tg_xla': distributed('xla')},
+    steps,
+    warmup,
+    tf_gspmd_failure,
+  )
+  return {runner: run.as_dict() for runner, run in runs.items()}
+
+
+def child_keras_jax(name: str, cfg: dict, inputs_path: str, steps: int, warmup: int) -> dict:
+  """Keras 3 on JAX with keras.distribution, beside the same model on one device."""
+
+  weights, x, y, distribution = _keras_distribution_inputs(name, inputs_path)
   reference = _compiled_keras_model(name, cfg, weights)
   with distribution.scope():
     distributed = _compiled_keras_model(name, cfg, weights)
@@ -606,6 +657,12 @@ def run_child(args) -> None:
   spec = ModelSpec(args.child_model, json.loads(args.child_config))
   if args.inputs:
     save_inputs(spec, args.inputs)
+  if args.child_system == 'keras_tg':
+    result = child_keras_tg(
+      args.child_model, json.loads(args.child_config), args.inputs, args.steps, args.warmup
+    )
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    return
   body = {'tf_gspmd': child_tf_gspmd, 'dtensor': child_dtensor, 'xla': child_xla_backend}[
     args.child_system
   ]
@@ -842,6 +899,15 @@ def goal_lines(letter: str, name: str, result: dict) -> List[str]:
     result['keras_jax'],
     'tf_gspmd / Keras-JAX',
   )
+  # The same Keras code through keras.distribution on both sides (variables split from birth).
+  for runner, backend in (('keras_tg', 'TF backend'), ('keras_tg_xla', 'XLA backend')):
+    if runner in result and not result[runner].get('error') == 'not run':
+      check(
+        f'tf_gspmd.keras ({backend}) / Keras-JAX',
+        result[runner],
+        result['keras_jax'],
+        'tf_gspmd / Keras-JAX',
+      )
   return lines
 
 
@@ -912,7 +978,7 @@ def main(argv=None) -> int:
           k: v
           for system in systems
           for k, v in spawn(
-            name, system, cfg, args, inputs if system in ('tf_gspmd', 'keras_jax') else None
+            name, system, cfg, args, inputs if system in KERAS_INPUT_SYSTEMS else None
           ).items()
         }
         for _ in range(args.repeat)
@@ -926,6 +992,7 @@ def main(argv=None) -> int:
     plain, dt = result['plain'], result['dtensor']
     xla_unpart, gspmd_xla = result['xla_unpartitioned'], result['tf_gspmd_xla']
     kj_unpart, kj = result['keras_jax_unpartitioned'], result['keras_jax']
+    ktg, ktg_xla = result['keras_tg'], result['keras_tg_xla']
     coll = result.get('collectives')
     rows.append(
       [
@@ -957,6 +1024,8 @@ def main(argv=None) -> int:
       ('tf_gspmd xla vs Keras unpartitioned', gspmd_xla, unpart),
       ('XLA unpartitioned vs Keras unpartitioned', xla_unpart, unpart),
       ('Keras-JAX vs Keras-JAX unpartitioned', kj, kj_unpart),
+      ('tf_gspmd.keras (TF backend) vs Keras unpartitioned', ktg, unpart),
+      ('tf_gspmd.keras (xla) vs Keras unpartitioned', ktg_xla, unpart),
       (
         'Keras-JAX unpartitioned vs Keras unpartitioned'
         + (', first step' if name in SPARSE_GRADIENT_MODELS else ''),
@@ -993,6 +1062,8 @@ def main(argv=None) -> int:
         ('XLA unpartitioned', xla_unpart),
         ('Keras-JAX', kj),
         ('Keras-JAX unpartitioned', kj_unpart),
+        ('tf_gspmd.keras', ktg),
+        ('tf_gspmd.keras xla', ktg_xla),
       )
       if r.get('build_s')
     )

@@ -1,6 +1,7 @@
 """Smoke test of bench/step_time.py: the --quick run (model (a), tiny sizes) prints its table.
 
-All four systems run (tf_gspmd, DTensor, the XLA backend, Keras 3 on JAX); the
+All five systems run (tf_gspmd, DTensor, the XLA backend, Keras 3 on JAX, tf_gspmd's Keras
+path on both backends); the
 Keras-on-JAX child needs a Python with jax ($TF_GSPMD_JAX_PYTHON, which `make test` sets to
 .venv's, or the bench's .jaxenv) and is left out of the check when there is none.
 
@@ -56,6 +57,9 @@ def test_quick_run_prints_the_table():
   for column in ('step ms XLA unpart.', 'step ms tf_gspmd xla'):
     assert float(row[column]) > 0, (column, row)
   assert 'tf_gspmd xla vs Keras unpartitioned' in proc.stdout
+  # tf_gspmd's Keras path (keras.distribution, both backends), losses checked the same way.
+  assert 'tf_gspmd.keras (TF backend) vs Keras unpartitioned' in proc.stdout
+  assert 'tf_gspmd.keras (xla) vs Keras unpartitioned' in proc.stdout
   if step_time.jax_python() is not None:
     for column in ('step ms Keras-JAX unpart.', 'step ms Keras-JAX'):
       assert float(row[column]) > 0, (column, row)
