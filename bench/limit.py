@@ -29,6 +29,9 @@ Side by side (each system in a fresh subprocess, so first steps are cold):
   tf_gspmd_xla  the XLA backend (`partition_model(..., backend='xla')`, XLA:CPU through
                 PJRT) beside XLA:CPU unpartitioned (Keras' jit_compile=True) and TF
                 unpartitioned: which backend CPU should use.
+  tf_gspmd_keras_xla  keras_jax's own code on TF under `tf_gspmd.keras.enable('xla')` (the
+                same `keras.distribution.DataParallel`; the model made under it, its
+                variables split from birth): the Keras path against Keras on JAX.
 
   .venv/bin/python bench/limit.py [--models resnet50,transformer] [--steps 5] [--profile]
                                   [--quick] [--json PATH]
@@ -220,6 +223,34 @@ def child_tf_gspmd_xla(name: str, cfg: dict, steps: int) -> dict:
   return {'first_s': first, 'xla_first_s': xla_first, **{f'{k}_s': v for k, v in medians.items()}}
 
 
+def child_tf_gspmd_keras_xla(name: str, cfg: dict, steps: int) -> dict:
+  """Keras-on-JAX's child on Keras with TF under `tf_gspmd.keras.enable('xla')`: the same
+  `keras.distribution.DataParallel`, the model made under it (its variables split from birth,
+  nothing copied back after a step), beside TF unpartitioned, round-robin."""
+  configure_logical_cpus(N)
+  sys.path.insert(0, ROOT)
+  import keras
+
+  import tf_gspmd
+
+  tf_gspmd.keras.enable('xla')
+  devices = keras.distribution.list_devices()[:N]
+  distribution = keras.distribution.DataParallel(devices=devices)
+  with distribution.scope():
+    model, x, y = build(name, cfg, cfg['batch'])
+
+    def step():
+      with distribution.scope():
+        return model.train_on_batch(x, y)
+
+    first = timed(step)
+  whole, _, _ = build(name, cfg, cfg['batch'])
+  medians = round_robin(
+    {'partitioned': step, 'unpartitioned': lambda: whole.train_on_batch(x, y)}, steps
+  )
+  return {'first_s': first, **{f'{k}_s': v for k, v in medians.items()}}
+
+
 def child_tf(name: str, cfg: dict, steps: int) -> dict:
   configure_logical_cpus(N)
   model, x, y = build(name, cfg, cfg['batch'])
@@ -321,6 +352,7 @@ CHILDREN = {
   'tf': child_tf,
   'keras_jax': child_keras_jax,
   'tf_gspmd_xla': child_tf_gspmd_xla,
+  'tf_gspmd_keras_xla': child_tf_gspmd_keras_xla,
 }
 
 
@@ -441,6 +473,20 @@ def report(name: str, cfg: dict, r: dict) -> list:
         else ''
       ),
     ]
+  k = r.get('tf_gspmd_keras_xla', {})
+  if 'error' in k:
+    lines.append(f'  tf_gspmd_keras_xla: error: {k["error"]}')
+  elif ran(k):
+    lines.append(
+      f"  tf_gspmd.keras DataParallel, backend='xla': step {ms(k['partitioned_s'])} (first "
+      f'{k["first_s"]:.2f} s), TF unpartitioned {ms(k["unpartitioned_s"])}'
+    )
+    if ran(j):
+      lines.append(
+        f'  tf_gspmd.keras xla / Keras-on-JAX: step '
+        f'{k["partitioned_s"] / j["partitioned_s"]:.2f}, first step '
+        f'{k["first_s"] / j["first_s"]:.2f}x (goal <= 1.0)'
+      )
   if ran(g) and ran(t):
     lines.append(
       f'  first step: tf_gspmd {g["first_s"]:.2f} s, TF unpartitioned '
@@ -464,8 +510,9 @@ def main(argv=None) -> int:
   parser.add_argument('--models', default='resnet50,transformer')
   parser.add_argument(
     '--systems',
-    default='tf_gspmd,tf,keras_jax,tf_gspmd_xla',
-    help='tf_gspmd, tf, keras_jax, tf_gspmd_xla (the XLA backend)',
+    default='tf_gspmd,tf,keras_jax,tf_gspmd_xla,tf_gspmd_keras_xla',
+    help='tf_gspmd, tf, keras_jax, tf_gspmd_xla (the XLA backend), tf_gspmd_keras_xla (the '
+    'XLA backend under keras.distribution)',
   )
   parser.add_argument('--steps', type=int, default=5)
   parser.add_argument('--timeout', type=float, default=1800)
