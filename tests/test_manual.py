@@ -66,6 +66,24 @@ def test_tf_manual_region_with_cross_replica_sum(backend):
   assert _hand_written(step) == {('all_reduce', ('x',)): 1}
 
 
+def test_a_region_is_found_once_by_propagation_and_read_by_the_partitioner(monkeypatch):
+  from tf_gspmd.propagation import manual
+
+  found = []
+  regions = manual.regions
+
+  def counting(program, mesh):
+    found.append(program)
+    return regions(program, mesh)
+
+  monkeypatch.setattr(manual, 'regions', counting)
+  x = _rand(8, 16)
+  step = tg.partition(tf.function(_tf_psum_region), MESH8)
+  assert_close(step(x), np.tile(2.0 * x.sum(0, keepdims=True), [8, 1]))
+  assert len(found) == 1  # propagation's search; the partitioner reads its result
+  assert _hand_written(step) == {('all_reduce', ('x',)): 1}
+
+
 @pytest.mark.parametrize('backend', BACKENDS)
 def test_tf_manual_region_without_collectives(backend):
   x = _rand(16, 4)

@@ -84,6 +84,9 @@ class Partitioner:
     lookup: `lookup(partitioner, node, graph) -> (handler, how)`.
     coalescer: defers pending sums and fuses their all-reduces (`coalesce.Coalescer`);
       None resolves each where it is produced.
+    manual_regions: (graph, tensor) -> mesh axes, every tensor inside a manual region, as
+      propagation found them (`Propagation.manual_regions`): one search, in
+      `propagation/manual.py`, for both.
   """
 
   def __init__(
@@ -95,6 +98,7 @@ class Partitioner:
     resharder,
     lookup,
     coalescer=None,
+    manual_regions: Optional[Dict[tuple, tuple]] = None,
   ):
     self.program = program
     self.target = target
@@ -110,7 +114,9 @@ class Partitioner:
     self._resource_shapes: Dict[str, Dict[str, tuple]] = {}
     # Pending sums resolved late, through linear ops, in buckets (graph_rewrite/coalesce.py).
     self._coalescer = coalescer
-    self._manual: Optional[Dict[tuple, tuple]] = None
+    # (graph, tensor) -> the mesh axes it is manual over: the regions propagation found
+    # (`Propagation.manual_regions`); found here only for a partitioner given none (tests).
+    self._manual: Optional[Dict[tuple, tuple]] = manual_regions
     # (source tensor, its sharding, target sharding) -> the resharded value (see `reshard`).
     self._reshards: Dict[tuple, Local] = {}
 

@@ -185,6 +185,7 @@ def build(
   per_partition = _per_partition_function(
     program,
     target,
+    propagation.manual_regions,
     mesh,
     inputs=(arg_names + capture_names, arg_shardings + capture_shardings, arg_shapes),
     input_targets=arg_targets + capture_shardings,
@@ -240,6 +241,7 @@ def _through_identities(graph: ir.Graph, tensor: str) -> ir.Node:
 def _per_partition_function(
   program: ir.Program,
   target,
+  manual_regions: dict,
   mesh: Mesh,
   *,
   inputs,
@@ -280,6 +282,7 @@ def _per_partition_function(
       lower_reshard.reshard,
       dispatch.lookup,
       coalesce.coalescer(),
+      manual_regions,
     )
     move = boundary.BoundaryMove(ctx.collectives, lower_reshard.reshard)
     values = [move(main, n, v, s, 'argument') for n, v, s in zip(names, values, input_targets)]

@@ -43,6 +43,12 @@ class Propagation:
     """tensor name -> NamedSharding for one graph (default: the top level)."""
     return dict(self.result.shardings[graph or self.program.main.name])
 
+  @property
+  def manual_regions(self) -> dict:
+    """(graph name, tensor) -> the mesh axes the tensor is manual over, for every tensor
+    inside a manual region (`manual.regions`, found once here; the partitioner reads it)."""
+    return self.result.manual
+
   def target(self, graph: ir.Graph, tensor_name: str) -> NamedSharding:
     """`target(graph, tensor)` form the partitioner takes."""
     return self.result.sharding(tensor_name, graph.name)
