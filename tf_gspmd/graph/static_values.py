@@ -117,12 +117,9 @@ def fold(graph: ir.Graph) -> Dict[str, np.ndarray]:
 
 def _evaluate(nodes, known) -> Dict[str, np.ndarray]:
   scratch = tf.Graph()
+  read = {t for n in nodes for t in n.inputs}
   with scratch.as_default():
-    env = {
-      name: tf.constant(value)
-      for name, value in known.items()
-      if any(name in n.inputs for n in nodes)
-    }
+    env = {name: tf.constant(value) for name, value in known.items() if name in read}
     fetches = {}
     for node in nodes:
       op = emit.emit_node(node, [env[t] for t in node.inputs])
