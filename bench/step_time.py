@@ -129,7 +129,9 @@ KERAS_INPUT_SYSTEMS = ('tf_gspmd', 'keras_jax', 'keras_tg')
 # The CNN under keras.distribution: its activations laid out like its input (Keras matches
 # `<layer path>/output` against the LayoutMap); the height split tf_gspmd propagates from
 # the input annotation, written out per layer since Keras propagates no input layout.
-CNN_ACTIVATION_RULE = (r'(conv|bn|relu|pool)_\d+/output', INPUT_SPECS['cnn'])
+# Keras matches a LayoutMap key against the whole path (re.fullmatch), and a Sequential's
+# layer path starts with the model's name ('sequential/conv_0/output').
+CNN_ACTIVATION_RULE = (r'(?:.*/)?(conv|bn|relu|pool)_\d+/output', INPUT_SPECS['cnn'])
 # Models whose Keras-JAX losses match Keras-TF's only at the first step. Measured: the
 # transformer's Embedding gets an IndexedSlices gradient on TF, which Keras 3's TF optimizer
 # applies by scatter (Adam's m and v updated on the looked-up rows, once per occurrence);
