@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(ROOT, 'bench'))
 import limit  # noqa: E402
 
 
-@pytest.mark.slow  # runs the bench in subprocesses: 35-45 s
+@pytest.mark.slow  # runs the bench in subprocesses: 45-60 s
 def test_quick_run_prints_the_limit_and_the_ratios():
   proc = subprocess.run(
     [sys.executable, os.path.join(ROOT, 'bench', 'limit.py'), '--quick', '--profile'],
@@ -54,6 +54,11 @@ def test_quick_run_prints_the_limit_and_the_ratios():
     r'partitioned: [\d.]+',
     out,
   ), out
+  # tf_gspmd's Keras path (keras.distribution.DataParallel) on backend='xla', run end to end.
+  assert re.search(
+    r"tf_gspmd.keras DataParallel, backend='xla': step \d+ ms \(first [\d.]+ s\)", out
+  ), out
   if limit.jax_python() is not None:
     assert re.search(r'Keras-on-JAX step \d+ ms, unpartitioned \d+ ms', out), out
     assert re.search(r'first step: Keras-on-JAX [\d.]+ s', out), out
+    assert re.search(r'tf_gspmd.keras xla / Keras-on-JAX: step [\d.]+', out), out
