@@ -224,31 +224,16 @@ def child_tf_gspmd_xla(name: str, cfg: dict, steps: int) -> dict:
 
 
 def child_tf_gspmd_keras_xla(name: str, cfg: dict, steps: int) -> dict:
-  """Keras-on-JAX's child on Keras with TF under `tf_gspmd.keras.enable('xla')`: the same
-  `keras.distribution.DataParallel`, the model made under it (its variables split from birth,
-  nothing copied back after a step), beside TF unpartitioned, round-robin."""
+  """Keras-on-JAX's child (`child_keras_jax`, the same code) on Keras with TF under
+  `tf_gspmd.keras.enable('xla')`: the same `keras.distribution.DataParallel`, the model made
+  under it (its variables split from birth, nothing copied back after a step), beside TF
+  unpartitioned, round-robin."""
   configure_logical_cpus(N)
   sys.path.insert(0, ROOT)
-  import keras
-
   import tf_gspmd
 
   tf_gspmd.keras.enable('xla')
-  devices = keras.distribution.list_devices()[:N]
-  distribution = keras.distribution.DataParallel(devices=devices)
-  with distribution.scope():
-    model, x, y = build(name, cfg, cfg['batch'])
-
-    def step():
-      with distribution.scope():
-        return model.train_on_batch(x, y)
-
-    first = timed(step)
-  whole, _, _ = build(name, cfg, cfg['batch'])
-  medians = round_robin(
-    {'partitioned': step, 'unpartitioned': lambda: whole.train_on_batch(x, y)}, steps
-  )
-  return {'first_s': first, **{f'{k}_s': v for k, v in medians.items()}}
+  return child_keras_jax(name, cfg, steps)
 
 
 def child_tf(name: str, cfg: dict, steps: int) -> dict:

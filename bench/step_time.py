@@ -567,54 +567,62 @@ def _compiled_keras_model(name: str, cfg: dict, weights: dict, jit_compile: bool
   return model
 
 
-def _keras_distribution_inputs(name: str, inputs_path: str):
-  """(weights by path, x, y, the keras.distribution) saved by the tf_gspmd child: the same
-  layouts for every system that runs the model through keras.distribution."""
-  import keras
+def _saved_inputs(inputs_path: str):
+  """(weights by path, x, y, layout rules) the tf_gspmd child saved for the systems that run
+  the model through keras.distribution."""
   import numpy as np
 
   data = np.load(inputs_path)
   weights = {k[2:].replace('|', '/'): data[k] for k in data.files if k.startswith('w:')}
-  x, y, rules = data['x'], data['y'], json.loads(str(data['rules']))
+  return weights, data['x'], data['y'], json.loads(str(data['rules']))
+
+
+def _keras_distribution(name: str, rules: list):
+  """The keras.distribution of `rules` on the model's mesh (DataParallel without rules): the
+  same layouts for every system that runs the model through keras.distribution."""
+  import keras
+
   dist_lib = keras.distribution
   devices = dist_lib.list_devices()[:NUM_DEVICES]
   shape, axes = MESHES[name]
-  if rules:
-    layout_map = dist_lib.LayoutMap(dist_lib.DeviceMesh(shape, axes, devices))
-    for pattern, rule in rules:
-      layout_map[pattern] = tuple(rule)
-    distribution = dist_lib.ModelParallel(layout_map=layout_map, batch_dim_name='data')
-  else:
-    distribution = dist_lib.DataParallel(devices=devices)
-  return weights, x, y, distribution
+  if not rules:
+    return dist_lib.DataParallel(devices=devices)
+  layout_map = dist_lib.LayoutMap(dist_lib.DeviceMesh(shape, axes, devices))
+  for pattern, rule in rules:
+    layout_map[pattern] = tuple(rule)
+  return dist_lib.ModelParallel(layout_map=layout_map, batch_dim_name='data')
 
 
 def child_keras_tg(name: str, cfg: dict, inputs_path: str, steps: int, warmup: int) -> dict:
   """The Keras-JAX child's code on Keras 3 with TF under tf_gspmd.keras (`keras.distribution`
   with the same layouts, `train_on_batch`): the TF backend and backend='xla', one model
   each, interleaved. The variables are split from birth, as Keras on JAX makes them."""
+  import contextlib
+
   import tf_gspmd
 
-  def distributed(backend: str):
+  weights, x, y, rules = _saved_inputs(inputs_path)
+
+  @contextlib.contextmanager
+  def enabled(backend: str):
     tf_gspmd.keras.enable(backend)
     try:
-      _, x, y, distribution = _keras_distribution_inputs(name, inputs_path)
-      with distribution.scope():
-        model = _compiled_keras_model(name, cfg, weights, jit_compile=False)
+      yield
     finally:
       tf_gspmd.keras.disable()
 
+  def distributed(backend: str):
+    with enabled(backend):
+      distribution = _keras_distribution(name, rules)
+      with distribution.scope():
+        model = _compiled_keras_model(name, cfg, weights, jit_compile=False)
+
     def step():
-      tf_gspmd.keras.enable(backend)
-      try:
-        with distribution.scope():
-          return model.train_on_batch(x, y)
-      finally:
-        tf_gspmd.keras.disable()
+      with enabled(backend), distribution.scope():
+        return model.train_on_batch(x, y)
 
     return step
 
-  weights, *_ = _keras_distribution_inputs(name, inputs_path)
   runs = measure(
     {'keras_tg': distributed('tf'), 'keras_tg_xla': distributed('xla')},
     steps,
@@ -626,8 +634,8 @@ def child_keras_tg(name: str, cfg: dict, inputs_path: str, steps: int, warmup: i
 
 def child_keras_jax(name: str, cfg: dict, inputs_path: str, steps: int, warmup: int) -> dict:
   """Keras 3 on JAX with keras.distribution, beside the same model on one device."""
-
-  weights, x, y, distribution = _keras_distribution_inputs(name, inputs_path)
+  weights, x, y, rules = _saved_inputs(inputs_path)
+  distribution = _keras_distribution(name, rules)
   reference = _compiled_keras_model(name, cfg, weights)
   with distribution.scope():
     distributed = _compiled_keras_model(name, cfg, weights)

@@ -294,6 +294,14 @@ def keras_distribution():
   tg.keras.disable()
 
 
+def _keras_on(backend: str) -> None:
+  """tf_gspmd.keras on `backend` (the keras_distribution fixture disables it after the test);
+  backend='xla' needs jax."""
+  if backend == 'xla':
+    pytest.importorskip('jax')
+  tg.keras.enable(backend)
+
+
 def _model_parallel(layouts: dict):
   """Keras' ModelParallel on the 2x4 ('batch', 'model') mesh, `layouts` (path -> axes) its map."""
   device_mesh = keras.distribution.DeviceMesh(
@@ -326,9 +334,7 @@ def _fit_beside(model, reference):
 
 @pytest.mark.parametrize('backend', BACKENDS)
 def test_model_parallel_keras_model_is_made_and_trained_as_shards(backend, keras_distribution):
-  if backend == 'xla':
-    pytest.importorskip('jax')
-  tg.keras.enable(backend)
+  _keras_on(backend)
   gc.collect()
   before = _live_variables()
   reference = _keras_model()
@@ -372,9 +378,7 @@ def test_a_functional_model_built_over_split_weights_keeps_no_whole_copy(
   """Keras builds a functional model by calling each layer in a scratch graph it never runs;
   a split weight read there gives its shape. It made a whole TF copy of every such weight on
   backend='xla' (a mirror for traced reads), refreshed from the devices after every step."""
-  if backend == 'xla':
-    pytest.importorskip('jax')
-  tg.keras.enable(backend)
+  _keras_on(backend)
   gc.collect()
   before = _live_variables()
   reference = _functional_model()
@@ -395,9 +399,7 @@ def test_a_tf_function_traced_while_keras_builds_reads_the_weight(backend, keras
   """A layer whose call is a tf.function is traced inside Keras' scratch graph when the
   functional model is built; TF keeps that trace and a later call reuses it. Its reads must
   read the weight: a shape-only read there gave 0.0 for every later call, silently."""
-  if backend == 'xla':
-    pytest.importorskip('jax')
-  tg.keras.enable(backend)
+  _keras_on(backend)
 
   class Scale(keras.layers.Layer):
     def build(self, shape):
@@ -562,9 +564,7 @@ def test_a_large_initial_value_is_one_whole_buffer_on_the_host(backend, keras_di
   # Keras' uniform initializers scale and shift a draw: eagerly three whole buffers at once,
   # and TF's CPU allocator keeps them for the life of the process (on backend='xla' nothing
   # else ever reuses them). Computed as one graph, each op writes into its input's buffer.
-  if backend == 'xla':
-    pytest.importorskip('jax')
-  tg.keras.enable(backend)
+  _keras_on(backend)
   units = 2048  # a kernel of 1024 x 2048 float32: 8 MiB, the size from which a graph is used
 
   def make(seed):

@@ -149,7 +149,7 @@ def run(compiled: Compiled, xla_run: XlaRun, flat_args, sharded_variables: dict)
   ]
   inputs += xla_run.captures
   holders = [sharded_variables[id(v)] for v in compiled.variables]
-  inputs += [holder.array if holder.array is not None else holder.shards for holder in holders]
+  inputs += [holder.step_input() for holder in holders]
   first_variable = len(flat_args) + len(xla_run.captures)
   executable = xla_run.executable
   flat = []

@@ -286,6 +286,11 @@ class XlaShardedVariable:
     self._shards, self._array = buffers, None
     self._refresh_mirror()
 
+  def step_input(self):
+    """What a program takes as this variable's parameter: the array a step left, as it is,
+    else the per-replica buffers (`PjrtExecutable.array_of` takes either)."""
+    return self._array if self._array is not None else self.shards
+
   @property
   def array(self):
     """The array over the replicas a step left (None when the value is held as buffers)."""
