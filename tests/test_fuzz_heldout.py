@@ -10,7 +10,14 @@ from float64 (TF, XLA, and the same program on inputs rounded another way: `fuzz
   doubled partial sum: every other output, the forward values included, is bitwise the
   unpartitioned one.
 - 512, 528: inputs rounded another way move the unpartitioned result as far as the partitioned
-  one is (512: 1.6e-05 .. 7.9e-05 from float64; partitioned 1.5e-04).
+  one is (512 on an AMD EPYC: 1.6e-05 .. 7.9e-05 from float64, partitioned 1.5e-04). On an
+  Intel Xeon with AMX (another CPU, other kernels) the first five witnesses reached only
+  6.7e-05 and 512 failed: its first scale gradient cancels (the second batch norm undoes the
+  scale but for its epsilon), and the channel split's narrower kernels sum in another order.
+  No collective runs; every device computes the unpartitioned ops on two channels. The later
+  witnesses move inputs by up to 2, 4 and 8 units (`fuzz.nudge_ulps`, backward error analysis:
+  a float32 program's rounding is the exact computation on inputs moved by about its depth in
+  units of rounding), and one of them lands as far as the partitioned result.
 - 92: a strict expected failure: the partitioned gradient is systematically 2-4x further from
   float64 than every unpartitioned witness (measured over 5 input roundings); it comes from the
   channel split (a batch split alone is as accurate), not from Grappler (unpartitioned without
@@ -280,6 +287,18 @@ def build_777123_528(dtype=np.float32):
 
 def test_fuzz_777123_528():
   fuzz.check(build_777123_528, backend='tf')
+
+
+def test_a_nudged_witness_moves_each_input_by_at_most_its_units():
+  """Witness k moves an element by a whole number of units in the last place, at most
+  `nudge_ulps(k)`, and the later witnesses move by more (1, 2, 4, 8)."""
+  value = np.linspace(-3.0, 3.0, 4001).astype(np.float32)
+  assert [fuzz.nudge_ulps(k) for k in range(0, fuzz.NUDGED_WITNESSES, 4)] == [1, 2, 4, 8]
+  for ulps in (1, 2, 8):
+    moved = fuzz._nudge(value, np.random.RandomState(0), ulps)
+    units = np.abs(moved.view(np.int32).astype(np.int64) - value.view(np.int32))
+    units = np.where(np.sign(moved) == np.sign(value), units, 0)
+    assert moved.dtype == np.float32 and units.max() == ulps, (ulps, units.max())
 
 
 def test_judge_of_a_cancelled_gradient_still_catches_a_real_error():

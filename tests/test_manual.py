@@ -84,6 +84,38 @@ def test_a_region_is_found_once_by_propagation_and_read_by_the_partitioner(monke
   assert _hand_written(step) == {('all_reduce', ('x',)): 1}
 
 
+def _two_regions(x, y):
+  """Two `tg.shard_map` regions in a row: the first entered twice (x and y), left once."""
+
+  def body(a, b):
+    return tg.psum(a * b, 'model')
+
+  z = tg.shard_map(body, MESH24, (tg.P('data', 'model'),) * 2, tg.P('data', None))(x, y)
+  w = tg.shard_map(lambda c: c * 2.0, MESH24, tg.P('data', None), tg.P('data', None))(z)
+  return w + 1.0
+
+
+def test_each_region_is_an_object_with_its_entries_exits_and_axes():
+  x, y = _rand(4, 8), _rand(4, 8, seed=1)
+  propagation = tg.propagate(tf.function(_two_regions), x, y, mesh=MESH24)
+  regions = propagation.manual_regions.regions
+  assert [r.name for r in regions] == ['manual_region_0', 'manual_region_1']
+  first, second = regions
+  assert (len(first.entries), len(first.exits)) == (2, 1)  # x and y meet in one region
+  assert (len(second.entries), len(second.exits)) == (1, 1)
+  assert first.axes == second.axes == ('data', 'model')
+  assert not first.tensors & second.tensors
+  exit_op = propagation.program.main.node(first.exits[0])
+  inside = exit_op.inputs[0]
+  assert propagation.manual_regions.region_of_tensor(first.graph, inside) is first
+  assert propagation.manual_regions[(first.graph, inside)] == first.axes
+  step = tg.partition(tf.function(_two_regions), MESH24)
+  # each partition's block of x * y summed over 'model': column k * 2 + j of model shard k
+  assert_close(step(x, y), 2.0 * (x * y).reshape(4, 4, 2).sum(1) + 1.0)
+  (record,) = [c for c in step.collectives() if 'by hand' in c['why']]
+  assert 'manual_region_0' in record['why'] and "('data', 'model')" in record['why']
+
+
 @pytest.mark.parametrize('backend', BACKENDS)
 def test_tf_manual_region_without_collectives(backend):
   x = _rand(16, 4)

@@ -104,15 +104,18 @@ def _where(node) -> str:
   return f'{node.op} {node.name}'
 
 
-def _note(p: Partitioner, kind: str, axes, tensor: tf.Tensor, node, **params) -> None:
-  """Report a collective written by hand, as the partitioner reports its own."""
+def _note(p: Partitioner, kind: str, axes, tensor: tf.Tensor, node, graph, **params) -> None:
+  """Report a collective written by hand, as the partitioner reports its own, naming the
+  region it is written in."""
+  region = p.manual_region(graph, node.outputs[0].name)
+  where = region.describe() if region is not None else 'a manual region'
   record = {
     'kind': kind,
     'axes': tuple(axes),
     'shape': tuple(tensor.shape),
     'dtype': tensor.dtype.name,
     'bytes': int(tensor.shape.num_elements() or 0) * tensor.dtype.size,
-    'why': f'written by hand: {node.op} {node.name} in a manual region',
+    'why': f'written by hand: {node.op} {node.name} in {where}',
   }
   record.update(params)
   p.note_collective(record)
@@ -183,7 +186,7 @@ def collective_handler(p: Partitioner, graph, node, operands):
       },
       key=p.mesh.axis_names.index,
     )
-    _note(p, 'permute', moved, x.tensor, node)
+    _note(p, 'permute', moved, x.tensor, node, graph)
     y = p.backend.permute(x.tensor, pairs)
     return [p.finish(graph, Local(y, x.sharding, out_shape), out_name)]
   axes = _group_axes(p, graph, node, 1, region)
@@ -191,7 +194,7 @@ def collective_handler(p: Partitioner, graph, node, operands):
   op = _reduction(node, params)
   if kind == 'all_reduce':
     x = p.reshard(x, x.sharding.without_partial(), why)
-    _note(p, 'all_reduce', axes, x.tensor, node, reduction=op)
+    _note(p, 'all_reduce', axes, x.tensor, node, graph, reduction=op)
     y = p.backend.all_reduce(x.tensor, axes, 'sum' if op == 'mean' else op)
     if op == 'mean':
       y = y / tf.cast(k, y.dtype)
@@ -206,7 +209,7 @@ def collective_handler(p: Partitioner, graph, node, operands):
         f'split_dimension {split} of shape {list(x.shape)} must divide into the group size.'
       )
     x = _whole(p, x, {split, concat}, why)
-    _note(p, 'all_to_all', axes, x.tensor, node)
+    _note(p, 'all_to_all', axes, x.tensor, node, graph)
     y = p.backend.all_to_all(x.tensor, axes, split, concat)
     return [p.finish(graph, Local(y, x.sharding, out_shape), out_name)]
   if kind == 'reduce_scatter':
@@ -217,7 +220,7 @@ def collective_handler(p: Partitioner, graph, node, operands):
         f'into the {k} members of mesh axes {axes}.'
       )
     x = _whole(p, x, {dim}, why)
-    _note(p, 'reduce_scatter', axes, x.tensor, node, reduction=op)
+    _note(p, 'reduce_scatter', axes, x.tensor, node, graph, reduction=op)
     y = p.backend.reduce_scatter(x.tensor, axes, dim, 'sum' if op == 'mean' else op)
     if op == 'mean':
       y = y / tf.cast(k, y.dtype)
@@ -276,7 +279,7 @@ def _custom_call(p: Partitioner, graph, node, operands, region):
     axes, dim = tuple(config['axes']), int(config['dim'])
     _check_manual(node, axes, region, p.mesh)
     x = _whole(p, operands[0], {dim}, f'operand of all_gather {node.name}')
-    _note(p, 'all_gather', axes, x.tensor, node)
+    _note(p, 'all_gather', axes, x.tensor, node, graph)
     y = p.backend.all_gather(x.tensor, axes, dim)
     value = Local(y, x.sharding, global_shape(graph, out_name))
     return [p.finish(graph, value, out_name)]

@@ -84,9 +84,9 @@ class Partitioner:
     lookup: `lookup(partitioner, node, graph) -> (handler, how)`.
     coalescer: defers pending sums and fuses their all-reduces (`coalesce.Coalescer`);
       None resolves each where it is produced.
-    manual_regions: (graph, tensor) -> mesh axes, every tensor inside a manual region, as
-      propagation found them (`Propagation.manual_regions`): one search, in
-      `propagation/manual.py`, for both.
+    manual_regions: the program's manual regions (`manual.ManualRegions`) as propagation
+      found them (`Propagation.manual_regions`): one search, in `propagation/manual.py`,
+      for both.
   """
 
   def __init__(
@@ -98,7 +98,7 @@ class Partitioner:
     resharder,
     lookup,
     coalescer=None,
-    manual_regions: Optional[Dict[tuple, tuple]] = None,
+    manual_regions=None,
   ):
     self.program = program
     self.target = target
@@ -114,9 +114,9 @@ class Partitioner:
     self._resource_shapes: Dict[str, Dict[str, tuple]] = {}
     # Pending sums resolved late, through linear ops, in buckets (graph_rewrite/coalesce.py).
     self._coalescer = coalescer
-    # (graph, tensor) -> the mesh axes it is manual over: the regions propagation found
-    # (`Propagation.manual_regions`); found here only for a partitioner given none (tests).
-    self._manual: Optional[Dict[tuple, tuple]] = manual_regions
+    # The manual regions propagation found (`Propagation.manual_regions`, a
+    # `manual.ManualRegions`); found here only for a partitioner given none (tests).
+    self._manual = manual_regions
     # (source tensor, its sharding, target sharding) -> the resharded value (see `reshard`).
     self._reshards: Dict[tuple, Local] = {}
 
@@ -179,13 +179,18 @@ class Partitioner:
   def replicate(self, value: Local, why: str = '') -> Local:
     return self.reshard(value, replicated(self.mesh, len(value.shape)), why)
 
-  def manual_axes(self, graph: ir.Graph, tensor: str) -> tuple:
-    """The mesh axes `tensor` is manual over (inside a manual region), or ()."""
+  def manual_region(self, graph: ir.Graph, tensor: str):
+    """The manual region (`manual.Region`) computing `tensor`, or None."""
     if self._manual is None:
       from tf_gspmd.propagation import manual
 
       self._manual = manual.regions(self.program, self.mesh)
-    return self._manual.get((graph.name, tensor), ())
+    return self._manual.region_of_tensor(graph.name, tensor)
+
+  def manual_axes(self, graph: ir.Graph, tensor: str) -> tuple:
+    """The mesh axes `tensor` is manual over (inside a manual region), or ()."""
+    region = self.manual_region(graph, tensor)
+    return region.axes if region is not None else ()
 
   def _into_region(self, graph: ir.Graph, node: ir.Node, operands: List[Local]) -> List[Local]:
     """Operands of a node inside a manual region, none split over its manual axes.

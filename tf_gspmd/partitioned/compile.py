@@ -241,7 +241,7 @@ def _through_identities(graph: ir.Graph, tensor: str) -> ir.Node:
 def _per_partition_function(
   program: ir.Program,
   target,
-  manual_regions: dict,
+  manual_regions,
   mesh: Mesh,
   *,
   inputs,

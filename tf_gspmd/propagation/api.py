@@ -44,9 +44,10 @@ class Propagation:
     return dict(self.result.shardings[graph or self.program.main.name])
 
   @property
-  def manual_regions(self) -> dict:
-    """(graph name, tensor) -> the mesh axes the tensor is manual over, for every tensor
-    inside a manual region (`manual.regions`, found once here; the partitioner reads it)."""
+  def manual_regions(self):
+    """The program's manual regions (`manual.ManualRegions`: each `Region` named, with its
+    entries, exits, manual axes and tensors; as a mapping, (graph name, tensor) -> the mesh
+    axes the tensor is manual over), found once here; the partitioner reads them."""
     return self.result.manual
 
   def target(self, graph: ir.Graph, tensor_name: str) -> NamedSharding:

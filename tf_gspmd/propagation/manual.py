@@ -10,13 +10,17 @@ axes stay automatic inside it (propagated and partitioned as usual, on the
 region's shard-shaped tensors). `tg.shard_map` writes the same ops and names its
 manual axes in the attr `_tf_gspmd_manual_axes`.
 
-`regions(program, mesh)` says, for every tensor inside a region, the mesh axes
-it is manual over: forward from each region entry (and from `tg.axis_index`),
-through every op with a manual operand, up to the region exits. Propagation
-never gives such a tensor a manual axis (the region is a boundary: its in and
-out layouts are fixed by the entry and exit ops), and the partitioner computes
-its ops on per-partition values. `boundary(node, graph, mesh)` reads an entry or
-exit op.
+`regions(program, mesh)` finds the regions once, as `Region` objects: each is
+named (`manual_region_0`, ...), with its graph, the mesh axes it is manual over,
+its entries (the `XlaSpmdFullToShardShape` ops, and `tg.axis_index`'s custom
+calls), its exits and every tensor computed inside it: forward from each entry,
+through every op with a manual operand, up to the exits, entries whose values
+meet in one op joining one region. The `ManualRegions` it returns maps a
+tensor to its axes and to its region; propagation reads it (a region is a
+boundary: its in and out layouts are fixed by its entry and exit ops) and hands
+the same object to the partitioner, which computes the region's ops on
+per-partition values and names the region in the collectives written inside
+it. `boundary(node, graph, mesh)` reads an entry or exit op.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -37,6 +41,7 @@ ENTER = 'XlaSpmdFullToShardShape'
 EXIT = 'XlaSpmdShardToFullShape'
 
 Key = Tuple[str, str]
+ManualAxes = Mapping[Key, Tuple[str, ...]]  # (graph, tensor) -> the mesh axes it is manual over
 __all__ = ['ALL_GATHER_TARGET', 'AXIS_INDEX_TARGET', 'CHECK_ATTR', 'MANUAL_AXES_ATTR']
 
 
@@ -183,18 +188,113 @@ def boundary(node: ir.Node, graph: ir.Graph, mesh: Mesh) -> Boundary:
   )
 
 
-def regions(program: ir.Program, mesh: Mesh) -> Dict[Key, Tuple[str, ...]]:
-  """(graph, tensor) -> the mesh axes it is manual over, for every tensor inside a region."""
-  found: Dict[Key, Tuple[str, ...]] = {}
+@dataclasses.dataclass(frozen=True)
+class Region:
+  """One manual region: where it is entered and left, and what is computed inside it.
+
+  `entries`: the nodes making its first per-partition values (`XlaSpmdFullToShardShape`,
+  `tg.axis_index`'s custom call); `exits`: its `XlaSpmdShardToFullShape` nodes;
+  `tensors`: every tensor inside it (the entries' results included).
+  """
+
+  name: str
+  graph: str
+  axes: Tuple[str, ...]
+  entries: Tuple[str, ...]
+  exits: Tuple[str, ...]
+  tensors: FrozenSet[str]
+
+  def describe(self) -> str:
+    return (
+      f'{self.name} (manual over mesh axes {self.axes}; entered at {list(self.entries)}, '
+      f'left at {list(self.exits)})'
+    )
+
+
+class ManualRegions(Mapping[Key, Tuple[str, ...]]):
+  """Every manual region of a program, found once (`regions`).
+
+  As a mapping: (graph name, tensor) -> the mesh axes the tensor is manual over, for
+  every tensor inside a region; `region_of_tensor` gives the `Region` itself.
+  """
+
+  def __init__(self, regions: Sequence[Region] = ()):
+    self.regions: Tuple[Region, ...] = tuple(regions)
+    self._of: Dict[Key, Region] = {(r.graph, t): r for r in self.regions for t in r.tensors}
+
+  def __getitem__(self, key: Key) -> Tuple[str, ...]:
+    return self._of[key].axes
+
+  def __iter__(self) -> Iterator[Key]:
+    return iter(self._of)
+
+  def __len__(self) -> int:
+    return len(self._of)
+
+  def region_of_tensor(self, graph: str, tensor: str) -> Optional[Region]:
+    return self._of.get((graph, tensor))
+
+
+def regions(program: ir.Program, mesh: Mesh) -> ManualRegions:
+  """Every manual region of `program` (see the module doc), each found once."""
+  found: List[Region] = []
   for graph in program.graphs():
-    _flood(graph, mesh, found)
-  return found
+    found.extend(_flood(graph, mesh))
+  named = [dataclasses.replace(r, name=f'manual_region_{i}') for i, r in enumerate(found)]
+  return ManualRegions(named)
 
 
-def _flood(graph: ir.Graph, mesh: Mesh, found: Dict[Key, Tuple[str, ...]]) -> None:
-  g = graph.name
+class _Members:
+  """The regions of one graph as they are found: union-find over region ids (two
+  entries whose values meet in one op are one region)."""
+
+  def __init__(self):
+    self.parent: List[int] = []
+    self.axes: List[Tuple[str, ...]] = []
+    self.of: Dict[str, int] = {}  # tensor -> region id
+    self.entries: Dict[int, List[str]] = {}
+    self.exits: Dict[int, List[str]] = {}
+
+  def new(self, axes: Tuple[str, ...], entry: str) -> int:
+    self.parent.append(len(self.parent))
+    self.axes.append(axes)
+    self.entries[len(self.parent) - 1] = [entry]
+    return len(self.parent) - 1
+
+  def root(self, i: int) -> int:
+    while self.parent[i] != i:
+      self.parent[i] = self.parent[self.parent[i]]
+      i = self.parent[i]
+    return i
+
+  def axes_of(self, tensor: str) -> Optional[Tuple[str, ...]]:
+    i = self.of.get(tensor)
+    return None if i is None else self.axes[i]
+
+  def join(self, tensors: Sequence[str]) -> int:
+    roots = sorted({self.root(self.of[t]) for t in tensors})
+    for r in roots[1:]:
+      self.parent[r] = roots[0]
+    return roots[0]
+
+  def regions(self, graph: str) -> List[Region]:
+    members: Dict[int, List[str]] = {}
+    for tensor, i in self.of.items():
+      members.setdefault(self.root(i), []).append(tensor)
+    out = []
+    for r in sorted(members):
+      ids = [i for i in range(len(self.parent)) if self.root(i) == r]
+      entries = tuple(e for i in ids for e in self.entries.get(i, ()))
+      exits = tuple(e for i in ids for e in self.exits.get(i, ()))
+      out.append(Region('', graph, self.axes[r], entries, exits, frozenset(members[r])))
+    return out
+
+
+def _flood(graph: ir.Graph, mesh: Mesh) -> List[Region]:
+  found = _Members()
   for node in graph.nodes:
-    ins = {found[(g, t)] for t in node.inputs if (g, t) in found}
+    inside = [t for t in node.inputs if t in found.of]
+    ins = {found.axes_of(t) for t in inside}
     if node.op == ENTER:
       b = boundary(node, graph, mesh)
       if ins:
@@ -202,7 +302,7 @@ def _flood(graph: ir.Graph, mesh: Mesh, found: Dict[Key, Tuple[str, ...]]) -> No
           f'{node.op} {node.name}: its operand is already inside a manual region '
           f'(manual over {sorted(ins)}); nested manual regions are not supported.'
         )
-      found[(g, node.outputs[0].name)] = b.manual
+      found.of[node.outputs[0].name] = found.new(b.manual, node.name)
       continue
     if node.op == EXIT:
       b = boundary(node, graph, mesh)
@@ -211,15 +311,17 @@ def _flood(graph: ir.Graph, mesh: Mesh, found: Dict[Key, Tuple[str, ...]]) -> No
           f'{node.op} {node.name}: its operand is manual over mesh axes {sorted(ins)[0]}, '
           f'but its manual_sharding makes it leave a region manual over {b.manual}.'
         )
+      if inside:
+        found.exits.setdefault(found.join(inside), []).append(node.name)
       continue
     if custom_target(node) == AXIS_INDEX_TARGET:
       axes = tuple(custom_config(node).get('region', ()))
-      found[(g, node.outputs[0].name)] = axes
+      found.of[node.outputs[0].name] = found.new(axes, node.name)
       continue
     if _per_output(node):  # IdentityN (tf.custom_gradient's): result i is operand i
       for t, out in zip(node.inputs, node.outputs):
-        if (g, t) in found:
-          found[(g, out.name)] = found[(g, t)]
+        if t in found.of:
+          found.of[out.name] = found.of[t]
       continue
     annotated = [s for s in node.annotations.values() if is_manual_sharding(s)]
     if not ins:
@@ -248,8 +350,10 @@ def _flood(graph: ir.Graph, mesh: Mesh, found: Dict[Key, Tuple[str, ...]]) -> No
           f'{node.op} {node.name}: annotated fully manual ({s}) inside a region manual only '
           f'over {axes} of mesh {mesh}.'
         )
+    region = found.join(inside)
     for out in node.outputs:
-      found[(g, out.name)] = axes
+      found.of[out.name] = region
+  return found.regions(graph.name)
 
 
 def _per_output(node: ir.Node) -> bool:
@@ -263,7 +367,7 @@ def per_output(node: ir.Node) -> bool:
   return _per_output(node)
 
 
-def region_of(found: Dict[Key, Tuple[str, ...]], graph: ir.Graph, node: ir.Node):
+def region_of(found: ManualAxes, graph: ir.Graph, node: ir.Node):
   """The manual axes of the region `node` computes in (from its results), or ()."""
   for out in node.outputs:
     axes = found.get((graph.name, out.name))
@@ -311,12 +415,12 @@ def region_size(mesh: Mesh, axes: Sequence[str]) -> int:
   return math.prod(mesh.axis_size(a) for a in axes)
 
 
-def manual_axes_list(found: Dict[Key, Tuple[str, ...]]) -> List[Tuple[str, ...]]:
+def manual_axes_list(found: ManualAxes) -> List[Tuple[str, ...]]:
   return sorted(set(found.values()))
 
 
 # --- replication a region can be seen to produce -------------------------------------
-def check_replication(program: ir.Program, mesh: Mesh, found: Dict[Key, Tuple[str, ...]]) -> None:
+def check_replication(program: ir.Program, mesh: Mesh, found: ManualAxes) -> None:
   """Refuse an exit asserting replication over manual axes (`tg.shard_map`'s out spec leaving
   them out, with `check`) whose value the graph does not show to be replicated over them."""
   for graph in program.graphs():
@@ -402,7 +506,7 @@ def _is_handle(graph: ir.Graph, tensor: str) -> bool:
 
 
 # --- collectives written inside regions, checked before anything is traced ---------------
-def check_collectives(program: ir.Program, mesh: Mesh, found: Dict[Key, Tuple[str, ...]]) -> None:
+def check_collectives(program: ir.Program, mesh: Mesh, found: ManualAxes) -> None:
   """Refuse a collective written by hand that cannot run as written: outside any region,
   over an axis not manual in its region, groups that are no mesh axes' groups, a permute
   that is not a permutation, a split the group does not divide; and an exit whose operand is

@@ -108,8 +108,9 @@ class Propagator:
     self._warned = set()
     self.level = 0
     self._active = []
-    # (graph, tensor) -> the mesh axes it is manual over (inside a manual region): never given.
-    self.manual: Dict[Key, Tuple[str, ...]] = {}
+    # The manual regions (`manual.ManualRegions`: (graph, tensor) -> the mesh axes it is
+    # manual over, and its region): a tensor's manual axes are never given to it.
+    self.manual = manual.ManualRegions()
     # The origins a variable's layout has in provenance (`_from_weight`): its key and its name.
     main = program.main.name
     self._weight_origins = {qualified(program, (main, t)) for t in program.variables}
@@ -562,7 +563,7 @@ class Propagator:
     result = PropagationResult(
       self.program, self.mesh, shardings, provenance, self.infos, self.warnings, iterations
     )
-    result.manual = dict(self.manual)
+    result.manual = self.manual
     return result
 
   def _fallback_provenance(self, info: _NodeInfo, index: int, rank: int, aux: bool) -> Provenance:

@@ -4,7 +4,7 @@ from (`PropagationResult`), and the provenance kinds."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from tf_gspmd.graph import ir
 from tf_gspmd.propagation.rule import OpRule
@@ -87,8 +87,9 @@ class PropagationResult:
     self._infos = infos
     self.warnings: List[str] = warnings_list
     self.iterations = iterations  # sweeps run per level
-    # (graph, tensor) -> mesh axes it is manual over, for tensors inside manual regions.
-    self.manual: Dict[Key, Tuple[str, ...]] = {}
+    # The manual regions (`manual.ManualRegions`): (graph, tensor) -> the mesh axes it is
+    # manual over, for tensors inside them (set by propagation).
+    self.manual: Mapping[Key, Tuple[str, ...]] = {}
 
   def _split(self, name: str, graph: Optional[str]) -> Key:
     if graph is None and '::' in name:

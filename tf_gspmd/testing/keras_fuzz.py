@@ -264,7 +264,8 @@ def compare(build, got, want) -> Optional[str]:
 def _witnesses(build):
   """More float32 runs of the plain model, as the program fuzzer takes (fuzz.compare), made
   one at a time: compiled by XLA (other summation orders), then from starting weights
-  rounded to float32 another way (`fuzz._nudge`: one unit in the last place)."""
+  rounded to float32 other ways (`fuzz._nudge`: up to `fuzz.nudge_ulps(k)` units in the last
+  place)."""
   try:
     yield _records_tree(execute(build, 'jit'))
   except Exception:  # noqa: BLE001  (an op XLA cannot compile: no witness)
@@ -272,7 +273,8 @@ def _witnesses(build):
   initial = _initial(build)
   for k in range(fuzz.NUDGED_WITNESSES):
     rng = np.random.RandomState(k)
-    nudged = [_nudge(v, rng) if v.dtype.kind == 'f' else v for v in initial]
+    ulps = fuzz.nudge_ulps(k)
+    nudged = [_nudge(v, rng, ulps) if v.dtype.kind == 'f' else v for v in initial]
     yield _records_tree(execute(build, 'plain', nudged))
 
 
