@@ -17,7 +17,10 @@ weight splits, replicated steps, and for the CNN output- or input-channel splits
 Prints the fit used (and its error on its own calibration steps), one row per layout
 (predicted ms, measured ms, predicted/measured), the predicted order against the measured
 order, Spearman's rank correlation per model and over all layouts (numpy: Pearson of the
-ranks, ties averaged) and the range of predicted/measured. The timings share the machine
+ranks, ties averaged) and the range of predicted/measured; without --refit also the clock's
+agreement with itself (Spearman between the medians of the odd and of the even rounds, per
+model: where layouts differ by less than the noise, no model can rank them better than
+that). The timings share the machine
 with whatever else runs on it: say so when quoting them. `--refit` measures the
 calibration steps again (`fit.calibrate_steps`) in the same rounds as the layouts (so
 under the same load), fits on them alone and caches the fit for this CPU; `--save PATH`
@@ -211,8 +214,12 @@ def main(argv=None) -> int:
       runs.append(run)
   if args.refit:  # the calibration steps timed in the same rounds as the layouts: same load
     times = fit.calibrate_steps(steps=args.steps, also=runs)['also']
+    halves = None
   else:
-    times = fit.measure_round_robin(runs, args.steps)
+    rounds = fit.timed_rounds(runs, args.steps)
+    times = [float(np.median(t)) for t in rounds]
+    # the clock against itself: the medians of the odd and of the even rounds
+    halves = [[float(np.median(t[k::2])) for t in rounds] for k in (0, 1)]
   profile = _print_fit()
   rows, saved = [], []
   for (model, name), evaluation, measured in zip(labels, predicted, times):
@@ -225,6 +232,8 @@ def main(argv=None) -> int:
       flush=True,
     )
   _print_orders(rows)
+  if halves is not None and args.steps >= 4:
+    _print_self_agreement(labels, halves)
   if args.save:
     with open(args.save, 'w') as f:
       json.dump(saved, f, indent=1)
@@ -273,6 +282,19 @@ def _print_orders(rows) -> None:
     print(
       f'{model}: Spearman rank correlation {rho:.3f} over {len(mine)} layouts; '
       f'predicted/measured {min(ratios):.2f}-{max(ratios):.2f}'
+    )
+
+
+def _print_self_agreement(labels, halves) -> None:
+  """How well the clock orders the layouts against itself: Spearman between the medians of
+  the odd and of the even rounds, per model (a model's layouts whose steps differ by less
+  than the noise cannot be ranked above what this says)."""
+  for model in ('transformer', 'cnn'):
+    mine = [i for i, (m, _) in enumerate(labels) if m == model]
+    odd, even = ([h[i] for i in mine] for h in halves)
+    print(
+      f'{model}: the clock against itself (odd rounds vs even rounds): Spearman '
+      f'{spearman(odd, even):.3f} over {len(mine)} layouts'
     )
 
 

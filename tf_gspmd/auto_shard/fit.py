@@ -381,13 +381,18 @@ def prepare(mesh: Mesh, build, specs, batch_axes, warmup: int = 1) -> Tuple[Step
 def measure_round_robin(runs: Sequence[Callable], steps: int) -> List[float]:
   """Median seconds of each run's step, taken in turn so that load from other processes
   falls on every one alike."""
+  return [float(np.median(t)) for t in timed_rounds(runs, steps)]
+
+
+def timed_rounds(runs: Sequence[Callable], steps: int) -> List[List[float]]:
+  """Per run, the seconds of each of its `steps` steps, the runs taken in turn each round."""
   times: List[List[float]] = [[] for _ in runs]
   for _ in range(steps):
     for i, run in enumerate(runs):
       start = time.perf_counter()
       run()
       times[i].append(time.perf_counter() - start)
-  return [float(np.median(t)) for t in times]
+  return times
 
 
 def calibrate_steps(
