@@ -5,7 +5,7 @@ every backend, live in `tf_gspmd.collectives`; they are re-exported here for old
 from __future__ import annotations
 
 import functools
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -194,23 +194,12 @@ class TFCollectives(Collectives):
     send, receive, keep, nothing = _pair_branches(tuple(x.shape.as_list()), x.dtype, self.timeout)
     send_group = self.table(send_key, 'send_key')
     sent = _inlined_if(
-      cond=self.table(send_key != 0, 'sends'),
-      input=[x, send_group, instance],
-      Tout=[x.dtype],
-      then_branch=send,
-      else_branch=keep,
-      output_shapes=[x.shape],
-      name='send',
-    )[0]
+      self.table(send_key != 0, 'sends'), [x, send_group, instance], send, keep, x, 'send'
+    )
+    receiving = [self.table(recv_key, 'recv_key'), instance]
     got = _inlined_if(
-      cond=self.table(recv_key != 0, 'receives'),
-      input=[self.table(recv_key, 'recv_key'), instance],
-      Tout=[x.dtype],
-      then_branch=receive,
-      else_branch=nothing,
-      output_shapes=[x.shape],
-      name='receive',
-    )[0]
+      self.table(recv_key != 0, 'receives'), receiving, receive, nothing, x, 'receive'
+    )
     if stays.any():
       got = tf.where(self.table(stays, 'keeps'), x, got)
     with tf.control_dependencies([sent]):
@@ -247,13 +236,23 @@ class TFCollectives(Collectives):
       return tf.identity(result)
 
 
-def _inlined_if(**kwargs) -> List[tf.Tensor]:
-  """An `If` op TF lowers to Switch/Merge in the caller's graph, as `tf.cond` makes it: its
-  branch's collective runs in the partition's own graph. (Run as a function call instead,
-  each device's branch blocks a thread while it waits for its peer, and the program hangs.)"""
-  outputs = tf.raw_ops.If(**kwargs)
-  set_op_attr(outputs[0].op, '_lower_using_switch_merge', attr_value_pb2.AttrValue(b=True))
-  return outputs
+def _inlined_if(cond, inputs, then_branch, else_branch, like: tf.Tensor, name: str) -> tf.Tensor:
+  """`then_branch(*inputs)` where `cond`, else `else_branch(*inputs)` (each giving a tensor
+  like `like`): an `If` op TF lowers to Switch/Merge in the caller's graph, as `tf.cond`
+  makes it, so the branch's collective runs in the partition's own graph. (Run as a function
+  call instead, each device's branch blocks a thread while it waits for its peer, and the
+  program hangs.)"""
+  (out,) = tf.raw_ops.If(
+    cond=cond,
+    input=inputs,
+    Tout=[like.dtype],
+    then_branch=then_branch,
+    else_branch=else_branch,
+    output_shapes=[like.shape],
+    name=name,
+  )
+  set_op_attr(out.op, '_lower_using_switch_merge', attr_value_pb2.AttrValue(b=True))
+  return out
 
 
 @functools.lru_cache(maxsize=256)
