@@ -281,9 +281,12 @@ class _Members:
     members: Dict[int, List[str]] = {}
     for tensor, i in self.of.items():
       members.setdefault(self.root(i), []).append(tensor)
+    joined: Dict[int, List[int]] = {}  # root -> the ids joined into it
+    for i in range(len(self.parent)):
+      joined.setdefault(self.root(i), []).append(i)
     out = []
     for r in sorted(members):
-      ids = [i for i in range(len(self.parent)) if self.root(i) == r]
+      ids = joined[r]
       entries = tuple(e for i in ids for e in self.entries.get(i, ()))
       exits = tuple(e for i in ids for e in self.exits.get(i, ()))
       out.append(Region('', graph, self.axes[r], entries, exits, frozenset(members[r])))
