@@ -3,6 +3,7 @@
     python examples/multi_worker.py            # train 3 steps across the two workers
     python examples/multi_worker.py --fault    # ... and kill worker 1 mid-step before the last
     python examples/multi_worker.py --hang     # ... or stop it (SIGSTOP: hangs, never dies)
+    python examples/multi_worker.py --fault --hang  # ... both, one after the other
 
 TF's servers listen on all interfaces, not loopback alone, and run any graph a client
 sends: the example refuses to start them without --expose-to-network, which
@@ -28,7 +29,8 @@ task. The example then restarts the workers, connects again,
 partitions again, restores the checkpoint and runs step 3 again. With --hang,
 worker 1 is stopped (SIGSTOP) instead: it keeps its port open and never
 answers, and the step in flight raises a CollectiveError naming it once the
-collective timeout has passed; the recovery is the same.
+collective timeout has passed; the recovery is the same. With both flags, the kill and
+its recovery come first, then the stop and its recovery, then step 3.
 
 The last line is `max relative error vs unpartitioned: <x>`: the largest normwise
 relative error (the oracle's, tf_gspmd.testing; bound 1e-5 for float32) of every
@@ -93,7 +95,8 @@ def main():
   parser.add_argument(
     '--fault',
     action='store_true',
-    help='kill worker 1 before the last step, restart it, restore, continue',
+    help='kill worker 1 before the last step, restart it, restore, continue (with --hang: '
+    'first this, then the stop)',
   )
   parser.add_argument(
     '--hang',
@@ -107,7 +110,7 @@ def main():
     'all interfaces and runs any graph a client sends, file reads and writes included)',
   )
   args = parser.parse_args()
-  fault = 'hang' if args.hang else 'kill' if args.fault else None
+  faults = [kind for kind, asked in (('kill', args.fault), ('hang', args.hang)) if asked]
 
   mesh = tg.Mesh.create((2, 4), ('data', 'model'))
   start = time.time()
@@ -140,7 +143,7 @@ def main():
     errors, ok = [], True
     for i in range(STEPS):
       tokens, labels = transformer.batch(seed=i)
-      if fault and i == STEPS - 1:
+      for fault in faults if i == STEPS - 1 else ():
         step = fail_and_recover(
           workers, step, mesh, model, optimizer, checkpoints, tokens, labels, fault, expose
         )
@@ -156,7 +159,7 @@ def main():
         f'step {i + 1}: loss {float(loss):.7f} unpartitioned {float(want):.7f} '
         f'({seconds:.2f} s){"" if verdict.ok else " MISMATCH"}'
       )
-      if fault and i == STEPS - 2:
+      if faults and i == STEPS - 2:
         record = tg.save_checkpoint(step, checkpoints)
         writers = sorted({cluster.task_of(device) for device, *_ in record.slices})
         print(f'checkpoint {os.path.basename(record.prefix)} written by {writers}')
