@@ -50,11 +50,15 @@ $(XLASTAMP): $(STAMP) requirements-xla.lock
 # Not in it: the XLA-backend files (XLA's own CPU kernels, which TF_ENABLE_ONEDNN_OPTS does
 # not change) and the workflow tests (export, save, callbacks, functions: what they check is
 # which value a variable holds, not the kernels' rounding). Its tests are spread one by one
-# (worksteal): by file, the architecture file alone set the pass's time.
+# (worksteal): by file, the architecture file alone set the pass's time. Left out too: the
+# page and the example of keras_distribution, run in fresh interpreters; they train the
+# Keras guide's model that test_model_parallel_guide_code_matches_plain_keras trains here.
 SECOND_PASS_TESTS := tests/test_keras_distribution.py tests/test_keras_fit.py \
 	tests/test_architectures.py tests/test_one_device.py \
 	tests/test_keras_workflow.py::test_mixed_bfloat16 \
-	tests/test_keras_workflow.py::test_unannotated_output_kernel_replicated_across_train_evaluate_predict
+	tests/test_keras_workflow.py::test_unannotated_output_kernel_replicated_across_train_evaluate_predict \
+	--deselect tests/test_keras_distribution.py::test_readme_keras_distribution_section_runs \
+	--deselect tests/test_keras_distribution.py::test_example_trains_model_parallel_with_keras_progress_bar
 
 # Lint and import order (ruff), the format check (ruff format) and types on the pure
 # modules (mypy, files listed in pyproject.toml). Configured in pyproject.toml.
