@@ -8,9 +8,9 @@ import os
 import pathlib
 import re
 import subprocess
-import sys
 import traceback
 
+import fresh_interpreter
 import keras
 import numpy as np
 import pytest
@@ -32,17 +32,10 @@ def randn(seed, *shape, scale=1.0):
 
 
 def run_python(script: pathlib.Path, timeout: int = 240, args=()) -> subprocess.CompletedProcess:
-  """Run `script` in a fresh interpreter (its own TF devices) with the repo importable."""
+  """Run `script` as a fresh interpreter would (its own TF devices) with the repo importable:
+  forked from one that has imported TensorFlow (tests/fresh_interpreter.py)."""
   env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL='2')
-  return subprocess.run(
-    [sys.executable, str(script), *args],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-    check=False,
-  )
+  return fresh_interpreter.run(str(script), [str(a) for a in args], str(ROOT), env, timeout)
 
 
 # --- Keras models and their data ----------------------------------------------------------

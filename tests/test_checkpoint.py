@@ -26,7 +26,7 @@ import tf_gspmd as tg
 from tf_gspmd.export import checkpoint as ckpt
 from tf_gspmd.testing import assert_close
 
-from helpers import keras_mlp, keras_train_step, mlp_batches  # noqa: E402
+from helpers import keras_mlp, keras_train_step, mlp_batches, run_python  # noqa: E402
 
 SAVED_AFTER = 3  # steps trained before the save
 HIDDEN = 30
@@ -397,10 +397,7 @@ def test_readme_checkpoint_example_runs(tmp_path):
   assert example.strip() == textwrap.dedent(doc[doc.index('::\n') + 3 :]).strip()
   script = tmp_path / 'example.py'
   script.write_text(example)
-  env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL='2')
-  result = subprocess.run(
-    [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240, check=False
-  )
+  result = run_python(script)
   assert result.returncode == 0, result.stderr[-3000:]
   prefix_line, losses = result.stdout.splitlines()
   assert prefix_line.split()[0].endswith('ckpt-1')

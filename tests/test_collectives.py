@@ -7,8 +7,6 @@ needs nothing but `Mesh.groups` / `Mesh.coords`.
 
 import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -18,6 +16,8 @@ import tensorflow as tf
 from tf_gspmd import Mesh
 from tf_gspmd.runtime import SpmdProgram
 from tf_gspmd.testing import assert_close, check
+
+from helpers import run_python
 
 N = 8
 LOCAL = (5, 6)  # odd sizes: every split over 2, 4 or 8 is uneven
@@ -435,11 +435,7 @@ _TIMEOUT_SCRIPT = textwrap.dedent("""
 def test_timed_out_collective_raises_a_clear_error_in_a_subprocess(tmp_path):
   script = tmp_path / 'timeout.py'
   script.write_text(_TIMEOUT_SCRIPT)
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, PYTHONPATH=repo)
-  run = subprocess.run(
-    [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
-  )
+  run = run_python(script, 120)
   assert run.returncode == 0, run.stdout + run.stderr[-3000:]
   out = run.stdout
   elapsed = float(out.split('ELAPSED')[1].split()[0])

@@ -4,18 +4,16 @@ What a new user tries first: `tg.partition` on `Mesh.create((1,), ('data',))`, a
 Keras' `DataParallel()` / a 1x1 `ModelParallel` after `tf_gspmd.keras.enable()`.
 Each partitions to a program with no collectives whose results equal the
 unpartitioned run (the oracle). The test session itself holds 8 logical
-devices, so each case runs in a fresh child process.
+devices, so each case runs in a fresh interpreter (helpers.run_python).
 """
 
-import os
 import pathlib
-import subprocess
-import sys
+import tempfile
 import textwrap
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from helpers import run_python
 
 _PRELUDE = """
 import numpy as np
@@ -90,16 +88,10 @@ print('collectives', len(train[0].collectives()))
 
 
 def _run(code: str, *args: str) -> str:
-  env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL='2')
-  result = subprocess.run(
-    [sys.executable, '-c', textwrap.dedent(_PRELUDE + code), *args],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-    check=False,
-  )
+  with tempfile.TemporaryDirectory() as where:
+    script = pathlib.Path(where) / 'one_device.py'
+    script.write_text(textwrap.dedent(_PRELUDE + code))
+    result = run_python(script, 300, args)
   assert result.returncode == 0, result.stderr[-4000:]
   return result.stdout
 

@@ -20,6 +20,8 @@ from tf_gspmd import Mesh, NamedSharding, P
 from tf_gspmd.graph_rewrite import partitioner as partitioner_lib
 from tf_gspmd.planning import activation_peak
 
+from helpers import run_python
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'examples'))
 import moe  # noqa: E402
 import plan_2048 as models  # noqa: E402
@@ -150,7 +152,6 @@ def test_readme_planning_at_scale_example_runs_verbatim(tmp_path):
   """docs/scaling_out.md, 'Planning at scale': its block runs and prints what the text says."""
   import pathlib
   import re
-  import subprocess
 
   root = pathlib.Path(__file__).resolve().parent.parent
   page = (root / 'docs' / 'scaling_out.md').read_text()
@@ -158,16 +159,7 @@ def test_readme_planning_at_scale_example_runs_verbatim(tmp_path):
   block = re.search(r'```python\n(.*?)```', section, re.S).group(1)
   script = tmp_path / 'readme_planning.py'
   script.write_text(block)
-  env = dict(os.environ, PYTHONPATH=str(root), TF_CPP_MIN_LOG_LEVEL='2')
-  result = subprocess.run(
-    [sys.executable, str(script)],
-    cwd=root,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=240,
-    check=False,
-  )
+  result = run_python(script)
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stdout.splitlines()
   assert lines[0] == '4294967296 2097152 2097152' and lines[0] in section

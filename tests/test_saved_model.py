@@ -27,6 +27,8 @@ import tf_gspmd as tg
 from tf_gspmd.sharding import named_for_rank
 from tf_gspmd.testing import assert_close
 
+from helpers import run_python
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / 'examples' / 'keras'))
 sys.path.insert(0, str(ROOT / 'examples'))
@@ -432,16 +434,7 @@ def test_readme_save_serve_restore_example_runs_verbatim(tmp_path):
   block = section.split('```python\n', 1)[1].split('```', 1)[0]
   script = tmp_path / 'readme_save_serve.py'
   script.write_text(block)  # a file, as tests/test_readme.py runs README blocks
-  env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL='2')
-  done = subprocess.run(
-    [sys.executable, str(script)],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=240,
-    check=False,
-  )
+  done = run_python(script)
   assert done.returncode == 0, done.stderr[-3000:]
   assert done.stdout.splitlines() == [
     '5120 5120',
