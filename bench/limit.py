@@ -49,6 +49,8 @@ import sys
 import time
 from typing import Dict
 
+import quick_children  # sibling: --quick's children forked, TF imported once
+
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # before TensorFlow is first imported
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -352,7 +354,9 @@ def jax_python():
   return None
 
 
-def spawn(system: str, name: str, cfg: dict, steps: int, timeout: float) -> dict:
+def spawn(
+  system: str, name: str, cfg: dict, steps: int, timeout: float, quick: bool = False
+) -> dict:
   python, env = sys.executable, dict(os.environ, KERAS_BACKEND='tensorflow')
   if system == 'keras_jax':
     python = jax_python()
@@ -364,9 +368,7 @@ def spawn(system: str, name: str, cfg: dict, steps: int, timeout: float) -> dict
   cmd = [python, os.path.abspath(__file__), '--child', system, name, json.dumps(cfg), str(steps)]
   start = time.perf_counter()
   try:
-    proc = subprocess.run(
-      cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT, check=False
-    )
+    proc = quick_children.run(cmd, env, ROOT, timeout, quick)
   except subprocess.TimeoutExpired:
     return {'error': f'timed out after {timeout:.0f} s'}
   print(f'  {name} / {system}: {time.perf_counter() - start:.0f} s', file=sys.stderr)
@@ -521,7 +523,9 @@ def main(argv=None) -> int:
   steps = 2 if flags.quick else flags.steps
   for name in models:
     cfg = configs[name]
-    results[name] = {s: spawn(s, name, cfg, steps, flags.timeout) for s in flags.systems.split(',')}
+    results[name] = {
+      s: spawn(s, name, cfg, steps, flags.timeout, flags.quick) for s in flags.systems.split(',')
+    }
     lines += report(name, cfg, results[name])
   print('\n'.join(lines))
   if flags.json:

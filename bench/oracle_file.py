@@ -9,17 +9,20 @@ import importlib.util
 import os
 import sys
 
-_NAME = 'tf_gspmd_testing_oracle'
-_PATH = os.path.join(
-  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'tf_gspmd', 'testing', 'oracle.py'
-)
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_package_file(name: str, *path: str):
+  """The module at tf_gspmd's `path` (parts under the repository root), loaded from its file
+  as `name` (once per process), without importing tf_gspmd or TensorFlow."""
+  if name not in sys.modules:
+    spec = importlib.util.spec_from_file_location(name, os.path.join(_ROOT, *path))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+  return sys.modules[name]
 
 
 def load():
   """The oracle module (loaded once per process)."""
-  if _NAME not in sys.modules:
-    spec = importlib.util.spec_from_file_location(_NAME, _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[_NAME] = module
-    spec.loader.exec_module(module)
-  return sys.modules[_NAME]
+  return load_package_file('tf_gspmd_testing_oracle', 'tf_gspmd', 'testing', 'oracle.py')

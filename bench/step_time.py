@@ -89,6 +89,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import oracle_file  # noqa: E402  (sibling: the oracle without importing TensorFlow)
+import quick_children  # noqa: E402  (sibling: --quick's children forked, TF imported once)
 
 NUM_DEVICES = 8
 RESULT_PREFIX = 'STEP_TIME_RESULT '
@@ -727,9 +728,7 @@ def spawn(model: str, system: str, cfg: dict, args, inputs: Optional[str] = None
   ] + (['--inputs', inputs] if inputs else [])
   start = time.perf_counter()
   try:
-    proc = subprocess.run(
-      cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT, env=env
-    )
+    proc = quick_children.run(cmd, env, ROOT, args.timeout, args.quick)
   except subprocess.TimeoutExpired:
     return {n: {'error': f'error: timed out after {args.timeout:.0f} s'} for n in names}
   print(f'  {model} / {system}: {time.perf_counter() - start:.0f} s', file=sys.stderr)

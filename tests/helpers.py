@@ -10,7 +10,6 @@ import re
 import subprocess
 import traceback
 
-import fresh_interpreter
 import keras
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ import tensorflow as tf
 
 import tf_gspmd as tg
 from tf_gspmd.partitioned import PartitionedFunction
-from tf_gspmd.testing import bound
+from tf_gspmd.testing import bound, fresh_interpreter
 from tf_gspmd.testing.keras_steps import keras_train_step  # noqa: F401  (shared by tests)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -33,7 +32,7 @@ def randn(seed, *shape, scale=1.0):
 
 def run_python(script: pathlib.Path, timeout: int = 240, args=()) -> subprocess.CompletedProcess:
   """Run `script` as a fresh interpreter would (its own TF devices) with the repo importable:
-  forked from one that has imported TensorFlow (tests/fresh_interpreter.py)."""
+  forked from one that has imported TensorFlow (tf_gspmd/testing/fresh_interpreter.py)."""
   env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL='2')
   return fresh_interpreter.run(str(script), [str(a) for a in args], str(ROOT), env, timeout)
 

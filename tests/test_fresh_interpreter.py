@@ -3,8 +3,9 @@
 import os
 import subprocess
 
-import fresh_interpreter
 import pytest
+
+from tf_gspmd.testing import fresh_interpreter
 
 from helpers import ROOT
 
