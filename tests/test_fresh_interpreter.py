@@ -2,6 +2,8 @@
 
 import os
 import subprocess
+import time
+import types
 
 import pytest
 
@@ -62,3 +64,18 @@ def test_another_import_time_environment_runs_a_real_interpreter(tmp_path, monke
   own = fresh_interpreter.run(str(script), [], str(tmp_path), _env(TF_PROBE_OTHER='1'), 60)
   assert int(own.stdout) == os.getpid()  # started by this process, not by the helper
   assert int(forked.stdout) != os.getpid()
+
+
+def test_two_lines_that_arrive_together_are_both_read():
+  """A fast script's two answers (its pid, then its status) can reach the pipe in one read:
+  the second must come from what was read, not from a wait on the then-empty pipe."""
+  read, write = os.pipe()
+  helper = object.__new__(fresh_interpreter._Helper)  # noqa: SLF001  (no process: a pipe)
+  helper._pending = b''  # noqa: SLF001
+  helper.process = types.SimpleNamespace(stdout=os.fdopen(read, 'r'))
+  os.write(write, b'{"pid": 7}\n{"code": 0}\n')
+  deadline = time.monotonic() + 5
+  assert helper._line(deadline) == {'pid': 7}  # noqa: SLF001
+  assert helper._line(deadline) == {'code': 0}  # noqa: SLF001
+  assert time.monotonic() < deadline - 4  # neither waited
+  os.close(write)

@@ -84,6 +84,7 @@ class _Helper:
 
   def __init__(self, env: Dict[str, str]):
     self.env = dict(env)
+    self._pending = b''  # read from the helper's stdout, not yet a whole line
     self.process = subprocess.Popen(
       [sys.executable, '-c', _HELPER],
       stdin=subprocess.PIPE,
@@ -97,17 +98,20 @@ class _Helper:
     return self.process.poll() is None
 
   def _line(self, deadline: float) -> Optional[dict]:
-    out = self.process.stdout
-    while True:
+    """The helper's next line (None at `deadline`), read from its pipe unbuffered: a buffered
+    reader could hold both of a request's lines while select waits on the empty pipe."""
+    fd = self.process.stdout.fileno()
+    while b'\n' not in self._pending:
       left = deadline - time.monotonic()
       if left <= 0:
         return None
-      ready, _, _ = select.select([out], [], [], left)
-      if ready:
-        line = out.readline()
-        if not line:
+      if select.select([fd], [], [], left)[0]:
+        chunk = os.read(fd, 65536)
+        if not chunk:
           raise RuntimeError('the forking interpreter ended unexpectedly')
-        return json.loads(line)
+        self._pending += chunk
+    line, self._pending = self._pending.split(b'\n', 1)
+    return json.loads(line)
 
   def run(self, script: str, args: Sequence[str], cwd: str, env: Dict[str, str], timeout: float):
     with tempfile.TemporaryDirectory(prefix='fresh_') as where:
