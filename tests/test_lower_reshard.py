@@ -14,6 +14,7 @@ test fast; each case is still its own test.
 """
 
 import collections
+import collections.abc
 import os
 import sys
 
@@ -263,15 +264,36 @@ def run_cases(cases):
   }
 
 
-@pytest.fixture(scope='module')
+class _Results(collections.abc.Mapping):
+  """Case name -> run_cases' result, each mesh's cases run together when one of them is first
+  asked for, once per process: a module fixture is made again each time pytest-xdist's
+  worksteal brings a worker back to this file (three times, 45 s, in `make test-fast`)."""
+
+  def __init__(self):
+    self._by_mesh = collections.defaultdict(list)
+    for case in CASES:
+      self._by_mesh[case.mesh].append(case)
+    self._mesh_of = {case.name: case.mesh for case in CASES}
+    self._done = {}
+
+  def __getitem__(self, name):
+    if name not in self._done:
+      self._done.update(run_cases(self._by_mesh[self._mesh_of[name]]))
+    return self._done[name]
+
+  def __iter__(self):
+    return iter(self._mesh_of)
+
+  def __len__(self):
+    return len(self._mesh_of)
+
+
+_RESULTS = _Results()
+
+
+@pytest.fixture
 def results():
-  by_mesh = {}
-  for case in CASES:
-    by_mesh.setdefault(case.mesh, []).append(case)
-  out = {}
-  for cases in by_mesh.values():
-    out.update(run_cases(cases))
-  return out
+  return _RESULTS
 
 
 def expected_kinds(route: rp.ReshardRoute):
