@@ -126,7 +126,10 @@ class _Helper:
       self.process.stdin.write(json.dumps(request) + '\n')
       self.process.stdin.flush()
       deadline = time.monotonic() + timeout
-      pid = self._line(time.monotonic() + 60)['pid']
+      started = self._line(time.monotonic() + 60)  # the helper's import, then the fork
+      if started is None:
+        raise RuntimeError('the forking interpreter did not start the script within 60 s')
+      pid = started['pid']
       done = self._line(deadline)
       if done is None:  # as subprocess.run does on a timeout: kill, then raise
         os.killpg(pid, signal.SIGKILL)
