@@ -43,6 +43,11 @@ ALLOWED = {
     f'constant folding of shape queries and literals: {_GRAPH_LAYER}',
   ),
   'rebuild.py': ({'Placeholder'}, f"a function's argument nodes: {_GRAPH_LAYER}"),
+  'tf_private.py': (
+    {'Const'},
+    'shares equal constants of a per-partition trace (TF makes every graph constant as a '
+    "'Const' through one private method): TF's graph layer, below the registry",
+  ),
   'step_cost.py': (
     {'Const', 'NoOp', 'Placeholder', '_Arg', '_Retval', 'VarHandleOp'},
     'the nodes a graph holds that launch no kernel in a step (the cost model counts launched '

@@ -212,6 +212,54 @@ def test_per_partition_program_size_does_not_depend_on_n():
   assert len(set(counts)) == 1
 
 
+def test_a_per_partition_program_holds_each_constant_once():
+  mesh = Mesh.create((2, 4), ('data', 'model'))
+
+  def fn(ctx, x):
+    # Each reshape, slice and concat makes its own shape, begin or axis constant.
+    parts = [tf.reshape(x[:, k : k + 1], [-1]) for k in range(3)]
+    return ctx.collectives.all_reduce(tf.concat(parts, 0), 'model')
+
+  program = trace_per_partition(mesh, fn, [tf.TensorSpec((2, 3), tf.float32)], autograph=False)
+  consts = [op for op in program.function.graph.get_operations() if op.type == 'Const']
+  values = [
+    (op.get_attr('dtype'), tf.make_ndarray(op.get_attr('value')).shape, op.get_attr('value'))
+    for op in consts
+    if not op.control_inputs
+  ]
+  values = [(dtype, shape, proto.SerializeToString()) for dtype, shape, proto in values]
+  assert len(values) == len(set(values)), 'an equal constant made twice'
+  out = SpmdProgram(
+    mesh, fn, [NamedSharding(mesh, P('data', None))], NamedSharding(mesh, P('data'))
+  )
+  x = np.arange(12, dtype=np.float32).reshape(4, 3)
+  got = out(x)
+  shards = [x[2 * d : 2 * d + 2] for d in range(2)]  # the rows each 'data' index holds
+  want = np.concatenate([np.concatenate([s[:, k] for k in range(3)]) * 4 for s in shards])
+  assert_close(got, want)
+
+
+def test_shared_constants_keep_control_inputs_and_device_scopes_apart():
+  from tf_gspmd.tf_private import shared_constants
+
+  graph = tf.Graph()
+  with graph.as_default(), shared_constants(graph):
+    a, b = tf.constant(0), tf.constant(0)
+    gate = tf.no_op(name='gate')
+    with tf.control_dependencies([gate]):
+      gated, gated_again = tf.constant(0), tf.constant(0)
+    with tf.device('/device:CPU:1'):
+      placed = tf.constant(0)
+    other_dtype = tf.constant(0.0)
+  assert a.op is b.op
+  assert gated.op is gated_again.op and gated.op is not a.op
+  assert [op.name for op in gated.op.control_inputs] == ['gate']
+  assert placed.op is not a.op and placed.device.endswith('CPU:1')
+  assert other_dtype.op is not a.op
+  with graph.as_default():
+    assert tf.constant(0).op is not a.op  # the sharing ends with the scope
+
+
 def test_unknown_mesh_ids_and_bad_layouts_raise():
   with pytest.raises(ValueError, match='0..3'):
     SpmdProgram(Mesh(np.array([1, 2, 3, 4]), ('x',)), lambda ctx: 0)

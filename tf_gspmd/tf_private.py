@@ -25,6 +25,8 @@ Not here, because a public API serves (use it instead):
 # which would merge the imports of one package and move their comments apart).
 # ruff: noqa: I001
 
+import contextlib
+
 # The eager context: aborting collectives on a hung step (the watchdog), per-call function
 # options (Grappler off), waiting for async writes (`async_wait`), the cluster's ServerDef
 # (`get_server_def`) and registering a rebuilt function (`context().add_function_def`).
@@ -168,6 +170,53 @@ def iterators_without_autotuning() -> None:
   dataset_ops.DatasetV2._apply_debug_options = applied  # noqa: SLF001
 
 
+@contextlib.contextmanager
+def shared_constants(graph):
+  """While active, a `Const` made in `graph` with the dtype, value and control inputs of one
+  made before in it is that one: one node, not one per use.
+
+  A per-partition program's body is half constants (shapes, slice bounds, axes, group keys;
+  60 of one program's 200 were the scalar 0), and TF places, optimizes and partitions every
+  node of it once per device before its first run; TF's own common-subexpression pass merges
+  them only after that. Every graph constant is made through `Graph._create_op_internal`
+  (private; `ops._create_graph_constant`), overridden here on this graph object only. A
+  constant made under a device or colocation scope is left alone (its placement is its own);
+  one under control dependencies is shared only with one made under the same ones
+  (`_control_dependencies_for_inputs`, private: the control inputs a new op would get)."""
+  original = graph._create_op_internal  # noqa: SLF001
+  made: dict = {}
+
+  def create(op_type, inputs, dtypes=None, input_types=None, name=None, attrs=None, **kwargs):
+    key = None
+    if op_type == 'Const' and not inputs and attrs and not _placed(graph):
+      controls = graph._control_dependencies_for_inputs([])  # noqa: SLF001
+      key = (
+        attrs['dtype'].SerializeToString(),
+        attrs['value'].SerializeToString(),
+        tuple(sorted(op.name for op in controls)),
+      )
+      if key in made:
+        return made[key]
+    op = original(op_type, inputs, dtypes, input_types, name, attrs, **kwargs)
+    if key is not None:
+      made[key] = op
+    return op
+
+  graph._create_op_internal = create  # noqa: SLF001
+  try:
+    yield
+  finally:
+    del graph._create_op_internal  # noqa: SLF001  (the class's method again)
+
+
+def _placed(graph) -> bool:
+  """Whether an op made now in `graph` would get a device or a colocation of a scope."""
+  return bool(
+    len(graph._device_function_stack)  # noqa: SLF001
+    or len(graph._colocation_stack)  # noqa: SLF001
+  )
+
+
 class _PerProgram:
   """A Python function as a callable object of its own (see `own_function`)."""
 
@@ -196,6 +245,7 @@ def own_function(fn, **function_kwargs):
 __all__ = [
   'FuncGraph',
   'own_function',
+  'shared_constants',
   'TFFunction',
   'UninitializedVariable',
   'VARIABLE_VALUE_KEY',
