@@ -75,7 +75,7 @@ class TFCollectives(Collectives):
   Permutes and broadcasts use `broadcast_send_v2` / `broadcast_recv_v2`: a
   permute gives every (source, target) pair its own group of two, and each
   partition runs at most one send and one receive, chosen by an `If` on a table (its
-  branch functions made once per shape and dtype, `_pair_branches`). On 8 logical CPUs a
+  branch functions made once per dtype, `_pair_branches`). On 8 logical CPUs a
   shift of 1M float32 took 12 ms this way, against 20 ms with the permutation completed to a
   full one (no cond) and 62 ms with all-gathers over pair groups.
   """
@@ -191,12 +191,13 @@ class TFCollectives(Collectives):
     stays = np.zeros(n, bool)
     stays[pairs[pairs[:, 0] == pairs[:, 1], 0]] = True
     instance = tf.constant(tables.KEYS.instance_key(), tf.int32)
-    send, receive, keep, nothing = _pair_branches(tuple(x.shape.as_list()), x.dtype, self.timeout)
+    send, receive, keep, nothing = _pair_branches(x.dtype, self.timeout)
     send_group = self.table(send_key, 'send_key')
     sent = _inlined_if(
       self.table(send_key != 0, 'sends'), [x, send_group, instance], send, keep, x, 'send'
     )
-    receiving = [self.table(recv_key, 'recv_key'), instance]
+    shape = tf.constant(x.shape.as_list(), tf.int32)
+    receiving = [shape, self.table(recv_key, 'recv_key'), instance]
     got = _inlined_if(
       self.table(recv_key != 0, 'receives'), receiving, receive, nothing, x, 'receive'
     )
@@ -255,21 +256,24 @@ def _inlined_if(cond, inputs, then_branch, else_branch, like: tf.Tensor, name: s
   return out
 
 
-@functools.lru_cache(maxsize=256)
-def _pair_branches(shape: Tuple[int, ...], dtype: tf.DType, timeout: float):
-  """The branch functions of a permute's `If` ops, made once per shape, dtype and timeout:
-  (send x to the pair `group_key` names, receive from it, pass x on, zeros). A `tf.cond`
-  per send and receive traced two new branch graphs each time: 22 ms a cond, most of the
-  emission time of a program of halo exchanges (test_windowed: 24 of 92 s)."""
-  x_spec = tf.TensorSpec(shape, dtype)
+@functools.lru_cache(maxsize=64)
+def _pair_branches(dtype: tf.DType, timeout: float):
+  """The branch functions of a permute's `If` ops, made once per dtype and timeout, for
+  every shape (the `If` op states its output's shape; a received value's shape is an
+  argument): (send x to the pair `group_key` names, receive from it, pass x on, zeros). A
+  `tf.cond` per send and receive traced two new branch graphs each time (22 ms a cond, most
+  of the emission time of a program of halo exchanges), and branches made per shape still
+  traced four functions for every new shape (a fuzz program's permutes, 28 ms each)."""
+  x_spec = tf.TensorSpec(None, dtype)
   key_spec = tf.TensorSpec([], tf.int32)
+  shape_spec = tf.TensorSpec([None], tf.int32)
 
   def send(x, group_key, instance_key):
     return collective_ops.broadcast_send_v2(
       x, group_size=2, group_key=group_key, instance_key=instance_key, timeout=timeout
     )
 
-  def receive(group_key, instance_key):
+  def receive(shape, group_key, instance_key):
     return collective_ops.broadcast_recv_v2(
       shape, dtype, group_size=2, group_key=group_key, instance_key=instance_key, timeout=timeout
     )
@@ -278,7 +282,7 @@ def _pair_branches(shape: Tuple[int, ...], dtype: tf.DType, timeout: float):
     del group_key, instance_key
     return tf.identity(x)
 
-  def nothing(group_key, instance_key):
+  def nothing(shape, group_key, instance_key):
     del group_key, instance_key
     return tf.zeros(shape, dtype)
 
@@ -287,9 +291,9 @@ def _pair_branches(shape: Tuple[int, ...], dtype: tf.DType, timeout: float):
 
   return (
     concrete(send, x_spec, key_spec, key_spec),
-    concrete(receive, key_spec, key_spec),
+    concrete(receive, shape_spec, key_spec, key_spec),
     concrete(keep, x_spec, key_spec, key_spec),
-    concrete(nothing, key_spec, key_spec),
+    concrete(nothing, shape_spec, key_spec, key_spec),
   )
 
 
