@@ -260,14 +260,9 @@ except ValueError as e:
 
 
 def cli(*args, timeout=120) -> subprocess.CompletedProcess:
-  return subprocess.run(
-    [CLI, *args],
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-    check=False,
-    env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'),
-  )
+  """TF's `saved_model_cli` (a Python script: the console entry point pip wrote), run as a
+  fresh interpreter would run it, forked from one that imported TF (`helpers.run_python`)."""
+  return run_python(pathlib.Path(CLI), timeout, args)
 
 
 def printed_result(stdout: str, key: str) -> np.ndarray:
