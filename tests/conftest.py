@@ -28,20 +28,8 @@ def _configure_threads():
     tf.config.threading.set_intra_op_parallelism_threads(int(threads))
 
 
-def _iterators_without_autotuning():
-  """tf.data iterators in the test processes run without autotuning (parallelism and
-  buffer sizes only; the elements and their order are the same). Its thread's work and the
-  wait for its sleep when a `fit`'s iterator ends were 13-14% of the Keras test files' time
-  (test_keras_workflow's quick tests 63 -> 55 s; distribution, fit and strategy files 80 ->
-  69 s). The pages, examples and scripts the suite runs in fresh interpreters keep it on."""
-  from tf_gspmd.tf_private import iterators_without_autotuning
-
-  iterators_without_autotuning()
-
-
 _configure_devices()
 _configure_threads()
-_iterators_without_autotuning()
 assert len(tf.config.list_logical_devices('CPU')) == NUM_DEVICES, (
   'tests need 8 logical CPU devices; TensorFlow was initialized before conftest ran'
 )
