@@ -9,6 +9,7 @@ against the unpartitioned run, so no uninterrupted run is needed beside it.
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -179,20 +180,33 @@ def run():
   )
   proc = subprocess.Popen(
     _confined_or_exposed([sys.executable, EXAMPLE, '--fault', '--hang']),
+    stdin=subprocess.DEVNULL,  # not the pytest worker's (xdist's channel)
     stdout=subprocess.PIPE,
     stderr=subprocess.PIPE,
     text=True,
     env=env,
     cwd=ROOT,
+    start_new_session=True,
   )
   try:
     out, err = proc.communicate(timeout=400)
-  except subprocess.TimeoutExpired:
-    proc.kill()
-    raise
+  except subprocess.TimeoutExpired as expired:
+    os.killpg(proc.pid, signal.SIGKILL)  # its session: the wrapper, the example, its workers
+    try:
+      out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:  # a worker of its own session holds the pipes
+      out, err = _text(expired.output), _text(expired.stderr)
+    pytest.fail(  # where it stopped: the example's lines so far, and TF's last words
+      f'the example did not finish in 400 s; its output:\n{out[-3000:]}\n--- stderr ---\n'
+      f'{err[-3000:]}'
+    )
   # Both tails: the example's verdict is on stdout, TF's warnings fill stderr.
   assert proc.returncode == 0, out[-3000:] + '\n--- stderr ---\n' + err[-2000:]
   return out
+
+
+def _text(data) -> str:
+  return data.decode(errors='replace') if isinstance(data, bytes) else (data or '')
 
 
 def _final_error(output: str) -> float:
