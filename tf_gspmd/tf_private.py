@@ -190,11 +190,8 @@ def shared_constants(graph):
     key = None
     if op_type == 'Const' and not inputs and attrs and not _placed(graph):
       controls = graph._control_dependencies_for_inputs([])  # noqa: SLF001
-      key = (
-        attrs['dtype'].SerializeToString(),
-        attrs['value'].SerializeToString(),
-        tuple(sorted(op.name for op in controls)),
-      )
+      # The value's TensorProto holds its dtype and shape too.
+      key = (attrs['value'].SerializeToString(), tuple(sorted(op.name for op in controls)))
       if key in made:
         return made[key]
     op = original(op_type, inputs, dtypes, input_types, name, attrs, **kwargs)
