@@ -111,6 +111,14 @@ class Propagator:
     # The manual regions (`manual.ManualRegions`: (graph, tensor) -> the mesh axes it is
     # manual over, and its region): a tensor's manual axes are never given to it.
     self.manual = manual.ManualRegions()
+    # Skipping a node whose tensors did not change since its last apply (same level and
+    # direction): `_apply` reads only those tensors' states, so it would propose what it
+    # proposed then, which the states already hold. Results are identical with it off
+    # (tests/test_propagation.py); a decoder's 12 sweeps applied 20,104 rules without it.
+    self.skip_unchanged = True
+    self._stamp = 0  # counts state changes during the sweeps
+    self._changed_at: Dict[Key, int] = {}  # key -> the stamp of its last change
+    self._applied: Dict[Tuple[str, str, bool], Tuple[int, int]] = {}  # -> (level, stamp)
     # The origins a variable's layout has in provenance (`_from_weight`): its key and its name.
     main = program.main.name
     self._weight_origins = {qualified(program, (main, t)) for t in program.variables}
@@ -339,9 +347,32 @@ class Propagator:
       elif info.rule is not None:
         if self.level == 0 and not info.rule.is_pass_through:
           continue
+        if self.skip_unchanged and self._unchanged_since_applied(info, forward):
+          continue
         changed |= self._apply(info, forward)
     self._active.pop()
     return changed
+
+  def _unchanged_since_applied(self, info: _NodeInfo, forward: bool) -> bool:
+    """Whether no tensor of `info`'s node changed since its last apply at this level and in
+    this direction began (its own changes count: re-applied, it may propose more); records
+    this apply's start otherwise."""
+    mark = (info.graph.name, info.node.name, forward)
+    last = self._applied.get(mark)
+    if last is not None and last[0] == self.level:
+      since = last[1]
+      g, changed_at = info.graph.name, self._changed_at
+      if all(changed_at.get((g, t), 0) < since for t in info.node.inputs) and all(
+        changed_at.get((g, o.name), 0) < since for o in info.node.outputs
+      ):
+        return True
+    self._applied[mark] = (self.level, self._stamp + 1)
+    return False
+
+  def _set_state(self, key: Key, state: _State) -> None:
+    self.states[key] = state
+    self._stamp += 1
+    self._changed_at[key] = self._stamp
 
   def _visit_call(self, info: _NodeInfo, forward: bool) -> bool:
     changed = self._merge_groups(info)
@@ -503,7 +534,7 @@ class Propagator:
       proposed = tuple(_cut(dim, forbidden) for dim in proposed)
     state = self.states.get(key)
     if state is None:
-      self.states[key] = _State(_dedupe(proposed), (False,) * rank, prov)
+      self._set_state(key, _State(_dedupe(proposed), (False,) * rank, prov))
       return True
     cur = state.axes if state else ((),) * rank
     closed = state.closed if state else (False,) * rank
@@ -529,7 +560,7 @@ class Propagator:
       merged[d] = tuple(keep)
     if tuple(merged) == cur:
       return False
-    self.states[key] = _State(merged, closed, prov)
+    self._set_state(key, _State(merged, closed, prov))
     return True
 
   # --- results -------------------------------------------------------------------------
