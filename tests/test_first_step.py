@@ -19,6 +19,7 @@ import tensorflow as tf
 
 import tf_gspmd as tg
 from tf_gspmd.graph.capture import capture
+from tf_gspmd.graph_rewrite import factors
 from tf_gspmd.propagation.api import propagate_captured
 from tf_gspmd.propagation.propagate import Propagator
 from tf_gspmd.runtime import launcher
@@ -149,6 +150,29 @@ def test_propagation_skips_nodes_whose_tensors_did_not_change_with_the_same_resu
     lambda self, key, state: self.states.__setitem__(key, state),
   )
   assert _propagated(sibling, mesh, skip_unchanged=True)[0] != every
+
+
+def _planned_and_costed(monkeypatch, layers: int):
+  """(collectives, op records, assignments costed) of planning an `layers`-layer step."""
+  mesh = tg.Mesh.create((8,), ('data',))
+  step, _ = mlp_step(layers, mesh)
+  costed, cheapest = [0], factors._cheapest  # noqa: SLF001
+
+  def counting(*args):
+    costed[0] += 1
+    return cheapest(*args)
+
+  monkeypatch.setattr(factors, '_cheapest', counting)
+  report = tg.plan(step, tf.TensorSpec((16, 8), tf.float32), mesh=mesh)
+  return report.collective_records, report.op_records, costed[0]
+
+
+def test_an_ops_layouts_are_costed_once_per_repeated_layer_with_the_same_choice(monkeypatch):
+  collectives, ops, costed = _planned_and_costed(monkeypatch, 4)
+  monkeypatch.setattr(factors, '_choice_key', lambda *args: None)  # every op costed again
+  again, again_ops, uncached = _planned_and_costed(monkeypatch, 4)
+  assert (again, again_ops) == (collectives, ops) and collectives and ops
+  assert costed < 0.7 * uncached, (costed, uncached)
 
 
 def test_a_call_builds_no_specs_and_passes_no_variables(monkeypatch):

@@ -147,6 +147,53 @@ def choose_layouts(
   rule = rule if rule is not None else rule_for(p, node, graph)
   targets = [p.target(graph, t.name) for t in node.outputs]
   shapes = [_known_shape(graph, t.name) for t in node.outputs]
+  # The choice depends only on what the key holds: the ops of repeated layers (and a
+  # layer's forward and backward alike) are costed once per partitioner.
+  key = _choice_key(rule, operands, targets, shapes, (windowed, combinable, reduction, whole))
+  memo = p.layout_choices
+  if key is not None and key in memo:
+    return memo[key]
+  chosen = _cheapest(p, rule, operands, targets, shapes, windowed, combinable, reduction, whole)
+  if key is not None:
+    memo[key] = chosen
+  return chosen
+
+
+def _choice_key(rule, operands: Sequence[Local], targets, shapes, options) -> Optional[tuple]:
+  """What `choose_layouts`' choice depends on, hashable; None when a part is not."""
+  try:
+    key = (
+      rule.operands,
+      rule.results,
+      tuple(sorted(rule.kinds.items())),
+      tuple(sorted(rule.sizes.items())),
+      tuple(sorted(rule.windows.items())),
+      rule.broadcast_operands,
+      rule.shifted,
+      tuple(
+        (_named(op.sharding), None if op.shape is None else tuple(op.shape), op.dtype)
+        for op in operands
+      ),
+      tuple(_named(t) for t in targets),
+      tuple(shapes),
+      options[:3],
+      tuple(options[3]),
+    )
+    hash(key)
+  except TypeError:
+    return None
+  return key
+
+
+def _named(sharding: NamedSharding) -> tuple:
+  """A sharding as its spec is written (equal shardings may name their axes differently,
+  and the candidates are read off the names)."""
+  return sharding.mesh, sharding.spec, sharding.partial_axes, sharding.reduction
+
+
+def _cheapest(
+  p: Partitioner, rule, operands, targets, shapes, windowed, combinable, reduction, whole
+) -> FactorLayouts:
   options = candidates(p, rule, operands, targets, windowed)
 
   def keep(f):

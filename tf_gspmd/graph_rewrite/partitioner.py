@@ -119,6 +119,8 @@ class Partitioner:
     self._manual = manual_regions
     # (source tensor, its sharding, target sharding) -> the resharded value (see `reshard`).
     self._reshards: Dict[tuple, Local] = {}
+    # An op's factor assignment by everything it depends on (`factors.choose_layouts`).
+    self.layout_choices: Dict[tuple, object] = {}
 
   # --- values ---------------------------------------------------------------
   def static_value(self, graph: ir.Graph, tensor: str) -> Optional[np.ndarray]:

@@ -64,6 +64,12 @@ class NamedSharding(Sharding):
     return self._partial_axes
 
   @property
+  def reduction(self) -> str:
+    """How the pending partial results combine ('sum', 'max', ...); meaningful with
+    `partial_axes`."""
+    return self._reduction
+
+  @property
   def rank(self) -> Optional[int]:
     return len(self._spec)
 
