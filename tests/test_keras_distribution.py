@@ -110,6 +110,7 @@ def test_data_parallel_replicates_weights_and_splits_the_batch():
   assert sum(c.get('fused', 1) for c in train.collectives() if c['kind'] == 'all_reduce') >= 7
 
 
+@pytest.mark.slow  # a whole Keras fit or several (make test-fast leaves it to CI)
 def test_scope_and_set_distribution_agree_and_the_model_keeps_its_distribution():
   def distribution():
     mesh = keras.distribution.DeviceMesh((2, 4), ['data', 'model'])

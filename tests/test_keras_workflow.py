@@ -66,6 +66,7 @@ def test_unannotated_output_kernel_replicated_across_train_evaluate_predict():
 # --- point 2: writes between partitioned calls ------------------------------------------------
 
 
+@pytest.mark.slow  # a whole Keras fit or several (make test-fast leaves it to CI)
 def test_writes_between_calls_are_what_the_next_call_trains_on(tmp_path):
   writes_between_calls(tmp_path)
 
@@ -91,6 +92,7 @@ def test_rewind_to_last_synced_values_mid_fit_is_not_lost():
 # --- point 3: the rest of the workflow --------------------------------------------------------
 
 
+@pytest.mark.slow  # a whole Keras fit or several (make test-fast leaves it to CI)
 def test_steps_per_execution_runs_k_steps_per_launch():
   steps_per_execution()
 
@@ -99,6 +101,7 @@ def test_uneven_last_batch_no_padding_in_predict_fit_or_evaluate():
   uneven_last_batch()
 
 
+@pytest.mark.slow  # a whole Keras fit or several (make test-fast leaves it to CI)
 @pytest.mark.filterwarnings('ignore:Skipping variable loading for optimizer')  # fresh models
 def test_callbacks(tmp_path):
   callbacks_agree(tmp_path)
