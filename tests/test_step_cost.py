@@ -9,8 +9,10 @@ import tensorflow as tf
 
 import tf_gspmd as tg
 from tf_gspmd import Mesh, NamedSharding, P
+from tf_gspmd.auto_shard import constants as constants_module
 from tf_gspmd.auto_shard import fit
 from tf_gspmd.auto_shard.constants import load_constants
+from tf_gspmd.graph import capture
 from tf_gspmd.step_cost import StepFeatures, collective_seconds, step_time
 
 
@@ -54,6 +56,35 @@ def test_a_plan_prices_its_flops_and_collectives_on_the_profile():
   assert faster.compute == pytest.approx(t.compute / 4)
   assert faster.collectives < t.collectives
   assert 'predicted step on' in str(report)
+
+
+def _matmul_step(mesh, out_features: int):
+  w = tg.abstract_variable([64, out_features], tf.float32, NamedSharding(mesh, P(None, 'model')))
+
+  @tf.function
+  def step(x):
+    return tf.reduce_sum(tf.matmul(x, w))
+
+  return step
+
+
+def test_a_contractions_minor_dims_are_priced_in_full_vectors(monkeypatch):
+  """A local minor dim of 4 floats costs a whole 64-byte vector (16 lanes) where the profile
+  says so, in the plan's features and in auto_shard's simulator alike; one of 256 does not."""
+  mesh = Mesh.create((8,), ('model',))
+  lanes = dataclasses.replace(tg.TPU_V3, vector_bytes=64)
+  spec = tf.TensorSpec([32, 64])
+  narrow = tg.plan(_matmul_step(mesh, 32), spec, mesh=mesh, profile=lanes)
+  assert narrow.features().flops == 2 * 32 * 64 * 16  # 4 output columns a device, padded
+  assert narrow.features(tg.TPU_V3).flops == 2 * 32 * 64 * 4  # vector_bytes 0: as computed
+  wide = tg.plan(_matmul_step(mesh, 2048), spec, mesh=mesh, profile=lanes)
+  assert wide.features().flops == wide.features(tg.TPU_V3).flops == 2 * 32 * 64 * 256
+  monkeypatch.setattr(constants_module, 'cpu_vector_bytes', lambda: 64)
+  step = _matmul_step(mesh, 32)  # held: a function keeps only weak references to variables
+  program = capture.capture(capture.trace(step, spec))
+  simulator = tg.auto_shard.Simulator(program, mesh, load_constants())
+  laid_out = {placeholder: P(None, 'model') for placeholder in program.variables}
+  assert simulator.evaluate(laid_out, [None]).features.flops == narrow.features().flops
 
 
 def _features(ops, flops, nbytes, collectives=(), small=0) -> StepFeatures:

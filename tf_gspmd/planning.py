@@ -97,15 +97,18 @@ class PlanReport:
   propagation: Any = dataclasses.field(default=None, repr=False)  # tg.propagate's Propagation
   profile: Optional[HardwareProfile] = None  # what `step_time()` prices on by default
 
-  def features(self) -> StepFeatures:
-    """What one device does in the step: ops, contraction flops, other ops' bytes,
-    collectives (`tf_gspmd.step_cost.step_features`)."""
-    found = self.__dict__.get('_features')
-    if found is None:
-      found = self.__dict__['_features'] = step_features(
-        self.propagation, self.mesh, self.collective_records
+  def features(self, profile: Optional[HardwareProfile] = None) -> StepFeatures:
+    """What one device does in the step: ops, contraction flops (their minor dims padded to
+    `profile`'s vector width; default the plan's profile), other ops' bytes, collectives
+    (`tf_gspmd.step_cost.step_features`)."""
+    profile = profile or self.profile
+    vector_bytes = profile.vector_bytes if profile is not None else 0
+    found = self.__dict__.setdefault('_features', {})
+    if vector_bytes not in found:
+      found[vector_bytes] = step_features(
+        self.propagation, self.mesh, self.collective_records, vector_bytes=vector_bytes
       )
-    return found
+    return found[vector_bytes]
 
   @property
   def plan(self):
@@ -122,7 +125,7 @@ class PlanReport:
     profile = profile or self.profile
     if profile is None:
       raise ValueError('step_time: no profile; pass one, or plan with profile=...')
-    return step_time(self.features(), profile)
+    return step_time(self.features(profile), profile)
 
   @property
   def parameter_bytes(self) -> int:

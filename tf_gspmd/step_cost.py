@@ -67,7 +67,8 @@ class HardwareProfile:
   `op_seconds`, `small_op_seconds`, `step_seconds`: launch overhead per op on tensors, per
   op on scalars or views, and per step. `collective_table`:
   measured (kind, group, latency s, bandwidth bytes/s) rows that replace the link model,
-  scaled by `collective_scale`.
+  scaled by `collective_scale`. `vector_bytes`: a vector register's width, to which a
+  contraction's minor dims are padded (`work_of_propagation`).
   """
 
   name: str
@@ -84,6 +85,10 @@ class HardwareProfile:
   collective_table: Tuple[Tuple[str, int, float, float], ...] = ()
   collective_scale: float = 1.0
   source: str = ''
+  # Bytes of one vector register (64 with AVX-512): a contraction's kernels run the minor dim
+  # of each of its tensors in lanes of that width, so a local minor size of 4 floats costs
+  # the 16 of a full vector (oneDNN's blocked layouts pad channels alike). 0: not modelled.
+  vector_bytes: int = 0
 
   def flops(self, dtype: str) -> float:
     rates = dict(self.flops_per_s)
@@ -253,12 +258,16 @@ def space_weights(rule, spaces: List[List[str]], sizes: Sequence[int]) -> List[T
 
 
 def step_features(
-  propagation, mesh: Mesh, records: Sequence[dict], work: Optional['Work'] = None
+  propagation,
+  mesh: Mesh,
+  records: Sequence[dict],
+  work: Optional['Work'] = None,
+  vector_bytes: int = 0,
 ) -> StepFeatures:
   """A step's features: every ruled op's iteration space split as its tensors' shardings
-  (`propagation`) split its factors (`work`, when already computed), and its collectives
-  (`records`)."""
-  work = work or work_of_propagation(propagation, mesh)
+  (`propagation`) split its factors (`work`, when already computed; else with contractions'
+  minor dims padded to `vector_bytes`), and its collectives (`records`)."""
+  work = work or work_of_propagation(propagation, mesh, vector_bytes)
   collectives = tuple(
     (r['kind'], axes_size(mesh, r['axes']), len(r['axes']) or len(mesh.axis_names), r['bytes'])
     for r in records
@@ -278,20 +287,25 @@ class Work:
   flops: Dict[str, float] = dataclasses.field(default_factory=dict)  # dtype -> contraction flops
   elementwise_bytes: float = 0.0
 
-  def add(self, local: float, whole: float, devices: int, weight, dtype: str) -> None:
+  def add(
+    self, local: float, whole: float, devices: int, weight, dtype: str, run: float = 0.0
+  ) -> None:
+    """One iteration space: `local` of its `whole` points on one device; a contraction
+    runs `run` points when more than `local` (its minor dims padded to full vectors)."""
     self.points += local
     self.repeated += max(0.0, local - whole / devices)
     contraction, nbytes = weight
     if contraction:
-      self.flops[dtype] = self.flops.get(dtype, 0.0) + 2.0 * local
+      self.flops[dtype] = self.flops.get(dtype, 0.0) + 2.0 * max(local, run)
     else:
       self.elementwise_bytes += nbytes * local
 
 
-def work_of_propagation(propagation, mesh: Mesh) -> Work:
+def work_of_propagation(propagation, mesh: Mesh, vector_bytes: int = 0) -> Work:
   """Every ruled op's iteration space, split over the mesh axes its operands' and results'
   shardings give its factors (`OpRule.factor_axes`, the partitioner's own merge); a factor
-  nobody splits is computed whole on every device."""
+  nobody splits is computed whole on every device. A contraction's minor-dim factors count
+  padded to the lanes of a `vector_bytes` register (`padded_points`)."""
   result, work = propagation.result, Work()
   for graph in propagation.program.graphs():
     shardings = result.shardings.get(graph.name, {})
@@ -308,13 +322,29 @@ def work_of_propagation(propagation, mesh: Mesh) -> Work:
       spaces = independent_spaces(rule, sizes)
       dtype = _dtype_name(node.outputs[0].dtype) if node.outputs else 'float32'
       weights = space_weights(rule, spaces, [_dtype_size(t.dtype) for t in tensors])
+      lanes = vector_bytes // ((_dtype_size(node.outputs[0].dtype) if node.outputs else 0) or 4)
+      minor = minor_factors(rule) if lanes > 1 else frozenset()
       for space, weight in zip(spaces, weights):
         whole = float(np.prod([sizes[f] for f in space], dtype=np.float64))
-        local = float(
-          np.prod([-(-sizes[f] // axes_size(result.mesh, axes.get(f, ()))) for f in space])
-        )
-        work.add(local, whole, mesh.size, weight, dtype)
+        local = {f: -(-sizes[f] // axes_size(result.mesh, axes.get(f, ()))) for f in space}
+        run = padded_points(local, minor, lanes) if weight[0] and minor else 0.0
+        points = float(np.prod(list(local.values()), dtype=np.float64))
+        work.add(points, whole, mesh.size, weight, dtype, run)
   return work
+
+
+def minor_factors(rule) -> frozenset:
+  """The innermost factor of each of `rule`'s tensors (what a kernel runs in vector lanes)."""
+  from tf_gspmd.propagation.rule import dim_factors
+
+  innermost = [dim_factors(dims[-1]) for dims in rule.tensor_dims() if dims]
+  return frozenset(factors[-1] for factors in innermost if factors)
+
+
+def padded_points(local: Dict[str, int], minor: frozenset, lanes: int) -> float:
+  """A contraction's points on one device with its minor factors rounded up to `lanes`."""
+  padded = [-(-n // lanes) * lanes if f in minor else n for f, n in local.items()]
+  return float(np.prod(padded, dtype=np.float64))
 
 
 def axes_size(mesh: Mesh, axes) -> int:

@@ -57,7 +57,10 @@ The cost model (seconds per step; `tf_gspmd.step_cost`)::
 cores, so what every device does is paid N / cores times over. `ops` are the ops of the
 step's program on tensors, `small_ops` those on scalars or views; `flops` the
 contractions' (matmul, einsum, convolution: 2 per point of their iteration space over the
-devices that split it, so work repeated on replicated operands counts);
+devices that split it, so work repeated on replicated operands counts; each tensor's
+innermost dim padded to the lanes of this CPU's vector register, 16 floats with AVX-512:
+a convolution whose output channels are split to 4 per device runs at the cost of 16, as
+oneDNN's blocked layouts make it);
 `elementwise_bytes` what every other ruled op reads and writes (the optimizer's update
 included). `g_c` is the number of devices of the collective's mesh axes, `bytes_c` its
 local operand (as `collectives()` reports it). The collectives' latency and bandwidth

@@ -66,6 +66,7 @@ class Constants:
       collective_table=table,
       collective_scale=fit.get('collective_scale', 1.0),
       source=self.source + ('; step model fit to measured steps' if fit else '; not fit'),
+      vector_bytes=cpu_vector_bytes(),
     )
 
   def collective_seconds(self, kind: str, group: int, nbytes: int) -> float:
@@ -98,6 +99,17 @@ def cpu_key() -> str:
   except OSError:
     pass
   return f'{model} x{os.cpu_count() or 1}'
+
+
+def cpu_vector_bytes() -> int:
+  """This CPU's widest vector register in bytes, from its flags: 64 with AVX-512, 32 with
+  AVX2, else 16 (SSE, NEON)."""
+  try:
+    with open('/proc/cpuinfo') as f:
+      flags = next((line.split(':', 1)[1].split() for line in f if line.startswith('flags')), [])
+  except OSError:
+    flags = []
+  return 64 if 'avx512f' in flags else 32 if 'avx2' in flags else 16
 
 
 def _memory_bytes() -> int:

@@ -87,7 +87,8 @@ def estimate(
 ) -> Evaluation:
   """The cost model's terms for one planned step (see the package doc)."""
   constants = constants or load_constants()
-  work = work_of_propagation(report.propagation, report.mesh)
+  profile = constants.profile()
+  work = work_of_propagation(report.propagation, report.mesh, profile.vector_bytes)
   features = step_features(report.propagation, report.mesh, report.collective_records, work)
   memory = report.parameter_bytes + report.optimizer_bytes + report.activation_peak
-  return Evaluation(choice, report, memory, features, constants.profile(), int(work.repeated))
+  return Evaluation(choice, report, memory, features, profile, int(work.repeated))

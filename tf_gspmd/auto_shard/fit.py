@@ -356,9 +356,9 @@ def _shardings(mesh: Mesh, batch_axes, data) -> list:
   return [NamedSharding(mesh, P(batch_axes, *([None] * (np.ndim(d) - 1)))) for d in data]
 
 
-def prepare(mesh: Mesh, build, specs, batch_axes, warmup: int = 1) -> Tuple[StepFeatures, Callable]:
-  """(features of the planned step, a callable running one partitioned step), warmed up."""
-  from tf_gspmd.partitioned import partition
+def features_of(mesh: Mesh, build, specs, batch_axes) -> StepFeatures:
+  """The features of a calibration step, planned (no device runs it), priced for this CPU's
+  vector width."""
   from tf_gspmd.planning import plan
   from tf_gspmd.step_cost import step_features
 
@@ -366,8 +366,19 @@ def prepare(mesh: Mesh, build, specs, batch_axes, warmup: int = 1) -> Tuple[Step
   shardings = _shardings(mesh, axes, data)
   specs_of = [tf.TensorSpec(np.shape(d), tf.as_dtype(np.asarray(d).dtype)) for d in data]
   report = plan(step, *specs_of, mesh=mesh, in_shardings=shardings)
-  features = step_features(report.propagation, mesh, report.collective_records)
-  step, data, axes = build(mesh, specs, batch_axes)  # fresh weights for the run
+  vector_bytes = load_constants(fit=False).profile().vector_bytes
+  return step_features(
+    report.propagation, mesh, report.collective_records, vector_bytes=vector_bytes
+  )
+
+
+def prepare(mesh: Mesh, build, specs, batch_axes, warmup: int = 1) -> Tuple[StepFeatures, Callable]:
+  """(features of the planned step, a callable running one partitioned step), warmed up."""
+  from tf_gspmd.partitioned import partition
+
+  features = features_of(mesh, build, specs, batch_axes)
+  step, data, axes = build(mesh, specs, batch_axes)
+  shardings = _shardings(mesh, axes, data)
   partitioned = partition(step, mesh, in_shardings=shardings, progress=False)
 
   def run():
@@ -419,6 +430,24 @@ def calibrate_steps(
   }
   store_step_fit(entry, path)
   return dict(entry, also=others)
+
+
+def refeatured(entry: dict, note: str = '') -> dict:
+  """`entry` (as `calibrate_steps` makes it) with its samples' features computed again by
+  this code and the model fit again on them, with the seconds measured then: for when what a
+  feature counts changes (the steps are the same programs). Samples not in `CALIBRATION`
+  are dropped. Needs no devices."""
+  mesh = Mesh.create((2, 4), DM)
+  samples = [
+    Sample(data['name'], features_of(mesh, *CALIBRATION[data['name']]), float(data['seconds']))
+    for data in entry['samples']
+    if data['name'] in CALIBRATION
+  ]
+  return {
+    'fit': fit_profile(samples, load_constants(fit=False)),
+    'samples': [s.to_json() for s in samples],
+    'source': entry.get('source', '') + (f'; {note}' if note else ''),
+  }
 
 
 def ensure_step_fit(path: Optional[str] = None) -> Dict[str, float]:

@@ -39,7 +39,9 @@ from tf_gspmd.step_cost import (
   axes_size,
   factor_sizes,
   independent_spaces,
+  minor_factors,
   op_counts,
+  padded_points,
   space_weights,
 )
 
@@ -73,6 +75,8 @@ class _Op:
   dtypes: Tuple[str, ...] = ()  # and dtypes
   weights: list = dataclasses.field(default_factory=list)  # per space: `space_weights`
   dtype: str = 'float32'  # its first result's: the rate its contractions run at
+  minor: frozenset = frozenset()  # factors padded to `lanes` in its contractions (`step_cost`)
+  lanes: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +113,11 @@ class Simulator:
       op.inputs = tuple(op.node.inputs)
       op.sizes = tuple(self.dtype_sizes[t] for t in op.inputs + op.names)
       op.dtypes = tuple(t.dtype.name for t in op.node.outputs)
+    for op in self.ops:
+      first = op.sizes[len(op.inputs)] if len(op.sizes) > len(op.inputs) else 0
+      op.lanes = self.profile.vector_bytes // (first or 4)  # its first result's dtype
+      if op.rule is not None and op.lanes > 1:
+        op.minor = minor_factors(op.rule)
     self._mark_scalars()
     self.walked = [op for op in self.ops if op.how in ('rule', 'whole')]
     self.targets = self._targets()
@@ -331,13 +340,12 @@ class Simulator:
     points = repeated = flops = nbytes = 0.0
     for (sizes, space), (contraction, per_point) in zip(op.spaces, op.weights):
       total = float(np.prod([sizes[f] for f in space], dtype=np.float64))
-      local = 1.0
-      for f in space:
-        local *= -(-sizes[f] // self.axes_size(tuple(factor_axes.get(f, ()))))
+      split = {f: -(-sizes[f] // self.axes_size(tuple(factor_axes.get(f, ())))) for f in space}
+      local = float(np.prod(list(split.values()), dtype=np.float64))
       points += local
       repeated += max(0.0, local - total / self.mesh.size)
       if contraction:
-        flops += 2.0 * local
+        flops += 2.0 * (padded_points(split, op.minor, op.lanes) if op.minor else local)
       else:
         nbytes += per_point * local
     return points, repeated, flops, nbytes
