@@ -41,7 +41,6 @@ from tf_gspmd.step_cost import (
   independent_spaces,
   minor_factors,
   op_counts,
-  padded_points,
   space_weights,
 )
 
@@ -340,12 +339,15 @@ class Simulator:
     points = repeated = flops = nbytes = 0.0
     for (sizes, space), (contraction, per_point) in zip(op.spaces, op.weights):
       total = float(np.prod([sizes[f] for f in space], dtype=np.float64))
-      split = {f: -(-sizes[f] // self.axes_size(tuple(factor_axes.get(f, ())))) for f in space}
-      local = float(np.prod(list(split.values()), dtype=np.float64))
+      local = run = 1.0  # run: a contraction's points with its minor dims in whole vectors
+      for f in space:
+        n = -(-sizes[f] // self.axes_size(tuple(factor_axes.get(f, ()))))
+        local *= n
+        run *= -(-n // op.lanes) * op.lanes if f in op.minor else n
       points += local
       repeated += max(0.0, local - total / self.mesh.size)
       if contraction:
-        flops += 2.0 * (padded_points(split, op.minor, op.lanes) if op.minor else local)
+        flops += 2.0 * run
       else:
         nbytes += per_point * local
     return points, repeated, flops, nbytes
