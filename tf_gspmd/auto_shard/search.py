@@ -69,6 +69,7 @@ class Search:
     self.traced = traced  # fn's ConcreteFunction: plans capture it without tracing again
     self.seen: Dict[tuple, Evaluation] = {}  # priced (by the fast model, if there is one)
     self.planned: Dict[tuple, Evaluation] = {}  # planned with tg.plan
+    self._variable_bytes: Dict[tuple, int] = {}  # (group, spec) -> `variable_bytes`
 
   @property
   def spaces(self) -> List[list]:
@@ -240,6 +241,12 @@ class Search:
     spec = group.fixed if group.fixed is not None else spec
     if spec is AUTO:
       return 0
+    found = self._variable_bytes.get((i, spec))
+    if found is None:
+      found = self._variable_bytes[(i, spec)] = self._bytes_of(group, spec)
+    return found
+
+  def _bytes_of(self, group: Group, spec) -> int:
     total = 0
     for var, rank in [(v, None) for v in group.members] + group.followers:
       kept = (
