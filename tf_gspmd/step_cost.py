@@ -287,16 +287,14 @@ class Work:
   flops: Dict[str, float] = dataclasses.field(default_factory=dict)  # dtype -> contraction flops
   elementwise_bytes: float = 0.0
 
-  def add(
-    self, local: float, whole: float, devices: int, weight, dtype: str, run: float = 0.0
-  ) -> None:
+  def add(self, local: float, whole: float, devices: int, weight, dtype: str, run: float) -> None:
     """One iteration space: `local` of its `whole` points on one device; a contraction
-    runs `run` points when more than `local` (its minor dims padded to full vectors)."""
+    runs `run` points (`local` with its minor dims padded to whole vectors)."""
     self.points += local
     self.repeated += max(0.0, local - whole / devices)
     contraction, nbytes = weight
     if contraction:
-      self.flops[dtype] = self.flops.get(dtype, 0.0) + 2.0 * max(local, run)
+      self.flops[dtype] = self.flops.get(dtype, 0.0) + 2.0 * run
     else:
       self.elementwise_bytes += nbytes * local
 
@@ -305,7 +303,7 @@ def work_of_propagation(propagation, mesh: Mesh, vector_bytes: int = 0) -> Work:
   """Every ruled op's iteration space, split over the mesh axes its operands' and results'
   shardings give its factors (`OpRule.factor_axes`, the partitioner's own merge); a factor
   nobody splits is computed whole on every device. A contraction's minor-dim factors count
-  padded to the lanes of a `vector_bytes` register (`padded_points`)."""
+  padded to the lanes of a `vector_bytes` register (`whole_vectors`)."""
   result, work = propagation.result, Work()
   for graph in propagation.program.graphs():
     shardings = result.shardings.get(graph.name, {})
@@ -322,14 +320,16 @@ def work_of_propagation(propagation, mesh: Mesh, vector_bytes: int = 0) -> Work:
       spaces = independent_spaces(rule, sizes)
       dtype = _dtype_name(node.outputs[0].dtype) if node.outputs else 'float32'
       weights = space_weights(rule, spaces, [_dtype_size(t.dtype) for t in tensors])
-      lanes = vector_bytes // ((_dtype_size(node.outputs[0].dtype) if node.outputs else 0) or 4)
+      lanes = vector_lanes(vector_bytes, _dtype_size(node.outputs[0].dtype) if node.outputs else 0)
       minor = minor_factors(rule) if lanes > 1 else frozenset()
       for space, weight in zip(spaces, weights):
         whole = float(np.prod([sizes[f] for f in space], dtype=np.float64))
-        local = {f: -(-sizes[f] // axes_size(result.mesh, axes.get(f, ()))) for f in space}
-        run = padded_points(local, minor, lanes) if weight[0] and minor else 0.0
-        points = float(np.prod(list(local.values()), dtype=np.float64))
-        work.add(points, whole, mesh.size, weight, dtype, run)
+        local = run = 1.0  # run: a contraction's points with its minor dims in whole vectors
+        for f in space:
+          n = -(-sizes[f] // axes_size(result.mesh, axes.get(f, ())))
+          local *= n
+          run *= whole_vectors(n, lanes) if f in minor else n
+        work.add(local, whole, mesh.size, weight, dtype, run)
   return work
 
 
@@ -341,10 +341,14 @@ def minor_factors(rule) -> frozenset:
   return frozenset(factors[-1] for factors in innermost if factors)
 
 
-def padded_points(local: Dict[str, int], minor: frozenset, lanes: int) -> float:
-  """A contraction's points on one device with its minor factors rounded up to `lanes`."""
-  padded = [-(-n // lanes) * lanes if f in minor else n for f, n in local.items()]
-  return float(np.prod(padded, dtype=np.float64))
+def vector_lanes(vector_bytes: int, dtype_size: int) -> int:
+  """Elements of `dtype_size` bytes (4 when unknown) one `vector_bytes` register holds."""
+  return vector_bytes // (dtype_size or 4)
+
+
+def whole_vectors(n: int, lanes: int) -> int:
+  """`n` elements rounded up to whole vectors of `lanes`."""
+  return -(-n // lanes) * lanes
 
 
 def axes_size(mesh: Mesh, axes) -> int:

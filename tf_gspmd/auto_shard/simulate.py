@@ -42,6 +42,8 @@ from tf_gspmd.step_cost import (
   minor_factors,
   op_counts,
   space_weights,
+  vector_lanes,
+  whole_vectors,
 )
 
 Axes = Tuple[str, ...]
@@ -114,7 +116,7 @@ class Simulator:
       op.dtypes = tuple(t.dtype.name for t in op.node.outputs)
     for op in self.ops:
       first = op.sizes[len(op.inputs)] if len(op.sizes) > len(op.inputs) else 0
-      op.lanes = self.profile.vector_bytes // (first or 4)  # its first result's dtype
+      op.lanes = vector_lanes(self.profile.vector_bytes, first)  # its first result's dtype
       if op.rule is not None and op.lanes > 1:
         op.minor = minor_factors(op.rule)
     self._mark_scalars()
@@ -343,7 +345,7 @@ class Simulator:
       for f in space:
         n = -(-sizes[f] // self.axes_size(tuple(factor_axes.get(f, ()))))
         local *= n
-        run *= -(-n // op.lanes) * op.lanes if f in op.minor else n
+        run *= whole_vectors(n, op.lanes) if f in op.minor else n
       points += local
       repeated += max(0.0, local - total / self.mesh.size)
       if contraction:
