@@ -114,7 +114,7 @@ class Propagator:
     # Skipping a node whose tensors did not change since its last apply (same level and
     # direction): `_apply` reads only those tensors' states, so it would propose what it
     # proposed then, which the states already hold. Results are identical with it off
-    # (tests/test_propagation.py); a decoder's 12 sweeps applied 20,104 rules without it.
+    # (tests/test_first_step.py); a decoder's 12 sweeps applied 20,104 rules without it.
     self.skip_unchanged = True
     self._stamp = 0  # counts state changes during the sweeps
     self._changed_at: Dict[Key, int] = {}  # key -> the stamp of its last change
