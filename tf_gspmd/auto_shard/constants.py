@@ -6,6 +6,7 @@ machine's `HardwareProfile` (`Constants.profile()`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -101,6 +102,7 @@ def cpu_key() -> str:
   return f'{model} x{os.cpu_count() or 1}'
 
 
+@functools.lru_cache(maxsize=None)  # read once: every `Constants.profile()` asks
 def cpu_vector_bytes() -> int:
   """This CPU's widest vector register in bytes, from its flags: 64 with AVX-512, 32 with
   AVX2, else 16 (SSE, NEON)."""

@@ -25,7 +25,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from tf_gspmd.auto_shard.constants import load_constants, load_step_fit, store_step_fit
+from tf_gspmd.auto_shard.constants import (
+  cpu_vector_bytes,
+  load_constants,
+  load_step_fit,
+  store_step_fit,
+)
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.sharding import NamedSharding, P
 from tf_gspmd.step_cost import StepFeatures, collective_seconds
@@ -366,9 +371,8 @@ def features_of(mesh: Mesh, build, specs, batch_axes) -> StepFeatures:
   shardings = _shardings(mesh, axes, data)
   specs_of = [tf.TensorSpec(np.shape(d), tf.as_dtype(np.asarray(d).dtype)) for d in data]
   report = plan(step, *specs_of, mesh=mesh, in_shardings=shardings)
-  vector_bytes = load_constants(fit=False).profile().vector_bytes
   return step_features(
-    report.propagation, mesh, report.collective_records, vector_bytes=vector_bytes
+    report.propagation, mesh, report.collective_records, vector_bytes=cpu_vector_bytes()
   )
 
 
