@@ -161,6 +161,62 @@ def test_a_watched_call_returns_or_raises_what_the_call_does():
   assert time.time() - start < 3
 
 
+def test_making_the_markers_on_a_task_that_does_not_answer_names_it():
+  devices = [f'/job:worker/replica:0/task:{p // 4}/device:CPU:{p % 4}' for p in range(8)]
+  stopped = threading.Event()  # never set: task 1's makes never return
+  assert remote_watch.made_on_each_device(lambda p, d: (p, d), devices, 5, 'step')[5] == (
+    5,
+    devices[5],
+  )
+
+  def make(p, device):
+    if p >= 4:
+      stopped.wait()
+    return p
+
+  start = time.time()
+  with pytest.raises(remote_watch.Hang, match=r'task:1 .*partitions \[4, 5, 6, 7\], stopped'):
+    remote_watch.made_on_each_device(make, devices, 0.5, 'step')
+  assert time.time() - start < 3
+  with pytest.raises(ZeroDivisionError):  # a dead task's error is the caller's
+    remote_watch.made_on_each_device(lambda p, d: 1 / (p - 3), devices, 5, 'step')
+
+
+def test_a_first_call_whose_marker_cannot_be_made_raises_instead_of_waiting(monkeypatch):
+  """The first call makes each partition's progress marker on its device; on a stopped task
+  that never returns, and it happened before the call's watch began (the example's hang
+  phase then blocked for good, in 3 of 10 runs): now within the timeout, as a CollectiveError."""
+  from tf_gspmd.runtime import collectives as collectives_lib
+
+  make = collectives_lib.new_token_variable
+  stopped = threading.Event()
+
+  def on_a_stopped_task(device, name):
+    if device.endswith(('CPU:6', 'CPU:7')):
+      stopped.wait()
+    return make(device, name)
+
+  monkeypatch.setattr(collectives_lib, 'new_token_variable', on_a_stopped_task)
+  monkeypatch.setattr(remote_watch, 'spans_other_tasks', lambda devices: True)
+  mesh = tg.Mesh.create((8,), ('x',))
+  step = tg.partition(lambda x: tf.reduce_sum(x * 2.0), mesh, timeout=1.0)
+  x = tg.shard(tf.ones([8, 4]), mesh, tg.P('x', None))
+  raised = []
+
+  def call():  # on a thread of its own: a call that blocks fails the test, not the suite
+    try:
+      step(x)
+    except tg.CollectiveError as error:
+      raised.append(error)
+
+  caller = threading.Thread(target=call, daemon=True)
+  caller.start()
+  caller.join(30)
+  stopped.set()
+  assert raised, 'the call blocked making the markers (or returned) instead of raising'
+  assert re.search(r'partitions \[6, 7\], stopped responding', str(raised[0])), raised[0]
+
+
 def _confined_or_exposed(command):
   """`command` in a loopback-only network namespace, or else acknowledging the exposure."""
   if loopback.available() is None:

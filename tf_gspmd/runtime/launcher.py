@@ -210,30 +210,27 @@ class SpmdProgram:
     program = self._program(args_spec)
     outer = self._outer_function(args_spec, program, args)
     self._last = program
-    token_variables = self._token_variables()
-    tokens = [t.handle for t in token_variables]
     # Variables are captured by the outer function (see _outer_function): only the
     # other arguments are passed, so a call does not hand TF V x N variables to check.
     inputs = [
       self._outer_input(a, value) for a, value in zip(args_spec, args) if a.kind != 'variable'
     ]
-
-    def launch():
-      with without_grappler():  # per thread: the call may run on remote_watch's thread
-        return outer(tokens, *inputs)
-
     remote = self.timeout is not None and remote_watch.spans_other_tasks(self.devices)
-    watch = (
-      None
-      if remote
-      else WATCHDOG.watch(self.name, self.timeout, self.progress_markers, token_variables)
-    )
+    watch = None
     try:
+      token_variables = self._token_variables(remote)
+      tokens = [t.handle for t in token_variables]
+
+      def launch():
+        with without_grappler():  # per thread: the call may run on remote_watch's thread
+          return outer(tokens, *inputs)
+
       if remote:  # partitions in other processes: watched for a task that stops answering
         flat = remote_watch.run_watched(
           launch, token_variables, self.devices, self.timeout, self.name
         )
       else:
+        watch = WATCHDOG.watch(self.name, self.timeout, self.progress_markers, token_variables)
         flat = launch()
     except remote_watch.Hang as hang:
       raise CollectiveError(str(hang)) from None
@@ -475,7 +472,9 @@ class SpmdProgram:
     return tf.nest.pack_sequence_as(program.output_structure, values)
 
   # --- tokens and failures -----------------------------------------------------------------
-  def _token_variables(self):
+  def _token_variables(self, remote: bool = False):
+    """Each partition's token variable, made on its device at the first call. On other tasks'
+    devices (`remote`) within the call's timeout: a stopped task would block it for good."""
     if self._tokens is None:
       available = {full_name(d.name) for d in tf.config.list_logical_devices()}
       missing = [d for d in self.devices if full_name(d) not in available]
@@ -485,10 +484,19 @@ class SpmdProgram:
           f'({len(available)} logical devices here). Configure {self.mesh.size} logical devices '
           'with tf.config.set_logical_device_configuration before TF starts.'
         )
-      self._tokens = [
-        collectives_lib.new_token_variable(device, f'{self.name}_token{p}')
-        for p, device in enumerate(self.devices)
-      ]
+      name = f'{self.name}_token'
+      if remote:
+        self._tokens = remote_watch.made_on_each_device(
+          lambda p, device: collectives_lib.new_token_variable(device, f'{name}{p}'),
+          self.devices,
+          self.timeout,
+          self.name,
+        )
+      else:
+        self._tokens = [
+          collectives_lib.new_token_variable(device, f'{name}{p}')
+          for p, device in enumerate(self.devices)
+        ]
     return self._tokens
 
   def _raise_collective_error(

@@ -22,19 +22,23 @@ partition's marker is read, each read on its own thread and all within
 The caller then gets a `Hang` naming the tasks, their addresses and their
 partitions. The helper thread is left blocked: it ends when the hung task is
 killed (restarting the tasks kills it), which fails its remote call.
+
+The markers themselves are made at a call's first launch, on their devices: on a stopped
+task that blocks too, so `made_on_each_device` makes them under the same deadline.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, TypeVar
 
 import tensorflow as tf
 
 from tf_gspmd.runtime import cluster
 
 POLL_SECONDS = 0.25
+T = TypeVar('T')
 
 
 class Hang(Exception):
@@ -77,6 +81,46 @@ def run_watched(
       hung = _hung_partitions(tokens, timeout, probe)
       if hung:
         raise Hang(_describe(hung, devices, timeout, what))
+
+
+def made_on_each_device(
+  make: Callable[[int, str], T], devices: Sequence[str], timeout: float, what: str
+) -> List[T]:
+  """`[make(p, device) for p, device in enumerate(devices)]`; `Hang` when a task stops answering.
+
+  Making a variable on another task's device waits for that task: a stopped one never
+  answers, and the call that makes the progress markers would block before any watch could
+  start. Each device's `make` runs on its own thread; those not done within `timeout` sit on
+  tasks that stopped answering. The first error a `make` raised (a dead task's) is re-raised.
+  """
+  made: Dict[int, T] = {}
+  errors: List[BaseException] = []
+
+  def run(p: int, device: str) -> None:
+    try:
+      made[p] = make(p, device)
+    except BaseException as error:  # noqa: BLE001  re-raised by the caller
+      errors.append(error)
+
+  makers = [
+    threading.Thread(target=run, args=(p, d), daemon=True, name=f'tf_gspmd_make{p}')
+    for p, d in enumerate(devices)
+  ]
+  for maker in makers:
+    maker.start()
+  deadline = time.time() + timeout
+  for maker in makers:
+    maker.join(max(0.0, deadline - time.time()))
+  if errors:
+    raise errors[0]
+  silent = {
+    p: f'its task did not answer the making of its progress marker within {timeout:g} s'
+    for p in range(len(devices))
+    if p not in made
+  }
+  if silent:
+    raise Hang(_describe(silent, devices, timeout, what))
+  return [made[p] for p in range(len(devices))]
 
 
 def _hung_partitions(
