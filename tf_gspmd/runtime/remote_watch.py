@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence, TypeVar
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import tensorflow as tf
 
@@ -93,24 +93,7 @@ def made_on_each_device(
   start. Each device's `make` runs on its own thread; those not done within `timeout` sit on
   tasks that stopped answering. The first error a `make` raised (a dead task's) is re-raised.
   """
-  made: Dict[int, T] = {}
-  errors: List[BaseException] = []
-
-  def run(p: int, device: str) -> None:
-    try:
-      made[p] = make(p, device)
-    except BaseException as error:  # noqa: BLE001  re-raised by the caller
-      errors.append(error)
-
-  makers = [
-    threading.Thread(target=run, args=(p, d), daemon=True, name=f'tf_gspmd_make{p}')
-    for p, d in enumerate(devices)
-  ]
-  for maker in makers:
-    maker.start()
-  deadline = time.time() + timeout
-  for maker in makers:
-    maker.join(max(0.0, deadline - time.time()))
+  made, errors = _each_within(lambda p: make(p, devices[p]), len(devices), timeout, 'make')
   if errors:
     raise errors[0]
   silent = {
@@ -153,26 +136,37 @@ def _hung_partitions(
 
 
 def _read_markers(tokens: Sequence[tf.Variable], seconds: float) -> List[Optional[tuple]]:
-  """Each token's [state, since] marker, or None when its task did not answer in time."""
-  values: List[Optional[tuple]] = [None] * len(tokens)
+  """Each token's [state, since] marker, or None when its task did not answer in time (or
+  the read failed: unreadable counts as silent)."""
+  values, _ = _each_within(lambda p: tuple(tokens[p].numpy()), len(tokens), seconds, 'probe')
+  return [values.get(p) for p in range(len(tokens))]
 
-  def read(p: int, token: tf.Variable) -> None:
+
+def _each_within(
+  work: Callable[[int], T], count: int, seconds: float, what: str
+) -> Tuple[Dict[int, T], List[BaseException]]:
+  """`work(p)` for each p < count, each on a daemon thread of its own, all waited for at most
+  `seconds`: the results that arrived by then, and the errors raised. A thread still waiting
+  (on a task that does not answer) is left behind."""
+  done: Dict[int, T] = {}
+  errors: List[BaseException] = []
+
+  def run(p: int) -> None:
     try:
-      state, since = token.numpy()
-      values[p] = (state, since)
-    except Exception:  # noqa: BLE001  unreadable counts as silent
-      pass
+      done[p] = work(p)
+    except BaseException as error:  # noqa: BLE001  handed to the caller
+      errors.append(error)
 
-  readers = [
-    threading.Thread(target=read, args=(p, t), daemon=True, name=f'tf_gspmd_probe{p}')
-    for p, t in enumerate(tokens)
+  threads = [
+    threading.Thread(target=run, args=(p,), daemon=True, name=f'tf_gspmd_{what}{p}')
+    for p in range(count)
   ]
-  for reader in readers:
-    reader.start()
+  for thread in threads:
+    thread.start()
   deadline = time.time() + seconds
-  for reader in readers:
-    reader.join(max(0.0, deadline - time.time()))
-  return list(values)
+  for thread in threads:
+    thread.join(max(0.0, deadline - time.time()))
+  return dict(done), list(errors)
 
 
 def _describe(hung: Dict[int, str], devices: Sequence[str], timeout: float, what: str) -> str:
