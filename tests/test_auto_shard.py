@@ -240,6 +240,7 @@ def test_fixed_layouts_and_annotations_are_kept():
   assert tuple(keras_map['w1'].axes) == ('model', None)
 
 
+@pytest.mark.slow  # plans and builds a step (make test runs it)
 def test_a_step_the_fast_model_cannot_walk_is_planned_instead(monkeypatch):
   step, _, specs = _mlp(batch=64, d_model=32, hidden=128)
 

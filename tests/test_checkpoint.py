@@ -198,6 +198,7 @@ def test_restore_into_eight_devices_one_dim_uneven(saved):
   assert max(record.bytes_per_device.values()) < total / 4
 
 
+@pytest.mark.slow  # saves and restores across meshes (make test runs it)
 def test_restore_into_four_by_two_mesh_two_dim_slices(saved):
   mesh = tg.Mesh.create((4, 2), ('data', 'model'))
   rules = {
@@ -350,7 +351,10 @@ KILLED_SAVE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize('phase', ['slices', 'publish'])
+@pytest.mark.parametrize(
+  'phase',
+  ['slices', pytest.param('publish', marks=pytest.mark.slow)],  # a process each
+)
 def test_save_killed_midway_leaves_previous_checkpoint(tmp_path, phase):
   directory, marker = tmp_path / 'ckpt', tmp_path / 'writing'
   script = tmp_path / 'save.py'

@@ -5,6 +5,7 @@ partitioned on 8 logical CPUs against the same function unpartitioned, collectiv
 import collections
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tf_gspmd as tg
@@ -123,6 +124,7 @@ def test_a_collective_that_depends_on_another_is_not_fused_with_it():
   assert [r['op_type'] for r in reduces] == ['Relu', 'outputs']
 
 
+@pytest.mark.slow  # builds a pipelined step (make test runs it)
 def test_pipeline_data_all_reduces_are_reduced_once():
   mesh = tg.Mesh.create((2, 4), ('stage', 'data'))
   stages, microbatches, width, hidden = 2, 4, 8, 16

@@ -139,6 +139,7 @@ def build_777123_85(dtype=np.float32):
   return mesh, make, [x1, x10, i18, x22]
 
 
+@pytest.mark.slow  # a whole fuzz case (make test runs it)
 def test_fuzz_777123_85():
   fuzz.check(build_777123_85, backend='tf')
 
@@ -301,6 +302,7 @@ def test_a_nudged_witness_moves_each_input_by_at_most_its_units():
     assert moved.dtype == np.float32 and units.max() == ulps, (ulps, units.max())
 
 
+@pytest.mark.slow  # a fuzz case judged three ways (make test runs it)
 def test_judge_of_a_cancelled_gradient_still_catches_a_real_error():
   """The witnesses widen the bound of a cancelled tensor to the rounding of its terms, not to
   their size: case 85's first scale gradient (float64 ~5e-18, float32 a few 1e-09) off by

@@ -94,6 +94,7 @@ def test_model_parallel_guide_code_matches_plain_keras():
   assert_close(model.weights, reference.weights, 'weights')
 
 
+@pytest.mark.slow  # a Keras fit and its twin (the edit loop: test_keras_fit)
 def test_data_parallel_replicates_weights_and_splits_the_batch():
   distribution = keras.distribution.DataParallel()  # all 8 devices, axis 'batch'
   reference = guide_model()

@@ -282,6 +282,7 @@ def test_keras_distribution_fit_inside_the_strategy_scope_runs_by_strategy_run(k
   assert tg.keras.shard_layouts(model)['d1/kernel'] == (tg.P(None, 'model'), (16, 8))
 
 
+@pytest.mark.slow  # exports and compiles per replica (make test runs it)
 def test_xla_replica_programs_under_the_stand_in():
   """What of the TPU's own replica programs runs on CPUs: a data-parallel predict (no
   collectives), exported module and traced program alike. With collectives (fit), the traced

@@ -71,6 +71,7 @@ def test_writes_between_calls_are_what_the_next_call_trains_on(tmp_path):
   writes_between_calls(tmp_path)
 
 
+@pytest.mark.slow  # a whole Keras fit or several (make test-fast leaves it to CI)
 def test_rewind_to_last_synced_values_mid_fit_is_not_lost():
   """set_weights, mid-epoch, of exactly the values the originals held at the epoch's start."""
   x, y = workflow_data()
@@ -97,6 +98,7 @@ def test_steps_per_execution_runs_k_steps_per_launch():
   steps_per_execution()
 
 
+@pytest.mark.slow  # a whole Keras fit or several (make test-fast leaves it to CI)
 def test_uneven_last_batch_no_padding_in_predict_fit_or_evaluate():
   uneven_last_batch()
 
@@ -122,6 +124,7 @@ def _logged_scalars(directory):
   return out
 
 
+@pytest.mark.slow  # a whole Keras fit or several (make test-fast leaves it to CI)
 def test_tensorboard_callback(tmp_path):
   import tensorboard  # noqa: F401  a test dependency
 
@@ -139,10 +142,12 @@ def test_tensorboard_callback(tmp_path):
   assert_close(as_float32(got['epoch_loss']), as_float32(want['epoch_loss']), 'epoch_loss')
 
 
+@pytest.mark.slow  # a whole Keras fit or several (make test-fast leaves it to CI)
 def test_on_batch_calls():
   on_batch_calls()
 
 
+@pytest.mark.slow  # a whole Keras fit or several (make test-fast leaves it to CI)
 def test_mixed_bfloat16():
   """bf16 is ill-conditioned: the float64 rule. The same model under a float64 policy, from the
   same initial weights and data, is the exact answer; the partitioned bf16 run may be no
@@ -214,6 +219,7 @@ def test_tf_keras_model_refused_by_name():
     tg.partition_model(stand_in(), tg.Mesh.create((2, 4), ('data', 'model')))
 
 
+@pytest.mark.slow  # a whole Keras fit or several (make test-fast leaves it to CI)
 def test_partition_again_on_another_mesh_keeps_trained_values():
   x, y = workflow_data()
   model, reference = workflow_partitioned(workflow_model()), workflow_model()

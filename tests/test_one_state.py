@@ -86,7 +86,8 @@ def _pair(backend='tf', as_shards=False):
   )
 
 
-BACKENDS = ['tf', 'xla']
+# The XLA rows build an XLA program each: `make test` runs them, the edit loop the TF rows.
+BACKENDS = ['tf', pytest.param('xla', marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize('backend', BACKENDS)
@@ -424,6 +425,7 @@ def test_a_tf_function_traced_while_keras_builds_reads_the_weight(backend, keras
   assert_close(model(x), made(None)(x), 'the layer traced while Keras built the model')
 
 
+@pytest.mark.slow  # two Keras models trained and restored (make test runs it)
 def test_restore_into_a_model_whose_optimizer_is_not_built_restores_its_slots(tmp_path):
   mesh = tg.Mesh.create(*MESH)
   rng = np.random.RandomState(0)

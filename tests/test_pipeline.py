@@ -188,6 +188,7 @@ def test_pipeline_example_matches_sequential():
       assert per * 4 == total, line
 
 
+@pytest.mark.slow  # a pipeline at three microbatch counts (make test runs it)
 def test_activation_memory_per_device_does_not_grow_with_microbatches():
   # The same batch in 4, 8 or 16 microbatches: each device holds one stage's activations of
   # the microbatches in flight (the bubble included), about (M+S-1)/M / (S*data) of what

@@ -74,6 +74,7 @@ def test_plan_at_8_is_what_partition_builds_and_runs(which):
   assert 'activation peak' in str(report) and 'collectives per step' in str(report)
 
 
+@pytest.mark.slow  # a 2048-device plan (make test runs it)
 def test_dense_transformer_at_2048_matches_its_formula_without_allocating():
   mesh = Mesh.create((64, 32), ('X', 'Y'))
   cfg = models.Dense(layers=2)

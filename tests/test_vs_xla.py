@@ -55,6 +55,7 @@ def _both_ways(mesh, batches):
   return ours, ours_xla, theirs, keras_train_step(ref_model, ref_optimizer), model, ref_model
 
 
+@pytest.mark.slow  # three programs compiled by XLA (make test runs it)
 def test_mlp_2d_mesh_values_and_collectives():
   mesh = tg.Mesh.create(MESH_SHAPE, AXES)
   batches = mlp_batches(16)

@@ -101,7 +101,10 @@ def _keras_step(build, spec_of):
   return make
 
 
-@pytest.mark.parametrize('devices,batch', [(8, 16), (4, 10)])
+@pytest.mark.parametrize(
+  'devices,batch',
+  [(8, 16), pytest.param(4, 10, marks=pytest.mark.slow)],  # make test: both
+)
 def test_mlp_data_parallel(devices, batch):
   mesh = tg.Mesh.create((devices,), ('data',))
   make = _keras_step(lambda annotate: keras_mlp(0), lambda x: tg.shard(x, mesh, tg.P('data', None)))
