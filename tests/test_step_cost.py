@@ -10,7 +10,7 @@ import tensorflow as tf
 import tf_gspmd as tg
 from tf_gspmd import Mesh, NamedSharding, P
 from tf_gspmd.auto_shard import constants as constants_module
-from tf_gspmd.auto_shard import fit
+from tf_gspmd.auto_shard import fit, simulate
 from tf_gspmd.auto_shard.constants import load_constants
 from tf_gspmd.graph import capture
 from tf_gspmd.step_cost import StepFeatures, collective_seconds, step_time
@@ -85,6 +85,43 @@ def test_a_contractions_minor_dims_are_priced_in_full_vectors(monkeypatch):
   simulator = tg.auto_shard.Simulator(program, mesh, load_constants())
   laid_out = {placeholder: P(None, 'model') for placeholder in program.variables}
   assert simulator.evaluate(laid_out, [None]).features.flops == narrow.features().flops
+
+
+def test_the_simulator_prices_the_same_op_of_two_layers_once_and_alike(monkeypatch):
+  """A repeated layer's op (same rule, shapes and dtypes) shares its memoized answers with
+  the first layer's: fewer answers computed, every layout priced exactly as when each op
+  keeps its own (a key blind to the factor sizes prices the third layer's matmul as the
+  first's: caught here)."""
+  mesh = Mesh.create((2, 4), ('data', 'model'))
+  weights = [  # two alike, then one of other shapes: it must not take their answers
+    tg.abstract_variable([64, n], tf.float32, NamedSharding(mesh, P(None, 'model')))
+    for n in (64, 64, 32)
+  ]
+
+  @tf.function
+  def step(x):
+    for w in weights:
+      x = tf.nn.relu(tf.matmul(x, w))
+    return tf.reduce_sum(x)
+
+  program = capture.capture(capture.trace(step, tf.TensorSpec([32, 64])))
+  specs = [P(None, 'model'), P('model', None), P('data', 'model'), P(None, None)]
+
+  def priced(structure):
+    monkeypatch.setattr(simulate, '_structure', structure)
+    simulator = tg.auto_shard.Simulator(program, mesh, load_constants())
+    evaluations = [
+      simulator.evaluate(dict(zip(program.variables, (a, b, b))), [arg])
+      for a in specs
+      for b in specs
+      for arg in (None, P('data', None))
+    ]
+    return [(e.memory, e.features) for e in evaluations], len(simulator._cores)
+
+  shared, answers_shared = priced(simulate._structure)
+  alone, answers_alone = priced(lambda op: op.index)
+  assert shared == alone
+  assert answers_shared < answers_alone
 
 
 def _features(ops, flops, nbytes, collectives=(), small=0) -> StepFeatures:

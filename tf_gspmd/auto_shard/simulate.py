@@ -78,6 +78,9 @@ class _Op:
   dtype: str = 'float32'  # its first result's: the rate its contractions run at
   minor: frozenset = frozenset()  # factors padded to `lanes` in its contractions (`step_cost`)
   lanes: int = 1
+  # What `Simulator.core` reads of it, hashable: the same op of another layer of the same
+  # shapes shares its answers (its index when a part cannot be hashed).
+  structure: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +122,7 @@ class Simulator:
       op.lanes = vector_lanes(self.profile.vector_bytes, first)  # its first result's dtype
       if op.rule is not None and op.lanes > 1:
         op.minor = minor_factors(op.rule)
+      op.structure = _structure(op)
     self._mark_scalars()
     self.walked = [op for op in self.ops if op.how in ('rule', 'whole')]
     self.targets = self._targets()
@@ -262,7 +266,7 @@ class Simulator:
 
   # --- memoized answers ------------------------------------------------------------------
   def core(self, op: _Op, operands: Tuple[SimSharding, ...], targets: tuple = ()) -> _Core:
-    key = (op.index, operands, targets)
+    key = (op.structure, operands, targets)
     found = self._cores.get(key)
     if found is None:
       found = self._cores[key] = self._core(op, operands, targets)
@@ -638,6 +642,37 @@ class _Walk:
 
 
 # --- helpers ----------------------------------------------------------------------------------
+def _structure(op: _Op) -> object:
+  """Everything `Simulator._core` reads of `op` (its rule, shapes, dtype sizes, handles, work
+  spaces, lanes), as one hashable key; `op.index` when some part is not hashable."""
+  rule = op.rule
+  if rule is None:
+    return op.index
+  try:
+    key = (
+      rule.operands,
+      rule.results,
+      tuple(sorted(rule.kinds.items())),
+      tuple(sorted(rule.sizes.items())),
+      tuple(sorted(rule.windows.items())),
+      rule.broadcast_operands,
+      rule.shifted,
+      tuple(None if s is None else tuple(s) for s in op.shapes),
+      op.sizes,
+      len(op.node.outputs),
+      op.handles,
+      bool(op.entry.combinable),
+      tuple((tuple(sorted(sizes.items())), tuple(space)) for sizes, space in op.spaces),
+      tuple(tuple(w) for w in op.weights),
+      op.lanes,
+      op.minor,
+    )
+    hash(key)
+  except TypeError:
+    return op.index
+  return key
+
+
 def _linear_result(
   op: _Op, sim: Simulator, operands: List[SimSharding], pending: List[int]
 ) -> SimSharding:
