@@ -650,13 +650,7 @@ def _structure(op: _Op) -> object:
     return op.index
   try:
     key = (
-      rule.operands,
-      rule.results,
-      tuple(sorted(rule.kinds.items())),
-      tuple(sorted(rule.sizes.items())),
-      tuple(sorted(rule.windows.items())),
-      rule.broadcast_operands,
-      rule.shifted,
+      rule.structure(),
       tuple(None if s is None else tuple(s) for s in op.shapes),
       op.sizes,
       len(op.node.outputs),

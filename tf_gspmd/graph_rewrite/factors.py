@@ -163,13 +163,7 @@ def _choice_key(rule, operands: Sequence[Local], targets, shapes, options) -> Op
   """What `choose_layouts`' choice depends on, hashable; None when a part is not."""
   try:
     key = (
-      rule.operands,
-      rule.results,
-      tuple(sorted(rule.kinds.items())),
-      tuple(sorted(rule.sizes.items())),
-      tuple(sorted(rule.windows.items())),
-      rule.broadcast_operands,
-      rule.shifted,
+      rule.structure(),
       tuple(
         (_named(op.sharding), None if op.shape is None else tuple(op.shape), op.dtype)
         for op in operands

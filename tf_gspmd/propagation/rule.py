@@ -90,6 +90,21 @@ class OpRule:
         raise ValueError(f'OpRule: reduction factor {f!r} must not appear in a result.')
 
   # --- structure ---------------------------------------------------------------
+  def structure(self) -> tuple:
+    """Every field, as one tuple that hashes (a rule holds dicts): a memo's key part for
+    answers that depend on the rule alone. TypeError when a field's value does not hash."""
+    key = (
+      self.operands,
+      self.results,
+      tuple(sorted(self.kinds.items())),
+      tuple(sorted(self.sizes.items())),
+      tuple(sorted(self.windows.items())),
+      self.broadcast_operands,
+      self.shifted,
+    )
+    hash(key)
+    return key
+
   def factors(self) -> Tuple[str, ...]:
     """Every factor in order of first appearance (operands, then results)."""
     cached = self.__dict__.get('_factors')  # a rule is frozen: computed once (hot in sweeps)
