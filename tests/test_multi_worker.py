@@ -149,7 +149,7 @@ def test_a_watched_call_returns_or_raises_what_the_call_does():
   assert remote_watch.run_watched(lambda: 7, [], [], timeout=5, what='step') == 7
   with pytest.raises(ZeroDivisionError):
     remote_watch.run_watched(lambda: 1 / 0, [], [], timeout=5, what='step')
-  devices = [f'/job:worker/replica:0/task:{p // 4}/device:CPU:{p % 4}' for p in range(8)]
+  devices = [d for names in _names(2, 4) for d in names]
   assert remote_watch.spans_other_tasks(devices)
   assert not remote_watch.spans_other_tasks([f'/device:CPU:{p}' for p in range(8)])
   markers = [_Marker(1, time.time())] * 4 + [_Marker(hangs=True)] * 4
@@ -162,7 +162,7 @@ def test_a_watched_call_returns_or_raises_what_the_call_does():
 
 
 def test_making_the_markers_on_a_task_that_does_not_answer_names_it():
-  devices = [f'/job:worker/replica:0/task:{p // 4}/device:CPU:{p % 4}' for p in range(8)]
+  devices = [d for names in _names(2, 4) for d in names]
   stopped = threading.Event()  # never set: task 1's makes never return
   assert remote_watch.made_on_each_device(lambda p, d: (p, d), devices, 5, 'step')[5] == (
     5,

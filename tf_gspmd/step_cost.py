@@ -322,13 +322,10 @@ def work_of_propagation(propagation, mesh: Mesh, vector_bytes: int = 0) -> Work:
       weights = space_weights(rule, spaces, [_dtype_size(t.dtype) for t in tensors])
       lanes = vector_lanes(vector_bytes, _dtype_size(node.outputs[0].dtype) if node.outputs else 0)
       minor = minor_factors(rule) if lanes > 1 else frozenset()
+      devices = {f: axes_size(result.mesh, axes.get(f, ())) for f in sizes}
       for space, weight in zip(spaces, weights):
         whole = float(np.prod([sizes[f] for f in space], dtype=np.float64))
-        local = run = 1.0  # run: a contraction's points with its minor dims in whole vectors
-        for f in space:
-          n = -(-sizes[f] // axes_size(result.mesh, axes.get(f, ())))
-          local *= n
-          run *= whole_vectors(n, lanes) if f in minor else n
+        local, run = local_points(space, sizes, devices, minor, lanes)
         work.add(local, whole, mesh.size, weight, dtype, run)
   return work
 
@@ -339,6 +336,17 @@ def minor_factors(rule) -> frozenset:
 
   innermost = [dim_factors(dims[-1]) for dims in rule.tensor_dims() if dims]
   return frozenset(factors[-1] for factors in innermost if factors)
+
+
+def local_points(space, sizes, devices, minor, lanes: int) -> Tuple[float, float]:
+  """(points of `space` one device computes, those points with its `minor` factors padded to
+  whole vectors of `lanes`): each factor's size over the `devices[factor]` sharing it."""
+  local = run = 1.0
+  for f in space:
+    n = -(-sizes[f] // devices[f])
+    local *= n
+    run *= whole_vectors(n, lanes) if f in minor else n
+  return local, run
 
 
 def vector_lanes(vector_bytes: int, dtype_size: int) -> int:

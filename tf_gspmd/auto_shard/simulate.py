@@ -39,11 +39,11 @@ from tf_gspmd.step_cost import (
   axes_size,
   factor_sizes,
   independent_spaces,
+  local_points,
   minor_factors,
   op_counts,
   space_weights,
   vector_lanes,
-  whole_vectors,
 )
 
 Axes = Tuple[str, ...]
@@ -345,11 +345,8 @@ class Simulator:
     points = repeated = flops = nbytes = 0.0
     for (sizes, space), (contraction, per_point) in zip(op.spaces, op.weights):
       total = float(np.prod([sizes[f] for f in space], dtype=np.float64))
-      local = run = 1.0  # run: a contraction's points with its minor dims in whole vectors
-      for f in space:
-        n = -(-sizes[f] // self.axes_size(tuple(factor_axes.get(f, ()))))
-        local *= n
-        run *= whole_vectors(n, op.lanes) if f in op.minor else n
+      devices = {f: self.axes_size(tuple(factor_axes.get(f, ()))) for f in space}
+      local, run = local_points(space, sizes, devices, op.minor, op.lanes)
       points += local
       repeated += max(0.0, local - total / self.mesh.size)
       if contraction:
