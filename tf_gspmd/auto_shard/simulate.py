@@ -368,7 +368,10 @@ class Simulator:
         for step in route.steps
         if step.kind != 'slice'
       )
-      found = self._moves[key] = (records, self.local_bytes(want, shape, size))
+      found = self._moves[key] = (
+        records,
+        _copy_bytes(route.steps, size, self.local_bytes(want, shape, size)),
+      )
     return found
 
   def local_bytes(self, spec: Optional[Spec], shape: tuple, size: int) -> int:
@@ -522,7 +525,7 @@ class _Walk:
       self.move(name, layout, want, self.sim.tensor_shapes[name])
       layout = (want, ())
     if layout is not None and layout[1]:
-      layout = self.toward_target(name, layout)
+      layout = self.toward_target(name, layout, op.counted[index])
     self.layouts[name] = layout
     if layout is not None and layout[1]:
       self.pending[name] = (layout[1], op.dtypes[index])
@@ -539,12 +542,18 @@ class _Walk:
     variable = self.variables[found[1]]
     return None if variable is None else variable[0]
 
-  def toward_target(self, tensor: str, layout: Tuple[Spec, Axes]) -> SimSharding:
-    """A pending sum bound for another layout: resolved into it at once."""
+  def toward_target(self, tensor: str, layout: Tuple[Spec, Axes], own: bool) -> SimSharding:
+    """A pending sum bound for another layout: resolved into it at once. Its unreduced block
+    (`own`: a buffer of its own, not a view of a held operand) lives until the collective
+    reads it, beside the collective's result: it is held only as what it becomes."""
     target = self.target(tensor)
     if target is None or target == layout[0]:
       return layout
-    self.move(tensor, layout, target, self.sim.tensor_shapes[tensor])
+    shape = self.sim.tensor_shapes[tensor]
+    if own:
+      size = self.sim.dtype_sizes[tensor]
+      self.transient.append((self.step, self.sim.local_bytes(layout[0], shape, size)))
+    self.move(tensor, layout, target, shape)
     return (target, ())
 
   def resolved(self, tensor: str, layout: SimSharding) -> SimSharding:
@@ -575,11 +584,23 @@ class _Walk:
       if self.variables[tensor] is None:
         self.variables[tensor] = (want, ())
       return
+    if layout is None and shape is not None:
+      self.materialize(tensor, want)
+      return
     if layout is None or shape is None or (layout[0] == want and not layout[1]):
       return
     records, copy = self.sim.move_cost(layout, want, shape, self.sim.dtype_sizes[tensor])
     self.records.extend(records)
     self.transient.append((self.step, copy))
+
+  def materialize(self, tensor: str, want: Spec) -> None:
+    """A free value (a fill, a broadcast constant) is made where its users want it, free
+    for each: it holds the largest of those layouts' bytes (not its all-split guess)."""
+    if tensor in self.born:
+      born, held = self.born[tensor]
+      size = self.sim.dtype_sizes[tensor]
+      wanted = self.sim.local_bytes(want, self.sim.tensor_shapes[tensor], size)
+      self.born[tensor] = (born, max(held, wanted))
 
   def nbytes(self, tensor: str) -> int:
     shape = self.sim.tensor_shapes[tensor]
@@ -697,6 +718,14 @@ def _linear_result(
 def _unpended(operands: List[SimSharding]) -> tuple:
   """Operand layouts with their pending sums dropped (a linear op computes on the blocks)."""
   return tuple(None if lay is None else (lay[0], ()) for lay in operands)
+
+
+def _copy_bytes(steps, size: int, result: int) -> int:
+  """The most a reshard's route holds beside its source: its result, or a reduce-scatter's
+  full reduced block (TF has no CPU reduce-scatter: all-reduce, then a slice, as
+  `runtime/collectives.py` emits it)."""
+  held = [size * _elems(step.shape_in) for step in steps if step.kind == 'reduce_scatter']
+  return max([result] + held)
 
 
 def _elems(shape) -> int:
