@@ -131,6 +131,8 @@ class Simulator:
     self.deferrable, self.after = _update_nodes(self.graph)
     self.outputs = frozenset(self.graph.outputs)
     self.readers = collections.Counter(t for node in self.graph.nodes for t in node.inputs)
+    self.variable_shapes = {name: self.shape(name) for name in program.variables}
+    self.variable_blocks = _variable_blocks(program, self.variable_shapes)
     self._shardings: Dict[tuple, NamedSharding] = {}
     self._cores: Dict[tuple, _Core] = {}
     self._moves: Dict[tuple, tuple] = {}
@@ -408,10 +410,10 @@ class _Walk:
     self.sim = sim
     self.layouts: Dict[str, SimSharding] = {}
     self.variables: Dict[str, SimSharding] = {
-      name: _layout_of(variables.get(name), sim.shape(name)) for name in sim.program.variables
+      name: _layout_of(variables.get(name), shape) for name, shape in sim.variable_shapes.items()
     }
     for name, spec in zip(sim.program.arg_inputs, arguments):
-      self.layouts[name] = _layout_of(spec, sim.shape(name))
+      self.layouts[name] = _layout_of(spec, sim.tensor_shapes[name])
     self.records: List[tuple] = []
     self.pending: Dict[str, Tuple[Axes, str]] = {}  # tensor -> (its sum's axes, dtype)
     self.points = self.repeated = self.elementwise_bytes = 0.0
@@ -647,14 +649,9 @@ class _Walk:
 
   def memory(self) -> int:
     """Parameters + optimizer state + the activation peak, per device."""
-    held, seen = 0, set()
-    for name, variable in self.sim.program.variables.items():
-      shape = self.sim.shape(name)
-      if id(variable) in seen or shape is None:
-        continue
-      seen.add(id(variable))
+    held = 0
+    for name, shape, size in self.sim.variable_blocks:
       layout = self.variables[name]
-      size = tf.as_dtype(variable.dtype).size
       held += self.sim.local_bytes(None if layout is None else layout[0], shape, size)
     return held + self.activation_peak()
 
@@ -685,6 +682,18 @@ def _structure(op: _Op) -> object:
   return key
 
 
+def _variable_blocks(program: ir.Program, shapes: Dict[str, Optional[tuple]]) -> List[tuple]:
+  """(placeholder, shape, dtype size) of each variable once (two handles of one variable
+  hold one block), those of unknown shape left out."""
+  blocks, seen = [], set()
+  for name, variable in program.variables.items():
+    if id(variable) in seen or shapes[name] is None:
+      continue
+    seen.add(id(variable))
+    blocks.append((name, shapes[name], tf.as_dtype(variable.dtype).size))
+  return blocks
+
+
 def _linear_result(
   op: _Op, sim: Simulator, operands: List[SimSharding], pending: List[int]
 ) -> SimSharding:
@@ -692,7 +701,8 @@ def _linear_result(
   first (a product of two pending sums, a reshape or sum moving a split dim)."""
   form, node = op.entry.linear, op.node
   first = operands[pending[0]]
-  out_shape = sim.shape(node.outputs[0].name)
+  shapes = sim.tensor_shapes
+  out_shape = shapes[node.outputs[0].name]
   if out_shape is None or first is None:
     return None
   if form in ('reshape', 'sum'):  # linear when it runs on the blocks as they are
@@ -702,13 +712,13 @@ def _linear_result(
     result = core.results[0] if core.results else None
     moved = core.needs[0] != first[0]
     return None if result is None or result[1] or moved else (result[0], first[1])
-  if sim.shape(node.inputs[pending[0]]) != out_shape:
+  if shapes[node.inputs[pending[0]]] != out_shape:
     return None
   if form in ('add', 'add_n', 'subtract'):
     alike = len(pending) == len(node.inputs) and len(set(operands)) == 1
     return first if alike else None
   if form in ('scale', 'divide'):
-    others = [sim.shape(t) for i, t in enumerate(node.inputs) if i not in pending]
+    others = [shapes[t] for i, t in enumerate(node.inputs) if i not in pending]
     scalars = all(s is not None and _elems(s) <= 1 for s in others)
     ok = len(pending) == 1 and scalars and (form == 'scale' or pending == [0])
     return first if ok else None
