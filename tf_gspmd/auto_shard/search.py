@@ -69,6 +69,7 @@ class Search:
     self.traced = traced  # fn's ConcreteFunction: plans capture it without tracing again
     self.seen: Dict[tuple, Evaluation] = {}  # priced (by the fast model, if there is one)
     self.planned: Dict[tuple, Evaluation] = {}  # planned with tg.plan
+    self.simulated: Dict[tuple, Evaluation] = {}  # the fast model's price of each planned
     self._variable_bytes: Dict[tuple, int] = {}  # (group, spec) -> `variable_bytes`
 
   @property
@@ -132,6 +133,9 @@ class Search:
       priced = run()
       if priced.choice in self.planned:
         return priced
+      if not self.worth_planning(priced):
+        break
+      self.simulated[priced.choice] = priced
       self.seen[priced.choice] = self.verify(priced.choice)
       if len(self.planned) >= MAX_PLANNED:
         break
@@ -139,6 +143,18 @@ class Search:
     if best.memory > self.budget and any(e.memory <= self.budget for e in self.seen.values()):
       return self.planning(run)  # layouts priced within the budget, none planned within it
     return best
+
+  def worth_planning(self, priced: Evaluation) -> bool:
+    """Could `priced` (the fast model's) beat the best planned layout? Its cost is first
+    scaled by the least plan/fast-model ratio the planned layouts showed (the fast model's
+    bias on this step, which it carries to every layout; the least: the benefit of the
+    doubt), so a candidate ahead only by that bias is not planned."""
+    if not self.planned:
+      return True
+    ratios = [self.planned[c].cost / e.cost for c, e in self.simulated.items() if e.cost > 0]
+    ratio = min(ratios, default=1.0)
+    best = min(self.planned.values(), key=lambda e: e.key(self.budget))
+    return (priced.overflow(self.budget), priced.cost * ratio) < best.key(self.budget)
 
   def planning(self, run: Callable[[], Evaluation]) -> Evaluation:
     """`run()` again with every layout planned (the fast model misjudged the step): what
