@@ -5,12 +5,12 @@ that no microbenchmark gives directly: seconds per op launched on tensors, per s
 (scalars, views), per step, a core's contraction rate, the memory bandwidth other ops see,
 and a scale on the measured collectives' table (a collective inside a step costs more, or
 less, than alone). They are fit by non-negative least squares, relative error weighted, on
-steps measured here (`calibrate_steps`): five small models of their own (an MLP, an
-attention block, a convolution stack, each an Adam step written in TF; a Keras MLP and a
-Keras Conv1D classifier with Keras' Adam) in several layouts on a (2, 4) mesh of 8 logical
-CPU devices -- never bench/auto_shard_rank.py's models, which stay a held-out check. The
-fit is cached as JSON keyed by `cpu_key()` in the user cache dir; the package ships the
-fit of the machine it was written on (`DEFAULT_FIT_FILE`).
+steps measured here (`calibrate_steps`): small models of their own (an MLP, an attention
+block, a convolution stack, each an Adam step written in TF; a Keras MLP, a deeper one, a
+Keras Conv1D classifier and a Keras attention block with Keras' Adam) in several layouts
+on a (2, 4) mesh of 8 logical CPU devices -- never bench/auto_shard_rank.py's models, which
+stay a held-out check. The fit is cached as JSON keyed by `cpu_key()` in the user cache
+dir; the package ships the fits of the machines it was written on (`DEFAULT_FIT_FILE`).
 
   python -c "import tf_gspmd as tg; tg.auto_shard.fit.calibrate_steps()"  # needs 8 CPUs
 """
@@ -295,6 +295,32 @@ def _keras_conv1d(mesh, specs, batch_axes, seed=0, batch=32, seq=64, channels=8)
   return _keras(mesh, specs, model, (x, rng.randint(0, 10, batch).astype(np.int32)), batch_axes)
 
 
+def _keras_attention(mesh, specs, batch_axes, seed=0, batch=16, seq=16, width=24, dim=48):
+  """One Keras attention block (MultiHeadAttention's einsums, LayerNormalization, a Dense
+  feed-forward) over a projected sequence: Keras' attention ops, in a model of its own."""
+  import keras
+
+  keras.utils.set_random_seed(seed)
+  layers = keras.layers
+  inputs = keras.Input((seq, width))
+  x = layers.Dense(dim, name='project')(inputs)
+  x = layers.LayerNormalization(name='norm_a')(
+    x + layers.MultiHeadAttention(4, 12, name='mha')(x, x)
+  )
+  hidden = layers.Dense(2 * dim, activation='gelu', name='ff_in')(x)
+  x = layers.LayerNormalization(name='norm_f')(x + layers.Dense(dim, name='ff_out')(hidden))
+  logits = layers.Dense(10, name='head')(layers.GlobalAveragePooling1D(name='pool')(x))
+  model = keras.Model(inputs, logits)
+  rng = np.random.RandomState(seed)
+  x = rng.randn(batch, seq, width).astype(np.float32)
+  return _keras(mesh, specs, model, (x, rng.randint(0, 10, batch).astype(np.int32)), batch_axes)
+
+
+_MHA_HEADS = {
+  r'.*mha/(query|key|value)/kernel': (None, 'model', None),
+  r'.*mha/attention_output/kernel': ('model', None, None),
+}
+
 # name -> (builder, {variable: spec}, the inputs' batch axes); none of them is a bench layout's
 # model (bench/auto_shard_rank.py: the Keras transformer and CNN).
 CALIBRATION = {
@@ -354,6 +380,14 @@ CALIBRATION = {
     'data',
   ),
   'keras conv1d filters': (_keras_conv1d, {r'.*conv_b/kernel': (None, None, 'model')}, None),
+  'keras attention dp8': (_keras_attention, {}, DM),
+  'keras attention replicated': (_keras_attention, {}, None),
+  'keras attention heads+data': (_keras_attention, _MHA_HEADS, 'data'),
+  'keras attention ff over 8': (
+    _keras_attention,
+    {r'.*ff_in/kernel': (None, DM), r'.*ff_out/kernel': (DM, None)},
+    None,
+  ),
 }
 
 
