@@ -235,7 +235,10 @@ def test_a_per_partition_program_holds_each_constant_once():
   assert_close(got, want)
 
 
-def test_shared_constants_keep_control_inputs_and_device_scopes_apart():
+def test_shared_constants_share_across_control_inputs_and_keep_device_scopes_apart():
+  """A constant asked for under control dependencies is the one shared constant (no effect
+  to order), while the other ops made there keep their control inputs; a placed one is its
+  own."""
   from tf_gspmd.tf_private import shared_constants
 
   graph = tf.Graph()
@@ -243,13 +246,14 @@ def test_shared_constants_keep_control_inputs_and_device_scopes_apart():
     a, b = tf.constant(0), tf.constant(0)
     gate = tf.no_op(name='gate')
     with tf.control_dependencies([gate]):
-      gated, gated_again = tf.constant(0), tf.constant(0)
+      gated = tf.constant(0)
+      used = tf.add(gated, 1, name='used')
     with tf.device('/device:CPU:1'):
       placed = tf.constant(0)
     other_dtype = tf.constant(0.0)
   assert a.op is b.op
-  assert gated.op is gated_again.op and gated.op is not a.op
-  assert [op.name for op in gated.op.control_inputs] == ['gate']
+  assert gated.op is a.op and not a.op.control_inputs
+  assert [op.name for op in used.op.control_inputs] == ['gate']
   assert placed.op is not a.op and placed.device.endswith('CPU:1')
   assert other_dtype.op is not a.op
   with graph.as_default():

@@ -180,24 +180,22 @@ def shared_constants(graph):
   node of it once per device before its first run; TF's own common-subexpression pass merges
   them only after that. Every graph constant is made through `Graph._create_op_internal`
   (private; `ops._create_graph_constant`), overridden here on this graph object only. A
-  constant made under a device or colocation scope is left alone (its placement is its own);
-  one under control dependencies is shared only with one made under the same ones
-  (`_control_dependencies_for_inputs`, private: the control inputs a new op would get)."""
+  constant made under a device or colocation scope is left alone (its placement is its own).
+  One asked for under control dependencies is made without them: a constant has no effect to
+  order, and every other op made there keeps its own control inputs (a collective's markers
+  wrap its ops in control dependencies: its keys, sizes and slice bounds were one node per
+  collective)."""
   original = graph._create_op_internal  # noqa: SLF001
   made: dict = {}
 
   def create(op_type, inputs, dtypes=None, input_types=None, name=None, attrs=None, **kwargs):
-    key = None
-    if op_type == 'Const' and not inputs and attrs and not _placed(graph):
-      controls = graph._control_dependencies_for_inputs([])  # noqa: SLF001
-      # The value's TensorProto holds its dtype and shape too.
-      key = (attrs['value'].SerializeToString(), tuple(sorted(op.name for op in controls)))
-      if key in made:
-        return made[key]
-    op = original(op_type, inputs, dtypes, input_types, name, attrs, **kwargs)
-    if key is not None:
-      made[key] = op
-    return op
+    if op_type != 'Const' or inputs or not attrs or _placed(graph):
+      return original(op_type, inputs, dtypes, input_types, name, attrs, **kwargs)
+    key = attrs['value'].SerializeToString()  # its TensorProto holds its dtype and shape too
+    if key not in made:
+      with graph.control_dependencies(None):
+        made[key] = original(op_type, inputs, dtypes, input_types, name, attrs, **kwargs)
+    return made[key]
 
   graph._create_op_internal = create  # noqa: SLF001
   try:
