@@ -232,9 +232,11 @@ class TFCollectives(Collectives):
     with tf.control_dependencies([started]):
       result = build()
     with tf.control_dependencies([result]):
-      done = set_marker(self.token, 2 * record.index + 2, name='done')
-    with tf.control_dependencies([done]):
-      return tf.identity(result)
+      finish_marker(self.token)
+    # No identity waits for `done`: the token's writes and collectives run in program order
+    # (automatic control dependencies order the ops that use one resource), so the next
+    # collective's `started` follows it, and the function's stateful ops all run.
+    return result
 
 
 def _inlined_if(cond, inputs, then_branch, else_branch, like: tf.Tensor, name: str) -> tf.Tensor:
@@ -314,4 +316,12 @@ def set_marker(token, state: int, name: str = 'marker'):
     )
   return tf.raw_ops.ResourceScatterUpdate(
     resource=token, indices=[0], updates=tf.constant([float(state)], tf.float64), name=name
+  )
+
+
+def finish_marker(token, name: str = 'done'):
+  """token[0] += 1: the collective whose start set 2k+1 is done (2k+2). One node per
+  collective (its constants are every collective's), where setting the state made two."""
+  return tf.raw_ops.ResourceScatterAdd(
+    resource=token, indices=[0], updates=tf.constant([1.0], tf.float64), name=name
   )
