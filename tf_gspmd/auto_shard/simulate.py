@@ -131,8 +131,7 @@ class Simulator:
     self.deferrable, self.after = _update_nodes(self.graph)
     self.outputs = frozenset(self.graph.outputs)
     self.readers = collections.Counter(t for node in self.graph.nodes for t in node.inputs)
-    self.variable_shapes = {name: self.shape(name) for name in program.variables}
-    self.variable_blocks = _variable_blocks(program, self.variable_shapes)
+    self.variable_blocks = _variable_blocks(program, self.tensor_shapes)
     self._shardings: Dict[tuple, NamedSharding] = {}
     self._cores: Dict[tuple, _Core] = {}
     self._moves: Dict[tuple, tuple] = {}
@@ -410,7 +409,8 @@ class _Walk:
     self.sim = sim
     self.layouts: Dict[str, SimSharding] = {}
     self.variables: Dict[str, SimSharding] = {
-      name: _layout_of(variables.get(name), shape) for name, shape in sim.variable_shapes.items()
+      name: _layout_of(variables.get(name), sim.tensor_shapes[name])
+      for name in sim.program.variables
     }
     for name, spec in zip(sim.program.arg_inputs, arguments):
       self.layouts[name] = _layout_of(spec, sim.tensor_shapes[name])
