@@ -229,6 +229,40 @@ def test_a_campaign_on_two_processes_prints_what_one_process_does():
   assert tally_one.counts == tally_two.counts and tally_two.programs == 3
 
 
+_FORKED_CAMPAIGN = """
+import multiprocessing, os, sys
+from tf_gspmd.testing import fuzz, fuzz_pool
+
+started = []  # how the pool started its workers
+get_context = multiprocessing.get_context
+multiprocessing.get_context = lambda method=None: started.append(method) or get_context(method)
+print('before the runtime:', fuzz_pool.start_method(), flush=True)
+code = fuzz.main(['--programs', '2', '--seed', '20261128', '--max-ops', '8',
+                  '--shrink-budget', '0', '--jobs', '2'])
+print('after the runtime:', fuzz_pool.start_method(), flush=True)
+print('workers started by:', started, flush=True)
+sys.exit(code)
+"""
+
+
+@pytest.mark.slow  # a campaign of two programs on two processes: about 8 s
+def test_a_campaign_forks_its_worker_before_tf_starts_and_spawns_after(tmp_path):
+  """The CLI's worker is forked (no second TF import) while TF's runtime has not started in
+  the campaign's process; a replacement, started once it has, is spawned. Both programs are
+  judged, one by each process, and pass."""
+  from tests.helpers import run_python
+
+  script = tmp_path / 'campaign.py'
+  script.write_text(_FORKED_CAMPAIGN)
+  done = run_python(script, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert 'before the runtime: fork' in done.stdout
+  assert 'after the runtime: spawn' in done.stdout
+  assert "workers started by: ['fork']" in done.stdout, done.stdout
+  verdicts = [line for line in done.stdout.splitlines() if re.match(r'\[20261128:[01]\]', line)]
+  assert len(verdicts) == 2 and all(' tf: pass ' in line for line in verdicts), done.stdout
+
+
 def test_a_worker_that_died_is_a_crash_of_its_program():
   tally = fuzz.Tally()
   echoed = []

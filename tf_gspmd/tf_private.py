@@ -144,6 +144,15 @@ def is_py_function_gradient(token: str) -> bool:
   return bool(getattr(func, '_is_grad_func', False))
 
 
+def runtime_started() -> bool:
+  """Whether TF's runtime (the eager context's C++ side: devices, thread pools) has started in
+  this process. Until it has, TF has no thread of its own, so a forked child starts with a
+  TF it can configure afresh (`testing/fuzz_pool.py` forks its workers then, instead of
+  spawning interpreters that import TF again). `Context._context_handle` is private; no
+  public API says whether the context was initialized without initializing it."""
+  return context.context()._context_handle is not None  # noqa: SLF001
+
+
 def iterators_without_autotuning() -> None:
   """Every tf.data iterator made from now on in this process runs without autotuning.
 
@@ -240,6 +249,7 @@ def own_function(fn, **function_kwargs):
 __all__ = [
   'FuncGraph',
   'own_function',
+  'runtime_started',
   'shared_constants',
   'TFFunction',
   'UninitializedVariable',

@@ -435,15 +435,18 @@ def campaign(
   echo=print,
   shrink_seconds: float = 300,
   jobs: int = 1,
+  prepare_here: bool = False,
 ) -> Tally:
   """Run programs start..start+programs-1 of `seed`; shrink and write each failure (with
-  `jobs` > 1 on this process and `jobs` - 1 workers: see `judge_all`)."""
+  `jobs` > 1 on this process and `jobs` - 1 workers: see `judge_all`; `prepare_here`: this
+  process is not configured yet, `judge_all` does it once its workers started)."""
   tally = Tally()
   began = time.time()
   args = (seed, max_ops, xla_every, (shrink_budget, shrink_seconds))
   label_of = lambda index: generate(seed, index, max_ops).label()  # noqa: E731
   indices = range(start, start + programs)
-  if judge_all(indices, judge_program, args, jobs, _prepare, label_of, tally, out, echo):
+  prepare = _prepare, prepare_here
+  if judge_all(indices, judge_program, args, jobs, prepare, label_of, tally, out, echo):
     return tally
   seconds = time.time() - began
   echo(tally.line(seconds))
@@ -457,18 +460,25 @@ def judge_all(indices, judge, args, jobs, prepare, label_of, tally, out, echo) -
   """`judge(index, *args, emit)` for each index, its events (`replay`) counted in `tally`
   and echoed, in index order. With `jobs` > 1 on this process and `jobs` - 1 workers
   (`fuzz_pool`, each `prepare`d once), printing and counting the same lines in the same
-  order; a worker
+  order. `prepare` is (the function, whether this process needs it too): this process runs it
+  after its workers started (forked before TF's runtime starts here: see
+  `fuzz_pool.start_method`). A worker
   whose collectives failed is replaced, and one that died is a crash of its program, where
   a single process stops at a failed collective (its later ones would fail too) and says
   where to resume: True then."""
   jobs = min(jobs, len(indices))  # no worker without a program
+  prepare, prepare_here = prepare
   if jobs > 1:
     with fuzz_pool.Workers(jobs, judged_in_worker, (judge,) + args, prepare, _died(label_of)) as w:
+      if prepare_here:
+        prepare()
       for _, events in w.results(indices):
         for event in events:
           replay(event, tally, out, echo)
         tally.programs += 1
     return False
+  if prepare_here:
+    prepare()
   for index in indices:
     poisoned = judge(index, *args, lambda event: replay(event, tally, out, echo))
     tally.programs += 1
@@ -593,7 +603,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument('--shrink-seconds', type=float, default=300, help='time per failure')
   parser.add_argument('--jobs', type=int, default=1, help='worker processes (one per core)')
   args = parser.parse_args(argv)
-  _prepare()  # this process judges too (with --jobs J, J - 1 workers are spawned)
+  # This process judges too (with --jobs J, J - 1 workers): configured by the campaign once
+  # its workers have started (forked before TF's runtime starts here).
   tally = campaign(
     args.seed,
     args.programs,
@@ -605,6 +616,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     echo=lambda s: print(s, flush=True),
     shrink_seconds=args.shrink_seconds,
     jobs=args.jobs,
+    prepare_here=True,
   )
   return 1 if any(tally.counts[s] for s in FAILURES) else 0
 

@@ -3,10 +3,11 @@
 A campaign's programs are independent (each draws its own inputs and builds its own
 functions and variables), and judging one is Python and TF work on one core at a time. So
 `Workers(jobs, work, args, setup)` judges in this process and in `jobs` - 1 persistent
-worker processes (spawned once each: TF imported, devices configured, the imports frozen out
-of the garbage collector's walks once, not once per program), and `results(indices)` yields
-`(index, work(index, *args))` in index order, whatever order they finish in: a campaign's
-printed lines and tally are the ones a single process gives.
+worker processes (started once each: devices configured, the imports frozen out of the
+garbage collector's walks once, not once per program; forked while TF's runtime has not
+started here, so that a worker does not import TF again, else spawned), and
+`results(indices)` yields `(index, work(index, *args))` in index order, whatever order they
+finish in: a campaign's printed lines and tally are the ones a single process gives.
 
 `work` returns `(result, replace)`: `replace` asks for a fresh worker after this one (a
 failed collective aborts every later collective in its process; this process then judges no
@@ -74,7 +75,6 @@ class Workers:
     self.jobs = jobs
     self.work, self.args, self.setup = work, tuple(args), setup
     self.died = died or (lambda index, code: None)
-    self.context = multiprocessing.get_context('spawn')  # TF's threads do not survive a fork
     self.workers: List[_Worker] = []
     self.replaced = 0
     self._changed = threading.Condition()  # guards what follows; notified when it changes
@@ -91,8 +91,9 @@ class Workers:
     self.close()
 
   def _start(self) -> _Worker:
-    mine, theirs = self.context.Pipe()
-    process = self.context.Process(
+    context = multiprocessing.get_context(start_method())
+    mine, theirs = context.Pipe()
+    process = context.Process(
       target=_serve, args=(self.work, self.args, self.setup, theirs), daemon=True
     )
     process.start()
@@ -174,6 +175,17 @@ class Workers:
     for worker in self.workers:
       _stop(worker)
     self.workers = []
+
+
+def start_method() -> str:
+  """How a worker starts: 'fork' while TF's runtime has not started in this process (TF then
+  has no thread of its own, and a forked worker has TF and tf_gspmd imported: ~5 s sooner on
+  this machine than a spawned one importing them again); 'spawn' once it has (TF's threads
+  and the locks they hold do not survive a fork). A campaign starts its workers before it
+  configures its own devices (`fuzz.judge_all`); a replacement, started later, is spawned."""
+  from tf_gspmd.tf_private import runtime_started
+
+  return 'spawn' if runtime_started() else 'fork'
 
 
 def _stop(worker: _Worker) -> None:

@@ -422,15 +422,17 @@ def campaign(
   echo=print,
   max_layers: int = 7,
   jobs: int = 1,
+  prepare_here: bool = False,
 ) -> Tally:
   """Run models start..start+models-1 of `seed`; shrink and write each failure (with `jobs`
-  > 1 on this process and `jobs` - 1 workers: `fuzz.judge_all`)."""
+  > 1 on this process and `jobs` - 1 workers: `fuzz.judge_all`; `prepare_here` as there)."""
   tally = Tally()
   began = time.time()
   args = (seed, max_layers, (shrink_budget, shrink_seconds))
   label_of = lambda index: generate(seed, index, max_layers).label()  # noqa: E731
   indices = range(start, start + models)
-  fuzz.judge_all(indices, judge_model, args, jobs, _prepare, label_of, tally, out, echo)
+  prepare = _prepare, prepare_here
+  fuzz.judge_all(indices, judge_model, args, jobs, prepare, label_of, tally, out, echo)
   seconds = time.time() - began
   echo(tally.line(seconds))
   for reason, n in tally.refusals.most_common():
@@ -494,7 +496,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   parser.add_argument('--max-layers', type=int, default=7)
   parser.add_argument('--jobs', type=int, default=1, help='worker processes (one per core)')
   args = parser.parse_args(argv)
-  _prepare()  # this process judges too (with --jobs J, J - 1 workers are spawned)
+  # This process judges too (with --jobs J, J - 1 workers): configured by the campaign once
+  # its workers have started (forked before TF's runtime starts here, with Keras imported:
+  # importing it starts no TF runtime, and a forked worker then need not import it again).
+  os.environ.setdefault('KERAS_BACKEND', 'tensorflow')
+  import keras  # noqa: F401
+
+  import tf_gspmd.keras  # noqa: F401
+
   tally = campaign(
     args.seed,
     args.models,
@@ -505,6 +514,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     echo=lambda s: print(s, flush=True),
     max_layers=args.max_layers,
     jobs=args.jobs,
+    prepare_here=True,
   )
   return 1 if any(tally.counts[s] for s in fuzz.FAILURES) else 0
 
