@@ -22,6 +22,7 @@ import dataclasses
 import gc
 import multiprocessing
 import os
+import sys
 import threading
 from multiprocessing import connection
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
@@ -182,10 +183,11 @@ def start_method() -> str:
   has no thread of its own, and a forked worker has TF and tf_gspmd imported: ~5 s sooner on
   this machine than a spawned one importing them again); 'spawn' once it has (TF's threads
   and the locks they hold do not survive a fork). A campaign starts its workers before it
-  configures its own devices (`fuzz.judge_all`); a replacement, started later, is spawned."""
+  configures its own devices (`fuzz.judge_all`); a replacement, started later, is spawned.
+  Linux only: macOS forks no process that loaded its system frameworks safely, Windows none."""
   from tf_gspmd.tf_private import runtime_started
 
-  return 'spawn' if runtime_started() else 'fork'
+  return 'fork' if sys.platform.startswith('linux') and not runtime_started() else 'spawn'
 
 
 def _stop(worker: _Worker) -> None:
