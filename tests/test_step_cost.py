@@ -179,6 +179,7 @@ def test_the_fit_recovers_the_numbers_that_made_the_times():
     'collective_scale': 1.5,
     'step_seconds': 1e-3,
     'small_op_seconds': 3e-6,
+    'part_collective_scale': 2.5,  # the groups of 4 and 2 below, on a mesh of 8
   }
   made = dataclasses.replace(constants, step_fit=truth).profile()
   cases = [

@@ -84,6 +84,10 @@ class HardwareProfile:
   small_op_seconds: float = 0.0
   collective_table: Tuple[Tuple[str, int, float, float], ...] = ()
   collective_scale: float = 1.0
+  # The scale of a collective over a part of the mesh (fewer devices than the step's): the
+  # table times a group alone, where in a step every group of the mesh runs its collective
+  # at once on the same cores. 0: `collective_scale`.
+  part_collective_scale: float = 0.0
   source: str = ''
   # Bytes of one vector register (64 with AVX-512): a contraction's kernels run the minor dim
   # of each of its tensors in lanes of that width, so a local minor size of 4 floats costs
@@ -159,7 +163,9 @@ def step_time(features: StepFeatures, profile: HardwareProfile) -> StepTime:
   share = profile.share(features.devices)
   compute = sum(f / profile.flops(d) for d, f in features.matmul_flops)
   peak = features.flops / compute if compute else profile.flops_per_s[0][1]
-  collectives = sum(collective_seconds(profile, *c) for c in features.collectives)
+  collectives = sum(
+    collective_seconds(profile, *c, part=c[1] < features.devices) for c in features.collectives
+  )
   return StepTime(
     share * compute,
     share * features.elementwise_bytes / profile.memory_bandwidth,
@@ -172,10 +178,12 @@ def step_time(features: StepFeatures, profile: HardwareProfile) -> StepTime:
 
 
 def collective_seconds(
-  profile: HardwareProfile, kind: str, group: int, axes: int, nbytes: int
+  profile: HardwareProfile, kind: str, group: int, axes: int, nbytes: int, part: bool = False
 ) -> float:
   """One collective's seconds: from the measured table when the profile has one (latency +
-  bytes * (g-1)/g / bandwidth, at the nearest measured group size), else from the links.
+  bytes * (g-1)/g / bandwidth, at the nearest measured group size, times the profile's scale:
+  `part_collective_scale` for a group that is a `part` of the step's mesh), else from the
+  links.
 
   Links: a ring over the group (both directions of each torus dimension it spans, so
   2 * min(axes, 2) links carry it); all-reduce moves 2(g-1)/g of its operand over 2(g-1)
@@ -185,7 +193,8 @@ def collective_seconds(
   if group <= 1:
     return 0.0
   if profile.collective_table:
-    return profile.collective_scale * _measured_seconds(profile, kind, group, nbytes)
+    scale = (part and profile.part_collective_scale) or profile.collective_scale
+    return scale * _measured_seconds(profile, kind, group, nbytes)
   links = 2 * max(1, min(axes, 2 if profile.topology == '2d_torus' else 3))
   bandwidth = profile.link_bandwidth * links
   fraction, steps = {

@@ -49,8 +49,8 @@ The cost model (seconds per step; `tf_gspmd.step_cost`)::
 
     cost = share * (ops * op_seconds + small_ops * small_op_seconds
                     + flops / core_flops + elementwise_bytes / memory_bandwidth)
-         + collective_scale * sum over collectives c of
-             latency[kind_c, g_c] + bytes_c * (g_c-1)/g_c / bw[kind_c, g_c]
+         + sum over collectives c of scale_c *
+             (latency[kind_c, g_c] + bytes_c * (g_c-1)/g_c / bw[kind_c, g_c])
          + step_seconds
 
 `share` is N / cores: the mesh's N logical CPU devices run their programs on the machine's
@@ -63,12 +63,15 @@ a convolution whose output channels are split to 4 per device runs at the cost o
 oneDNN's blocked layouts make it);
 `elementwise_bytes` what every other ruled op reads and writes (the optimizer's update
 included). `g_c` is the number of devices of the collective's mesh axes, `bytes_c` its
-local operand (as `collectives()` reports it). The collectives' latency and bandwidth
-come from `calibrate()` on this machine (all-reduce, all-gather, reduce-scatter and
-all-to-all over 2/4/8 logical CPU devices; permutes use all-to-all's), stored as JSON in
-the user cache dir (`DEFAULT_CONSTANTS_FILE` holds those measured where the package was
-written); the other six numbers are fit to measured steps of other models on this CPU
-(`fit.calibrate_steps`, cached per CPU model; `DEFAULT_FIT_FILE` shipped).
+local operand (as `collectives()` reports it), `scale_c` `collective_scale` for a collective
+over the whole mesh and `part_collective_scale` for one over a part of it (the table times
+one group alone; in a step every group of the mesh runs its collective at once). The
+collectives' latency and bandwidth come from `calibrate()` on this machine (all-reduce,
+all-gather, reduce-scatter and all-to-all over 2/4/8 logical CPU devices; permutes use
+all-to-all's), stored as JSON in the user cache dir (`DEFAULT_CONSTANTS_FILE` holds those
+measured where the package was written); the other seven numbers are fit to measured steps
+of other models on this CPU (`fit.calibrate_steps`, cached per CPU model; `DEFAULT_FIT_FILE`
+shipped).
 `Constants.profile()` is this machine as a `tg.HardwareProfile`; `tg.plan(...,
 profile=tg.TPU_V3)` prices the same features on a TPU.
 

@@ -1,9 +1,11 @@
 """The step model fit to measured steps of this CPU, cached per CPU model.
 
-`Constants.profile()` prices a step's features (`tf_gspmd.step_cost`) with six numbers
+`Constants.profile()` prices a step's features (`tf_gspmd.step_cost`) with seven numbers
 that no microbenchmark gives directly: seconds per op launched on tensors, per small op
 (scalars, views), per step, a core's contraction rate, the memory bandwidth other ops see,
-and a scale on the measured collectives' table (a collective inside a step costs more, or
+and two scales on the measured collectives' table, for collectives over the whole mesh and
+over a part of it (the table times one group alone; in a step the mesh's other groups run
+theirs at once) (a collective inside a step costs more, or
 less, than alone). They are fit by non-negative least squares, relative error weighted, on
 steps measured here (`calibrate_steps`): small models of their own (an MLP, an attention
 block, a convolution stack, each an Adam step written in TF; a Keras MLP, a deeper one, a
@@ -45,6 +47,7 @@ FIT_KEYS = (
   'collective_scale',
   'step_seconds',
   'small_op_seconds',
+  'part_collective_scale',
 )
 _RATES = ('core_flops', 'memory_bandwidth')
 _UNBOUNDED = 1e30  # a rate whose term the fit set to zero
@@ -84,14 +87,17 @@ def _columns(features: StepFeatures, profile) -> List[float]:
   """The fit's regressors: what multiplies each of `FIT_KEYS` (a rate's inverse) in
   `step_cost.step_time`."""
   share = profile.share(features.devices)
-  measured = sum(collective_seconds(profile, *c) for c in features.collectives)
+  measured = {True: 0.0, False: 0.0}  # by whether the group is a part of the mesh (unscaled)
+  for c in features.collectives:
+    measured[c[1] < features.devices] += collective_seconds(profile, *c) / profile.collective_scale
   return [
     share * features.ops,
     share * features.flops,
     share * features.elementwise_bytes,
-    measured / profile.collective_scale,
+    measured[False],
     1.0,
     share * features.small_ops,
+    measured[True],
   ]
 
 
