@@ -248,8 +248,8 @@ sys.exit(code)
 @pytest.mark.slow  # a campaign of two programs on two processes: about 8 s
 def test_a_campaign_forks_its_worker_before_tf_starts_and_spawns_after(tmp_path):
   """The CLI's worker is forked (no second TF import) while TF's runtime has not started in
-  the campaign's process; a replacement, started once it has, is spawned. Both programs are
-  judged, one by each process, and pass."""
+  the campaign's process, and the start method once it has (a replacement's) is spawn. Both
+  programs are judged and pass."""
   from tests.helpers import run_python
 
   script = tmp_path / 'campaign.py'

@@ -84,10 +84,10 @@ class HardwareProfile:
   small_op_seconds: float = 0.0
   collective_table: Tuple[Tuple[str, int, float, float], ...] = ()
   collective_scale: float = 1.0
-  # The scale of a collective over a part of the mesh (fewer devices than the step's): the
-  # table times a group alone, where in a step every group of the mesh runs its collective
-  # at once on the same cores. 0: `collective_scale`.
-  part_collective_scale: float = 0.0
+  # The scale of a collective over a part of the mesh (`over_part`): the table times a group
+  # alone, where in a step every group of the mesh runs its collective at once on the same
+  # cores. None: `collective_scale` (a fit's 0 is a price, not an absence).
+  part_collective_scale: Optional[float] = None
   source: str = ''
   # Bytes of one vector register (64 with AVX-512): a contraction's kernels run the minor dim
   # of each of its tensors in lanes of that width, so a local minor size of 4 floats costs
@@ -164,7 +164,8 @@ def step_time(features: StepFeatures, profile: HardwareProfile) -> StepTime:
   compute = sum(f / profile.flops(d) for d, f in features.matmul_flops)
   peak = features.flops / compute if compute else profile.flops_per_s[0][1]
   collectives = sum(
-    collective_seconds(profile, *c, part=c[1] < features.devices) for c in features.collectives
+    collective_seconds(profile, *c, part=over_part(c, features.devices))
+    for c in features.collectives
   )
   return StepTime(
     share * compute,
@@ -175,6 +176,11 @@ def step_time(features: StepFeatures, profile: HardwareProfile) -> StepTime:
     features.flops,
     peak,
   )
+
+
+def over_part(collective: Collective, devices: int) -> bool:
+  """Whether `collective` (a `StepFeatures` entry) spans fewer devices than the step's mesh."""
+  return collective[1] < devices
 
 
 def collective_seconds(
@@ -193,7 +199,9 @@ def collective_seconds(
   if group <= 1:
     return 0.0
   if profile.collective_table:
-    scale = (part and profile.part_collective_scale) or profile.collective_scale
+    scale = profile.collective_scale
+    if part and profile.part_collective_scale is not None:
+      scale = profile.part_collective_scale
     return scale * _measured_seconds(profile, kind, group, nbytes)
   links = 2 * max(1, min(axes, 2 if profile.topology == '2d_torus' else 3))
   bandwidth = profile.link_bandwidth * links

@@ -66,7 +66,7 @@ class Constants:
       step_seconds=fit.get('step_seconds', 0.0),
       collective_table=table,
       collective_scale=fit.get('collective_scale', 1.0),
-      part_collective_scale=fit.get('part_collective_scale', 0.0),
+      part_collective_scale=fit.get('part_collective_scale'),
       source=self.source + ('; step model fit to measured steps' if fit else '; not fit'),
       vector_bytes=cpu_vector_bytes(),
     )

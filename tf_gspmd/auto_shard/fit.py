@@ -3,10 +3,10 @@
 `Constants.profile()` prices a step's features (`tf_gspmd.step_cost`) with seven numbers
 that no microbenchmark gives directly: seconds per op launched on tensors, per small op
 (scalars, views), per step, a core's contraction rate, the memory bandwidth other ops see,
-and two scales on the measured collectives' table, for collectives over the whole mesh and
-over a part of it (the table times one group alone; in a step the mesh's other groups run
-theirs at once) (a collective inside a step costs more, or
-less, than alone). They are fit by non-negative least squares, relative error weighted, on
+and two scales on the measured collectives' table (a collective inside a step costs more,
+or less, than alone), one for collectives over the whole mesh and one for those over a part
+of it (the table times one group alone; in a step the mesh's other groups run theirs at
+once). They are fit by non-negative least squares, relative error weighted, on
 steps measured here (`calibrate_steps`): small models of their own (an MLP, an attention
 block, a convolution stack, each an Adam step written in TF; a Keras MLP, a deeper one, a
 Keras Conv1D classifier and a Keras attention block with Keras' Adam) in several layouts
@@ -35,7 +35,7 @@ from tf_gspmd.auto_shard.constants import (
 )
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.sharding import NamedSharding, P
-from tf_gspmd.step_cost import StepFeatures, collective_seconds
+from tf_gspmd.step_cost import StepFeatures, collective_seconds, over_part
 
 log = logging.getLogger('tf_gspmd')
 
@@ -89,7 +89,9 @@ def _columns(features: StepFeatures, profile) -> List[float]:
   share = profile.share(features.devices)
   measured = {True: 0.0, False: 0.0}  # by whether the group is a part of the mesh (unscaled)
   for c in features.collectives:
-    measured[c[1] < features.devices] += collective_seconds(profile, *c) / profile.collective_scale
+    measured[over_part(c, features.devices)] += (
+      collective_seconds(profile, *c) / profile.collective_scale
+    )
   return [
     share * features.ops,
     share * features.flops,
