@@ -82,6 +82,7 @@ def test_generator_covers_the_families_and_meshes():
   assert {p.mesh_shape for p in programs} == {m for m, _ in fuzz.MESHES}
   assert any(p.devices != tuple(range(8)) for p in programs)
   assert any(p.grad for p in programs) and any(p.assign for p in programs)
+  assert any(p.nested and p.grad for p in programs) and any(p.nested and p.assign for p in programs)
   assert all(fuzz.is_valid(p) for p in programs)
 
 
@@ -155,7 +156,7 @@ def test_shrinker_finds_a_planted_bug(monkeypatch, tmp_path):
   small = fuzz.shrink(program, fuzz.failing_like(outcome, 'tf'), budget=80)
   assert 1 <= len(small.ops) <= 2, fuzz.render(small)
   assert any(op.kind == 'unary' and op.param('fn') == 'sin' for op in small.ops)
-  assert not small.grad and not small.assign
+  assert not small.grad and not small.assign and not small.nested
   test = _load_case(tmp_path, fuzz.test_case(small, outcome))
   with pytest.raises(AssertionError, match='differs from unpartitioned'):
     test()  # the printed case reproduces the bug...

@@ -428,3 +428,44 @@ def test_fuzz_1414_2330_all_to_all_of_inner_dims_on_xla(backend):
   if backend == 'xla':
     pytest.importorskip('jax')
   fuzz.check(build_1414_2330, backend)
+
+
+def build_20261128_12(dtype=np.float32):
+  """[20261128:12] 2 ops mesh 2x4 grad nested (1 annotations, 1 input elements)"""
+  mesh = tg.Mesh(np.array([0, 1, 2, 3, 4, 5, 6, 7]).reshape((2, 4)), ('a', 'b'))
+  rng = np.random.RandomState(20261140)
+  x1 = (rng.standard_normal((1, 1, 1)) * 1.0).astype(dtype)
+  loss_weight_t29 = rng.standard_normal((1, 1, 1)).astype(dtype)
+
+  def make():
+    @tf.function(autograph=False)
+    def body(x1):
+      with tf.GradientTape() as tape:
+        tape.watch([x1])
+        t3 = tf.transpose(x1, [1, 2, 0])
+        t3 = tg.shard(t3, mesh, tg.P(None, None, 'b'))
+        t29 = tf.while_loop(
+          lambda i, y: i < 1, lambda i, y: (i + 1, tf.tanh(y) * 0.9 + 0.1), [0, t3]
+        )[1]
+        loss = tf.reduce_sum(t29 * loss_weight_t29)
+      grads = tape.gradient(loss, [x1], unconnected_gradients=tf.UnconnectedGradients.ZERO)
+      grads = [tf.convert_to_tensor(g) for g in grads]
+      return [t29, grads[0]]
+
+    @tf.function(autograph=False)
+    def program(x1):
+      return body(x1)
+
+    return program, []
+
+  return mesh, make, [x1]
+
+
+def test_fuzz_20261128_12_while_gradient_inside_a_nested_function():
+  """A while loop's gradient inside a called function crashed partitioning ("reshard P() ->
+  P(None, None, 'b') of global shape ()"): capture rebuilt the called function's While without
+  the handle data of its TensorList accumulator (TF sets it when it traces a while at the top
+  level only), so the gradient loop's popped activations had no rank and the carried gradient
+  lost its shape. A While's loop-carried variants now take their handle data from its body
+  (`graph/library.py`). Found once the fuzzer nested program bodies."""
+  fuzz.check(build_20261128_12)

@@ -167,8 +167,13 @@ class LibraryConverter:
     """Give a call's outputs the static shapes (and handle data) of the callee's outputs.
 
     An If/Case output takes the most specific shape all branches agree on.
-    A While keeps the loop shapes its `output_shapes` attr already gave it.
+    A While keeps the loop shapes its `output_shapes` attr already gave it, and takes the
+    handle data its body gives a loop-carried resource or variant (a TensorList accumulator of
+    a gradient's forward loop: its element shape is what the gradient loop pops).
     """
+    if op.type in _WHILE_OPS:
+      self._refine_while_handles(op)
+      return
     if op.type in self._fdefs:
       bodies = [op.type]
     elif op.type in _CALL_OPERANDS:
@@ -193,6 +198,18 @@ class LibraryConverter:
         handles = [handle_data_of(r) for r in results]
         if handles[0] is not None and all(_same_handle_data(handles[0], h) for h in handles):
           handle_data_util.set_handle_data(out, handles[0])
+
+  def _refine_while_handles(self, op: tf.Operation) -> None:
+    body = self._graphs.get(op.node_def.attr['body'].func.name)
+    if body is None:
+      return
+    for out, result, carried in zip(op.outputs, body.outputs, op.inputs):
+      if out.dtype not in (tf.resource, tf.variant) or handle_data_of(out) is not None:
+        continue
+      handle = handle_data_of(result)
+      entering = handle_data_of(carried)
+      if handle is not None and (entering is None or _same_handle_data(handle, entering)):
+        handle_data_util.set_handle_data(out, handle)
 
   def ir_graph(self, name: str) -> ir.Graph:
     fdef, func_graph = self._fdefs[name], self._graphs[name]

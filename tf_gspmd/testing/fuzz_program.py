@@ -23,6 +23,7 @@ DIMS = (1, 2, 2, 3, 3, 4, 4, 5, 6, 7, 8, 8, 9, 10, 12, 16)
 MAX_ELEMENTS = 4096  # per value: programs stay small enough to run in well under a second
 MAX_OUTPUTS = 4
 LEARNING_RATE = 0.1
+NESTED = 0.2  # the share of programs whose body is a nested tf.function
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,11 +55,14 @@ class Program:
   ops: Tuple[Op, ...]
   grad: bool = False
   assign: str = ''  # the variable assign_add updates ('' for none)
+  # The body is a nested tf.function the program calls (a call op, its body a library
+  # function: the partitioner emits it inline, propagation crosses the call's boundary).
+  nested: bool = False
 
   def label(self) -> str:
     mesh = 'x'.join(map(str, self.mesh_shape))
     order = '' if self.devices == tuple(range(8)) else '*'
-    flags = ' grad' * self.grad + ' assign' * bool(self.assign)
+    flags = ' grad' * self.grad + ' assign' * bool(self.assign) + ' nested' * self.nested
     specs = sum(x.spec is not None for x in self.ops + self.inputs)
     elements = sum(int(np.prod(i.shape)) for i in self.inputs)
     return (
@@ -176,8 +180,15 @@ def generate(seed: int, index: int, max_ops: int = 30, min_ops: int = 3) -> Prog
       tuple(drawer.ops),
       grad=bool(rng.rand() < 0.3),
       assign=assign,
+      nested=_draw_nested(seed, index),
     )
   )
+
+
+def _draw_nested(seed: int, index: int) -> bool:
+  """Whether program `index` nests its body, drawn apart from the rest of the program: the
+  programs drawn before nesting existed stay as they were, some of them now nested."""
+  return bool(np.random.RandomState([seed % 2**32, index, 1]).rand() < NESTED)
 
 
 # --- shapes, validity, outputs ---------------------------------------------------------------
@@ -271,12 +282,16 @@ def render(program: Program, name: str = 'build') -> str:
     lines.append(f'    {v.name} = tf.Variable({v.name}_value)')
     if v.spec is not None:
       lines.append(f'    tg.shard_variable({v.name}, mesh, {_spec_code(v.spec)})')
-  lines += [
-    '',
-    '    @tf.function(autograph=False)',
-    f'    def program({", ".join(i.name for i in args)}):',
-  ]
-  lines += _body(program, shapes, outputs, args, variables)
+  signature = ', '.join(i.name for i in args)
+  lines += ['', '    @tf.function(autograph=False)']
+  if program.nested:
+    lines += [f'    def body({signature}):']
+    lines += _body(program, shapes, outputs, args, variables)
+    lines += ['', '    @tf.function(autograph=False)', f'    def program({signature}):']
+    lines += [f'      return body({signature})']
+  else:
+    lines += [f'    def program({signature}):']
+    lines += _body(program, shapes, outputs, args, variables)
   lines += [
     '',
     f'    return program, [{", ".join(v.name for v in variables)}]',

@@ -2,8 +2,8 @@
 
 `shrink(program, fails)` tries smaller candidates, biggest cuts first, and keeps each that
 still `fails`, restarting from it. `candidates` are a program's smaller versions (ops deleted
-or bypassed, the gradient, the assign, annotations and the device order dropped, input dims
-shrunk); the Keras fuzzer passes its own candidates and validity check.
+or bypassed, the gradient, the assign, the nesting, annotations and the device order dropped,
+input dims shrunk); the Keras fuzzer passes its own candidates and validity check.
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ def candidates(p: Program):
     yield dataclasses.replace(p, grad=False)
   if p.assign:
     yield dataclasses.replace(p, assign='')
+  if p.nested:
+    yield dataclasses.replace(p, nested=False)
   for k, op in enumerate(p.ops):
     if op.spec is not None:
       yield _replace_op(p, k, dataclasses.replace(op, spec=None))
