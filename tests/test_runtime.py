@@ -239,15 +239,16 @@ def test_shared_constants_share_across_control_inputs_and_keep_device_scopes_apa
   """A constant asked for under control dependencies is the one shared constant (no effect
   to order), while the other ops made there keep their control inputs; a placed one is its
   own."""
-  from tf_gspmd.tf_private import shared_constants
+  from tf_gspmd.tf_private import shared_values
 
   graph = tf.Graph()
-  with graph.as_default(), shared_constants(graph):
+  with graph.as_default(), shared_values(graph):
+    data = tf.compat.v1.placeholder(tf.int32, [])
     a, b = tf.constant(0), tf.constant(0)
     gate = tf.no_op(name='gate')
     with tf.control_dependencies([gate]):
       gated = tf.constant(0)
-      used = tf.add(gated, 1, name='used')
+      used = tf.add(gated, data, name='used')
     with tf.device('/device:CPU:1'):
       placed = tf.constant(0)
     other_dtype = tf.constant(0.0)
@@ -258,6 +259,43 @@ def test_shared_constants_share_across_control_inputs_and_keep_device_scopes_apa
   assert other_dtype.op is not a.op
   with graph.as_default():
     assert tf.constant(0).op is not a.op  # the sharing ends with the scope
+
+
+def test_shared_values_made_from_the_seeds_alone_are_one_node_and_data_ops_are_not():
+  """A value computed from constants and the seed (the partition id) alone, asked for twice,
+  is one node, also under control dependencies; an op reading anything else is made each
+  time with its control inputs; a Reshape of an unordered Reshape reshapes its input, and a
+  Reshape ordered by a control input stays."""
+  from tf_gspmd.tf_private import shared_values
+
+  graph = tf.Graph()
+  with graph.as_default():
+    pid = tf.compat.v1.placeholder(tf.int32, [], name='partition_id')
+    data = tf.compat.v1.placeholder(tf.float32, [4, 6], name='data')
+    with shared_values(graph, seeds=[pid]):
+      offsets = tf.constant([0, 3, 6, 9])
+      first = tf.gather(offsets, pid) + 1
+      gate = tf.no_op(name='gate')
+      with tf.control_dependencies([gate]):
+        again = tf.gather(offsets, pid) + 1
+        scaled = data * 2.0
+      twice = data * 2.0
+      other = tf.gather(offsets, pid) + 2
+      flat = tf.reshape(tf.reshape(data, [24]), [6, 4])
+      with tf.control_dependencies([gate]):
+        ordered = tf.reshape(data, [24])
+      kept = tf.reshape(ordered, [6, 4])
+  assert again.op is first.op and not first.op.control_inputs
+  assert other.op is not first.op
+  assert twice.op is not scaled.op and [op.name for op in scaled.op.control_inputs] == ['gate']
+  assert flat.op.inputs[0] is data
+  assert kept.op.inputs[0] is ordered
+  with tf.compat.v1.Session(graph=graph) as session:
+    x = np.arange(24, dtype=np.float32).reshape(4, 6)
+    got = session.run([first, other, flat, kept], {pid: 2, data: x})
+  assert got[0] == 7 and got[1] == 8
+  np.testing.assert_array_equal(got[2], x.reshape(6, 4))
+  np.testing.assert_array_equal(got[3], x.reshape(6, 4))
 
 
 def test_unknown_mesh_ids_and_bad_layouts_raise():

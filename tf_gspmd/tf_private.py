@@ -66,7 +66,8 @@ from tensorflow.python.framework import function_def_to_graph
 # (`validate_colocation_constraints`); the public tf.graph_util.import_graph_def takes neither.
 from tensorflow.python.framework import importer
 
-# The registered OpDef of an op type (its input and output args): no public API reads it.
+# The registered OpDef of an op type (its input and output args, whether it is stateful): no
+# public API reads it.
 from tensorflow.python.framework import op_def_registry
 
 # The HandleData proto of a resource tensor (the dtype and shape of the variable behind it);
@@ -180,37 +181,75 @@ def iterators_without_autotuning() -> None:
 
 
 @contextlib.contextmanager
-def shared_constants(graph):
-  """While active, a `Const` made in `graph` with the dtype, value and control inputs of one
-  made before in it is that one: one node, not one per use.
+def shared_values(graph, seeds=()):
+  """While active, a `Const` made in `graph` with the dtype and value of one made before in
+  it is that one, and so is a stateless op (by its TF OpDef, calling no function) of the same
+  type, attrs and inputs when its inputs are such constants, `seeds` (the partition id) or
+  values made so: one node, not one per use.
+  A Reshape of a Reshape that no control input orders reshapes the first one's input.
 
-  A per-partition program's body is half constants (shapes, slice bounds, axes, group keys;
-  60 of one program's 200 were the scalar 0), and TF places, optimizes and partitions every
+  A per-partition program's body is half constants and values computed from them and the
+  partition id alone (shapes, slice bounds, offsets, masks of padding, group keys; 60 of one
+  program's 200 nodes were the scalar 0, and a fuzz program's offsets were looked up from
+  the partition id up to four times each), and TF places, optimizes and partitions every
   node of it once per device before its first run; TF's own common-subexpression pass merges
-  them only after that. Every graph constant is made through `Graph._create_op_internal`
-  (private; `ops._create_graph_constant`), overridden here on this graph object only. A
-  constant made under a device or colocation scope is left alone (its placement is its own).
-  One asked for under control dependencies is made without them: a constant has no effect to
-  order, and every other op made there keeps its own control inputs (a collective's markers
-  wrap its ops in control dependencies: its keys, sizes and slice bounds were one node per
-  collective)."""
+  them only after that. Every graph op is made through `Graph._create_op_internal` (private;
+  `ops._create_graph_constant` and `op_def_library` call it), overridden here on this graph
+  object only. An op made under a device or colocation scope is left alone (its placement
+  is its own). A shared value asked for under control dependencies is made without them: it
+  has no effect to order, and every other op made there keeps its own control inputs (a
+  collective's markers wrap its ops in control dependencies: its keys, sizes and slice
+  bounds were one node per collective)."""
   original = graph._create_op_internal  # noqa: SLF001
   made: dict = {}
+  shared = {id(t) for t in seeds}
 
   def create(op_type, inputs, dtypes=None, input_types=None, name=None, attrs=None, **kwargs):
-    if op_type != 'Const' or inputs or not attrs or _placed(graph):
+    if _placed(graph):
       return original(op_type, inputs, dtypes, input_types, name, attrs, **kwargs)
-    key = attrs['value'].SerializeToString()  # its TensorProto holds its dtype and shape too
+    inputs = list(inputs or ())
+    if op_type == 'Reshape' and _plain_reshape(inputs[0], graph):
+      inputs[0] = inputs[0].op.inputs[0]
+    if op_type == 'Const' and not inputs and attrs:
+      key = ('Const', attrs['value'].SerializeToString())  # its proto holds dtype and shape
+    elif inputs and all(id(t) in shared for t in inputs) and _pure(op_type, attrs):
+      key = (op_type, tuple(id(t) for t in inputs), _attrs_key(attrs))
+    else:
+      return original(op_type, inputs, dtypes, input_types, name, attrs, **kwargs)
     if key not in made:
       with graph.control_dependencies(None):
-        made[key] = original(op_type, inputs, dtypes, input_types, name, attrs, **kwargs)
+        op = original(op_type, inputs, dtypes, input_types, name, attrs, **kwargs)
+      made[key] = op
+      shared.update(id(t) for t in op.outputs)
+      keep_alive.append(op)  # the ids above stay its outputs' for the scope's life
     return made[key]
 
+  keep_alive: list = list(seeds)
   graph._create_op_internal = create  # noqa: SLF001
   try:
     yield
   finally:
     del graph._create_op_internal  # noqa: SLF001  (the class's method again)
+
+
+def _plain_reshape(t, graph) -> bool:
+  """Whether `t` is a Reshape's result in `graph` that no control input orders (a reshape of
+  it reshapes its input alike, and orders nothing it did)."""
+  return t.op.type == 'Reshape' and t.graph is graph and not t.op.control_inputs
+
+
+def _pure(op_type: str, attrs) -> bool:
+  """Whether an op of `op_type` gives equal results on equal inputs: TF's OpDef says it is
+  not stateful (TF's own common-subexpression pass merges such ops), and it calls no function.
+  `op_def_registry` is TF's private table of the OpDefs its Python wrappers are built from."""
+  op_def = op_def_registry.get(op_type)
+  if op_def is None or op_def.is_stateful:
+    return False
+  return not any(v.HasField('func') or v.list.func for v in (attrs or {}).values())
+
+
+def _attrs_key(attrs) -> tuple:
+  return tuple(sorted((k, v.SerializeToString()) for k, v in (attrs or {}).items()))
 
 
 def _placed(graph) -> bool:
@@ -250,7 +289,7 @@ __all__ = [
   'FuncGraph',
   'own_function',
   'runtime_started',
-  'shared_constants',
+  'shared_values',
   'TFFunction',
   'UninitializedVariable',
   'VARIABLE_VALUE_KEY',

@@ -20,7 +20,7 @@ from tf_gspmd.collectives import tables
 from tf_gspmd.collectives.interface import CollectiveRecord, Collectives, no_autograph
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.sharding import Sharding
-from tf_gspmd.tf_private import shared_constants
+from tf_gspmd.tf_private import shared_values
 
 PARTITION_ID_SPEC = tf.TensorSpec([], tf.int32, name='partition_id')
 TOKEN_SPEC = tf.TensorSpec([], tf.resource, name='token')
@@ -123,8 +123,9 @@ def trace_per_partition(
   n_head = len(backend.head)
 
   def per_partition(*inputs):
-    # One node per constant value: TF prepares every node of this body once per device.
-    with shared_constants(tf.compat.v1.get_default_graph()):
+    # One node per constant value and per value computed from them and the partition id
+    # alone: TF prepares every node of this body once per device.
+    with shared_values(tf.compat.v1.get_default_graph(), seeds=inputs[: min(n_head, 1)]):
       ctx = PartitionContext(mesh, backend.collectives(mesh, *inputs[:n_head]))
       outputs = fn(ctx, *inputs[n_head:])
     captured['records'] = ctx.collectives.records
