@@ -55,14 +55,16 @@ class Program:
   ops: Tuple[Op, ...]
   grad: bool = False
   assign: str = ''  # the variable assign_add updates ('' for none)
-  # The body is a nested tf.function the program calls (a call op, its body a library
-  # function: the partitioner emits it inline, propagation crosses the call's boundary).
-  nested: bool = False
+  # A nested tf.function the program calls (a call op, its body a library function: the
+  # partitioner emits it inline, propagation crosses the call's boundary): 'all' the body,
+  # 'forward' its ops, the tape and the assign in the caller (the gradient of a call).
+  nested: str = ''
 
   def label(self) -> str:
     mesh = 'x'.join(map(str, self.mesh_shape))
     order = '' if self.devices == tuple(range(8)) else '*'
-    flags = ' grad' * self.grad + ' assign' * bool(self.assign) + ' nested' * self.nested
+    flags = ' grad' * self.grad + ' assign' * bool(self.assign)
+    flags += {'': '', 'all': ' nested', 'forward': ' nested-forward'}[self.nested]
     specs = sum(x.spec is not None for x in self.ops + self.inputs)
     elements = sum(int(np.prod(i.shape)) for i in self.inputs)
     return (
@@ -185,10 +187,13 @@ def generate(seed: int, index: int, max_ops: int = 30, min_ops: int = 3) -> Prog
   )
 
 
-def _draw_nested(seed: int, index: int) -> bool:
-  """Whether program `index` nests its body, drawn apart from the rest of the program: the
+def _draw_nested(seed: int, index: int) -> str:
+  """How program `index` nests its body, drawn apart from the rest of the program: the
   programs drawn before nesting existed stay as they were, some of them now nested."""
-  return bool(np.random.RandomState([seed % 2**32, index, 1]).rand() < NESTED)
+  rng = np.random.RandomState([seed % 2**32, index, 1])
+  if rng.rand() >= NESTED:
+    return ''
+  return 'forward' if rng.rand() < 0.5 else 'all'
 
 
 # --- shapes, validity, outputs ---------------------------------------------------------------
@@ -284,11 +289,18 @@ def render(program: Program, name: str = 'build') -> str:
       lines.append(f'    tg.shard_variable({v.name}, mesh, {_spec_code(v.spec)})')
   signature = ', '.join(i.name for i in args)
   lines += ['', '    @tf.function(autograph=False)']
-  if program.nested:
+  if program.nested == 'all':
     lines += [f'    def body({signature}):']
     lines += _body(program, shapes, outputs, args, variables)
     lines += ['', '    @tf.function(autograph=False)', f'    def program({signature}):']
     lines += [f'      return body({signature})']
+  elif program.nested == 'forward':
+    forward = dataclasses.replace(program, grad=False, assign='')
+    lines += [f'    def body({signature}):']
+    lines += _body(forward, shapes, outputs, args, [])
+    lines += ['', '    @tf.function(autograph=False)', f'    def program({signature}):']
+    call = [f'{", ".join(outputs)}, = body({signature})']
+    lines += _body(program, shapes, outputs, args, variables, call)
   else:
     lines += [f'    def program({signature}):']
     lines += _body(program, shapes, outputs, args, variables)
@@ -301,21 +313,26 @@ def render(program: Program, name: str = 'build') -> str:
   return '\n'.join(lines) + '\n'
 
 
-def _body(program, shapes, outputs, args, variables) -> List[str]:
+def _body(program, shapes, outputs, args, variables, call=None) -> List[str]:
+  """The program's body: its ops (or `call`, lines computing its outputs by a nested call),
+  under a tape for the gradient, then the assign."""
   pad = '        ' if program.grad else '      '
-  body = [
-    f'{pad}{i.name} = tg.shard({i.name}, mesh, {_spec_code(i.spec)})'
-    for i in args
-    if i.spec is not None
-  ]
+  body = []
   float_args = [i.name for i in args if i.kind == 'arg']
+  if call is None:
+    body += [
+      f'{pad}{i.name} = tg.shard({i.name}, mesh, {_spec_code(i.spec)})'
+      for i in args
+      if i.spec is not None
+    ]
   if program.grad and float_args:
     body.append(f'{pad}tape.watch([{", ".join(float_args)}])')
-  for op in program.ops:
+  for op in () if call is not None else program.ops:
     names = list(op.inputs)
     body.append(f'{pad}{op.name} = {FAMILIES[op.kind].code(op, names, shapes)}')
     if op.spec is not None:
       body.append(f'{pad}{op.name} = tg.shard({op.name}, mesh, {_spec_code(op.spec)})')
+  body += [pad + line for line in call or ()]
   results = list(outputs)
   targets = [i.name for i in args + variables if i.kind in ('arg', 'var') and not i.broadcast]
   if program.grad:

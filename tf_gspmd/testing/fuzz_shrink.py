@@ -60,7 +60,7 @@ def candidates(p: Program):
   if p.assign:
     yield dataclasses.replace(p, assign='')
   if p.nested:
-    yield dataclasses.replace(p, nested=False)
+    yield dataclasses.replace(p, nested='')
   for k, op in enumerate(p.ops):
     if op.spec is not None:
       yield _replace_op(p, k, dataclasses.replace(op, spec=None))
