@@ -469,3 +469,43 @@ def test_fuzz_20261128_12_while_gradient_inside_a_nested_function():
   lost its shape. A While's loop-carried variants now take their handle data from its body
   (`graph/library.py`). Found once the fuzzer nested program bodies."""
   fuzz.check(build_20261128_12)
+
+
+def build_777_45(dtype=np.float32):
+  """[777:45] 1 ops mesh 2x2x2 grad nested-forward (1 annotations, 1 input elements)"""
+  mesh = tg.Mesh(np.array([0, 1, 2, 3, 4, 5, 6, 7]).reshape((2, 2, 2)), ('a', 'b', 'c'))
+  rng = np.random.RandomState(822)
+  x25 = (rng.standard_normal((1, 1, 1, 1)) * 1.0).astype(dtype)
+  loss_weight_t28 = rng.standard_normal((1, 1, 1, 1)).astype(dtype)
+
+  def make():
+    @tf.function(autograph=False)
+    def body(x25):
+      x25 = tg.shard(x25, mesh, tg.P('a', None, None, ('c', 'b')))
+      t28 = tf.transpose(x25, [1, 0, 3, 2])
+      return [t28]
+
+    @tf.function(autograph=False)
+    def program(x25):
+      with tf.GradientTape() as tape:
+        tape.watch([x25])
+        (t28,) = body(x25)
+        loss = tf.reduce_sum(t28 * loss_weight_t28)
+      grads = tape.gradient(loss, [x25], unconnected_gradients=tf.UnconnectedGradients.ZERO)
+      grads = [tf.convert_to_tensor(g) for g in grads]
+      return [t28, grads[0]]
+
+    return program, []
+
+  return mesh, make, [x25]
+
+
+def test_fuzz_777_45_gradient_of_a_call_reads_the_shapes_its_forward_passes():
+  """The gradient of a called function crashed partitioning (TypeError: int() of None): TF's
+  backward function takes the forward function's intermediates as arguments, here the
+  transpose's permutation, so its value was unknown where the gradient transposes back (and
+  elsewhere a concat's offsets or a padding's shape: refused as unknown before run time).
+  Capture now reads an argument every call site passes as one small integer constant, and a
+  call result every callee returns as one, as that constant (`graph/library.py`). Found by
+  the fuzzer's programs that call their ops from under the tape."""
+  fuzz.check(build_777_45)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2
 
@@ -53,6 +54,12 @@ class LibraryConverter:
     with self._scratch.as_default():
       tf.graph_util.import_graph_def(graph_pb2.GraphDef(library=library), name='')
     self._specs: Dict[str, List[ArgSpec]] = {}
+    # Per function, the value every call site passes an argument where it is the same small
+    # integer constant (None elsewhere): its body reads a constant there (`_convert`).
+    self._arg_values: Dict[str, List[Optional[np.ndarray]]] = {}
+    # Call results whose value is such a constant of the callee's (a shape the forward function
+    # of a gradient returns for the backward function to take), by tensor.
+    self._values: Dict[Any, np.ndarray] = {}
     self._graphs: Dict[str, FuncGraph] = {}
     self._order: List[str] = []
 
@@ -62,10 +69,13 @@ class LibraryConverter:
   def visit(self, graph: tf.Graph) -> None:
     """Convert every function the ops of `graph` (the top level) reach."""
     for op in graph.get_operations():
-      for name, specs in self._call_sites(op.type, op.node_def.attr, list(op.inputs)):
-        self._reach(name, specs)
+      for name, specs, values in self._call_sites(op.type, op.node_def.attr, list(op.inputs)):
+        self._reach(name, specs, values)
+      self._record_call_values(op)
 
-  def _reach(self, name: str, specs: Optional[List[ArgSpec]]) -> None:
+  def _reach(
+    self, name: str, specs: Optional[List[ArgSpec]], values: Optional[List] = None
+  ) -> None:
     if name not in self._fdefs:
       raise ValueError(f'capture: function {name!r} is called but not in the graph library.')
     fdef = self._fdefs[name]
@@ -78,28 +88,41 @@ class LibraryConverter:
         f'capture: function {name!r} takes {len(fdef.signature.input_arg)} arguments but a '
         f'call site passes {len(specs)}.'
       )
+    values = values if values is not None else [None] * len(specs)
     old = self._specs.get(name)
+    old_values = self._arg_values.get(name)
     merged = specs if old is None else [_merge_spec(a, b) for a, b in zip(old, specs)]
-    if old is not None and _same_specs(old, merged) and name in self._graphs:
+    merged_values = (
+      values if old_values is None else [_same_value(a, b) for a, b in zip(old_values, values)]
+    )
+    if (
+      old is not None
+      and _same_specs(old, merged)
+      and _same_values(old_values, merged_values)
+      and name in self._graphs
+    ):
       return
     self._specs[name] = merged
-    self._graphs[name] = self._convert(fdef, merged)
+    self._arg_values[name] = merged_values
+    self._graphs[name] = self._convert(fdef, merged, merged_values)
     if name not in self._order:
       self._order.append(name)
 
   def _call_sites(self, op_type: str, attrs, inputs: Sequence[tf.Tensor]):
-    """(function name, argument specs, or None when the call site says nothing) per function."""
+    """(function name, argument specs or None when the call site says nothing, argument values
+    or None) per function."""
     if op_type in self._fdefs:  # a function called by name as the op type
-      yield op_type, [_spec_of(t) for t in inputs]
-    if op_type in _WHILE_OPS:
+      yield op_type, [_spec_of(t) for t in inputs], [self._value_of(t) for t in inputs]
+    if op_type in _WHILE_OPS:  # a loop variable changes from one iteration to the next
       specs = _while_specs(attrs, inputs)
       for attr in ('cond', 'body'):
-        yield attrs[attr].func.name, specs
+        yield attrs[attr].func.name, specs, None
       return
     known = _CALL_OPERANDS.get(op_type)
-    specs = None
+    specs = values = None
     if known is not None:
       specs = [_spec_of(t) for t in inputs[known[1] :]]
+      values = [self._value_of(t) for t in inputs[known[1] :]]
     for attr in sorted(attrs):
       value = attrs[attr]
       names = (
@@ -111,20 +134,30 @@ class LibraryConverter:
       )
       for name in names:
         if name:
-          yield name, (specs if known is not None and attr in known[0] else None)
+          called = known is not None and attr in known[0]
+          yield name, (specs if called else None), (values if called else None)
 
-  def _convert(self, fdef, specs: List[ArgSpec]) -> FuncGraph:
+  def _convert(self, fdef, specs: List[ArgSpec], values: List) -> FuncGraph:
+    """`fdef` as a FuncGraph whose arguments have `specs`; where every call site passes the
+    same small integer constant (`values`), the body reads that constant instead of the
+    argument (the argument stays, unread), so that TF's shape inference and
+    `static_values.fold` see it: a backward function slices, pads and sums by shapes its
+    forward function computed and passed on."""
     with self._scratch.as_default():
       graph_def, flat_names = function_def_to_graph.function_def_to_graph_def(fdef)
       func_graph = FuncGraph(fdef.signature.name)
     arg_names = {a.name for a in fdef.signature.input_arg}
+    substitutes: Dict[str, tf.Tensor] = {}
     with func_graph.as_default():
       placeholders = [
         make_placeholder(arg.name, tf.as_dtype(arg.type), shape, handle)
         for arg, (shape, handle) in zip(fdef.signature.input_arg, specs)
       ]
+      for arg, value in zip(fdef.signature.input_arg, values):
+        if value is not None:
+          substitutes[f'{arg.name}:0'] = _static_constant(value, tf.as_dtype(arg.type), arg.name)
       for node_def in _topological_node_defs(graph_def.node, arg_names, fdef.signature.name):
-        self._create_op(func_graph, node_def)
+        self._create_op(func_graph, node_def, substitutes)
     func_graph.inputs = placeholders
     func_graph.outputs = [
       func_graph.get_tensor_by_name(flat_names[fdef.ret[arg.name]])
@@ -136,17 +169,16 @@ class LibraryConverter:
     ]
     return func_graph
 
-  def _create_op(self, graph: FuncGraph, node_def) -> tf.Operation:
-    """Create `node_def` in `graph` (exact name, attrs and device), callees converted first."""
-    inputs = [
-      graph.get_tensor_by_name(i if ':' in i else f'{i}:0')
-      for i in node_def.input
-      if not i.startswith('^')
-    ]
+  def _create_op(self, graph: FuncGraph, node_def, substitutes: Dict[str, tf.Tensor]):
+    """Create `node_def` in `graph` (exact name, attrs and device), callees converted first;
+    an input named in `substitutes` (an argument or call result of known value) reads the
+    constant there."""
+    names = [i if ':' in i else f'{i}:0' for i in node_def.input if not i.startswith('^')]
+    inputs = [substitutes[n] if n in substitutes else graph.get_tensor_by_name(n) for n in names]
     controls = [graph.get_operation_by_name(i[1:]) for i in node_def.input if i.startswith('^')]
     callees = list(self._call_sites(node_def.op, node_def.attr, inputs))
-    for name, specs in callees:
-      self._reach(name, specs)
+    for name, specs, values in callees:
+      self._reach(name, specs, values)
     if node_def.op in self._fdefs and not graph._is_function(node_def.op):  # noqa: SLF001
       graph._add_function(self._scratch._get_function(node_def.op))  # noqa: SLF001
     bare = node_def_pb2.NodeDef()
@@ -161,7 +193,39 @@ class LibraryConverter:
       ) from e
     graph._create_op_helper(op, compute_device=False)  # noqa: SLF001
     self._refine_call_outputs(op)
+    self._record_call_values(op)
+    for out in op.outputs:
+      value = self._values.get(out.ref())
+      if value is not None:
+        substitutes[out.name] = _static_constant(value, out.dtype, op.name)
     return op
+
+  def _callees(self, op: tf.Operation) -> List[str]:
+    """The functions a call op (not a While: its results are the last iteration's) runs."""
+    if op.type in self._fdefs:
+      return [op.type]
+    if op.type not in _CALL_OPERANDS:
+      return []
+    names: List[str] = []
+    for attr in _CALL_OPERANDS[op.type][0]:
+      value = op.node_def.attr[attr]
+      names += [value.func.name] if value.HasField('func') else [f.name for f in value.list.func]
+    return names
+
+  def _record_call_values(self, op: tf.Operation) -> None:
+    """A call's results that every callee returns as one small integer constant."""
+    graphs = [self._graphs.get(n) for n in self._callees(op)]
+    if not graphs or any(g is None for g in graphs):
+      return
+    for i, out in enumerate(op.outputs):
+      found = [_small_int_value(g.outputs[i]) if i < len(g.outputs) else None for g in graphs]
+      if found[0] is not None and all(_same_value(found[0], v) is not None for v in found):
+        self._values[out.ref()] = found[0]
+
+  def _value_of(self, t: tf.Tensor) -> Optional[np.ndarray]:
+    """`t`'s value where it is a small integer constant known before run time."""
+    known = self._values.get(t.ref())
+    return known if known is not None else _small_int_value(t)
 
   def _refine_call_outputs(self, op: tf.Operation) -> None:
     """Give a call's outputs the static shapes (and handle data) of the callee's outputs.
@@ -227,6 +291,37 @@ class LibraryConverter:
       attrs=attrs,
       output_names=[arg.name for arg in fdef.signature.output_arg],
     )
+
+
+# An argument or call result is read as a constant when it is an integer tensor of at most
+# this many elements whose value TF knows statically (shapes, offsets, permutations).
+_MAX_STATIC_ELEMENTS = 1024
+
+
+def _small_int_value(t: tf.Tensor) -> Optional[np.ndarray]:
+  if t.dtype not in (tf.int32, tf.int64) or not t.shape.is_fully_defined():
+    return None
+  if t.shape.num_elements() > _MAX_STATIC_ELEMENTS:
+    return None
+  value = tf.get_static_value(t)
+  return None if value is None else np.asarray(value)
+
+
+def _static_constant(value: np.ndarray, dtype: tf.DType, name: str) -> tf.Tensor:
+  return tf.constant(value, dtype=dtype, name=f'{name.replace(":", "_")}_static_value')
+
+
+def _same_value(a: Optional[np.ndarray], b: Optional[np.ndarray]) -> Optional[np.ndarray]:
+  """`a` where `b` is the same value, else None (call sites that disagree pass no constant)."""
+  if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:
+    return None
+  return a if np.array_equal(a, b) else None
+
+
+def _same_values(a: Optional[List], b: List) -> bool:
+  if a is None:
+    return False
+  return all((x is None) == (y is None) for x, y in zip(a, b))
 
 
 def _while_specs(attrs, inputs: Sequence[tf.Tensor]) -> List[ArgSpec]:
