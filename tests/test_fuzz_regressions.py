@@ -509,3 +509,73 @@ def test_fuzz_777_45_gradient_of_a_call_reads_the_shapes_its_forward_passes():
   call result every callee returns as one, as that constant (`graph/library.py`). Found by
   the fuzzer's programs that call their ops from under the tape."""
   fuzz.check(build_777_45)
+
+
+def build_777_69(dtype=np.float32):
+  """[777:69] 1 ops mesh 2x4 grad nested-forward (0 annotations, 17 input elements)"""
+  mesh = tg.Mesh(np.array([0, 1, 2, 3, 4, 5, 6, 7]).reshape((2, 4)), ('a', 'b'))
+  rng = np.random.RandomState(846)
+  x1 = (rng.standard_normal((16, 1)) * 1.0).astype(dtype)
+  i5 = rng.randint(0, 16, size=(1,)).astype(np.int32)
+  loss_weight_t6 = rng.standard_normal((1, 1)).astype(dtype)
+
+  def make():
+    @tf.function(autograph=False)
+    def body(x1, i5):
+      t6 = tf.gather(x1, i5, axis=0)
+      return [t6]
+
+    @tf.function(autograph=False)
+    def program(x1, i5):
+      with tf.GradientTape() as tape:
+        tape.watch([x1])
+        (t6,) = body(x1, i5)
+        loss = tf.reduce_sum(t6 * loss_weight_t6)
+      grads = tape.gradient(loss, [x1], unconnected_gradients=tf.UnconnectedGradients.ZERO)
+      grads = [tf.convert_to_tensor(g) for g in grads]
+      return [t6, grads[0]]
+
+    return program, []
+
+  return mesh, make, [x1, i5]
+
+
+def build_777_69_split(dtype=np.float32):
+  """777:69 with the table split over 'a' and the ids over 'b' (not shrunk: the same gradient
+  of a call, partitioned)."""
+  mesh = tg.Mesh(np.arange(8).reshape((2, 4)), ('a', 'b'))
+  rng = np.random.RandomState(846)
+  x1 = (rng.standard_normal((16, 3)) * 1.0).astype(dtype)
+  i5 = rng.randint(0, 16, size=(8,)).astype(np.int32)
+  loss_weight_t6 = rng.standard_normal((8, 3)).astype(dtype)
+
+  def make():
+    @tf.function(autograph=False)
+    def body(x1, i5):
+      x1 = tg.shard(x1, mesh, tg.P('a', None))
+      i5 = tg.shard(i5, mesh, tg.P('b'))
+      return [tf.gather(x1, i5, axis=0)]
+
+    @tf.function(autograph=False)
+    def program(x1, i5):
+      with tf.GradientTape() as tape:
+        tape.watch([x1])
+        (t6,) = body(x1, i5)
+        loss = tf.reduce_sum(t6 * loss_weight_t6)
+      (grad,) = tape.gradient(loss, [x1])
+      return [t6, tf.convert_to_tensor(grad)]
+
+    return program, []
+
+  return mesh, make, [x1, i5]
+
+
+@pytest.mark.parametrize('build', [build_777_69, build_777_69_split])
+def test_fuzz_777_69_gather_gradient_of_a_call_has_the_table_rows(build):
+  """The gradient of a gather inside a called function crashed partitioning ("output ... has
+  shape (None, 1), known only at run time"): TF sums the backward function's slices into as
+  many rows as that function returns (`UnsortedSegmentSum` at the top level), and the top
+  level's shapes were inferred by TF before anything knew that count. Capture now reads a
+  call result that every callee returns as one small integer constant as that constant, and
+  TF infers the shapes after it again (`static_values.substitute`)."""
+  fuzz.check(build)

@@ -30,7 +30,7 @@ from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from tf_gspmd import op_sharding
-from tf_gspmd.graph import ir
+from tf_gspmd.graph import ir, static_values
 from tf_gspmd.graph.from_ops import as_str, graph_from_ops
 from tf_gspmd.graph.library import LibraryConverter
 from tf_gspmd.graph.prune import prune_dead
@@ -166,6 +166,7 @@ def capture_concrete(concrete, default_values: Optional[Dict[str, Any]] = None) 
   main = graph_from_ops(
     graph.name, graph.get_operations(), graph.inputs, graph.outputs, graph.control_outputs
   )
+  static_values.substitute(main, converter.known_results(graph))
   functions = {name: converter.ir_graph(name) for name in converter.converted_names()}
   for g in [main] + list(functions.values()):
     prune_dead(g)  # what TF would not run must not be partitioned either

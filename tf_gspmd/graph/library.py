@@ -222,6 +222,17 @@ class LibraryConverter:
       if found[0] is not None and all(_same_value(found[0], v) is not None for v in found):
         self._values[out.ref()] = found[0]
 
+  def known_results(self, graph: tf.Graph) -> Dict[str, np.ndarray]:
+    """The call results of `graph` (the top level, after `visit`) whose value is known: by
+    tensor name, for `static_values.substitute`."""
+    found = {}
+    for op in graph.get_operations():
+      for out in op.outputs:
+        value = self._values.get(out.ref())
+        if value is not None:
+          found[out.name] = value
+    return found
+
   def _value_of(self, t: tf.Tensor) -> Optional[np.ndarray]:
     """`t`'s value where it is a small integer constant known before run time."""
     known = self._values.get(t.ref())

@@ -16,7 +16,7 @@ one draw into a constant. Whether an op is stateful comes from its OpDef
 from __future__ import annotations
 
 import functools
-from typing import Dict
+from typing import Dict, List
 
 import numpy as np
 import tensorflow as tf
@@ -128,3 +128,97 @@ def _evaluate(nodes, known) -> Dict[str, np.ndarray]:
         fetches[ir.tensor_name(node.name, i)] = out
   with tf.compat.v1.Session(graph=scratch) as session:
     return session.run(fetches)
+
+
+def substitute(graph: ir.Graph, values: Dict[str, np.ndarray]) -> None:
+  """Read each tensor of `values` (a call result known before run time: capture's
+  `LibraryConverter.known_results`) as a constant node of that value, then give the nodes
+  after it the shapes TF infers from it (`refine_shapes`).
+
+  The top level is TF's own traced graph, whose shape inference ran before capture knew what
+  the calls return: the gradient of a called gather sums its slices into as many rows as the
+  backward function's result says (`UnsortedSegmentSum`), a dim TF left unknown."""
+  if not values:
+    return
+  nodes: List[ir.Node] = []
+  renamed: Dict[str, str] = {}
+  for node in graph.nodes:
+    nodes.append(node)
+    for tensor in node.outputs:
+      if tensor.name in values:
+        name = f'{node.name}_{tensor.index}_static_value'
+        nodes.append(_constant_node(name, values[tensor.name], tensor.dtype))
+        renamed[tensor.name] = ir.tensor_name(name)
+  for node in nodes:
+    node.inputs = [renamed.get(t, t) for t in node.inputs]
+  graph.nodes = nodes
+  graph.outputs = [renamed.get(t, t) for t in graph.outputs]
+  graph.reindex()
+  refine_shapes(graph, set(renamed.values()))
+
+
+def _constant_node(name: str, value: np.ndarray, dtype) -> ir.Node:
+  from tensorflow.core.framework import attr_value_pb2
+
+  proto = tf.make_tensor_proto(value, dtype=dtype)
+  return ir.Node(
+    name=name,
+    op='Const',
+    inputs=[],
+    outputs=[ir.Tensor(name, 0, tf.as_dtype(dtype), tuple(value.shape))],
+    attrs={
+      'dtype': attr_value_pb2.AttrValue(type=tf.as_dtype(dtype).as_datatype_enum),
+      'value': attr_value_pb2.AttrValue(tensor=proto),
+    },
+  )
+
+
+def refine_shapes(graph: ir.Graph, changed: set) -> None:
+  """Shapes TF infers anew for the nodes reading `changed` tensors (and their readers in
+  turn), from the values `fold` now knows: where a node's output dims were unknown."""
+  known = fold(graph)
+  changed = set(changed)
+  for node in graph.nodes:
+    if not any(t in changed for t in node.inputs):
+      continue
+    changed.update(t.name for t in node.outputs if t.name in known)  # values passed on
+    if _fully_shaped(node):
+      continue
+    inferred = _inferred_shapes(node, graph, known)
+    for tensor, shape in zip(node.outputs, inferred or ()):
+      if shape is not None and _more_specific(shape, tensor.shape):
+        tensor.shape = shape
+        changed.add(tensor.name)
+
+
+def _fully_shaped(node: ir.Node) -> bool:
+  return all(t.shape is not None and None not in t.shape for t in node.outputs)
+
+
+def _more_specific(new, old) -> bool:
+  if old is None:
+    return True
+  return len(new) == len(old) and new != old and all(o is None or o == n for n, o in zip(new, old))
+
+
+def _inferred_shapes(node: ir.Node, graph: ir.Graph, known):
+  """The output shapes TF's shape function gives `node` on its inputs' shapes and known
+  values, or None where it cannot say (a stateful op, a call, a handle)."""
+  if is_stateful(node.op) or node.called_functions() or node.op in _FED:
+    return None
+  scratch = tf.Graph()
+  with scratch.as_default():
+    inputs = []
+    for name in node.inputs:
+      tensor = graph.tensor(name)
+      if tensor.dtype in (tf.resource, tf.variant):
+        return None
+      if name in known:
+        inputs.append(tf.constant(known[name], dtype=tensor.dtype))
+      else:
+        inputs.append(tf.compat.v1.placeholder(tensor.dtype, tensor.shape))
+    try:
+      op = emit.emit_node(node, inputs)
+    except (ValueError, TypeError, tf.errors.OpError):
+      return None
+  return [None if o.shape.rank is None else tuple(o.shape.as_list()) for o in op.outputs]
