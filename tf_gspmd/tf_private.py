@@ -238,12 +238,17 @@ def _plain_reshape(t, graph) -> bool:
   return t.op.type == 'Reshape' and t.graph is graph and not t.op.control_inputs
 
 
+def op_is_stateful(op_type: str) -> bool:
+  """Whether TF's OpDef marks `op_type` stateful (ops it does not know count as stateful).
+  `op_def_registry` is TF's private table of the OpDefs its Python wrappers are built from."""
+  definition = op_def_registry.get(op_type)
+  return definition is None or definition.is_stateful
+
+
 def _pure(op_type: str, attrs) -> bool:
   """Whether an op of `op_type` gives equal results on equal inputs: TF's OpDef says it is
-  not stateful (TF's own common-subexpression pass merges such ops), and it calls no function.
-  `op_def_registry` is TF's private table of the OpDefs its Python wrappers are built from."""
-  op_def = op_def_registry.get(op_type)
-  if op_def is None or op_def.is_stateful:
+  not stateful (TF's own common-subexpression pass merges such ops), and it calls no function."""
+  if op_is_stateful(op_type):
     return False
   return not any(v.HasField('func') or v.list.func for v in (attrs or {}).values())
 
@@ -287,6 +292,7 @@ def own_function(fn, **function_kwargs):
 
 __all__ = [
   'FuncGraph',
+  'op_is_stateful',
   'own_function',
   'runtime_started',
   'shared_values',

@@ -14,7 +14,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2, graph_pb2, node_def_pb2
 
-from tf_gspmd.graph import ir
+from tf_gspmd.graph import ir, static_values
 from tf_gspmd.graph.from_ops import graph_from_ops, handle_data_of, make_placeholder
 from tf_gspmd.tf_private import FuncGraph, function_def_to_graph, handle_data_util
 
@@ -249,15 +249,8 @@ class LibraryConverter:
     if op.type in _WHILE_OPS:
       self._refine_while_handles(op)
       return
-    if op.type in self._fdefs:
-      bodies = [op.type]
-    elif op.type in _CALL_OPERANDS:
-      attrs = op.node_def.attr
-      bodies = []
-      for attr in _CALL_OPERANDS[op.type][0]:
-        value = attrs[attr]
-        bodies += [value.func.name] if value.HasField('func') else [f.name for f in value.list.func]
-    else:
+    bodies = self._callees(op)
+    if not bodies:
       return
     graphs = [self._graphs[n] for n in bodies]
     for i, out in enumerate(op.outputs):
@@ -304,15 +297,12 @@ class LibraryConverter:
     )
 
 
-# An argument or call result is read as a constant when it is an integer tensor of at most
-# this many elements whose value TF knows statically (shapes, offsets, permutations).
-_MAX_STATIC_ELEMENTS = 1024
-
-
 def _small_int_value(t: tf.Tensor) -> Optional[np.ndarray]:
+  """`t`'s value where TF knows it statically and it is an integer tensor as small as the
+  values `static_values` folds (shapes, offsets, permutations), else None."""
   if t.dtype not in (tf.int32, tf.int64) or not t.shape.is_fully_defined():
     return None
-  if t.shape.num_elements() > _MAX_STATIC_ELEMENTS:
+  if t.shape.num_elements() > static_values.MAX_ELEMENTS:
     return None
   value = tf.get_static_value(t)
   return None if value is None else np.asarray(value)

@@ -20,16 +20,17 @@ from typing import Dict, List
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
 
 # Private: TF's public API has no lookup of an op type's OpDef (its attrs, is_stateful).
 from tf_gspmd.graph import emit, ir
-from tf_gspmd.tf_private import kernels, op_def_registry
+from tf_gspmd.tf_private import kernels, op_def_registry, op_is_stateful
 
 # Ops that read only the static shape of their input, never its value.
 _SHAPE_OPS = ('Shape', 'ShapeN', 'Size', 'Rank')
 # Small integer/bool/float results are folded; anything else stays dynamic.
 _FOLDABLE_DTYPES = (tf.int32, tf.int64, tf.bool)
-_MAX_ELEMENTS = 1024
+MAX_ELEMENTS = 1024
 # Stateless ops whose value is only given at run time.
 _FED = ('Placeholder', 'PlaceholderWithDefault')
 
@@ -39,10 +40,8 @@ def op_def(op_type: str):
   return op_def_registry.get(op_type)
 
 
-def is_stateful(op_type: str) -> bool:
-  """Whether TF's OpDef marks `op_type` stateful (ops it does not know count as stateful)."""
-  definition = op_def(op_type)
-  return definition is None or definition.is_stateful
+# Whether TF's OpDef marks an op type stateful (ops it does not know count as stateful).
+is_stateful = op_is_stateful
 
 
 def _static_shape_value(node: ir.Node, graph: ir.Graph):
@@ -86,7 +85,7 @@ def _foldable(node: ir.Node) -> bool:
   # Outputs of unknown shape (BroadcastGradientArgs, Where on constants) are
   # folded too: their inputs are known and small, so they are small as well.
   return all(
-    t.shape is None or None in t.shape or int(np.prod(t.shape, dtype=np.int64)) <= _MAX_ELEMENTS
+    t.shape is None or None in t.shape or int(np.prod(t.shape, dtype=np.int64)) <= MAX_ELEMENTS
     for t in node.outputs
   )
 
@@ -158,8 +157,6 @@ def substitute(graph: ir.Graph, values: Dict[str, np.ndarray]) -> None:
 
 
 def _constant_node(name: str, value: np.ndarray, dtype) -> ir.Node:
-  from tensorflow.core.framework import attr_value_pb2
-
   proto = tf.make_tensor_proto(value, dtype=dtype)
   return ir.Node(
     name=name,

@@ -289,18 +289,18 @@ def render(program: Program, name: str = 'build') -> str:
       lines.append(f'    tg.shard_variable({v.name}, mesh, {_spec_code(v.spec)})')
   signature = ', '.join(i.name for i in args)
   lines += ['', '    @tf.function(autograph=False)']
-  if program.nested == 'all':
+  if program.nested:
+    # 'forward': the body computes the outputs alone; the caller takes the gradient, assigns.
+    whole = program.nested == 'all'
+    inner = program if whole else dataclasses.replace(program, grad=False, assign='')
     lines += [f'    def body({signature}):']
-    lines += _body(program, shapes, outputs, args, variables)
+    lines += _body(inner, shapes, outputs, args, variables if whole else [])
     lines += ['', '    @tf.function(autograph=False)', f'    def program({signature}):']
-    lines += [f'      return body({signature})']
-  elif program.nested == 'forward':
-    forward = dataclasses.replace(program, grad=False, assign='')
-    lines += [f'    def body({signature}):']
-    lines += _body(forward, shapes, outputs, args, [])
-    lines += ['', '    @tf.function(autograph=False)', f'    def program({signature}):']
-    call = [f'{", ".join(outputs)}, = body({signature})']
-    lines += _body(program, shapes, outputs, args, variables, call)
+    if whole:
+      lines += [f'      return body({signature})']
+    else:
+      call = [f'{", ".join(outputs)}, = body({signature})']
+      lines += _body(program, shapes, outputs, args, variables, call)
   else:
     lines += [f'    def program({signature}):']
     lines += _body(program, shapes, outputs, args, variables)
