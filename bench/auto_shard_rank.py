@@ -21,7 +21,12 @@ ranks, ties averaged) and the range of predicted/measured; without --refit also 
 agreement with itself (Spearman between the medians of the odd and of the even rounds, per
 model: where layouts differ by less than the noise, no model can rank them better than
 that). The timings share the machine
-with whatever else runs on it: say so when quoting them. `--refit` measures the
+with whatever else runs on it: say so when quoting them. The machine's speed itself moves
+between hours (a shared virtual machine: the same step 1.8x slower in one hour than in
+another), so the calibration steps of `fit.PROBE` are timed in the same rounds as the
+layouts, and each layout is also priced "at this speed": the fit's time times the median
+ratio of those steps' seconds now to their calibrated seconds (`fit.speed_factor`;
+`--no-probe` skips it); predicted/measured is then taken at this speed. `--refit` measures the
 calibration steps again (`fit.calibrate_steps`) in the same rounds as the layouts (so
 under the same load), fits on them alone and caches the fit for this CPU; `--save PATH`
 writes each layout's features and times as JSON.
@@ -192,12 +197,19 @@ def main(argv=None) -> int:
   parser.add_argument('--quick', action='store_true', help='two layouts per model, 2 steps')
   parser.add_argument('--refit', action='store_true', help='measure the calibration steps again')
   parser.add_argument('--save', help='write features and times of each layout to this JSON')
+  parser.add_argument(
+    '--no-probe',
+    dest='probe',
+    action='store_false',
+    help="don't time the probe calibration steps (the machine's speed now) beside the layouts",
+  )
   args = parser.parse_args(argv)
   if args.quick:
     args.steps, args.warmup = 2, 1
   configure_logical_cpus(8)
   import tf_gspmd as tg
   from tf_gspmd.auto_shard import fit
+  from tf_gspmd.auto_shard.constants import step_fit_entry
   from tf_gspmd.step_cost import step_time
 
   mesh = tg.Mesh.create((2, 4), DM)
@@ -212,23 +224,36 @@ def main(argv=None) -> int:
       labels.append((model, name))
       predicted.append(evaluation)
       runs.append(run)
+  factor = 1.0
   if args.refit:  # the calibration steps timed in the same rounds as the layouts: same load
     times = fit.calibrate_steps(steps=args.steps, also=runs)['also']
     halves = None
   else:
-    rounds = fit.timed_rounds(runs, args.steps)
+    entry = (step_fit_entry() or {}) if args.probe else {}
+    probes = fit.probe_runs(mesh, entry) if entry else []
+    rounds = fit.timed_rounds(runs + [run for _, run in probes], args.steps)
+    rounds, probed = rounds[: len(runs)], rounds[len(runs) :]
     times = [float(np.median(t)) for t in rounds]
     # the clock against itself: the medians of the odd and of the even rounds
     halves = [[float(np.median(t[k::2])) for t in rounds] for k in (0, 1)]
+    now = {name: float(np.median(t)) for (name, _), t in zip(probes, probed)}
+    factor = fit.speed_factor(entry, now)
   profile = _print_fit()
+  if factor != 1.0:
+    print(
+      f'the machine now: the calibration steps {", ".join(now)} take {factor:.2f}x their '
+      f'calibrated time ({_ratios(entry, now)}); "at this speed" is the fit times {factor:.2f}'
+    )
   rows, saved = [], []
   for (model, name), evaluation, measured in zip(labels, predicted, times):
-    cost = step_time(evaluation.features, profile).total
+    fitted = step_time(evaluation.features, profile).total
+    cost = fitted * factor
     rows.append((model, name, cost, measured))
     saved.append(fit.Sample(f'{model}:{name}', evaluation.features, measured).to_json())
     print(
-      f'{model:<12}{name:<28}predicted {cost * 1e3:8.2f} ms   measured {measured * 1e3:8.2f} ms'
-      f'   predicted/measured {cost / measured:5.2f}',
+      f'{model:<12}{name:<28}predicted {fitted * 1e3:8.2f} ms'
+      + (f', at this speed {cost * 1e3:8.2f} ms' if factor != 1.0 else '')
+      + f'   measured {measured * 1e3:8.2f} ms   predicted/measured {cost / measured:5.2f}',
       flush=True,
     )
   _print_orders(rows)
@@ -264,6 +289,11 @@ def _print_fit():
     f'{min(ratios):.2f}-{max(ratios):.2f}'
   )
   return profile
+
+
+def _ratios(entry: dict, now: dict) -> str:
+  then = {s['name']: float(s['seconds']) for s in entry['samples']}
+  return ', '.join(f'{n} {1e3 * now[n]:.1f} vs {1e3 * then[n]:.1f} ms' for n in now)
 
 
 def _print_orders(rows) -> None:

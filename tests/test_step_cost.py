@@ -213,3 +213,28 @@ def test_the_fit_is_cached_per_cpu_and_recomputed_when_absent(tmp_path):
   tmp_path.joinpath('fit.json').unlink()
   assert fit.load_step_fit(path, key='a test CPU', recompute=recompute) == {'op_seconds': 2.0}
   assert len(calls) == 2
+
+
+def test_the_speed_factor_is_the_median_ratio_of_the_probe_steps_now_to_then():
+  entry = {
+    'samples': [
+      {'name': 'mlp dp8', 'seconds': 0.020},
+      {'name': 'conv dp8', 'seconds': 0.010},
+      {'name': 'keras mlp dp8', 'seconds': 0.040},
+    ]
+  }
+  # now: 1.5x, 2x and 1.2x slower; a probe the entry never measured is ignored
+  now = {'mlp dp8': 0.030, 'conv dp8': 0.020, 'keras mlp dp8': 0.048, 'absent': 1.0}
+  assert fit.speed_factor(entry, now) == pytest.approx(1.5)
+  assert fit.speed_factor(entry, {}) == 1.0
+  assert fit.speed_factor({'samples': []}, now) == 1.0
+
+
+def test_every_probe_step_is_a_calibration_step_and_the_shipped_fit_measured_them():
+  from tf_gspmd.auto_shard.constants import DEFAULT_FIT_FILE
+
+  assert set(fit.PROBE) <= set(fit.CALIBRATION)
+  with open(DEFAULT_FIT_FILE) as f:
+    shipped = json.load(f)
+  latest = max(shipped.values(), key=lambda e: len(e['samples']))
+  assert set(fit.PROBE) <= {s['name'] for s in latest['samples']}

@@ -324,6 +324,50 @@ def _keras_attention(mesh, specs, batch_axes, seed=0, batch=16, seq=16, width=24
   return _keras(mesh, specs, model, (x, rng.randint(0, 10, batch).astype(np.int32)), batch_axes)
 
 
+def _keras_encoder(mesh, specs, batch_axes, seed=0, batch=24, seq=12, vocab=96, dim=48):
+  """A one-block Keras encoder over token ids (Embedding, MultiHeadAttention, two
+  LayerNormalizations, a ReLU feed-forward): the ops of a Keras language model, at sizes of
+  its own (the bench's transformer stays held out)."""
+  import keras
+
+  keras.utils.set_random_seed(seed)
+  layers = keras.layers
+  tokens = keras.Input((seq,), dtype='int32')
+  x = layers.Embedding(vocab, dim, name='embed')(tokens)
+  attended = layers.MultiHeadAttention(3, 16, name='mha')(x, x)
+  x = layers.LayerNormalization(name='norm_a')(x + attended)
+  hidden = layers.Dense(2 * dim, activation='relu', name='ff_in')(x)
+  x = layers.LayerNormalization(name='norm_f')(x + layers.Dense(dim, name='ff_out')(hidden))
+  logits = layers.Dense(vocab, name='head')(layers.GlobalAveragePooling1D(name='pool')(x))
+  model = keras.Model(tokens, logits)
+  rng = np.random.RandomState(seed)
+  ids = rng.randint(0, vocab, (batch, seq)).astype(np.int32)
+  labels = rng.randint(0, vocab, batch).astype(np.int32)
+  return _keras(mesh, specs, model, (ids, labels), batch_axes)
+
+
+def _keras_conv2d(mesh, specs, batch_axes, seed=0, batch=24, image=12, filters=(12, 24)):
+  """Keras Conv2D / BatchNormalization (training: batch moments, moving statistics) / ReLU /
+  MaxPooling2D blocks and a Dense head: a Keras image classifier's ops, at sizes of its own."""
+  import keras
+
+  keras.utils.set_random_seed(seed)
+  layers = keras.layers
+  stack = [keras.Input((image, image, 3))]
+  for i, f in enumerate(filters):
+    stack += [
+      layers.Conv2D(f, 3, padding='same', name=f'conv_{i}'),
+      layers.BatchNormalization(name=f'bn_{i}'),
+      layers.ReLU(name=f'relu_{i}'),
+      layers.MaxPooling2D(2, name=f'pool_{i}'),
+    ]
+  stack += [layers.GlobalAveragePooling2D(name='gap'), layers.Dense(10, name='head')]
+  rng = np.random.RandomState(seed)
+  x = rng.randn(batch, image, image, 3).astype(np.float32)
+  data = (x, rng.randint(0, 10, batch).astype(np.int32))
+  return _keras(mesh, specs, keras.Sequential(stack), data, batch_axes)
+
+
 _MHA_HEADS = {
   r'.*mha/(query|key|value)/kernel': (None, 'model', None),
   r'.*mha/attention_output/kernel': ('model', None, None),
@@ -396,6 +440,20 @@ CALIBRATION = {
     {r'.*ff_in/kernel': (None, DM), r'.*ff_out/kernel': (DM, None)},
     None,
   ),
+  'keras encoder dp8': (_keras_encoder, {}, DM),
+  'keras encoder replicated': (_keras_encoder, {}, None),
+  'keras encoder heads+data': (
+    _keras_encoder,
+    dict(_MHA_HEADS, **{r'.*ff_in/kernel': (None, 'model'), r'.*ff_out/kernel': ('model', None)}),
+    'data',
+  ),
+  'keras conv2d dp8': (_keras_conv2d, {}, DM),
+  'keras conv2d replicated': (_keras_conv2d, {}, None),
+  'keras conv2d channels+data': (
+    _keras_conv2d,
+    {r'.*conv_\d+/kernel': (None, None, None, 'model'), r'.*head/kernel': ('model', None)},
+    'data',
+  ),
 }
 
 
@@ -450,6 +508,26 @@ def timed_rounds(runs: Sequence[Callable], steps: int) -> List[List[float]]:
       run()
       times[i].append(time.perf_counter() - start)
   return times
+
+
+# Calibration steps timed again to tell how fast the machine runs now against when it was
+# calibrated: on a shared virtual machine the same step took 1.8x longer in some hours than
+# in others (bench/auto_shard_rank.py, sessions 26-27), more than any feature explains.
+PROBE = ('mlp dp8', 'conv dp8', 'keras mlp dp8', 'keras encoder dp8')
+
+
+def probe_runs(mesh: Mesh, entry: dict) -> List[Tuple[str, Callable]]:
+  """(name, a callable running one step) of the `PROBE` steps `entry`'s samples have."""
+  measured = {s['name'] for s in entry.get('samples', ())}
+  return [(n, prepare(mesh, *CALIBRATION[n])[1]) for n in PROBE if n in measured]
+
+
+def speed_factor(entry: dict, seconds_now: Dict[str, float]) -> float:
+  """How many times longer the probe steps take now (`seconds_now`, by name) than when
+  `entry` was calibrated: the median of their ratios (1.0 without any)."""
+  then = {s['name']: float(s['seconds']) for s in entry.get('samples', ())}
+  ratios = [seconds_now[n] / then[n] for n in seconds_now if then.get(n)]
+  return float(np.median(ratios)) if ratios else 1.0
 
 
 def calibrate_steps(
