@@ -346,26 +346,32 @@ def _keras_encoder(mesh, specs, batch_axes, seed=0, batch=24, seq=12, vocab=96, 
   return _keras(mesh, specs, model, (ids, labels), batch_axes)
 
 
-def _keras_conv2d(mesh, specs, batch_axes, seed=0, batch=24, image=12, filters=(12, 24)):
-  """Keras Conv2D / BatchNormalization (training: batch moments, moving statistics) / ReLU /
-  MaxPooling2D blocks and a Dense head: a Keras image classifier's ops, at sizes of its own."""
+def _keras_conv2d(mesh, specs, batch_axes, seed=0, batch=24, image=12):
+  """A Keras image classifier of its own shape (a 5x5 Conv2D, BatchNormalization in training,
+  ReLU, average pooling, a 3x3 Conv2D, BatchNormalization, ReLU, global pooling, a Dense
+  head): Keras' convolution and BatchNormalization ops, unlike the bench's CNN's blocks."""
   import keras
 
   keras.utils.set_random_seed(seed)
   layers = keras.layers
-  stack = [keras.Input((image, image, 3))]
-  for i, f in enumerate(filters):
-    stack += [
-      layers.Conv2D(f, 3, padding='same', name=f'conv_{i}'),
-      layers.BatchNormalization(name=f'bn_{i}'),
-      layers.ReLU(name=f'relu_{i}'),
-      layers.MaxPooling2D(2, name=f'pool_{i}'),
+  model = keras.Sequential(
+    [
+      keras.Input((image, image, 3)),
+      layers.Conv2D(10, 5, padding='same', name='conv_0'),
+      layers.BatchNormalization(name='bn_0'),
+      layers.ReLU(name='relu_0'),
+      layers.AveragePooling2D(2, name='pool_0'),
+      layers.Conv2D(20, 3, padding='same', name='conv_1'),
+      layers.BatchNormalization(name='bn_1'),
+      layers.ReLU(name='relu_1'),
+      layers.GlobalAveragePooling2D(name='gap'),
+      layers.Dense(10, name='head'),
     ]
-  stack += [layers.GlobalAveragePooling2D(name='gap'), layers.Dense(10, name='head')]
+  )
   rng = np.random.RandomState(seed)
   x = rng.randn(batch, image, image, 3).astype(np.float32)
   data = (x, rng.randint(0, 10, batch).astype(np.int32))
-  return _keras(mesh, specs, keras.Sequential(stack), data, batch_axes)
+  return _keras(mesh, specs, model, data, batch_axes)
 
 
 _MHA_HEADS = {
