@@ -90,7 +90,7 @@ def verdicts(lines: List[str]) -> Dict[str, str]:
       label, backend, status, rule, detail = match.groups()
       # A program drawn to nest its body (from 58f87ac) is the same program otherwise: its
       # verdict is compared with the older tree's on the unnested one, and it costs more.
-      label = label.replace(' nested-forward', '').replace(' nested', '')
+      label = re.sub(r' nested(-\w+)?', '', label)
       found[f'{label} {backend}'] = f'{status}{rule or ""}{detail}'
   return found
 

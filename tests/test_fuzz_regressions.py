@@ -579,3 +579,60 @@ def test_fuzz_777_69_gather_gradient_of_a_call_has_the_table_rows(build):
   call result that every callee returns as one small integer constant as that constant, and
   TF infers the shapes after it again (`static_values.substitute`)."""
   fuzz.check(build)
+
+
+def build_881_86(dtype=np.float32):
+  """[881:86] 1 ops mesh 2x2x2 grad nested-twice (1 annotations, 1 input elements)"""
+  mesh = tg.Mesh(np.array([0, 1, 2, 3, 4, 5, 6, 7]).reshape((2, 2, 2)), ('a', 'b', 'c'))
+  rng = np.random.RandomState(967)
+  x1 = (rng.standard_normal((1, 1, 1, 1)) * 1.0).astype(dtype)
+  loss_weight_t29 = rng.standard_normal((1, 1, 1, 1)).astype(dtype)
+
+  def make():
+    @tf.function(autograph=False)
+    def body(x1):
+      x1 = tg.shard(x1, mesh, tg.P(None, 'a', 'b', None))
+      t29 = tf.nn.softmax(x1, axis=0)
+      return [t29]
+
+    @tf.function(autograph=False)
+    def program(x1):
+      with tf.GradientTape() as tape:
+        tape.watch([x1])
+        first, second = body(x1), body(x1 * 0.5)
+        (t29,) = [a + b for a, b in zip(first, second)]
+        loss = tf.reduce_sum(t29 * loss_weight_t29)
+      grads = tape.gradient(loss, [x1], unconnected_gradients=tf.UnconnectedGradients.ZERO)
+      grads = [tf.convert_to_tensor(g) for g in grads]
+      return [t29, grads[0]]
+
+    return program, []
+
+  return mesh, make, [x1]
+
+
+def test_fuzz_881_86_softmax_gradient_of_a_function_called_twice():
+  """A softmax over a non-last axis inside a function called from two sites, under a tape,
+  crashed partitioning (TypeError: int() of None): the forward function returns the
+  permutation it transposes by, built from `Range`, `Pack` and `ConcatV2`, which
+  `tf.get_static_value` does not follow, so the backward function's transposes had no shape.
+  Capture now evaluates such a value from the constants it is made of
+  (`static_values.tensor_value`). Found by the fuzzer's programs that call their function
+  twice."""
+  fuzz.check(build_881_86)
+
+
+def test_a_value_made_of_ops_tf_static_value_does_not_follow_is_evaluated_once_known():
+  from tf_gspmd.graph import static_values
+
+  graph = tf.Graph()
+  with graph.as_default():
+    x = tf.compat.v1.placeholder(tf.float32, [2, 3, 4])
+    rank = tf.rank(x)  # a static shape op: read, not run
+    perm = tf.concat([tf.range(1, rank), tf.stack([rank - rank])], 0)
+    plus_fed = perm + tf.compat.v1.placeholder(tf.int32, [3])  # fed at run time
+    plus_random = perm + tf.random.uniform([3], maxval=5, dtype=tf.int32)  # new every run
+  assert tf.get_static_value(perm) is None  # what TF alone knows
+  np.testing.assert_array_equal(static_values.tensor_value(perm), [1, 2, 0])
+  assert static_values.tensor_value(plus_fed) is None
+  assert static_values.tensor_value(plus_random) is None

@@ -304,8 +304,7 @@ def _small_int_value(t: tf.Tensor) -> Optional[np.ndarray]:
     return None
   if t.shape.num_elements() > static_values.MAX_ELEMENTS:
     return None
-  value = tf.get_static_value(t)
-  return None if value is None else np.asarray(value)
+  return static_values.tensor_value(t)
 
 
 def _static_constant(value: np.ndarray, dtype: tf.DType, name: str) -> tf.Tensor:

@@ -16,7 +16,7 @@ one draw into a constant. Whether an op is stateful comes from its OpDef
 from __future__ import annotations
 
 import functools
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -127,6 +127,81 @@ def _evaluate(nodes, known) -> Dict[str, np.ndarray]:
         fetches[ir.tensor_name(node.name, i)] = out
   with tf.compat.v1.Session(graph=scratch) as session:
     return session.run(fetches)
+
+
+MAX_FOLDED_OPS = 64  # ops before a TF tensor `tensor_value` evaluates; more: not a small value
+
+
+def tensor_value(t: tf.Tensor) -> Optional[np.ndarray]:
+  """`t`'s value (a tensor of a TF graph being captured) where it is computed from constants
+  and static shapes alone, by the rules `fold` uses: what `tf.get_static_value` knows, and
+  also through the ops it does not follow (a softmax's forward function builds the
+  permutation it returns for its gradient from `Range`, `Pack` and `ConcatV2`), which TF
+  evaluates here in a scratch graph. None otherwise."""
+  value = tf.get_static_value(t)
+  if value is not None:
+    return np.asarray(value)
+  node_defs, known_shapes = _constant_ancestors(t)
+  if node_defs is None:
+    return None
+  scratch = tf.Graph()
+  with scratch.as_default():
+    mapped = {name: tf.constant(v) for name, v in known_shapes.items()}
+    graph_def = tf.compat.v1.GraphDef()
+    graph_def.node.extend(node_defs)
+    (out,) = tf.graph_util.import_graph_def(
+      graph_def, input_map=mapped, return_elements=[t.name], name='folded'
+    )
+  with tf.compat.v1.Session(graph=scratch) as session:
+    return np.asarray(session.run(out))
+
+
+def _constant_ancestors(t: tf.Tensor):
+  """(the NodeDefs `t` is computed by, without devices or control inputs; the values of the
+  static-shape ops among them by tensor name), or (None, None) where something before `t` is
+  fed, stateful, a call, not small, or more than `MAX_FOLDED_OPS` ops."""
+  node_defs, known_shapes, seen, stack = [], {}, set(), [t.op]
+  while stack:
+    op = stack.pop()
+    if op.name in seen:
+      continue
+    seen.add(op.name)
+    if len(seen) > MAX_FOLDED_OPS or not _foldable_op(op):
+      return None, None
+    if op.type in _SHAPE_OPS:
+      values = [tf.get_static_value(out) for out in op.outputs]
+      if any(v is None for v in values):
+        return None, None
+      known_shapes.update({out.name: np.asarray(v) for out, v in zip(op.outputs, values)})
+      continue
+    node_def = tf.compat.v1.NodeDef()
+    node_def.CopyFrom(op.node_def)
+    node_def.device = ''
+    node_def.ClearField('input')
+    node_def.input.extend(i.name if i.value_index else i.op.name for i in op.inputs)
+    for attr in ('_class', '_read_only_resource_inputs'):
+      if attr in node_def.attr:
+        del node_def.attr[attr]
+    node_defs.append(node_def)
+    stack.extend(i.op for i in op.inputs)
+  return node_defs, known_shapes
+
+
+def _foldable_op(op: tf.Operation) -> bool:
+  """`_foldable`'s rules for an op of a TF graph (its control inputs dropped: a stateless
+  op's value does not depend on them)."""
+  if op.type in _FED or op_def(op.type) is None or is_stateful(op.type):
+    return False
+  if any(value.HasField('func') or value.list.func for value in op.node_def.attr.values()):
+    return False
+  if op.type not in _SHAPE_OPS and not _runs_on_cpu(op.type):
+    return False
+  return all(
+    out.dtype in _FOLDABLE_DTYPES
+    and out.shape.is_fully_defined()
+    and out.shape.num_elements() <= MAX_ELEMENTS
+    for out in op.outputs
+  )
 
 
 def substitute(graph: ir.Graph, values: Dict[str, np.ndarray]) -> None:

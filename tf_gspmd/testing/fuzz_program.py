@@ -24,6 +24,8 @@ MAX_ELEMENTS = 4096  # per value: programs stay small enough to run in well unde
 MAX_OUTPUTS = 4
 LEARNING_RATE = 0.1
 NESTED = 0.2  # the share of programs whose body is a nested tf.function
+TWICE = 0.4  # the share of 'forward' nestings whose function is called from two sites
+NESTED_FLAGS = {'': '', 'all': ' nested', 'forward': ' nested-forward', 'twice': ' nested-twice'}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,14 +59,17 @@ class Program:
   assign: str = ''  # the variable assign_add updates ('' for none)
   # A nested tf.function the program calls (a call op, its body a library function: the
   # partitioner emits it inline, propagation crosses the call's boundary): 'all' the body,
-  # 'forward' its ops, the tape and the assign in the caller (the gradient of a call).
+  # 'forward' its ops, the tape and the assign in the caller (the gradient of a call),
+  # 'twice' as 'forward' from two call sites (the second with its float arguments halved),
+  # their outputs summed: one function, and under a tape one forward/backward pair, reached
+  # from two places whose operands differ.
   nested: str = ''
 
   def label(self) -> str:
     mesh = 'x'.join(map(str, self.mesh_shape))
     order = '' if self.devices == tuple(range(8)) else '*'
     flags = ' grad' * self.grad + ' assign' * bool(self.assign)
-    flags += {'': '', 'all': ' nested', 'forward': ' nested-forward'}[self.nested]
+    flags += NESTED_FLAGS[self.nested]
     specs = sum(x.spec is not None for x in self.ops + self.inputs)
     elements = sum(int(np.prod(i.shape)) for i in self.inputs)
     return (
@@ -193,7 +198,9 @@ def _draw_nested(seed: int, index: int) -> str:
   rng = np.random.RandomState([seed % 2**32, index, 1])
   if rng.rand() >= NESTED:
     return ''
-  return 'forward' if rng.rand() < 0.5 else 'all'
+  if rng.rand() >= 0.5:
+    return 'all'
+  return 'twice' if rng.rand() < TWICE else 'forward'
 
 
 # --- shapes, validity, outputs ---------------------------------------------------------------
@@ -299,8 +306,7 @@ def render(program: Program, name: str = 'build') -> str:
     if whole:
       lines += [f'      return body({signature})']
     else:
-      call = [f'{", ".join(outputs)}, = body({signature})']
-      lines += _body(program, shapes, outputs, args, variables, call)
+      lines += _body(program, shapes, outputs, args, variables, _calls(program, outputs, args))
   else:
     lines += [f'    def program({signature}):']
     lines += _body(program, shapes, outputs, args, variables)
@@ -311,6 +317,19 @@ def render(program: Program, name: str = 'build') -> str:
     f'  return mesh, make, [{", ".join(i.name for i in args)}]',
   ]
   return '\n'.join(lines) + '\n'
+
+
+def _calls(program, outputs, args) -> List[str]:
+  """The caller's lines computing `outputs` by calling `body`: once, or (`nested='twice'`)
+  also on its float arguments halved, the two results summed."""
+  names = ', '.join(i.name for i in args)
+  if program.nested != 'twice':
+    return [f'{", ".join(outputs)}, = body({names})']
+  halved = ', '.join(f'{i.name} * 0.5' if i.kind == 'arg' else i.name for i in args)
+  return [
+    f'first, second = body({names}), body({halved})',
+    f'{", ".join(outputs)}, = [a + b for a, b in zip(first, second)]',
+  ]
 
 
 def _body(program, shapes, outputs, args, variables, call=None) -> List[str]:
