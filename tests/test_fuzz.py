@@ -82,8 +82,10 @@ def test_generator_covers_the_families_and_meshes():
   assert {p.mesh_shape for p in programs} == {m for m, _ in fuzz.MESHES}
   assert any(p.devices != tuple(range(8)) for p in programs)
   assert any(p.grad for p in programs) and any(p.assign for p in programs)
-  for nested in ('all', 'forward', 'twice'):
+  for nested in ('all', 'forward'):
     assert any(p.nested == nested and p.grad and p.assign for p in programs), nested
+  for nested in ('twice', 'cond'):  # a gradient through two call sites, or an If's branches
+    assert any(p.nested == nested and p.grad for p in programs), nested
   assert all(fuzz.is_valid(p) for p in programs)
 
 

@@ -7,6 +7,7 @@ tf_gspmd/graph/capture.py.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -33,6 +34,21 @@ _WHILE_OPS = ('While', 'StatelessWhile')
 # One argument of a library function as seen from a call site: static shape
 # and, for a resource/variant, the handle data of what it points to.
 ArgSpec = Tuple[tf.TensorShape, Any]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Held:
+  """An optional (a variant) known to hold `value`: cond_v2 hands a branch's intermediates
+  to the branch's gradient wrapped so (`OptionalFromValue` in the forward branch, an If
+  output, `OptionalGetValue` in the gradient branch), the shapes a backward function needs
+  among them."""
+
+  value: np.ndarray
+
+
+# An optional holding nothing (`OptionalNone`: the slot of the other branch's intermediate).
+# Never read by a run that succeeds, so it agrees with any value (`_same_value`).
+_EMPTY = 'an empty optional'
 
 
 class LibraryConverter:
@@ -153,9 +169,11 @@ class LibraryConverter:
         make_placeholder(arg.name, tf.as_dtype(arg.type), shape, handle)
         for arg, (shape, handle) in zip(fdef.signature.input_arg, specs)
       ]
-      for arg, value in zip(fdef.signature.input_arg, values):
-        if value is not None:
+      for arg, placeholder, value in zip(fdef.signature.input_arg, placeholders, values):
+        if isinstance(value, np.ndarray):
           substitutes[f'{arg.name}:0'] = _static_constant(value, tf.as_dtype(arg.type), arg.name)
+        elif value is not None:  # an optional's: read where the body unwraps it
+          self._values[placeholder.ref()] = value
       for node_def in _topological_node_defs(graph_def.node, arg_names, fdef.signature.name):
         self._create_op(func_graph, node_def, substitutes)
     func_graph.inputs = placeholders
@@ -194,9 +212,10 @@ class LibraryConverter:
     graph._create_op_helper(op, compute_device=False)  # noqa: SLF001
     self._refine_call_outputs(op)
     self._record_call_values(op)
+    self._record_optional_values(op)
     for out in op.outputs:
       value = self._values.get(out.ref())
-      if value is not None:
+      if isinstance(value, np.ndarray):
         substitutes[out.name] = _static_constant(value, out.dtype, op.name)
     return op
 
@@ -218,9 +237,25 @@ class LibraryConverter:
     if not graphs or any(g is None for g in graphs):
       return
     for i, out in enumerate(op.outputs):
-      found = [_small_int_value(g.outputs[i]) if i < len(g.outputs) else None for g in graphs]
-      if found[0] is not None and all(_same_value(found[0], v) is not None for v in found):
-        self._values[out.ref()] = found[0]
+      found = [self._value_of(g.outputs[i]) if i < len(g.outputs) else None for g in graphs]
+      value = found[0]
+      for other in found[1:]:
+        value = _same_value(value, other)
+      if value is not None:
+        self._values[out.ref()] = value
+
+  def _record_optional_values(self, op: tf.Operation) -> None:
+    """An optional made of a known value holds it; unwrapped, it is that value again."""
+    if op.type == 'OptionalNone':
+      self._values[op.outputs[0].ref()] = _EMPTY
+    elif op.type == 'OptionalFromValue' and len(op.inputs) == 1:
+      value = self._value_of(op.inputs[0])
+      if isinstance(value, np.ndarray):
+        self._values[op.outputs[0].ref()] = _Held(value)
+    elif op.type == 'OptionalGetValue' and len(op.outputs) == 1:
+      held = self._values.get(op.inputs[0].ref())
+      if isinstance(held, _Held):
+        self._values[op.outputs[0].ref()] = held.value
 
   def known_results(self, graph: tf.Graph) -> Dict[str, np.ndarray]:
     """The call results of `graph` (the top level, after `visit`) whose value is known: by
@@ -229,7 +264,7 @@ class LibraryConverter:
     for op in graph.get_operations():
       for out in op.outputs:
         value = self._values.get(out.ref())
-        if value is not None:
+        if isinstance(value, np.ndarray):
           found[out.name] = value
     return found
 
@@ -311,9 +346,16 @@ def _static_constant(value: np.ndarray, dtype: tf.DType, name: str) -> tf.Tensor
   return tf.constant(value, dtype=dtype, name=f'{name.replace(":", "_")}_static_value')
 
 
-def _same_value(a: Optional[np.ndarray], b: Optional[np.ndarray]) -> Optional[np.ndarray]:
-  """`a` where `b` is the same value, else None (call sites that disagree pass no constant)."""
-  if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:
+def _same_value(a, b):
+  """`a` where `b` is the same value, else None (call sites that disagree pass no constant);
+  an empty optional agrees with anything (`_EMPTY`), and optionals agree on what they hold."""
+  if a is _EMPTY or b is _EMPTY:
+    return b if a is _EMPTY else a
+  if isinstance(a, _Held) and isinstance(b, _Held):
+    return a if _same_value(a.value, b.value) is not None else None
+  if not isinstance(a, np.ndarray) or not isinstance(b, np.ndarray):
+    return None
+  if a.shape != b.shape or a.dtype != b.dtype:
     return None
   return a if np.array_equal(a, b) else None
 

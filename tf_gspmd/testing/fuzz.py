@@ -155,9 +155,10 @@ def _require_same_run(first, again) -> None:
   _require_identical(first[1], again[1], 'a second build of the program, the variables after')
 
 
-def compare(build, got, want, backend: str = 'tf') -> Optional[str]:
+def compare(build, got, want, backend: str = 'tf', twins: Sequence = ()) -> Optional[str]:
   """None when `got` is `want` by the oracle; '' when it passes only by the float64 rule
-  (float32 itself ill-conditioned); else why it fails."""
+  (float32 itself ill-conditioned); else why it fails. `twins`: builds of the same program
+  written otherwise (its nested functions inlined), whose XLA runs are witnesses too."""
   from tf_gspmd.testing.oracle import assert_close
 
   try:
@@ -165,7 +166,7 @@ def compare(build, got, want, backend: str = 'tf') -> Optional[str]:
     return None
   except AssertionError as error:
     first = str(error)
-  why = by_witnesses(got, want, reference(build, np.float64), _witnesses(build))
+  why = by_witnesses(got, want, reference(build, np.float64), _witnesses(build, twins))
   return '' if not why else f'{first}\n{why}'
 
 
@@ -188,11 +189,16 @@ def nudge_ulps(k: int) -> int:
   return NUDGED_SIZES[min(k // NUDGED_PER_SIZE, len(NUDGED_SIZES) - 1)]
 
 
-def _witnesses(build):
+def _witnesses(build, twins: Sequence = ()):
   """More float32 runs of the unpartitioned program, each as correct as TF's, made one at a
   time: XLA sums in other orders (and its training BatchNorm takes the variance as E[x^2] -
-  E[x]^2), and the same program on inputs rounded to float32 other ways (`_nudged`)."""
+  E[x]^2), also on `twins` (XLA lowers a BatchNorm's gradient differently across a function
+  boundary than inlined: 883:2's offset gradient 1.1e-5 from float64 one way, 1.6e-4 the
+  other, and the partitioned program, whose capture inlines the calls, is the second), and
+  the same program on inputs rounded to float32 other ways (`_nudged`)."""
   yield _xla_witness(build)
+  for twin in twins:
+    yield _xla_witness(twin)
   for k in range(NUDGED_WITNESSES):
     yield _nudged(build, k)
 
@@ -274,10 +280,15 @@ def _further_from_float64(got, want, exact) -> str:
 
 
 def judge(
-  build, backend: str = 'tf', timeout: float = 60.0, repeats: int = 0, rebuild: bool = False
+  build,
+  backend: str = 'tf',
+  timeout: float = 60.0,
+  repeats: int = 0,
+  rebuild: bool = False,
+  twins: Sequence = (),
 ) -> Outcome:
   """Run `build`'s program partitioned and not (twice each) and say how it went; `repeats`
-  and `rebuild`: the determinism check (see `REPEATS`)."""
+  and `rebuild`: the determinism check (see `REPEATS`); `twins`: see `compare`."""
 
   def split():
     got = partitioned(build, backend, timeout, repeats)
@@ -286,7 +297,7 @@ def judge(
     return got
 
   return outcome_of(
-    lambda: reference(build), split, lambda got, want: compare(build, got, want, backend)
+    lambda: reference(build), split, lambda got, want: compare(build, got, want, backend, twins)
   )
 
 
@@ -321,7 +332,8 @@ def run(
   program: Program, backend: str = 'tf', timeout: float = 60.0, rebuild: bool = False
 ) -> Outcome:
   repeats = 0 if program.assign else REPEATS
-  return judge(load(render(program)), backend, timeout, repeats, rebuild)
+  twins = (load(render(program, inline=True)),) if program.nested else ()
+  return judge(load(render(program)), backend, timeout, repeats, rebuild, twins)
 
 
 def check(build, backend: str = 'tf') -> None:

@@ -24,8 +24,16 @@ MAX_ELEMENTS = 4096  # per value: programs stay small enough to run in well unde
 MAX_OUTPUTS = 4
 LEARNING_RATE = 0.1
 NESTED = 0.2  # the share of programs whose body is a nested tf.function
-TWICE = 0.4  # the share of 'forward' nestings whose function is called from two sites
-NESTED_FLAGS = {'': '', 'all': ' nested', 'forward': ' nested-forward', 'twice': ' nested-twice'}
+# The shares of 'forward' nestings whose function is called from two sites, and from the two
+# branches of a cond.
+TWICE, COND = 0.3, 0.3
+NESTED_FLAGS = {
+  '': '',
+  'all': ' nested',
+  'forward': ' nested-forward',
+  'twice': ' nested-twice',
+  'cond': ' nested-cond',
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +70,8 @@ class Program:
   # 'forward' its ops, the tape and the assign in the caller (the gradient of a call),
   # 'twice' as 'forward' from two call sites (the second with its float arguments halved),
   # their outputs summed: one function, and under a tape one forward/backward pair, reached
-  # from two places whose operands differ.
+  # from two places whose operands differ; 'cond' as 'twice', the two calls the branches of
+  # a tf.cond on the sign of a sum of an input (calls inside an If's branch functions).
   nested: str = ''
 
   def label(self) -> str:
@@ -80,8 +89,10 @@ class Program:
 
 def xla_lowers(program: Program) -> bool:
   """Whether XLA lowers the program's ops: a while loop's gradient keeps its activations in
-  TensorLists, which tf2xla cannot size, and a cond's passes them as Optionals (no lowering)."""
-  return not (program.grad and any(op.kind in ('while', 'cond') for op in program.ops))
+  TensorLists, which tf2xla cannot size, and a cond's passes them as Optionals (no lowering),
+  its ops' or the one that calls the nested function (`nested='cond'`)."""
+  conds = any(op.kind in ('while', 'cond') for op in program.ops) or program.nested == 'cond'
+  return not (program.grad and conds)
 
 
 # --- drawing programs ------------------------------------------------------------------------
@@ -200,7 +211,8 @@ def _draw_nested(seed: int, index: int) -> str:
     return ''
   if rng.rand() >= 0.5:
     return 'all'
-  return 'twice' if rng.rand() < TWICE else 'forward'
+  kind = rng.rand()
+  return 'twice' if kind < TWICE else 'cond' if kind < TWICE + COND else 'forward'
 
 
 # --- shapes, validity, outputs ---------------------------------------------------------------
@@ -268,9 +280,10 @@ def _value_code(i: Input) -> str:
   return f'(rng.standard_normal({i.shape}) * {i.scale}{shift}).astype(dtype)'
 
 
-def render(program: Program, name: str = 'build') -> str:
+def render(program: Program, name: str = 'build', inline: bool = False) -> str:
   """`program` as Python: `{name}(dtype=np.float32) -> (mesh, make, args)`, where `make()`
-  builds fresh variables and the tf.function reading them."""
+  builds fresh variables and the tf.function reading them; with `inline`, its nested function
+  a plain Python function (the same program, traced inline)."""
   shapes = shapes_of(program)
   outputs = outputs_of(program)
   args = [i for i in program.inputs if i.kind != 'var']
@@ -300,6 +313,8 @@ def render(program: Program, name: str = 'build') -> str:
     # 'forward': the body computes the outputs alone; the caller takes the gradient, assigns.
     whole = program.nested == 'all'
     inner = program if whole else dataclasses.replace(program, grad=False, assign='')
+    if inline:
+      lines.pop()  # the decorator
     lines += [f'    def body({signature}):']
     lines += _body(inner, shapes, outputs, args, variables if whole else [])
     lines += ['', '    @tf.function(autograph=False)', f'    def program({signature}):']
@@ -320,15 +335,23 @@ def render(program: Program, name: str = 'build') -> str:
 
 
 def _calls(program, outputs, args) -> List[str]:
-  """The caller's lines computing `outputs` by calling `body`: once, or (`nested='twice'`)
-  also on its float arguments halved, the two results summed."""
+  """The caller's lines computing `outputs` by calling `body`: once; also on its float
+  arguments halved, the two results summed (`nested='twice'`); or one of the two calls, as
+  the sign of a sum of the first float input says (`nested='cond'`)."""
   names = ', '.join(i.name for i in args)
-  if program.nested != 'twice':
-    return [f'{", ".join(outputs)}, = body({names})']
+  results = f'{", ".join(outputs)},'
+  if program.nested not in ('twice', 'cond'):
+    return [f'{results} = body({names})']
   halved = ', '.join(f'{i.name} * 0.5' if i.kind == 'arg' else i.name for i in args)
+  if program.nested == 'twice':
+    return [
+      f'first, second = body({names}), body({halved})',
+      f'{results} = [a + b for a, b in zip(first, second)]',
+    ]
+  tested = [i.name for i in program.inputs if i.kind in ('arg', 'var', 'pred')]
+  sign = f'tf.reduce_sum({tested[0]}) > 0.0' if tested else 'tf.constant(True)'
   return [
-    f'first, second = body({names}), body({halved})',
-    f'{", ".join(outputs)}, = [a + b for a, b in zip(first, second)]',
+    f'{results} = tf.cond({sign}, lambda: body({names}), lambda: body({halved}))',
   ]
 
 
