@@ -636,3 +636,92 @@ def test_a_value_made_of_ops_tf_static_value_does_not_follow_is_evaluated_once_k
   np.testing.assert_array_equal(static_values.tensor_value(perm), [1, 2, 0])
   assert static_values.tensor_value(plus_fed) is None
   assert static_values.tensor_value(plus_random) is None
+
+
+def build_884_23(dtype=np.float32):
+  """[884:23] 4 ops mesh 2x2x2 grad assign nested-cond (4 annotations, 12 input elements)"""
+  mesh = tg.Mesh(np.array([0, 1, 2, 3, 4, 5, 6, 7]).reshape((2, 2, 2)), ('a', 'b', 'c'))
+  rng = np.random.RandomState(907)
+  v1_value = (rng.standard_normal((9,)) * 1.0).astype(dtype)
+  v4_value = (rng.standard_normal((3,)) * 1.0).astype(dtype)
+  loss_weight_t6 = rng.standard_normal((1,)).astype(dtype)
+
+  def make():
+    v1 = tf.Variable(v1_value)
+    tg.shard_variable(v1, mesh, tg.P(('a', 'c')))
+    v4 = tf.Variable(v4_value)
+    tg.shard_variable(v4, mesh, tg.P(('c', 'b', 'a')))
+
+    @tf.function(autograph=False)
+    def body():
+      t2 = tf.abs(v1)
+      t3 = t2[:]
+      t5 = tf.concat([t3, v4], 0)
+      t5 = tg.shard(t5, mesh, tg.P(('c', 'b', 'a')))
+      t6 = tf.reduce_max(t5, axis=[0], keepdims=True)
+      t6 = tg.shard(t6, mesh, tg.P('a'))
+      return [t6]
+
+    @tf.function(autograph=False)
+    def program():
+      with tf.GradientTape() as tape:
+        (t6,) = tf.cond(tf.reduce_sum(v1) > 0.0, lambda: body(), lambda: body())
+        loss = tf.reduce_sum(t6 * loss_weight_t6)
+      grads = tape.gradient(loss, [v1, v4], unconnected_gradients=tf.UnconnectedGradients.ZERO)
+      grads = [tf.convert_to_tensor(g) for g in grads]
+      v4.assign_add(0.1 * grads[1])
+      return [t6, grads[0], grads[1]]
+
+    return program, [v1, v4]
+
+  return mesh, make, []
+
+
+def test_fuzz_884_23_gradient_of_a_call_in_a_conds_branches_reads_its_shapes():
+  """The gradient of a function called in both branches of a tf.cond was refused
+  ("Reshape gradients/Max_grad/Reshape: needs the ranks", and elsewhere a Slice's
+  `ConcatOffset` "not known before run time"): cond_v2 hands a branch's intermediates to the
+  branch's gradient wrapped in optionals (`OptionalFromValue`, an If output,
+  `OptionalGetValue`), so the shapes the forward function returns never reached the backward
+  function as constants. Capture now follows a value through them (`graph/library.py`,
+  `_Held`). Found by the fuzzer's programs that call their function from a cond."""
+  fuzz.check(build_884_23)
+
+
+def build_884_32(dtype=np.float32):
+  """[884:32] 1 ops mesh 2x4 grad nested-cond (0 annotations, 1 input elements)"""
+  mesh = tg.Mesh(np.array([0, 1, 2, 3, 4, 5, 6, 7]).reshape((2, 4)), ('a', 'b'))
+  rng = np.random.RandomState(916)
+  x2 = (rng.standard_normal((1, 1, 1, 1)) * 1.0).astype(dtype)
+  loss_weight_t16 = rng.standard_normal((1, 1, 1, 1)).astype(dtype)
+
+  def make():
+    @tf.function(autograph=False)
+    def body(x2):
+      t16 = tf.while_loop(
+        lambda i, y: i < 3, lambda i, y: (i + 1, tf.tanh(y) * 0.9 + 0.1), [0, x2]
+      )[1]
+      return [t16]
+
+    @tf.function(autograph=False)
+    def program(x2):
+      with tf.GradientTape() as tape:
+        tape.watch([x2])
+        (t16,) = tf.cond(tf.reduce_sum(x2) > 0.0, lambda: body(x2), lambda: body(x2 * 0.5))
+        loss = tf.reduce_sum(t16 * loss_weight_t16)
+      grads = tape.gradient(loss, [x2], unconnected_gradients=tf.UnconnectedGradients.ZERO)
+      grads = [tf.convert_to_tensor(g) for g in grads]
+      return [t16, grads[0]]
+
+    return program, []
+
+  return mesh, make, [x2]
+
+
+def test_fuzz_884_32_while_gradient_in_a_function_called_from_a_cond():
+  """A while loop inside a function called from a cond's branches, under a tape, crashed
+  partitioning (the gradient loop's popped value had no shape: "enters the loop with shape
+  (1, 1, 1, 1), but has shape <unknown> after one iteration"): its TensorList accumulator
+  reaches the gradient branch inside an optional, which kept no handle data. Capture now
+  carries the accumulator's handle data through the optional (`_Held.handle`)."""
+  fuzz.check(build_884_32)

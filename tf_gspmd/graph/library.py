@@ -38,12 +38,14 @@ ArgSpec = Tuple[tf.TensorShape, Any]
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Held:
-  """An optional (a variant) known to hold `value`: cond_v2 hands a branch's intermediates
-  to the branch's gradient wrapped so (`OptionalFromValue` in the forward branch, an If
-  output, `OptionalGetValue` in the gradient branch), the shapes a backward function needs
-  among them."""
+  """What an optional (a variant) is known to hold: a small integer `value`, or the handle
+  data of a resource or variant (a while loop's TensorList accumulator: the shape of what
+  its gradient pops). cond_v2 hands a branch's intermediates to the branch's gradient
+  wrapped so (`OptionalFromValue` in the forward branch, an If output, `OptionalGetValue` in
+  the gradient branch); a backward function needs their shapes."""
 
-  value: np.ndarray
+  value: Optional[np.ndarray] = None
+  handle: Any = None
 
 
 # An optional holding nothing (`OptionalNone`: the slot of the other branch's intermediate).
@@ -250,12 +252,18 @@ class LibraryConverter:
       self._values[op.outputs[0].ref()] = _EMPTY
     elif op.type == 'OptionalFromValue' and len(op.inputs) == 1:
       value = self._value_of(op.inputs[0])
-      if isinstance(value, np.ndarray):
-        self._values[op.outputs[0].ref()] = _Held(value)
+      handle = handle_data_of(op.inputs[0])
+      if isinstance(value, np.ndarray) or handle is not None:
+        self._values[op.outputs[0].ref()] = _Held(_array_or_none(value), handle)
     elif op.type == 'OptionalGetValue' and len(op.outputs) == 1:
       held = self._values.get(op.inputs[0].ref())
-      if isinstance(held, _Held):
-        self._values[op.outputs[0].ref()] = held.value
+      if not isinstance(held, _Held):
+        return
+      out = op.outputs[0]
+      if held.value is not None:
+        self._values[out.ref()] = held.value
+      if held.handle is not None and out.dtype in (tf.resource, tf.variant):
+        handle_data_util.set_handle_data(out, held.handle)
 
   def known_results(self, graph: tf.Graph) -> Dict[str, np.ndarray]:
     """The call results of `graph` (the top level, after `visit`) whose value is known: by
@@ -342,6 +350,10 @@ def _small_int_value(t: tf.Tensor) -> Optional[np.ndarray]:
   return static_values.tensor_value(t)
 
 
+def _array_or_none(value) -> Optional[np.ndarray]:
+  return value if isinstance(value, np.ndarray) else None
+
+
 def _static_constant(value: np.ndarray, dtype: tf.DType, name: str) -> tf.Tensor:
   return tf.constant(value, dtype=dtype, name=f'{name.replace(":", "_")}_static_value')
 
@@ -352,7 +364,10 @@ def _same_value(a, b):
   if a is _EMPTY or b is _EMPTY:
     return b if a is _EMPTY else a
   if isinstance(a, _Held) and isinstance(b, _Held):
-    return a if _same_value(a.value, b.value) is not None else None
+    value = _same_value(a.value, b.value)
+    same_handle = a.handle is not None and b.handle is not None
+    handle = a.handle if same_handle and _same_handle_data(a.handle, b.handle) else None
+    return None if value is None and handle is None else _Held(value, handle)
   if not isinstance(a, np.ndarray) or not isinstance(b, np.ndarray):
     return None
   if a.shape != b.shape or a.dtype != b.dtype:
