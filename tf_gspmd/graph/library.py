@@ -78,6 +78,9 @@ class LibraryConverter:
     # Call results whose value is such a constant of the callee's (a shape the forward function
     # of a gradient returns for the backward function to take), by tensor.
     self._values: Dict[Any, np.ndarray] = {}
+    # Every tensor's `_small_int_value` once computed (None too): a call's operands are asked
+    # once per call site, and evaluating a value TF's own folding misses runs a scratch graph.
+    self._small_values: Dict[Any, Optional[np.ndarray]] = {}
     self._graphs: Dict[str, FuncGraph] = {}
     self._order: List[str] = []
 
@@ -279,7 +282,11 @@ class LibraryConverter:
   def _value_of(self, t: tf.Tensor) -> Optional[np.ndarray]:
     """`t`'s value where it is a small integer constant known before run time."""
     known = self._values.get(t.ref())
-    return known if known is not None else _small_int_value(t)
+    if known is not None:
+      return known
+    if t.ref() not in self._small_values:
+      self._small_values[t.ref()] = _small_int_value(t)
+    return self._small_values[t.ref()]
 
   def _refine_call_outputs(self, op: tf.Operation) -> None:
     """Give a call's outputs the static shapes (and handle data) of the callee's outputs.
