@@ -632,10 +632,12 @@ def test_a_value_made_of_ops_tf_static_value_does_not_follow_is_evaluated_once_k
     perm = tf.concat([tf.range(1, rank), tf.stack([rank - rank])], 0)
     plus_fed = perm + tf.compat.v1.placeholder(tf.int32, [3])  # fed at run time
     plus_random = perm + tf.random.uniform([3], maxval=5, dtype=tf.int32)  # new every run
+    out_of_range = tf.gather(perm, tf.constant([5]))  # fails when run: left to run time
   assert tf.get_static_value(perm) is None  # what TF alone knows
   np.testing.assert_array_equal(static_values.tensor_value(perm), [1, 2, 0])
   assert static_values.tensor_value(plus_fed) is None
   assert static_values.tensor_value(plus_random) is None
+  assert static_values.tensor_value(out_of_range) is None
 
 
 def build_884_23(dtype=np.float32):

@@ -76,8 +76,9 @@ class LibraryConverter:
     # integer constant (None elsewhere): its body reads a constant there (`_convert`).
     self._arg_values: Dict[str, List[Optional[np.ndarray]]] = {}
     # Call results whose value is such a constant of the callee's (a shape the forward function
-    # of a gradient returns for the backward function to take), by tensor.
-    self._values: Dict[Any, np.ndarray] = {}
+    # of a gradient returns for the backward function to take), by tensor; for an optional, a
+    # `_Held` (or `_EMPTY`).
+    self._values: Dict[Any, Any] = {}
     # Every tensor's `_small_int_value` once computed (None too): a call's operands are asked
     # once per call site, and evaluating a value TF's own folding misses runs a scratch graph.
     self._small_values: Dict[Any, Optional[np.ndarray]] = {}
@@ -279,8 +280,9 @@ class LibraryConverter:
           found[out.name] = value
     return found
 
-  def _value_of(self, t: tf.Tensor) -> Optional[np.ndarray]:
-    """`t`'s value where it is a small integer constant known before run time."""
+  def _value_of(self, t: tf.Tensor):
+    """`t`'s value where it is a small integer constant known before run time (for an
+    optional, what it holds: `_Held`, `_EMPTY`), else None."""
     known = self._values.get(t.ref())
     if known is not None:
       return known

@@ -153,7 +153,10 @@ def tensor_value(t: tf.Tensor) -> Optional[np.ndarray]:
       graph_def, input_map=mapped, return_elements=[t.name], name='folded'
     )
   with tf.compat.v1.Session(graph=scratch) as session:
-    return np.asarray(session.run(out))
+    try:
+      return np.asarray(session.run(out))
+    except tf.errors.OpError:  # fails on these constants (a Range of bad limits): run time's
+      return None
 
 
 def _constant_ancestors(t: tf.Tensor):
