@@ -287,6 +287,47 @@ def test_per_partition_program_is_traced_once_and_called_per_device():
   assert attrs['_noinline'].b
 
 
+def _collectives_in_order(graph) -> list:
+  return [op for op in graph.get_operations() if op.type.startswith('Collective')]
+
+
+def _reaches(later, earlier) -> bool:
+  """Whether `earlier` runs before `later` by some chain of data or control edges."""
+  seen, stack = set(), [later]
+  while stack:
+    op = stack.pop()
+    if op is earlier:
+      return True
+    if op.name in seen:
+      continue
+    seen.add(op.name)
+    stack.extend(t.op for t in op.inputs)
+    stack.extend(op.control_inputs)
+  return False
+
+
+@pytest.mark.parametrize('markers', [True, False])
+def test_independent_collectives_run_in_program_order_on_every_device(markers):
+  """Two collectives no data orders (sums of two inputs) run in program order on each
+  device, by the ordering token alone where there are no progress markers (the SavedModel
+  export's serving functions): the token itself, not a list of it (which TF packed into a
+  new resource tensor per collective, tied to nothing)."""
+  mesh = Mesh.create((8,), ('x',))
+
+  def fn(ctx, a, b):
+    return ctx.collectives.all_reduce(a, 'x'), ctx.collectives.all_gather(b, 'x', 0)
+
+  program = SpmdProgram(mesh, fn, progress_markers=markers)
+  got = program(np.ones((3,), np.float32), np.ones((2,), np.float32))
+  assert np.asarray(got[0]).tolist() == [8.0] * 3
+  graph = program.per_partition.function.graph
+  first, second = _collectives_in_order(graph)
+  assert _reaches(second, first)
+  assert not any(
+    op.type == 'Pack' and op.outputs[0].dtype == tf.resource for op in graph.get_operations()
+  )
+
+
 def test_names_follow_the_enclosing_scope():
   mesh = Mesh.create((8,), ('x',))
 

@@ -142,7 +142,10 @@ class TFCollectives(Collectives):
       group_key=self._group_key(axes),
       instance_key=tables.KEYS.instance_key(),
       timeout=self.timeout,
-      ordering_token=[self.token],
+      # One tensor, not a list: TF's wrappers list it themselves, and a list of it became a
+      # Pack per collective, a new resource tensor that automatic control dependencies do
+      # not tie to the token (collectives were ordered by the progress markers alone).
+      ordering_token=self.token,
     )
 
   # --- collectives -------------------------------------------------------------------------
@@ -152,9 +155,13 @@ class TFCollectives(Collectives):
     )
 
   def _all_gather(self, x, axes, dim):
-    stacked = collective_ops.all_gather_v2(x[tf.newaxis], **self._kwargs(axes))  # [k, ...] by rank
-    stacked = tf.reshape(stacked, [self.mesh.axes_size(axes)] + x.shape.as_list())
+    k = self.mesh.axes_size(axes)
     by_rank = self._rank_table(axes, inverse=False)
+    rows = x if x.shape.rank else x[tf.newaxis]
+    gathered = collective_ops.all_gather_v2(rows, **self._kwargs(axes))  # pieces by rank, dim 0
+    if dim == 0 and by_rank is None and x.shape.rank:
+      return gathered  # already the pieces in position order along dim 0
+    stacked = tf.reshape(gathered, [k] + x.shape.as_list())
     if by_rank is not None:
       stacked = tf.gather(stacked, by_rank)
     return merge_leading_into(stacked, dim)
@@ -167,14 +174,21 @@ class TFCollectives(Collectives):
 
   def _all_to_all(self, x, axes, split_dim, concat_dim):
     k = self.mesh.axes_size(axes)
-    chunks = split_leading_from(x, split_dim, k)  # [k, ...piece]: chunk j goes to position j
-    piece = chunks.shape[1:]
     by_position = self._rank_table(axes, inverse=True)
-    if by_position is not None:
-      chunks = tf.gather(chunks, by_position)  # slot r holds the chunk for TF rank r
-    received = collective_ops.all_to_all_v2(tf.reshape(chunks, [k, -1]), **self._kwargs(axes))
-    received = tf.reshape(received, [k] + piece.as_list())  # slot r came from TF rank r
     by_rank = self._rank_table(axes, inverse=False)
+    if split_dim == 0 and by_position is None:  # chunk j is rows j*c.. already: one reshape
+      piece = [int(x.shape[0]) // k] + x.shape.as_list()[1:]
+      sending = tf.reshape(x, [k, -1])
+    else:
+      chunks = split_leading_from(x, split_dim, k)  # [k, ...piece]: chunk j goes to position j
+      piece = chunks.shape[1:].as_list()
+      if by_position is not None:
+        chunks = tf.gather(chunks, by_position)  # slot r holds the chunk for TF rank r
+      sending = tf.reshape(chunks, [k, -1])
+    received = collective_ops.all_to_all_v2(sending, **self._kwargs(axes))  # slot r: TF rank r
+    if concat_dim == 0 and by_rank is None:  # the slots in position order along dim 0
+      return tf.reshape(received, [k * piece[0]] + piece[1:])
+    received = tf.reshape(received, [k] + piece)
     if by_rank is not None:
       received = tf.gather(received, by_rank)
     return merge_leading_into(received, concat_dim)
