@@ -292,7 +292,9 @@ def _print_fit():
 
 
 def _ratios(entry: dict, now: dict) -> str:
-  then = {s['name']: float(s['seconds']) for s in entry['samples']}
+  from tf_gspmd.auto_shard.fit import calibrated_seconds
+
+  then = calibrated_seconds(entry)
   return ', '.join(f'{n} {1e3 * now[n]:.1f} vs {1e3 * then[n]:.1f} ms' for n in now)
 
 

@@ -212,7 +212,7 @@ def shared_values(graph, seeds=()):
       inputs[0] = inputs[0].op.inputs[0]
     if op_type == 'Const' and not inputs and attrs:
       key = ('Const', attrs['value'].SerializeToString())  # its proto holds dtype and shape
-    elif inputs and all(id(t) in shared for t in inputs) and _pure(op_type, attrs):
+    elif inputs and all(id(t) in shared for t in inputs) and op_is_pure(op_type, attrs):
       key = (op_type, tuple(id(t) for t in inputs), _attrs_key(attrs))
     else:
       return original(op_type, inputs, dtypes, input_types, name, attrs, **kwargs)
@@ -245,7 +245,7 @@ def op_is_stateful(op_type: str) -> bool:
   return definition is None or definition.is_stateful
 
 
-def _pure(op_type: str, attrs) -> bool:
+def op_is_pure(op_type: str, attrs) -> bool:
   """Whether an op of `op_type` gives equal results on equal inputs: TF's OpDef says it is
   not stateful (TF's own common-subexpression pass merges such ops), and it calls no function."""
   if op_is_stateful(op_type):
@@ -292,6 +292,7 @@ def own_function(fn, **function_kwargs):
 
 __all__ = [
   'FuncGraph',
+  'op_is_pure',
   'op_is_stateful',
   'own_function',
   'runtime_started',

@@ -522,16 +522,21 @@ def timed_rounds(runs: Sequence[Callable], steps: int) -> List[List[float]]:
 PROBE = ('mlp dp8', 'conv dp8', 'keras mlp dp8', 'keras encoder dp8')
 
 
+def calibrated_seconds(entry: dict) -> Dict[str, float]:
+  """Each calibration step's measured seconds in `entry` (as `calibrate_steps` makes it)."""
+  return {s['name']: float(s['seconds']) for s in entry.get('samples', ())}
+
+
 def probe_runs(mesh: Mesh, entry: dict) -> List[Tuple[str, Callable]]:
   """(name, a callable running one step) of the `PROBE` steps `entry`'s samples have."""
-  measured = {s['name'] for s in entry.get('samples', ())}
+  measured = calibrated_seconds(entry)
   return [(n, prepare(mesh, *CALIBRATION[n])[1]) for n in PROBE if n in measured]
 
 
 def speed_factor(entry: dict, seconds_now: Dict[str, float]) -> float:
   """How many times longer the probe steps take now (`seconds_now`, by name) than when
   `entry` was calibrated: the median of their ratios (1.0 without any)."""
-  then = {s['name']: float(s['seconds']) for s in entry.get('samples', ())}
+  then = calibrated_seconds(entry)
   ratios = [seconds_now[n] / then[n] for n in seconds_now if then.get(n)]
   return float(np.median(ratios)) if ratios else 1.0
 

@@ -24,7 +24,7 @@ from tensorflow.core.framework import attr_value_pb2
 
 # Private: TF's public API has no lookup of an op type's OpDef (its attrs, is_stateful).
 from tf_gspmd.graph import emit, ir
-from tf_gspmd.tf_private import kernels, op_def_registry, op_is_stateful
+from tf_gspmd.tf_private import kernels, op_def_registry, op_is_pure, op_is_stateful
 
 # Ops that read only the static shape of their input, never its value.
 _SHAPE_OPS = ('Shape', 'ShapeN', 'Size', 'Rank')
@@ -193,11 +193,7 @@ def _constant_ancestors(t: tf.Tensor):
 def _foldable_op(op: tf.Operation) -> bool:
   """`_foldable`'s rules for an op of a TF graph (its control inputs dropped: a stateless
   op's value does not depend on them)."""
-  if op.type in _FED or op_def(op.type) is None or is_stateful(op.type):
-    return False
-  if any(value.HasField('func') or value.list.func for value in op.node_def.attr.values()):
-    return False
-  if op.type not in _SHAPE_OPS and not _runs_on_cpu(op.type):
+  if op.type in _FED or not op_is_pure(op.type, op.node_def.attr) or not _runs_on_cpu(op.type):
     return False
   return all(
     out.dtype in _FOLDABLE_DTYPES
