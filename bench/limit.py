@@ -32,6 +32,9 @@ Side by side (each system in a fresh subprocess, so first steps are cold):
   tf_gspmd_keras_xla  keras_jax's own code on TF under `tf_gspmd.keras.enable('xla')` (the
                 same `keras.distribution.DataParallel`; the model made under it, its
                 variables split from birth): the Keras path against Keras on JAX.
+  tf_xla        Keras on TF with jit_compile=True, one device, no partitioning: TF's own
+                route from a Keras step to XLA (TF's trace, TF -> XLA, XLA's compile), the
+                floor under backend='xla''s first step.
 
   .venv/bin/python bench/limit.py [--models resnet50,transformer] [--steps 5] [--profile]
                                   [--quick] [--json PATH]
@@ -246,6 +249,17 @@ def child_tf(name: str, cfg: dict, steps: int) -> dict:
   return {'first_s': first, 'step_s': steady}
 
 
+def child_tf_xla(name: str, cfg: dict, steps: int) -> dict:
+  """Keras on TF with `jit_compile=True` on one device, in a fresh process: TF's own route from
+  a Keras step to XLA, without partitioning (the floor of backend='xla''s first step: the
+  same TF trace, TF -> XLA conversion and XLA compile, and no partitioner)."""
+  configure_logical_cpus(N)
+  model, x, y = build(name, cfg, cfg['batch'], jit_compile=True)
+  first = timed(lambda: model.train_on_batch(x, y))
+  steady = round_robin({'step': lambda: model.train_on_batch(x, y)}, steps)['step']
+  return {'first_s': first, 'step_s': steady}
+
+
 def child_keras_jax(name: str, cfg: dict, steps: int) -> dict:
   import keras
 
@@ -337,6 +351,7 @@ def profile_step(step, steps: int = 2) -> dict:
 CHILDREN = {
   'tf_gspmd': child_tf_gspmd,
   'tf': child_tf,
+  'tf_xla': child_tf_xla,
   'keras_jax': child_keras_jax,
   'tf_gspmd_xla': child_tf_gspmd_xla,
   'tf_gspmd_keras_xla': child_tf_gspmd_keras_xla,
@@ -474,6 +489,17 @@ def report(name: str, cfg: dict, r: dict) -> list:
         f'{k["partitioned_s"] / j["partitioned_s"]:.2f}, first step '
         f'{k["first_s"] / j["first_s"]:.2f}x (goal <= 1.0)'
       )
+  tx = r.get('tf_xla', {})
+  if 'error' in tx:
+    lines.append(f'  tf_xla: error: {tx["error"]}')
+  elif ran(tx) and ran(j):
+    lines.append(
+      f"  TF's own XLA route (Keras jit_compile=True, one device, no partitioning): first step "
+      f"{tx['first_s']:.2f} s, {tx['first_s'] / j['first_s']:.2f}x Keras-on-JAX's "
+      f'partitioned first step'
+      + (f'; tf_gspmd.keras xla / it: {k["first_s"] / tx["first_s"]:.2f}' if ran(k) else '')
+      + f' (step {ms(tx["step_s"])})'
+    )
   if ran(g) and ran(t):
     lines.append(
       f'  first step: tf_gspmd {g["first_s"]:.2f} s, TF unpartitioned '
@@ -497,7 +523,7 @@ def main(argv=None) -> int:
   parser.add_argument('--models', default='resnet50,transformer')
   parser.add_argument(
     '--systems',
-    default='tf_gspmd,tf,keras_jax,tf_gspmd_xla,tf_gspmd_keras_xla',
+    default='tf_gspmd,tf,keras_jax,tf_gspmd_xla,tf_gspmd_keras_xla,tf_xla',
     help='tf_gspmd, tf, keras_jax, tf_gspmd_xla (the XLA backend), tf_gspmd_keras_xla (the '
     'XLA backend under keras.distribution)',
   )

@@ -62,3 +62,9 @@ def test_quick_run_prints_the_limit_and_the_ratios():
     assert re.search(r'Keras-on-JAX step \d+ ms, unpartitioned \d+ ms', out), out
     assert re.search(r'first step: Keras-on-JAX [\d.]+ s', out), out
     assert re.search(r'tf_gspmd.keras xla / Keras-on-JAX: step [\d.]+', out), out
+    # TF's own route to XLA (no partitioning): the floor under backend='xla''s first step.
+    assert re.search(
+      r"TF's own XLA route .*: first step [\d.]+ s, [\d.]+x Keras-on-JAX's partitioned first "
+      r'step; tf_gspmd.keras xla / it: [\d.]+',
+      out,
+    ), out
