@@ -44,7 +44,11 @@ Per side: the first `train_on_batch` (build + compile + run) in seconds, then th
 --steps more steps in ms, and the first loss (every side starts from the same weights, saved by
 the first TF side, so the losses agree to rounding: checked by the oracle against tf_none).
 
-  python bench/keras_decoder.py [--steps 10] [--sides jax_mp tg_mp ...]
+The TF sides split the CPU with `tg.configure_cpu_devices(8, threads=T)`: T = --tf-threads
+(1 by default, as the docs advise for N logical devices on fewer cores; 'default' leaves
+TF's own pools, as plain `tf.config.set_logical_device_configuration` does).
+
+  python bench/keras_decoder.py [--steps 10] [--sides jax_mp tg_mp ...] [--tf-threads 1]
 """
 
 from __future__ import annotations
@@ -180,12 +184,10 @@ def distribution(keras, kind: str):
 # --- one side, in its own process ---------------------------------------------------------------
 def run_side(side: str, steps: int, weights_path: str) -> dict:
   if not side.startswith('jax'):
-    import tensorflow as tf
+    from tf_gspmd.runtime.cpu_devices import configure_cpu_devices
 
-    cpu = tf.config.list_physical_devices('CPU')[0]
-    tf.config.set_logical_device_configuration(
-      cpu, [tf.config.LogicalDeviceConfiguration()] * DEVICES
-    )
+    threads = os.environ.get('KERAS_DECODER_TF_THREADS', '1')
+    configure_cpu_devices(DEVICES, threads=None if threads == 'default' else int(threads))
   import keras
   import numpy as np
 
@@ -367,11 +369,21 @@ def main(argv=None) -> int:
   parser.add_argument('--sides', nargs='+', default=list(SIDES), choices=SIDES)
   parser.add_argument('--child', choices=SIDES)
   parser.add_argument('--weights', default='')
+  parser.add_argument(
+    '--tf-threads',
+    default='1',
+    help="TF's inter-op and intra-op threads in the TF sides (tg.configure_cpu_devices' "
+    "threads; 'default': TF's own)",
+  )
   args = parser.parse_args(argv)
   if args.child:
     print(RESULT + json.dumps(run_side(args.child, args.steps, args.weights)), flush=True)
     return 0
-  print(f'cpu: {cpu_model()}, {os.cpu_count()} cores; {DEVICES} logical devices')
+  os.environ['KERAS_DECODER_TF_THREADS'] = args.tf_threads
+  print(
+    f'cpu: {cpu_model()}, {os.cpu_count()} cores; {DEVICES} logical devices; TF sides: '
+    f'tg.configure_cpu_devices({DEVICES}, threads={args.tf_threads})'
+  )
   print(
     f'model: Llama-shaped decoder, vocab {VOCAB}, {LAYERS} layers, hidden {HIDDEN}, '
     f'{HEADS}/{KV_HEADS} heads, intermediate {INTERMEDIATE}; Adam; batch {BATCH} x {TOKENS}'

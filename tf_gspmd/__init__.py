@@ -43,6 +43,7 @@ from tf_gspmd.planning import PlanReport, abstract_variable, plan
 from tf_gspmd.program.held import SplitVariable
 from tf_gspmd.propagation.api import Propagation, propagate
 from tf_gspmd.runtime import CollectiveError, ShardedValue, ShardedVariable
+from tf_gspmd.runtime.cpu_devices import configure_cpu_devices
 from tf_gspmd.shard_map import (
   all_gather,
   all_to_all,
@@ -78,6 +79,7 @@ __all__ = [
   'TPU_V3',
   'StepTime',
   'CollectiveError',
+  'configure_cpu_devices',
   'Unsupported',
   'ShardedValue',
   'ShardedVariable',
