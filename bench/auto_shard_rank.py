@@ -31,7 +31,13 @@ calibration steps again (`fit.calibrate_steps`) in the same rounds as the layout
 under the same load), fits on them alone and caches the fit for this CPU; `--save PATH`
 writes each layout's features and times as JSON.
 
+The process splits the CPU with `tg.configure_cpu_devices(8, threads=T)` (--tf-threads, 1 by
+default: TF's pools at one thread each, as docs/api.md advises and as this Intel CPU's
+shipped calibration was measured; with TF's default pools the clock ordered the same
+layouts against itself at 0.42-0.83 in one session, at 0.71-0.99 with one thread).
+
   .venv/bin/python bench/auto_shard_rank.py [--steps 9] [--warmup 2] [--quick] [--refit]
+      [--tf-threads 1]
 """
 
 from __future__ import annotations
@@ -203,10 +209,21 @@ def main(argv=None) -> int:
     action='store_false',
     help="don't time the probe calibration steps (the machine's speed now) beside the layouts",
   )
+  parser.add_argument(
+    '--tf-threads',
+    default='1',
+    help="TF's inter-op and intra-op threads (tg.configure_cpu_devices' threads, 1 as the "
+    "shipped calibration of this Intel CPU was measured); 'default': TF's own pools",
+  )
   args = parser.parse_args(argv)
   if args.quick:
     args.steps, args.warmup = 2, 1
-  configure_logical_cpus(8)
+  if args.tf_threads == 'default':
+    configure_logical_cpus(8)
+  else:
+    from tf_gspmd.runtime.cpu_devices import configure_cpu_devices
+
+    configure_cpu_devices(8, threads=int(args.tf_threads))
   import tf_gspmd as tg
   from tf_gspmd.auto_shard import fit
   from tf_gspmd.auto_shard.constants import step_fit_entry
