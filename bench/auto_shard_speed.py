@@ -13,7 +13,10 @@ For each: the search's seconds, layouts it evaluated, and the chosen layout (eac
 spec and the inputs' batch axes) with its predicted cost and per-device bytes. Only the
 public API is used, so the same script times any version of the search.
 
-  .venv/bin/python bench/auto_shard_speed.py [model ...]
+--measure: for transformer1, transformer2 and mlp, also the chosen layout's measured step
+beside the hand-written Megatron layout's (fresh weights each, round-robin, 8 logical CPUs).
+
+  .venv/bin/python bench/auto_shard_speed.py [model ...] [--measure]
 """
 
 from __future__ import annotations
@@ -61,17 +64,41 @@ def _clear(var):
 
 
 def transformer(layers):
+  step, specs, megatron, _ = transformer_parts(layers)
+  budget = int(_estimate(step, specs, MESH, megatron, 'data').memory * 1.05)
+  return step, specs, MESH, budget
+
+
+def transformer_parts(layers):
+  """(step, specs, the hand-written Megatron layout [(variable, P)], {name: variable})."""
   module = importlib.import_module('transformer')
   model, optimizer = module.build(seed=0, layers=layers)
   step = module.train_step(model, optimizer)
   specs = [tf.TensorSpec((8, 8), tf.int32), tf.TensorSpec((8,), tf.int32)]
   rules = module.layout(MESH)
   megatron = [(v, rules[v.path]) for v in model.variables if rules[v.path] is not None]
+  return step, specs, megatron, _named(model.variables)
+
+
+def _named(variables) -> dict:
+  """Variables by the names auto_shard's result gives them (their TF name, and path)."""
+  from tf_gspmd.annotations import _tf_variable
+
+  named = {}
+  for v in variables:
+    named[_tf_variable(v).name.split(':')[0]] = v
+    if hasattr(v, 'path'):
+      named[v.path] = v
+  return named
+
+
+def mlp():
+  step, specs, megatron, _ = mlp_parts()
   budget = int(_estimate(step, specs, MESH, megatron, 'data').memory * 1.05)
   return step, specs, MESH, budget
 
 
-def mlp():
+def mlp_parts():
   rng = np.random.RandomState(0)
   w1 = tf.Variable(rng.randn(132, 1020).astype(np.float32) * 0.1, name='w1')
   w2 = tf.Variable(rng.randn(1020, 132).astype(np.float32) * 0.1, name='w2')
@@ -88,8 +115,7 @@ def mlp():
 
   specs = [tf.TensorSpec((256, 132))] * 2
   megatron = [(w1, P(None, 'model')), (w2, P('model', None))]
-  budget = int(_estimate(step, specs, MESH, megatron, 'data').memory * 1.05)
-  return step, specs, MESH, budget
+  return step, specs, megatron, _named([w1, w2])
 
 
 def moe():
@@ -143,11 +169,62 @@ def run(name: str) -> None:
   for group, spec in zip(result.groups, best.choice):
     print(f'    {group.key:<44} {spec}')
   print(f'    {"<inputs: batch dim>":<44} {best.choice[-1]}', flush=True)
+  return result
+
+
+# Models whose chosen layout --measure times against the hand-written Megatron layout.
+PARTS = {
+  'transformer1': lambda: transformer_parts(1),
+  'transformer2': lambda: transformer_parts(2),
+  'mlp': mlp_parts,
+}
+
+
+def measure(name: str, result, steps: int = 15) -> None:
+  """Time the chosen layout's step and the hand-written Megatron one (batch over 'data'),
+  each on fresh weights, round-robin after two warm-up steps: medians in ms."""
+  step, specs, _, named = PARTS[name]()
+  # The model's variables; optimizer slots (not made yet in a fresh copy) follow their
+  # variables by propagation, as in the search's plan.
+  for var_name, sharding in result.model_shardings.items():
+    if var_name in named:
+      tg.shard_variable(named[var_name], result.mesh, sharding.spec)
+  chosen = tg.partition(step, result.mesh, in_shardings=result.input_shardings, progress=False)
+  step, specs, megatron, _ = PARTS[name]()
+  for var, spec in megatron:
+    tg.shard_variable(var, MESH, spec)
+  by_data = [NamedSharding(MESH, P('data', *[None] * (s.shape.rank - 1))) for s in specs]
+  written = tg.partition(step, MESH, in_shardings=by_data, progress=False)
+  rng = np.random.RandomState(0)
+  data = [
+    rng.randn(*s.shape).astype(np.float32)
+    if s.dtype == tf.float32
+    else rng.randint(0, 64, s.shape).astype(s.dtype.as_numpy_dtype)
+    for s in specs
+  ]
+  times: dict = {'chosen': [], 'megatron': []}
+  for i in range(steps + 2):
+    for label, fn in (('chosen', chosen), ('megatron', written)):
+      start = time.perf_counter()
+      np.asarray(fn(*data))
+      if i >= 2:
+        times[label].append(time.perf_counter() - start)
+  ms = {k: 1e3 * float(np.median(v)) for k, v in times.items()}
+  print(
+    f'  measured ({steps} steps each, round-robin): chosen {ms["chosen"]:.1f} ms, hand-written '
+    f'Megatron {ms["megatron"]:.1f} ms: chosen / Megatron {ms["chosen"] / ms["megatron"]:.2f}',
+    flush=True,
+  )
 
 
 def main():
-  for name in sys.argv[1:] or list(MODELS):
-    run(name)
+  names = [a for a in sys.argv[1:] if not a.startswith('--')] or list(MODELS)
+  if '--measure' in sys.argv:
+    tg.configure_cpu_devices(8)  # as the step model of this CPU was fit (threads=1)
+  for name in names:
+    result = run(name)
+    if '--measure' in sys.argv and name in PARTS:
+      measure(name, result)
 
 
 if __name__ == '__main__':
