@@ -255,7 +255,8 @@ def _tf_collective_ms(chain: int = 60) -> dict:
   chain of `chain` dependent ones of 64 floats, each device's ordered by its own token."""
   import numpy as np
   import tensorflow as tf
-  from tensorflow.python.ops import collective_ops
+
+  from tf_gspmd.tf_private import collective_ops  # TF's own collective ops (private module)
 
   devices = [f'/CPU:{d}' for d in range(DEVICES)]
   tokens = []
