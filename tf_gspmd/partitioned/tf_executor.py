@@ -78,6 +78,7 @@ def spmd_program(compiled: Compiled, devices: Optional[Sequence[str]], timeout: 
     out_shardings=compiled.out_shardings,
     out_shapes=compiled.out_shapes,
     devices=devices,
+    autograph=False,  # the partitioner emits ops from the IR: no Python control flow to convert
     **kwargs,
   )
 

@@ -23,6 +23,7 @@ def lower(compiled: Compiled, sharded_variables: dict, partition_id: int, name: 
     compiled.local_specs + shard_variables,
     backend=XlaCollectives,
     jit_compile=True,
+    autograph=False,  # the partitioner emits ops from the IR: no Python control flow to convert
     name=f'{name}_xla',
   )
   zeros = [tf.zeros(spec.shape, spec.dtype) for spec in compiled.local_specs]

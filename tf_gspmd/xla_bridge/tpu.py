@@ -386,6 +386,7 @@ class TPUStrategyStep:
       self.local_specs + self._components[0],
       devices=devices,
       progress_markers=False,
+      autograph=False,  # the partitioner emits ops from the IR: no Python control flow to convert
       name='replica_per_partition',
     )
 
