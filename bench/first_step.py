@@ -239,12 +239,6 @@ def configure_logical_cpus(n: int) -> None:
     tf.config.set_logical_device_configuration(
       tf.config.list_physical_devices('CPU')[0], [tf.config.LogicalDeviceConfiguration()] * n
     )
-    import os as _os
-
-    if _os.environ.get('XTHREADS'):
-      a, b = map(int, _os.environ['XTHREADS'].split(','))
-      tf.config.threading.set_inter_op_parallelism_threads(a)
-      tf.config.threading.set_intra_op_parallelism_threads(b)
   except RuntimeError:
     pass  # already initialized (pytest's conftest did it)
 

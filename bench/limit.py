@@ -128,6 +128,15 @@ def round_robin(calls: dict, steps: int) -> dict:
 
 # ---------------------------------------------------------------- children
 def configure_logical_cpus(n: int) -> None:
+  """n logical CPUs; with --tf-threads T (LIMIT_TF_THREADS in the children), as
+  `tg.configure_cpu_devices(n, threads=T)` makes them (every TF system alike)."""
+  threads = os.environ.get('LIMIT_TF_THREADS', 'default')
+  if threads != 'default':
+    sys.path.insert(0, ROOT)
+    from tf_gspmd.runtime.cpu_devices import configure_cpu_devices
+
+    configure_cpu_devices(n, threads=int(threads))
+    return
   import tensorflow as tf
 
   tf.config.set_logical_device_configuration(
@@ -540,7 +549,14 @@ def main(argv=None) -> int:
     action='store_true',
     help="also profile one partitioned step (TF's profiler): time by op kind",
   )
+  parser.add_argument(
+    '--tf-threads',
+    default='default',
+    help="TF's inter-op and intra-op threads in the TF systems (tg.configure_cpu_devices' "
+    "threads); 'default': TF's own pools, as the earlier sessions measured",
+  )
   flags = parser.parse_args(argv)
+  os.environ['LIMIT_TF_THREADS'] = flags.tf_threads
   if flags.profile:
     os.environ['LIMIT_PROFILE'] = '1'
   results, lines = {}, [f'cpu: {cpu_model()}, {os.cpu_count()} cores']

@@ -51,8 +51,7 @@ _CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize('threads', [1])
-def test_configure_cpu_devices_in_a_fresh_interpreter(threads):
+def test_configure_cpu_devices_in_a_fresh_interpreter():
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', PYTHONPATH=ROOT)
   done = subprocess.run(
     [sys.executable, '-c', _CHILD], capture_output=True, text=True, env=env, timeout=300

@@ -7,9 +7,8 @@ programs of small ops and collectives spend cores on waiting. One thread in each
 measured here (Intel Xeon, 2 cores, 8 logical devices, fresh processes alternating with
 TF's defaults): the Keras-Hub-style decoder's model-parallel step (`bench/keras_decoder.py`
 `tg_mp`) 65 / 63 / 58 / 68 -> 50 / 49 / 57 / 45 ms, its process CPU 100-121 -> 71-88 ms per
-step; ResNet50 data parallel (`bench/limit.py`) 1568 -> 1431 ms; the bench transformer's
-data-parallel step unchanged (111 / 100 against 115 / 101 ms); the decoder's plain
-one-device Keras step 6.9 / 7.6 -> 5.8 / 5.2 ms. A big matmul of unpartitioned code in the
+step; its data-parallel step unchanged (32.9 / 33.6 against 33.9 / 33.0 ms, CPU 51-54 ->
+38-39 ms); its plain one-device Keras step 6.9 / 7.6 -> 5.8 / 5.2 ms. A big matmul of unpartitioned code in the
 same process loses the intra-op pool's second core (`docs/api.md`): `threads=None` keeps
 TF's pools.
 """
@@ -26,8 +25,8 @@ def configure_cpu_devices(n: int = 8, threads: Optional[int] = 1) -> Tuple[str, 
 
   `threads`: the threads of TF's inter-op and of its intra-op pool (both shared by every
   logical device), 1 by default: N per-device programs already keep the cores busy (see
-  the module's measurements); None leaves TF's defaults. Returns the devices' names, for
-  `tg.Mesh.create(..., devices=...)` or `tg.partition(..., devices=...)`.
+  the module's measurements); None leaves TF's defaults. Returns the devices' names (a
+  mesh's device i is the i-th by default; `tg.partition(..., devices=...)` takes others).
 
   TF fixes both at its first use: called after, it raises a RuntimeError that says so,
   unless the process already has exactly this configuration.
