@@ -8,9 +8,9 @@ measured here (Intel Xeon, 2 cores, 8 logical devices, fresh processes alternati
 TF's defaults): the Keras-Hub-style decoder's model-parallel step (`bench/keras_decoder.py`
 `tg_mp`) 65 / 63 / 58 / 68 -> 50 / 49 / 57 / 45 ms, its process CPU 100-121 -> 71-88 ms per
 step; its data-parallel step unchanged (32.9 / 33.6 against 33.9 / 33.0 ms, CPU 51-54 ->
-38-39 ms); its plain one-device Keras step 6.9 / 7.6 -> 5.8 / 5.2 ms. A big matmul of unpartitioned code in the
-same process loses the intra-op pool's second core (`docs/api.md`): `threads=None` keeps
-TF's pools.
+38-39 ms); its plain one-device Keras step 6.9 / 7.6 -> 5.8 / 5.2 ms. A big matmul of
+unpartitioned code in the same process loses the intra-op pool's second core
+(`docs/api.md`): `threads=None` keeps TF's pools.
 """
 
 from __future__ import annotations
