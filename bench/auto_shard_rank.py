@@ -32,8 +32,8 @@ under the same load), fits on them alone and caches the fit for this CPU; `--sav
 writes each layout's features and times as JSON.
 
 The process splits the CPU with `tg.configure_cpu_devices(8, threads=T)` (--tf-threads, 1 by
-default: TF's pools at one thread each, as docs/api.md advises and as this Intel CPU's
-shipped calibration was measured; with TF's default pools the clock ordered the same
+default: TF's pools at one thread each, as this Intel CPU's shipped calibration was
+measured; with TF's default pools the clock ordered the same
 layouts against itself at 0.42-0.83 in one session, at 0.71-0.99 with one thread).
 
   .venv/bin/python bench/auto_shard_rank.py [--steps 9] [--warmup 2] [--quick] [--refit]

@@ -220,7 +220,7 @@ def measure(name: str, result, steps: int = 15) -> None:
 def main():
   names = [a for a in sys.argv[1:] if not a.startswith('--')] or list(MODELS)
   if '--measure' in sys.argv:
-    tg.configure_cpu_devices(8)  # as the step model of this CPU was fit (threads=1)
+    tg.configure_cpu_devices(8, threads=1)  # as the step model of this CPU was fit
   for name in names:
     result = run(name)
     if '--measure' in sys.argv and name in PARTS:

@@ -45,8 +45,8 @@ Per side: the first `train_on_batch` (build + compile + run) in seconds, then th
 the first TF side, so the losses agree to rounding: checked by the oracle against tf_none).
 
 The TF sides split the CPU with `tg.configure_cpu_devices(8, threads=T)`: T = --tf-threads
-(1 by default, as the docs advise for N logical devices on fewer cores; 'default' leaves
-TF's own pools, as plain `tf.config.set_logical_device_configuration` does).
+(1 by default: this model's steps gain from it, docs/api.md; 'default' leaves TF's own
+pools, as plain `tf.config.set_logical_device_configuration` does).
 
   python bench/keras_decoder.py [--steps 10] [--sides jax_mp tg_mp ...] [--tf-threads 1]
 """

@@ -20,12 +20,13 @@ _CHILD = textwrap.dedent(
   import tf_gspmd as tg
   from tf_gspmd.testing import oracle
 
-  devices = tg.configure_cpu_devices(4)
+  devices = tg.configure_cpu_devices(4, threads=1)
   assert len(devices) == 4 and devices[-1].endswith('CPU:3'), devices
   pools = tf.config.threading
   assert pools.get_inter_op_parallelism_threads() == 1
   assert pools.get_intra_op_parallelism_threads() == 1
-  assert tg.configure_cpu_devices(4) == devices  # the same again: nothing to change
+  assert tg.configure_cpu_devices(4, threads=1) == devices  # the same again: nothing to change
+  assert tg.configure_cpu_devices(4) == devices  # TF's pools asked for: whatever they are
   try:
     tg.configure_cpu_devices(2)
   except RuntimeError as error:
@@ -65,7 +66,12 @@ def test_after_tf_started_a_different_count_is_a_clear_error():
 
 
 def test_the_sessions_own_configuration_is_accepted_as_it_is():
-  assert len(tg.configure_cpu_devices(8, threads=None)) == 8
+  assert len(tg.configure_cpu_devices(8)) == 8  # the default leaves TF's pools as they are
+
+
+def test_other_pools_after_tf_started_are_a_clear_error():
+  with pytest.raises(RuntimeError, match='inter-op / intra-op threads'):
+    tg.configure_cpu_devices(8, threads=3)
 
 
 def test_n_below_one_is_refused():

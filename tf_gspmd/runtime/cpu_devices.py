@@ -1,16 +1,18 @@
-"""N logical CPU devices on this machine's cores, with TF's thread pools sized for them.
+"""N logical CPU devices on this machine's cores, and optionally TF's pools sized for them.
 
 A partitioned program on N logical CPU devices runs N per-device programs at once on the
-machine's cores. TF's default pools are sized for one device: its inter-op threads and its
-intra-op (Eigen) threads each take every core, and they spin while they wait for work, so N
-programs of small ops and collectives spend cores on waiting. One thread in each pool,
-measured here (Intel Xeon, 2 cores, 8 logical devices, fresh processes alternating with
-TF's defaults): the Keras-Hub-style decoder's model-parallel step (`bench/keras_decoder.py`
-`tg_mp`) 65 / 63 / 58 / 68 -> 50 / 49 / 57 / 45 ms, its process CPU 100-121 -> 71-88 ms per
-step; its data-parallel step unchanged (32.9 / 33.6 against 33.9 / 33.0 ms, CPU 51-54 ->
-38-39 ms); its plain one-device Keras step 6.9 / 7.6 -> 5.8 / 5.2 ms. A big matmul of
-unpartitioned code in the same process loses the intra-op pool's second core
-(`docs/api.md`): `threads=None` keeps TF's pools.
+machine's cores. TF's default pools are sized for one device (its inter-op and its intra-op
+threads each take every core) and spin while they wait for work. Whether one thread per
+pool is better depends on the program, measured here (Intel Xeon, 2 cores, 8 logical
+devices, fresh processes alternating with TF's defaults):
+- many small ops and collectives gain: the Keras-Hub-style decoder's model-parallel step
+  (`bench/keras_decoder.py` `tg_mp`) 65 / 63 / 58 / 68 -> 50 / 49 / 57 / 45 ms (process
+  CPU 100-121 -> 71-88 ms per step), its data-parallel step unchanged with a third less CPU,
+  its plain one-device Keras step 6.9 / 7.6 -> 5.8 / 5.2 ms;
+- big kernels lose, one op then runs at a time (`bench/limit.py --tf-threads 1`): ResNet50
+  data parallel 1962 / 1585 -> 2480 / 3213 ms, the bench transformer's 129 / 122 -> 140 /
+  145 ms, their unpartitioned steps 1.6-2.2x slower.
+So the default leaves TF's pools (`threads=None`); `threads=1` is for the first kind.
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ from typing import Optional, Tuple
 import tensorflow as tf
 
 
-def configure_cpu_devices(n: int = 8, threads: Optional[int] = 1) -> Tuple[str, ...]:
+def configure_cpu_devices(n: int = 8, threads: Optional[int] = None) -> Tuple[str, ...]:
   """Split the CPU into `n` logical devices; call before TensorFlow initializes.
 
   `threads`: the threads of TF's inter-op and of its intra-op pool (both shared by every
-  logical device), 1 by default: N per-device programs already keep the cores busy (see
-  the module's measurements); None leaves TF's defaults. Returns the devices' names (a
-  mesh's device i is the i-th by default; `tg.partition(..., devices=...)` takes others).
+  logical device); None (the default) leaves TF's pools. 1 suits steps of many small ops
+  and collectives, where TF's pools spin (a model-parallel decoder: -23%), not steps of
+  big kernels (ResNet50 data parallel: 1.3-2x slower); see the module's measurements.
+  Returns the devices' names (a mesh's device i is the i-th by default;
+  `tg.partition(..., devices=...)` takes others).
 
   TF fixes both at its first use: called after, it raises a RuntimeError that says so,
   unless the process already has exactly this configuration.
