@@ -54,7 +54,6 @@ ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE, os.path.join(ROOT, 'examples', 'keras')]
 
 import numpy as np  # noqa: E402
-from first_step import configure_logical_cpus  # noqa: E402
 
 TRANSFORMER = dict(layers=2, vocab=128, seq=16, d_model=64, heads=4, ff=256)
 TRANSFORMER_BATCH = 32
@@ -218,12 +217,9 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if args.quick:
     args.steps, args.warmup = 2, 1
-  if args.tf_threads == 'default':
-    configure_logical_cpus(8)
-  else:
-    from tf_gspmd.runtime.cpu_devices import configure_cpu_devices
+  from tf_gspmd.runtime.cpu_devices import configure_cpu_devices
 
-    configure_cpu_devices(8, threads=int(args.tf_threads))
+  configure_cpu_devices(8, threads=None if args.tf_threads == 'default' else int(args.tf_threads))
   import tf_gspmd as tg
   from tf_gspmd.auto_shard import fit
   from tf_gspmd.auto_shard.constants import step_fit_entry
