@@ -261,6 +261,65 @@ def test_shared_constants_share_across_control_inputs_and_keep_device_scopes_apa
     assert tf.constant(0).op is not a.op  # the sharing ends with the scope
 
 
+def test_shared_constants_tell_python_and_numpy_values_apart():
+  """The constants looked up before TF builds their TensorProto: one per value, dtype and
+  shape; True, 1, 1.0, [1] and np.int64(1) are five; a constant asked for in a branch graph
+  or another graph is made there."""
+  from tf_gspmd.tf_private import shared_values
+
+  graph = tf.Graph()
+  with graph.as_default(), shared_values(graph):
+    ones = [tf.constant(v) for v in (True, 1, 1.0, [1], np.int64(1))]
+    again = [tf.constant(v) for v in (True, 1, 1.0, [1], np.int64(1))]
+    as_float = tf.constant(1, tf.float32)
+    shaped = tf.constant(1, shape=[2])
+    table = tf.constant(np.arange(6).reshape(2, 3))
+    table_again = tf.constant(np.arange(6).reshape(2, 3))
+    other_table = tf.constant(np.arange(6).reshape(3, 2))
+    inner = tf.Graph()
+    with inner.as_default():
+      elsewhere = tf.constant(1)
+  assert len({t.op.name for t in ones}) == 5
+  assert [t.op for t in again] == [t.op for t in ones]
+  assert [t.dtype for t in ones] == [tf.bool, tf.int32, tf.float32, tf.int32, tf.int64]
+  assert as_float.op is not ones[1].op and as_float.dtype == tf.float32
+  assert shaped.shape == [2] and shaped.op is not ones[1].op
+  assert table_again.op is table.op and other_table.op is not table.op
+  assert other_table.shape == [3, 2] and elsewhere.graph is inner
+  with tf.compat.v1.Session(graph=graph) as session:
+    got = session.run(ones + [as_float, shaped, other_table])
+  assert [g.tolist() for g in got[:5]] == [True, 1, 1.0, [1], 1]
+  np.testing.assert_array_equal(got[7], np.arange(6).reshape(3, 2))
+
+
+def test_ops_made_without_tracebacks_keep_none_and_other_ops_keep_theirs():
+  """Inside `without_op_tracebacks` (the per-partition program and launch traces) a graph op
+  records no Python stack; outside, and in another thread meanwhile, ops keep theirs."""
+  import threading
+
+  from tf_gspmd.tf_private import without_op_tracebacks
+
+  graph = tf.Graph()
+  elsewhere = {}
+
+  def other_thread():
+    with tf.Graph().as_default():
+      elsewhere['op'] = tf.constant(2.0).op
+
+  with graph.as_default():
+    before = tf.constant(1.0).op
+    with without_op_tracebacks():
+      inside = tf.constant(3.0).op
+      worker = threading.Thread(target=other_thread)
+      worker.start()
+      worker.join()
+    after = tf.constant(4.0).op
+  assert len(inside.traceback) == 0
+  for op in (before, after, elsewhere['op']):
+    assert len(op.traceback) > 0
+  assert __file__ in [frame.filename for frame in before.traceback]
+
+
 def test_shared_values_made_from_the_seeds_alone_are_one_node_and_data_ops_are_not():
   """A value computed from constants and the seed (the partition id) alone, asked for twice,
   is one node, also under control dependencies; an op reading anything else is made each

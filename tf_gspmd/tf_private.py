@@ -26,6 +26,10 @@ Not here, because a public API serves (use it instead):
 # ruff: noqa: I001
 
 import contextlib
+import threading
+from typing import Optional
+
+import numpy as np
 
 # The eager context: aborting collectives on a hung step (the watchdog), per-call function
 # options (Grappler off), waiting for async writes (`async_wait`), the cluster's ServerDef
@@ -131,6 +135,16 @@ from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 # function is partitioned, naming it, rather than failing at run time. No public API lists them.
 from tensorflow.python.framework import kernels
 
+# Where a graph constant is made from a Python value (`constant_op` calls
+# `ops._create_graph_constant`): `shared_values` answers a value it has made before without
+# building its TensorProto again. TF exposes no hook there.
+from tensorflow.python.framework import ops
+
+# Where TF records the Python stack that made each graph op (`ops._create_c_op` calls its
+# `extract_stack`): the per-partition program's ops are made without one
+# (`without_op_tracebacks`). TF exposes no switch for it.
+from tensorflow.python.util import tf_stack
+
 
 def set_op_attr(op, name: str, value) -> None:
   """Set attr `name` (an AttrValue) on a graph op: `Operation._set_attr`, TF's only way to add
@@ -203,6 +217,7 @@ def shared_values(graph, seeds=()):
   original = graph._create_op_internal  # noqa: SLF001
   made: dict = {}
   shared = {id(t) for t in seeds}
+  constants: dict = {}  # (value key, dtype, shape, ...) -> the Const made for it here
 
   def create(op_type, inputs, dtypes=None, input_types=None, name=None, attrs=None, **kwargs):
     if _placed(graph):
@@ -226,10 +241,88 @@ def shared_values(graph, seeds=()):
 
   keep_alive: list = list(seeds)
   graph._create_op_internal = create  # noqa: SLF001
+  _constant_caches.append((graph, constants))
   try:
     yield
   finally:
+    _constant_caches.remove((graph, constants))
     del graph._create_op_internal  # noqa: SLF001  (the class's method again)
+
+
+# (graph, cache) of each active `shared_values` scope; a Python value's constant is looked up
+# before TF builds its TensorProto (a fifth of a per-partition trace made constants, most of
+# them a value made before).
+_constant_caches: list = []
+_make_graph_constant = ops._create_graph_constant  # noqa: SLF001
+
+
+def _graph_constant(value, dtype, shape, name, verify_shape, allow_broadcast):
+  cache = _active_constants()
+  key = None if cache is None else _constant_key(value)
+  if key is None:
+    return _make_graph_constant(value, dtype, shape, name, verify_shape, allow_broadcast)
+  key = (key, dtype, None if shape is None else tuple(shape), verify_shape, allow_broadcast)
+  if key not in cache:
+    cache[key] = _make_graph_constant(value, dtype, shape, name, verify_shape, allow_broadcast)
+  return cache[key]
+
+
+ops._create_graph_constant = _graph_constant  # noqa: SLF001
+
+
+def _active_constants() -> Optional[dict]:
+  """The constants cache of the `shared_values` scope of the default graph, when its constants
+  are shared there now (no device scope, no op callbacks)."""
+  if not _constant_caches:
+    return None
+  graph = ops.get_default_graph()
+  for scope_graph, cache in reversed(_constant_caches):
+    if scope_graph is graph:
+      if _placed(graph) or ops.op_callbacks.should_invoke_op_callbacks():
+        return None
+      return cache
+  return None
+
+
+def _constant_key(value):
+  """A hashable key telling `value` from every other Python or NumPy value (types included:
+  True, 1 and 1.0 are three constants), or None for values not worth keying."""
+  if isinstance(value, (bool, int, float)):
+    return (type(value), value)
+  if isinstance(value, (list, tuple)) and len(value) <= 64:
+    keys = tuple(_constant_key(v) for v in value)
+    return None if any(k is None for k in keys) else (type(value), keys)
+  if isinstance(value, (np.ndarray, np.generic)) and np.size(value) <= 1024:
+    return ('ndarray', value.dtype.str, np.shape(value), np.asarray(value).tobytes())
+  return None
+
+
+_untraced = threading.local()  # .depth > 0: this thread's graph ops record no Python stack
+_with_stack = tf_stack.extract_stack
+
+
+def _extract_stack(stacklevel=1):
+  if getattr(_untraced, 'depth', 0):
+    return _with_stack(stacklevel=1 << 30)  # past the outermost frame: an empty stack
+  return _with_stack(stacklevel=stacklevel + 1)
+
+
+@contextlib.contextmanager
+def without_op_tracebacks():
+  """While active, graph ops this thread makes keep no Python stack of their making.
+
+  TF records every op's stack, and every time TF partitions a function over devices (once
+  per device for each of the 8 calls of a per-partition program, on its first run) it turns
+  each op's frames into file and line numbers (`GraphDebugInfoBuilder`, in `Partition`): 4%
+  of a fuzz campaign's CPU. A per-partition op's stack points into tf_gspmd's partitioner,
+  never into the user's code, so TF's error messages lose nothing a user wrote; tf_gspmd's
+  own errors name the op, its tensors and their shardings."""
+  tf_stack.extract_stack = _extract_stack
+  _untraced.depth = getattr(_untraced, 'depth', 0) + 1
+  try:
+    yield
+  finally:
+    _untraced.depth -= 1
 
 
 def _plain_reshape(t, graph) -> bool:
@@ -297,6 +390,7 @@ __all__ = [
   'own_function',
   'runtime_started',
   'shared_values',
+  'without_op_tracebacks',
   'TFFunction',
   'UninitializedVariable',
   'VARIABLE_VALUE_KEY',

@@ -51,7 +51,7 @@ from tf_gspmd.runtime.grappler import call_config, without_grappler
 from tf_gspmd.runtime.sharded import ShardedValue, ShardedVariable
 from tf_gspmd.runtime.watchdog import WATCHDOG, CallWatch, collective_error
 from tf_gspmd.sharding import NamedSharding, P, Sharding
-from tf_gspmd.tf_private import own_function
+from tf_gspmd.tf_private import own_function, without_op_tracebacks
 
 DEFAULT_TIMEOUT = collectives_lib.DEFAULT_TIMEOUT
 
@@ -403,7 +403,7 @@ class SpmdProgram:
       layouts = self._layouts[id(program)] = self._out_layouts(program)
     devices = self.devices
 
-    def launch(tokens, *passed):
+    def launch_ops(tokens, *passed):
       n = len(devices)
       per_device = [[] for _ in devices]
       passed = iter(passed)
@@ -455,6 +455,12 @@ class SpmdProgram:
           )
         )
       return outputs
+
+    def launch(tokens, *passed):
+      # Splits, calls and assembly are tf_gspmd's ops: no Python stacks for TF to convert
+      # on the first run of each of the mesh's devices (`without_op_tracebacks`).
+      with without_op_tracebacks():
+        return launch_ops(tokens, *passed)
 
     launch.__name__ = f'{self.name}_launch'
     outer = own_function(launch, autograph=False)
