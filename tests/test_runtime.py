@@ -292,6 +292,48 @@ def test_shared_constants_tell_python_and_numpy_values_apart():
   np.testing.assert_array_equal(got[7], np.arange(6).reshape(3, 2))
 
 
+def test_shared_constants_reach_the_branches_traced_inside_the_scope():
+  """A cond's branch graphs traced inside `shared_values` share their constants too (each
+  graph its own), made without the control inputs around them; a graph another thread
+  traces meanwhile does not."""
+  import threading
+
+  from tf_gspmd.tf_private import shared_values
+
+  graph = tf.Graph()
+  seen, elsewhere = {}, {}
+
+  def branch(tag):
+    def body():
+      gate = tf.no_op(name='gate')
+      first = tf.constant([1, 2, 3])
+      with tf.control_dependencies([gate]):
+        second = tf.constant([1, 2, 3])
+      seen[tag] = (first, second)
+      return first + second
+
+    return body
+
+  def other_thread():
+    with tf.Graph().as_default():
+      elsewhere['ops'] = [tf.constant(7).op, tf.constant(7).op]
+
+  with graph.as_default(), shared_values(graph):
+    flag = tf.compat.v1.placeholder(tf.bool, [])
+    out = tf.cond(flag, branch('then'), branch('else'))
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    worker.join()
+  for tag in ('then', 'else'):
+    first, second = seen[tag]
+    assert first.op is second.op and not first.op.control_inputs, tag
+    assert first.graph is not graph
+  assert seen['then'][0].graph is not seen['else'][0].graph
+  assert elsewhere['ops'][0] is not elsewhere['ops'][1]
+  with tf.compat.v1.Session(graph=graph) as session:
+    assert session.run(out, {flag: True}).tolist() == [2, 4, 6]
+
+
 def test_ops_made_without_tracebacks_keep_none_and_other_ops_keep_theirs():
   """Inside `without_op_tracebacks` (the per-partition program and launch traces) a graph op
   records no Python stack; outside, and in another thread meanwhile, ops keep theirs."""

@@ -241,43 +241,70 @@ def shared_values(graph, seeds=()):
 
   keep_alive: list = list(seeds)
   graph._create_op_internal = create  # noqa: SLF001
-  _constant_caches.append((graph, constants))
+  scope = _ConstantScope(graph, constants)
+  _constant_caches.append(scope)
   try:
     yield
   finally:
-    _constant_caches.remove((graph, constants))
+    _constant_caches.remove(scope)
     del graph._create_op_internal  # noqa: SLF001  (the class's method again)
 
 
-# (graph, cache) of each active `shared_values` scope; a Python value's constant is looked up
-# before TF builds its TensorProto (a fifth of a per-partition trace made constants, most of
-# them a value made before).
+class _ConstantScope:
+  """One active `shared_values` scope, as its constants see it: the scope's graph and its
+  constants, and those of the function graphs traced inside it by the same thread (the
+  branches and bodies of a per-partition program's conds, loops and calls, a third of its
+  nodes and half of them constants, traced while the scope is active)."""
+
+  def __init__(self, graph, constants: dict):
+    self.graph, self.constants = graph, constants
+    self.thread = threading.get_ident()
+    self.nested: dict = {}  # id(function graph) -> (graph, its constants)
+
+  def constants_of(self, graph) -> Optional[dict]:
+    if graph is self.graph:
+      return self.constants
+    if self.thread != threading.get_ident() or not isinstance(graph, FuncGraph):
+      return None
+    if graph._get_control_flow_context() is not None:  # noqa: SLF001  (TF1 control flow)
+      return None
+    entry = self.nested.setdefault(id(graph), (graph, {}))
+    return entry[1]
+
+
+# Each active `shared_values` scope; a Python value's constant is looked up before TF builds
+# its TensorProto (a fifth of a per-partition trace made constants, most of them a value
+# made before).
 _constant_caches: list = []
 _make_graph_constant = ops._create_graph_constant  # noqa: SLF001
 
 
 def _graph_constant(value, dtype, shape, name, verify_shape, allow_broadcast):
-  cache = _active_constants()
+  graph = ops.get_default_graph()
+  cache = _active_constants(graph)
   key = None if cache is None else _constant_key(value)
   if key is None:
     return _make_graph_constant(value, dtype, shape, name, verify_shape, allow_broadcast)
   key = (key, dtype, None if shape is None else tuple(shape), verify_shape, allow_broadcast)
   if key not in cache:
-    cache[key] = _make_graph_constant(value, dtype, shape, name, verify_shape, allow_broadcast)
+    # Made without the control inputs around it, as `shared_values` makes its constants: a
+    # constant has no effect to order, and it serves every later use in its graph.
+    with graph.control_dependencies(None):
+      cache[key] = _make_graph_constant(value, dtype, shape, name, verify_shape, allow_broadcast)
   return cache[key]
 
 
 ops._create_graph_constant = _graph_constant  # noqa: SLF001
 
 
-def _active_constants() -> Optional[dict]:
-  """The constants cache of the `shared_values` scope of the default graph, when its constants
-  are shared there now (no device scope, no op callbacks)."""
+def _active_constants(graph) -> Optional[dict]:
+  """The constants `graph` shares now, within the innermost `shared_values` scope that
+  covers it (None: none does, or a device scope or op callbacks are active)."""
   if not _constant_caches:
     return None
-  graph = ops.get_default_graph()
-  for scope_graph, cache in reversed(_constant_caches):
-    if scope_graph is graph:
+  for scope in reversed(_constant_caches):
+    cache = scope.constants_of(graph)
+    if cache is not None:
       if _placed(graph) or ops.op_callbacks.should_invoke_op_callbacks():
         return None
       return cache
