@@ -38,3 +38,34 @@ def test_a_missing_name_is_caught(tmp_path):
   script.write_text('from tf_gspmd.runtime import tables\n')
   with pytest.raises(ModuleNotFoundError):
     test_script_imports_resolve(script)
+
+
+def test_fuzz_ab_switches_reach_what_they_switch():
+  """bench/fuzz_ab.py flips private names of tf_gspmd's (a marker wrapper, the stack and
+  constant hooks): each switch, on then off, must find them and leave the code as it was."""
+  import sys
+
+  from tf_gspmd import tf_private
+  from tf_gspmd.runtime import collectives
+
+  sys.path.insert(0, str(ROOT / 'bench'))
+  try:
+    import fuzz_ab
+  finally:
+    sys.path.remove(str(ROOT / 'bench'))
+  shipped = (
+    collectives.TFCollectives._around,
+    tf_private.tf_stack.extract_stack,
+    tf_private.ops._create_graph_constant,
+  )
+  for name, factory in fuzz_ab.SWITCHES.items():
+    if name == 'grappler':
+      continue  # TF's own option, set through tf.config
+    switch = factory()
+    switch(name != 'tracebacks' and name != 'shared-constants')
+    switch(name == 'tracebacks' or name == 'shared-constants')
+  assert (
+    collectives.TFCollectives._around,
+    tf_private.tf_stack.extract_stack,
+    tf_private.ops._create_graph_constant,
+  ) == shipped

@@ -328,10 +328,17 @@ _untraced = threading.local()  # .depth > 0: this thread's graph ops record no P
 _with_stack = tf_stack.extract_stack
 
 
+_NO_STACK = _with_stack(stacklevel=1 << 30)  # skipping past the outermost frame: no frames
+
+
 def _extract_stack(stacklevel=1):
   if getattr(_untraced, 'depth', 0):
-    return _with_stack(stacklevel=1 << 30)  # past the outermost frame: an empty stack
+    return _NO_STACK  # one empty stack for every op (TF holds it shared, never changes it)
   return _with_stack(stacklevel=stacklevel + 1)
+
+
+# Installed once: outside `without_op_tracebacks` it records the stack TF would (one frame up).
+tf_stack.extract_stack = _extract_stack
 
 
 @contextlib.contextmanager
@@ -344,7 +351,6 @@ def without_op_tracebacks():
   of a fuzz campaign's CPU. A per-partition op's stack points into tf_gspmd's partitioner,
   never into the user's code, so TF's error messages lose nothing a user wrote; tf_gspmd's
   own errors name the op, its tensors and their shardings."""
-  tf_stack.extract_stack = _extract_stack
   _untraced.depth = getattr(_untraced, 'depth', 0) + 1
   try:
     yield
