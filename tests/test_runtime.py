@@ -429,3 +429,22 @@ def test_step_without_outputs_updates_variables_and_checkpoints(tmp_path):
   tf.train.Checkpoint(v=other).restore(path).assert_consumed()
   assert_close(other.numpy(), 3 * init, name='restored')
   assert len(var.trainable_variables) == 8
+
+
+def test_graph_constants_leave_their_graph_collectable():
+  """`emit.constant`'s one op per value and graph lives on the graph: a graph nobody holds is
+  collected with its constants (a table keyed by graphs kept every traced program's graph,
+  and its functions in TF's context, for the process's life)."""
+  import gc
+  import weakref
+
+  from tf_gspmd.graph import emit
+
+  graph = tf.Graph()
+  with graph.as_default():
+    first, again, other = emit.constant([1, 2]), emit.constant([1, 2]), emit.constant([1, 3])
+  assert first is again and other is not first
+  gone = weakref.ref(graph)
+  del graph, first, again, other
+  gc.collect()
+  assert gone() is None

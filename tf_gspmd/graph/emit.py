@@ -10,7 +10,6 @@ edited body can never be confused with the original.
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
@@ -46,8 +45,12 @@ def emit_node(
   )
 
 
-# Per graph being traced: (dtype, shape, bytes) -> the one Const op holding that value.
-_CONSTANTS: 'weakref.WeakKeyDictionary' = weakref.WeakKeyDictionary()
+# The attribute of a graph being traced holding its constants: (dtype, shape, bytes) -> the one
+# Const op holding that value. On the graph itself, not in a table keyed by it: a constant
+# refers to its graph, so a table entry (even a weak key's) kept every graph and its
+# functions alive for the process's life (a campaign's processes grew by a program's graph
+# each, and their full collections with them).
+_CONSTANTS = '_tf_gspmd_constants'
 
 
 def constant(value, dtype=None, name: str = 'Const') -> tf.Tensor:
@@ -64,7 +67,10 @@ def constant(value, dtype=None, name: str = 'Const') -> tf.Tensor:
   if array.dtype.kind not in 'biufc':  # strings, objects: TF's own conversion, not cached
     return tf.constant(value, dtype=dtype, name=name)
   graph = tf.compat.v1.get_default_graph()
-  made = _CONSTANTS.setdefault(graph, {})
+  made = getattr(graph, _CONSTANTS, None)
+  if made is None:
+    made = {}
+    setattr(graph, _CONSTANTS, made)
   key = (array.dtype.str, array.shape, array.tobytes())
   if key not in made:
     with tf.control_dependencies(None):
