@@ -10,8 +10,8 @@ repetition's ratio is printed too, so the spread shows what the total can resolv
 The switches (each B is the named change made, A the code without it):
 
   markers           the TF backend's progress markers left out (`_around` builds bare)
-  tracebacks        per-partition and launch ops made without Python stacks (as shipped;
-                    A: with them, as TF makes every op)
+  tracebacks        per-partition, launch and capture traces made without Python stacks
+                    (as shipped; A: with them, as TF makes every op)
   shared-constants  constants answered from `shared_values`' cache (as shipped; A: built
                     again, then merged by the op-level dedupe)
   grappler          Grappler off for every function (the partitioned ones already are; this
