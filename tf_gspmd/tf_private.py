@@ -26,6 +26,7 @@ Not here, because a public API serves (use it instead):
 # ruff: noqa: I001
 
 import contextlib
+import sys
 import threading
 from typing import Optional
 
@@ -144,6 +145,11 @@ from tensorflow.python.framework import ops
 # `extract_stack`): the per-partition program's ops are made without one
 # (`without_op_tracebacks`). TF exposes no switch for it.
 from tensorflow.python.util import tf_stack
+
+# TF's stack extraction itself, with a filter of its own: the one-frame stack ops made inside
+# `without_op_tracebacks` share names only this module's line (tf_stack filters by TF's
+# thread-local scopes only).
+from tensorflow.python.util import _tf_stack
 
 
 def set_op_attr(op, name: str, value) -> None:
@@ -328,12 +334,26 @@ _untraced = threading.local()  # .depth > 0: this thread's graph ops record no P
 _with_stack = tf_stack.extract_stack
 
 
-_NO_STACK = _with_stack(stacklevel=1 << 30)  # skipping past the outermost frame: no frames
+def _one_frame() -> 'tf_stack.StackTrace':
+  """A stack of one frame, this module's line that made it: what an op made inside
+  `without_op_tracebacks` records. Not an empty one: TF's lowering to XLA reads an op's
+  innermost frame and crashes on a stack without any (`get_compiler_ir`, a segfault)."""
+  elsewhere, frame = set(), sys._getframe()  # noqa: SLF001  (Python's own frame access)
+  while frame is not None:
+    elsewhere.add(frame.f_code.co_filename)
+    frame = frame.f_back
+  elsewhere.discard(__file__)
+  files = _tf_stack.PyBindFileSet()
+  files.update_to(elsewhere)
+  return _tf_stack.extract_stack(_tf_stack.PyBindSourceMap(), files, 1)  # 1: skip this frame
+
+
+_ONE_FRAME = _one_frame()
 
 
 def _extract_stack(stacklevel=1):
   if getattr(_untraced, 'depth', 0):
-    return _NO_STACK  # one empty stack for every op (TF holds it shared, never changes it)
+    return _ONE_FRAME  # one frame for every op (TF holds it shared and never changes it)
   return _with_stack(stacklevel=stacklevel + 1)
 
 
@@ -343,7 +363,8 @@ tf_stack.extract_stack = _extract_stack
 
 @contextlib.contextmanager
 def without_op_tracebacks():
-  """While active, graph ops this thread makes keep no Python stack of their making.
+  """While active, graph ops this thread makes keep no Python stack of their making (one
+  frame, this module's, shared by all of them).
 
   TF records every op's stack, and every time TF partitions a function over devices (once
   per device for each of the 8 calls of a per-partition program, on its first run) it turns
