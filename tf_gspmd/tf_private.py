@@ -368,10 +368,11 @@ def without_op_tracebacks():
 
   TF records every op's stack, and every time TF partitions a function over devices (once
   per device for each of the 8 calls of a per-partition program, on its first run) it turns
-  each op's frames into file and line numbers (`GraphDebugInfoBuilder`, in `Partition`): 4%
-  of a fuzz campaign's CPU. A per-partition op's stack points into tf_gspmd's partitioner,
-  never into the user's code, so TF's error messages lose nothing a user wrote; tf_gspmd's
-  own errors name the op, its tensors and their shardings."""
+  each op's frames into file and line numbers (`GraphDebugInfoBuilder`, in `Partition`):
+  11-17% of a fuzz campaign's CPU, measured paired (`bench/fuzz_ab.py --switch tracebacks`).
+  A per-partition op's stack points into tf_gspmd's partitioner, never into the user's
+  code, so TF's error messages lose nothing a user wrote; tf_gspmd's own errors name the
+  op, its tensors and their shardings."""
   _untraced.depth = getattr(_untraced, 'depth', 0) + 1
   try:
     yield
