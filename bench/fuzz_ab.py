@@ -16,6 +16,9 @@ The switches (each B is the named change made, A the code without it):
                     again, then merged by the op-level dedupe)
   grappler          Grappler off for every function (the partitioned ones already are; this
                     changes the unpartitioned reference's)
+  graph-building    TF's C++ op building (`tf_private.fast_graph_building`) in tf_gspmd's
+                    traces and, as a campaign's process sets it, everywhere (as shipped; A:
+                    TF's Python path throughout)
 
   .venv/bin/python bench/fuzz_ab.py --switch markers [--programs 30] [--reps 2] [--seed S]
 """
@@ -75,11 +78,40 @@ def _grappler() -> Callable[[bool], None]:
   return switch
 
 
+def _graph_building() -> Callable[[bool], None]:
+  from tf_gspmd import tf_private
+
+  real = tf_private.tf_flags
+  flag = real.config().graph_building_optimization
+
+  class _Off:  # TF's flags as `fast_graph_building` reads them, one that stays off
+    graph_building_optimization = None
+
+    def config(self):
+      return self
+
+    def value(self) -> bool:
+      return False
+
+    def reset(self, value: bool) -> None:
+      del value
+
+  off = _Off()
+  off.graph_building_optimization = off
+
+  def switch(on: bool) -> None:
+    tf_private.tf_flags = real if on else off
+    flag.reset(on)  # the campaign's own setting (`fuzz._prepare`): on for the references too
+
+  return switch
+
+
 SWITCHES: Dict[str, Callable[[], Callable[[bool], None]]] = {
   'markers': _markers,
   'tracebacks': _tracebacks,
   'shared-constants': _shared_constants,
   'grappler': _grappler,
+  'graph-building': _graph_building,
 }
 
 

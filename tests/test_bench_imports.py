@@ -57,15 +57,23 @@ def test_fuzz_ab_switches_reach_what_they_switch():
     collectives.TFCollectives._around,
     tf_private.tf_stack.extract_stack,
     tf_private.ops._create_graph_constant,
+    tf_private.tf_flags,
   )
-  for name, factory in fuzz_ab.SWITCHES.items():
-    if name == 'grappler':
-      continue  # TF's own option, set through tf.config
-    switch = factory()
-    switch(name != 'tracebacks' and name != 'shared-constants')
-    switch(name == 'tracebacks' or name == 'shared-constants')
+  flag = tf_private.tf_flags.config().graph_building_optimization
+  flag_before = flag.value()
+  on_as_shipped = {'tracebacks', 'shared-constants', 'graph-building'}
+  try:
+    for name, factory in fuzz_ab.SWITCHES.items():
+      if name == 'grappler':
+        continue  # TF's own option, set through tf.config
+      switch = factory()
+      switch(name not in on_as_shipped)
+      switch(name in on_as_shipped)
+  finally:
+    flag.reset(flag_before)  # the campaign's process-wide setting, not this test process's
   assert (
     collectives.TFCollectives._around,
     tf_private.tf_stack.extract_stack,
     tf_private.ops._create_graph_constant,
+    tf_private.tf_flags,
   ) == shipped

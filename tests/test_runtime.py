@@ -365,6 +365,53 @@ def test_ops_made_without_tracebacks_keep_none_and_other_ops_keep_theirs():
   assert __file__ in [frame.filename for frame in before.traceback]
 
 
+def test_fast_graph_building_builds_the_same_ops_and_puts_the_flag_back():
+  """Inside `fast_graph_building` (nested, and with another scope open in a second thread) TF
+  builds ops through its C++ path: the flag is on, the ops' NodeDefs are those built without
+  it, a dtype the op does not allow is still refused by name; the last scope left puts the
+  flag back as it was."""
+  import threading
+
+  from tf_gspmd import tf_private
+  from tf_gspmd.tf_private import fast_graph_building
+
+  flag = tf_private.tf_flags.config().graph_building_optimization
+  before = flag.value()
+
+  def build():
+    graph = tf.Graph()
+    with graph.as_default():
+      x = tf.compat.v1.placeholder(tf.float32, [4], name='x')
+      y = tf.raw_ops.AddV2(x=tf.raw_ops.Mul(x=x, y=x), y=x, name='y')
+      tf.raw_ops.Reshape(tensor=y, shape=[2, 2], name='z')
+    return [node for node in graph.as_graph_def().node]
+
+  plain = build()
+  entered, leave = threading.Event(), threading.Event()
+
+  def other_scope():
+    with fast_graph_building():
+      entered.set()
+      leave.wait(30)
+
+  worker = threading.Thread(target=other_scope)
+  worker.start()
+  entered.wait(30)
+  with fast_graph_building():
+    with fast_graph_building():
+      assert flag.value()
+      fast = build()
+      with tf.Graph().as_default():
+        bad = tf.compat.v1.placeholder(tf.string, [])
+        with pytest.raises(TypeError, match='DataType string not in list of allowed values'):
+          tf.raw_ops.Mul(x=bad, y=bad)
+  assert flag.value()  # the other thread's scope is still open
+  leave.set()
+  worker.join()
+  assert flag.value() == before
+  assert fast == plain
+
+
 def test_shared_values_made_from_the_seeds_alone_are_one_node_and_data_ops_are_not():
   """A value computed from constants and the seed (the partition id) alone, asked for twice,
   is one node, also under control dependencies; an op reading anything else is made each

@@ -35,7 +35,12 @@ from tf_gspmd.graph.from_ops import as_str, graph_from_ops
 from tf_gspmd.graph.library import LibraryConverter
 from tf_gspmd.graph.prune import prune_dead
 from tf_gspmd.sharding import Sharding
-from tf_gspmd.tf_private import FuncGraph, TFFunction, without_op_tracebacks
+from tf_gspmd.tf_private import (
+  FuncGraph,
+  TFFunction,
+  fast_graph_building,
+  without_op_tracebacks,
+)
 
 # Set while a function is traced to be partitioned: a variable whose value lives only as its
 # shards (program/held.py) then reads and writes its own handle, which the partitioner maps to
@@ -89,7 +94,7 @@ def trace(fn, *args, input_signature: Optional[Sequence[Any]] = None, **kwargs):
   fn = _as_tf_function(fn)
   # The trace only becomes IR (never a function TF runs): its ops need no Python stacks, which
   # TF records per op and converts when it registers the function (`without_op_tracebacks`).
-  with partition_trace(), without_op_tracebacks():
+  with partition_trace(), without_op_tracebacks(), fast_graph_building():
     return concrete_function_of(_fresh(fn), args, kwargs, input_signature)
 
 

@@ -20,7 +20,7 @@ from tf_gspmd.collectives import tables
 from tf_gspmd.collectives.interface import CollectiveRecord, Collectives, no_autograph
 from tf_gspmd.mesh import Mesh
 from tf_gspmd.sharding import Sharding
-from tf_gspmd.tf_private import shared_values, without_op_tracebacks
+from tf_gspmd.tf_private import fast_graph_building, shared_values, without_op_tracebacks
 
 PARTITION_ID_SPEC = tf.TensorSpec([], tf.int32, name='partition_id')
 TOKEN_SPEC = tf.TensorSpec([], tf.resource, name='token')
@@ -145,8 +145,8 @@ def trace_per_partition(
     experimental_attributes=backend.attributes,
   )
   # Its ops' Python stacks would name the partitioner's lines, and TF converts each one on
-  # every device's first run (`without_op_tracebacks`).
-  with without_op_tracebacks():
+  # every device's first run (`without_op_tracebacks`); TF's C++ op building is faster.
+  with without_op_tracebacks(), fast_graph_building():
     concrete = tf_function.get_concrete_function(*backend.head, *local_specs)
   output_specs = [tf.TensorSpec(t.shape, t.dtype) for t in concrete.structured_outputs]
   return PerPartitionProgram(

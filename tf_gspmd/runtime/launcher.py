@@ -51,7 +51,7 @@ from tf_gspmd.runtime.grappler import call_config, without_grappler
 from tf_gspmd.runtime.sharded import ShardedValue, ShardedVariable
 from tf_gspmd.runtime.watchdog import WATCHDOG, CallWatch, collective_error
 from tf_gspmd.sharding import NamedSharding, P, Sharding
-from tf_gspmd.tf_private import own_function, without_op_tracebacks
+from tf_gspmd.tf_private import fast_graph_building, own_function, without_op_tracebacks
 
 DEFAULT_TIMEOUT = collectives_lib.DEFAULT_TIMEOUT
 
@@ -459,7 +459,7 @@ class SpmdProgram:
     def launch(tokens, *passed):
       # Splits, calls and assembly are tf_gspmd's ops: no Python stacks for TF to convert
       # on the first run of each of the mesh's devices (`without_op_tracebacks`).
-      with without_op_tracebacks():
+      with without_op_tracebacks(), fast_graph_building():
         return launch_ops(tokens, *passed)
 
     launch.__name__ = f'{self.name}_launch'

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import math
 import os
@@ -591,14 +592,22 @@ def write_case(text: str, out: str, name: str, echo) -> None:
     echo(f'wrote {path}')
 
 
+_CAMPAIGN = contextlib.ExitStack()  # what a campaign's process keeps entered (`_prepare`)
+
+
 def _prepare() -> None:
   """A campaign's process, before its first program: 8 devices, the warning every program
-  would print off, the imports frozen out of the garbage collector's walks."""
+  would print off, TF's C++ op building for every trace (the unpartitioned references' too;
+  tf_gspmd's own traces use it anyway: `tf_private.fast_graph_building`), the imports frozen
+  out of the garbage collector's walks."""
   warnings.filterwarnings('ignore', message='tf_gspmd propagation: no sharding rule')
   from tf_gspmd.testing.op_sweep import configure_devices
+  from tf_gspmd.tf_private import fast_graph_building
 
   configure_devices(8)
   import tf_gspmd.partitioned  # noqa: F401  (imported before the freeze, so that it is frozen too)
+
+  _CAMPAIGN.enter_context(fast_graph_building())  # for the process's life
 
   fuzz_pool.quiet_collector()
 
