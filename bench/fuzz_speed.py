@@ -12,7 +12,11 @@ that printed fewer verdicts than it judged (its command failed) fails the compar
 the end of its error output.
 
   .venv/bin/python bench/fuzz_speed.py [--programs 60] [--models 12] [--jobs 2] [--old REV]
-      [--old-jobs 1] [--xla-every 0] [--which fuzz,keras]
+      [--old-jobs 1] [--xla-every 0] [--which fuzz,keras] [--rounds 1]
+
+With `--rounds R` each side runs R times, alternating which goes first: the speedup is
+over the sums, and each round's ratio is printed with their range and median (this
+machine's speed drifts by 10-20% between runs minutes apart).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import collections
 import os
 import platform
 import re
+import statistics
 import resource
 import subprocess
 import sys
@@ -126,22 +131,47 @@ def commands(which: str, args, python: str, tree: str, jobs: int) -> List[str]:
 def compare(which: str, args, old_tree: str) -> bool:
   count = args.programs if which == 'fuzz' else args.models
   what = 'programs' if which == 'fuzz' else 'models'
-  rows = []
-  seen = {}
-  for side, tree, jobs in (('before', old_tree, args.old_jobs), ('after', ROOT, args.jobs)):
-    load = os.getloadavg()[0]
-    wall, cpu, lines, errors = run(tree, commands(which, args, sys.executable, tree, jobs))
-    seen[side] = verdicts(lines)
-    if len(seen[side]) < count:
-      print(f'{which} {side}: {len(seen[side])} verdicts of {count}; its stderr ends:\n{errors}')
-    rows.append((side, wall, cpu, load, seen[side]))
+  sides = (('before', old_tree, args.old_jobs), ('after', ROOT, args.jobs))
+  totals = {'before': [0.0, 0.0], 'after': [0.0, 0.0]}  # wall, CPU over the rounds
+  seen: Dict[str, Dict[str, str]] = {}
+  ratios = []
+  for round_ in range(args.rounds):
+    # Each round runs both sides; every other round in the other order, so that the
+    # machine's drift over a round falls on each side alike.
+    walls = {}
+    for side, tree, jobs in sides if round_ % 2 == 0 else sides[::-1]:
+      load = os.getloadavg()[0]
+      wall, cpu, lines, errors = run(tree, commands(which, args, sys.executable, tree, jobs))
+      found = verdicts(lines)
+      if len(found) < count:
+        print(f'{which} {side}: {len(found)} verdicts of {count}; its stderr ends:\n{errors}')
+      if side in seen and found != seen[side]:
+        print(f'{which} {side}: round {round_ + 1} gave other verdicts than round 1')
+      seen.setdefault(side, found)
+      walls[side] = wall
+      totals[side][0] += wall
+      totals[side][1] += cpu
+      print(
+        f'{which} {side}: {count} {what} in {wall:.1f} s = {count / wall:.3f} {what}/s '
+        f'({cpu:.1f} CPU s, {cpu / count:.2f} CPU s per {what[:-1]}; load {load:.1f} at start)',
+        flush=True,
+      )
+    ratios.append(walls['before'] / walls['after'])
+    if args.rounds > 1:
+      print(f'{which}: round {round_ + 1} speedup {ratios[-1]:.2f}x', flush=True)
+  (wall0, cpu0), (wall1, cpu1) = totals['before'], totals['after']
+  print(
+    f'{which}: speedup {wall0 / wall1:.2f}x in {what}/s, {cpu0 / cpu1:.2f}x in CPU seconds', end=''
+  )
+  if args.rounds > 1:
+    middle = statistics.median(ratios)
     print(
-      f'{which} {side}: {count} {what} in {wall:.1f} s = {count / wall:.3f} {what}/s '
-      f'({cpu:.1f} CPU s, {cpu / count:.2f} CPU s per {what[:-1]}; load {load:.1f} at start)',
-      flush=True,
+      f' (over {args.rounds} rounds; the rounds {min(ratios):.2f}x-{max(ratios):.2f}x, '
+      f'median {middle:.2f}x)',
+      end='',
     )
-  (_, wall0, cpu0, _, found0), (_, wall1, cpu1, _, found1) = rows
-  print(f'{which}: speedup {wall0 / wall1:.2f}x in {what}/s, {cpu0 / cpu1:.2f}x in CPU seconds')
+  print()
+  found0, found1 = seen['before'], seen['after']
   tally0, tally1 = counts(found0), counts(found1)
   for key in sorted(set(tally0) | set(tally1)):
     print(f'  {key:<80} {tally0[key]:>4} {tally1[key]:>4}')
@@ -164,6 +194,9 @@ def main(argv=None) -> int:
   parser.add_argument('--old-jobs', type=int, default=1, help='worker processes of the old side')
   parser.add_argument('--xla-every', type=int, default=0, help='also backend=xla every K-th')
   parser.add_argument('--which', default='fuzz,keras')
+  parser.add_argument(
+    '--rounds', type=int, default=1, help='runs of each side, alternating (drift falls on both)'
+  )
   args = parser.parse_args(argv)
   old = (
     args.old
