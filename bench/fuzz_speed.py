@@ -26,8 +26,8 @@ import collections
 import os
 import platform
 import re
-import statistics
 import resource
+import statistics
 import subprocess
 import sys
 import tarfile
