@@ -16,6 +16,8 @@ The switches (each B is the named change made, A the code without it):
                     again, then merged by the op-level dedupe)
   grappler          Grappler off for every function (the partitioned ones already are; this
                     changes the unpartitioned reference's)
+  closed-cycles     permutes on a permutation closed into cycles, no `If` (as shipped; A:
+                    every permute's send and receive under `If`s)
   graph-building    TF's C++ op building (`tf_private.fast_graph_building`) in tf_gspmd's
                     traces and, as a campaign's process sets it, everywhere (as shipped; A:
                     TF's Python path throughout)
@@ -106,12 +108,27 @@ def _graph_building() -> Callable[[bool], None]:
   return switch
 
 
+def _closed_cycles() -> Callable[[bool], None]:
+  from tf_gspmd.runtime import collectives
+
+  shipped = collectives.TFCollectives._permute
+
+  def branches(self, x, pairs, family):
+    return self._permute_by_branches(x, pairs, family)
+
+  def switch(on: bool) -> None:
+    collectives.TFCollectives._permute = shipped if on else branches
+
+  return switch
+
+
 SWITCHES: Dict[str, Callable[[], Callable[[bool], None]]] = {
   'markers': _markers,
   'tracebacks': _tracebacks,
   'shared-constants': _shared_constants,
   'grappler': _grappler,
   'graph-building': _graph_building,
+  'closed-cycles': _closed_cycles,
 }
 
 

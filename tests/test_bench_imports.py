@@ -55,13 +55,14 @@ def test_fuzz_ab_switches_reach_what_they_switch():
     sys.path.remove(str(ROOT / 'bench'))
   shipped = (
     collectives.TFCollectives._around,
+    collectives.TFCollectives._permute,
     tf_private.tf_stack.extract_stack,
     tf_private.ops._create_graph_constant,
     tf_private.tf_flags,
   )
   flag = tf_private.tf_flags.config().graph_building_optimization
   flag_before = flag.value()
-  on_as_shipped = {'tracebacks', 'shared-constants', 'graph-building'}
+  on_as_shipped = {'tracebacks', 'shared-constants', 'graph-building', 'closed-cycles'}
   try:
     for name, factory in fuzz_ab.SWITCHES.items():
       if name == 'grappler':
@@ -73,6 +74,7 @@ def test_fuzz_ab_switches_reach_what_they_switch():
     flag.reset(flag_before)  # the campaign's process-wide setting, not this test process's
   assert (
     collectives.TFCollectives._around,
+    collectives.TFCollectives._permute,
     tf_private.tf_stack.extract_stack,
     tf_private.ops._create_graph_constant,
     tf_private.tf_flags,

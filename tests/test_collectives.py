@@ -487,3 +487,61 @@ def test_timed_out_collective_raises_a_clear_error_in_a_subprocess(tmp_path):
   assert "partition 2 had last finished 'gspmd/all_reduce_0'" in out
   assert "partition 3 had last finished 'gspmd/all_reduce_0'" in out
   assert 'watchdog: fn: partition 0 waited' in out  # the abort reason comes along
+
+
+def test_closed_cycle_gives_every_partition_one_send_and_one_receive():
+  """A permutation closed into cycles keeps its moving pairs and adds one pair per chain (a
+  partition that sends nothing, receives nothing, or keeps its own value is a chain of one);
+  a permutation that is already cycles gets nothing added; one partition left alone cannot
+  be closed."""
+  from tf_gspmd.collectives.tables import closed_cycle
+
+  for pairs, n, added in [
+    (PAIRS, 8, 4),  # the chains 1, 3, 4 and 6 -> 7 (the cycle 0 -> 5 -> 2 -> 0 stays)
+    ([(p, p + 1) for p in range(7)], 8, 1),  # a shift without wrap: one chain
+    ([(p, (p + 1) % 8) for p in range(8)], 8, 0),  # a cyclic shift
+    ([(0, 1)], 4, 3),
+  ]:
+    edges, real = closed_cycle(np.array(pairs), n)
+    assert sorted(s for s, _ in edges) == list(range(n)) == sorted(t for _, t in edges)
+    moving = [tuple(p) for p in pairs if p[0] != p[1]]
+    assert [e for e, r in zip(edges, real) if r] == moving
+    assert real.count(False) == added
+  assert closed_cycle(np.array([(p, (p + 1) % 7) for p in range(7)]), 8) is None
+
+
+@pytest.mark.parametrize('path', ['closed', 'branches', 'closed where nothing is added'])
+def test_permutes_match_numpy_on_either_path(path, monkeypatch):
+  """Shifts (with and without wrap) and a permutation with a cycle, a self pair and a lone
+  edge, of floats, ints and bools, are numpy's on either path: closed into cycles (one send
+  and one receive per partition, no `If`) or under `If`s; with the closed path's size limit
+  at 0, only permutations that are cycles already are closed."""
+  from tf_gspmd.runtime import collectives
+
+  if path == 'branches':
+    monkeypatch.setattr(
+      collectives.TFCollectives,
+      '_permute',
+      lambda self, x, pairs, family: self._permute_by_branches(x, pairs, family),
+    )
+  elif path != 'closed':
+    monkeypatch.setattr(collectives, 'CLOSED_CYCLE_MAX_BYTES', 0)
+  mesh, axes_sets = MESHES['2d_permuted']
+  cases = {k: v for k, v in cases_for(mesh, axes_sets).items() if k.startswith(('shift', 'perm'))}
+  cases['permute_pairs_bool'] = (
+    lambda c, f, i, b: c.permute(b, PAIRS),
+    lambda p: ref_permute(BOOLS, PAIRS, p),
+  )
+  program, results = run_cases(mesh, cases)
+  for name, (_, reference) in cases.items():
+    for p in range(mesh.size):
+      assert check(results[name][p], reference(p), f'{name} partition {p}').ok
+  graph = program.per_partition.function.graph
+  ifs = [op for op in graph.get_operations() if op.type == 'If']
+  sends = [op for op in graph.get_operations() if op.type == 'CollectiveBcastSendV2']
+  if path == 'closed':
+    assert not ifs and sends
+  elif path == 'branches':
+    assert ifs and not sends
+  else:
+    assert ifs and sends  # the cyclic shifts closed, the others under Ifs

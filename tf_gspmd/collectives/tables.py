@@ -183,6 +183,34 @@ class KeyRegistry:
 KEYS = KeyRegistry()
 
 
+def closed_cycle(pairs: np.ndarray, num_partitions: int):
+  """A permutation's moving pairs (source != target) closed into one in which every partition
+  sends exactly once and receives exactly once: `(edges, real)`, `edges[i]` a (source,
+  target) pair and `real[i]` whether it is one of `pairs` (False: added, its value unused),
+  or None when one partition alone would be left to pair (nothing to close it with).
+
+  A permutation's pairs form chains and cycles; a partition that neither sends nor receives
+  (or keeps its own value) is a chain of one. Each chain's end is joined to the next chain's
+  start, the last end to the first start: one added pair per chain."""
+  moving = np.asarray(pairs).reshape(-1, 2)
+  moving = moving[moving[:, 0] != moving[:, 1]]
+  target_of = {int(s): int(t) for s, t in moving}
+  has_source = {int(t) for t in moving[:, 1]}
+  chains = []
+  for start in range(num_partitions):
+    if start in has_source:
+      continue  # inside a chain or a cycle; chains are walked from their starts
+    chain = [start]
+    while chain[-1] in target_of:
+      chain.append(target_of[chain[-1]])
+    chains.append(chain)
+  if len(chains) == 1 and len(chains[0]) == 1:
+    return None
+  edges = [(int(s), int(t)) for s, t in moving]
+  added = [(chain[-1], chains[(i + 1) % len(chains)][0]) for i, chain in enumerate(chains)]
+  return edges + added, [True] * len(edges) + [False] * len(added)
+
+
 def clear_caches() -> None:
   """Forget the cached tables (used by the compile-time benchmark to time cold builds)."""
   for fn in (coords_by_partition, positions, group_ids, groups):
