@@ -225,12 +225,7 @@ class TFCollectives(Collectives):
     )
     if not receives.all():
       got = tf.where(self.table(receives, 'receives'), got, tf.zeros_like(x))
-    stays = np.zeros(n, bool)
-    stays[pairs[pairs[:, 0] == pairs[:, 1], 0]] = True
-    if stays.any():
-      got = tf.where(self.table(stays, 'keeps'), x, got)
-    with tf.control_dependencies([sent]):
-      return tf.identity(got)
+    return self._permuted(x, pairs, got, sent)
 
   def _permute_by_branches(self, x, pairs, family):
     n = self.num_partitions
@@ -241,8 +236,6 @@ class TFCollectives(Collectives):
     keys = base + np.arange(len(moving), dtype=np.int64)
     send_key[moving[:, 0]] = keys
     recv_key[moving[:, 1]] = keys
-    stays = np.zeros(n, bool)
-    stays[pairs[pairs[:, 0] == pairs[:, 1], 0]] = True
     instance = tf.constant(tables.KEYS.instance_key(), tf.int32)
     send, receive, keep, nothing = _pair_branches(x.dtype, self.timeout)
     send_group = self.table(send_key, 'send_key')
@@ -254,6 +247,13 @@ class TFCollectives(Collectives):
     got = _inlined_if(
       self.table(recv_key != 0, 'receives'), receiving, receive, nothing, x, 'receive'
     )
+    return self._permuted(x, pairs, got, sent)
+
+  def _permuted(self, x, pairs, got, sent):
+    """A permute's result: `got`, but `x` where a pair keeps a partition's own value, once
+    this partition's send is done."""
+    stays = np.zeros(self.num_partitions, bool)
+    stays[pairs[pairs[:, 0] == pairs[:, 1], 0]] = True
     if stays.any():
       got = tf.where(self.table(stays, 'keeps'), x, got)
     with tf.control_dependencies([sent]):
